@@ -1,0 +1,46 @@
+"""The executor: hands each step to the worker(s) and returns what they produced.
+
+Only the in-process, single-worker executor exists now. The interface is what a multi-process
+tensor-parallel executor (one worker per device, the same step broadcast to all, rank 0's
+samples returned) or a simulated executor (timings from a cost model, no tensors) would implement.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from engine.model_runner import ModelRunnerOutput
+from engine.scheduler import SchedulerOutput
+from engine.worker import Worker
+
+
+class Executor(ABC):
+    num_blocks: int
+
+    @abstractmethod
+    def initialize(self, max_model_len: int, **cache_args) -> int:
+        """Load weights, size and allocate the KV cache; return the number of blocks."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        ...
+
+    def shutdown(self) -> None:
+        pass
+
+
+class UniProcExecutor(Executor):
+    """One worker in this process: the step is a plain function call."""
+
+    def __init__(self, worker: Worker):
+        self.worker = worker
+        self.num_blocks = 0
+
+    def initialize(self, max_model_len: int, **cache_args) -> int:
+        self.worker.load_model()
+        self.num_blocks = self.worker.determine_num_blocks(max_model_len, **cache_args)
+        self.worker.initialize_cache(self.num_blocks)
+        return self.num_blocks
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)

@@ -1,0 +1,267 @@
+"""The KV-cache manager: which physical blocks hold which request's K/V (control path only).
+
+The memory itself (tensors) belongs to the worker; this module only hands out block ids.
+
+- BlockPool: all blocks, a free queue in LRU order, reference counts, and the prefix cache
+  (block hash → block). A freed block whose contents are still valid stays in the prefix cache
+  ("cached-free") until it is handed out again, which evicts it: least recently freed first.
+- KVCacheManager: per-request block tables, allocation for the tokens a step schedules,
+  prefix-cache lookups at admission, and freeing on finish, abort or preemption.
+
+Prefix caching: a *full* block is identified by a chained hash of (parent block's hash, this
+block's token ids), so equal hashes mean equal whole prefixes. A hit is trusted only after the
+candidate's token ids and its parent block are compared: a hash collision then costs a miss, never
+another request's K/V.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+from engine.request import Request
+
+BlockHashFn = Callable[[int | None, tuple[int, ...]], int]
+
+
+def chained_block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent_hash, token_ids))
+
+
+@dataclass(eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None  # set once the block is full and cached
+    token_ids: tuple[int, ...] | None = None  # the tokens it holds, for hit verification
+    parent_key: tuple[int, int] | None = None  # (block_id, generation) of the previous block
+    generation: int = 0  # bumped each time the block is cached anew, so stale parents are seen
+
+
+@dataclass
+class BlockState:
+    """One block in a KV snapshot."""
+
+    block_id: int
+    status: str  # "used", "free" or "cached" (free but holding reusable prefix K/V)
+    owners: list[str]
+    ref_cnt: int
+
+
+@dataclass
+class KVSnapshot:
+    num_blocks: int
+    block_size: int
+    blocks: list[BlockState]
+    block_tables: dict[str, list[int]]
+    num_used: int
+    num_cached_free: int
+    num_free: int
+    usage: float  # used blocks / all blocks
+    prefix_cache_queries: int  # tokens looked up in the prefix cache so far
+    prefix_cache_hits: int  # of those, tokens found
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[int, list[KVCacheBlock]] = {}  # block hash → blocks with that hash
+        self.enable_caching = enable_caching
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out, cached-free ones included (they get evicted)."""
+        return len(self.free_queue)
+
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        """Take `n` blocks from the front of the free queue (least recently freed first)."""
+        if n > len(self.free_queue):
+            raise ValueError(f"asked for {n} blocks, {len(self.free_queue)} free")
+        taken = []
+        for _ in range(n):
+            _, block = self.free_queue.popitem(last=False)
+            self._evict(block)
+            block.ref_cnt = 1
+            taken.append(block)
+        return taken
+
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        """A prefix hit: one more request uses these blocks; cached-free ones leave the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
+        """Drop one reference; blocks nobody uses go to the back of the free queue.
+        Callers pass a request's blocks tail first, so a prefix's last blocks are evicted first."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...], parent: KVCacheBlock | None) -> KVCacheBlock | None:
+        """The cached block holding exactly `token_ids` after `parent`, verified, else None."""
+        parent_key = (parent.block_id, parent.generation) if parent else None
+        for block in self.cached.get(block_hash, ()):
+            if block.token_ids == token_ids and block.parent_key == parent_key:
+                return block
+        return None
+
+    def cache_block(self, block: KVCacheBlock, block_hash: int, token_ids: tuple[int, ...], parent: KVCacheBlock | None):
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if self.lookup(block_hash, token_ids, parent) is not None:
+            return  # an identical block is already cached (two requests computed the same prefix)
+        block.generation += 1
+        block.block_hash = block_hash
+        block.token_ids = token_ids
+        block.parent_key = (parent.block_id, parent.generation) if parent else None
+        self.cached.setdefault(block_hash, []).append(block)
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is None:
+            return
+        same_hash = self.cached[block.block_hash]
+        same_hash.remove(block)
+        if not same_hash:
+            del self.cached[block.block_hash]
+        block.block_hash = block.token_ids = block.parent_key = None
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        hash_fn: BlockHashFn = chained_block_hash,
+    ):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.hash_fn = hash_fn
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_hashes: dict[str, list[int]] = {}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of full blocks for a request about to be admitted.
+
+        At least one token is always left to compute: the model must run on the last prompt
+        token to produce logits for the first output token.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        tokens = request.all_token_ids
+        max_blocks = (len(tokens) - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        parent_hash, parent = None, None
+        for i in range(max_blocks):
+            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+            block_hash = self.hash_fn(parent_hash, chunk)
+            block = self.pool.lookup(block_hash, chunk, parent)
+            if block is None:
+                break
+            hits.append(block)
+            parent_hash, parent = block_hash, block
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        """Count an admitted request's lookup towards the hit rate (tokens found / tokens asked)."""
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += num_queried_tokens
+            self.prefix_cache_hits += num_hit_tokens
+
+    # -- allocation --------------------------------------------------------------------------
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None
+    ) -> list[KVCacheBlock] | None:
+        """Make room for `num_new_tokens` more tokens; None (and no change) if blocks run out."""
+        new_computed_blocks = new_computed_blocks or []
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_to_allocate = num_needed - len(blocks) - len(new_computed_blocks)
+        evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_to_allocate > self.pool.num_free_blocks - evictable_hits:
+            return None
+        self.pool.touch(new_computed_blocks)
+        blocks = blocks + new_computed_blocks + self.pool.get_new_blocks(max(num_to_allocate, 0))
+        self.req_to_blocks[request.request_id] = blocks
+        return blocks
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register every block that became full of computed tokens (called after a step ran)."""
+        if not self.enable_prefix_caching:
+            return
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        hashes = self.req_to_hashes.setdefault(request.request_id, [])
+        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        tokens = request.all_token_ids
+        for i in range(len(hashes), num_full):
+            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+            parent_hash = hashes[i - 1] if i else None
+            block_hash = self.hash_fn(parent_hash, chunk)
+            hashes.append(block_hash)
+            self.pool.cache_block(blocks[i], block_hash, chunk, blocks[i - 1] if i else None)
+
+    def free(self, request: Request) -> None:
+        """Release a request's blocks (finish, abort or preemption), tail first."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.req_to_hashes.pop(request.request_id, None)
+        self.pool.free_blocks(list(reversed(blocks)))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    # -- what the app and tests look at --------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free_blocks / self.num_blocks
+
+    def snapshot(self) -> KVSnapshot:
+        owners: dict[int, list[str]] = {}
+        for request_id, blocks in self.req_to_blocks.items():
+            for block in blocks:
+                owners.setdefault(block.block_id, []).append(request_id)
+        states = []
+        for block in self.pool.blocks:
+            if block.ref_cnt > 0:
+                status = "used"
+            elif block.block_hash is not None:
+                status = "cached"
+            else:
+                status = "free"
+            states.append(BlockState(block.block_id, status, owners.get(block.block_id, []), block.ref_cnt))
+        num_used = sum(1 for s in states if s.status == "used")
+        num_cached = sum(1 for s in states if s.status == "cached")
+        return KVSnapshot(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            blocks=states,
+            block_tables={rid: [b.block_id for b in blocks] for rid, blocks in self.req_to_blocks.items()},
+            num_used=num_used,
+            num_cached_free=num_cached,
+            num_free=self.num_blocks - num_used - num_cached,
+            usage=num_used / self.num_blocks,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+        )

@@ -1,0 +1,192 @@
+"""The two ways in: `LLM` for offline batches, `AsyncLLM` for streaming (what the server uses)."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import uuid
+from typing import AsyncIterator, Callable
+
+from tqdm.auto import tqdm
+
+from engine.core import EngineConfig, EngineCore
+from engine.output import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.trace import StepRecord
+
+
+class LLM:
+    """Offline inference: give it all prompts, get all answers (vLLM's `LLM`)."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        device: str = "auto",
+        dtype: str | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        max_num_batched_tokens: int = 512,
+        max_num_seqs: int = 32,
+        enable_prefix_caching: bool = True,
+        scheduling_policy: str = "fcfs",
+        **engine_kwargs,
+    ):
+        config = EngineConfig(
+            model=model, device=device, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+            enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy, **engine_kwargs,
+        )
+        self.engine = EngineCore(config)
+        self.step_records: list[StepRecord] = []  # of the last generate() call
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[str] | None = None,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        prompt_token_ids: list[list[int]] | None = None,
+        priorities: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, batched continuously; outputs in input order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        count = len(prompts) if prompts is not None else len(prompt_token_ids or [])
+        prompts = prompts or [None] * count
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params or SamplingParams()] * count
+        requests = [
+            self.engine.add_request(
+                prompt=prompt,
+                sampling_params=params,
+                prompt_token_ids=prompt_token_ids[i] if prompt_token_ids else None,
+                priority=priorities[i] if priorities else 0,
+            )
+            for i, (prompt, params) in enumerate(zip(prompts, sampling_params))
+        ]
+        finished: dict[str, RequestOutput] = {}
+        self.step_records = []
+        with tqdm(total=count, desc="generate", unit="req", disable=not use_tqdm) as bar:
+            while len(finished) < count:
+                record = self.engine.step()
+                self.step_records.append(record)
+                for output in record.outputs:
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[r.request_id] for r in requests]
+
+    def chat(self, conversations: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True):
+        """Apply the chat template to each conversation, then generate."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.engine.tokenizer.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+
+class AsyncLLM:
+    """Streaming front end: the engine steps in its own thread, callers await text deltas.
+
+    Only the engine thread touches the scheduler. Callers validate and tokenize their request in
+    their own thread (so a bad request fails at once, with its message), then hand it over
+    through an inbox; aborts travel the same way. Outputs come back to each caller's event loop.
+    """
+
+    def __init__(self, engine: EngineCore | None = None, **engine_kwargs):
+        self.engine = engine or EngineCore(EngineConfig(**engine_kwargs))
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wakeup = threading.Event()
+        self._stopped = False
+        self.step_listeners: list[Callable[[StepRecord], None]] = []
+        self.errored: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def generate(
+        self,
+        prompt: str | None,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield a RequestOutput each time the request advances; the last one has finished=True.
+        Leaving the loop early (or a cancelled task) aborts the request and frees its KV blocks."""
+        if self.errored is not None:
+            raise RuntimeError(f"engine loop died: {self.errored!r}")
+        request = self.engine.make_request(
+            prompt, sampling_params, request_id or f"req-{uuid.uuid4().hex[:12]}", prompt_token_ids, priority,
+            arrival_time,
+        )
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request.request_id] = (asyncio.get_running_loop(), stream)
+        self._inbox.put(("add", request))
+        self._wakeup.set()
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not finished:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wakeup.set()
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wakeup.set()
+        self._thread.join(timeout=10)
+
+    # -- the engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped:
+                self._drain_inbox()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait(0.1)
+                    self._wakeup.clear()
+                    continue
+                record = self.engine.step()
+                for output in record.outputs:
+                    self._deliver(output.request_id, output)
+                for listener in self.step_listeners:
+                    listener(record)
+        except BaseException as exc:  # surface the failure to every waiting caller
+            self.errored = exc
+            for request_id in list(self._streams):
+                self._deliver(request_id, RuntimeError(f"engine loop died: {exc!r}"))
+            raise
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                action, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if action == "add":
+                if payload.request_id in self._streams:
+                    try:
+                        self.engine.queue_request(payload)
+                    except Exception as exc:
+                        self._deliver(payload.request_id, exc)
+            else:
+                self.engine.abort_request(payload)
+
+    def _deliver(self, request_id: str, item) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, item)

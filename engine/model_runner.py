@@ -1,0 +1,85 @@
+"""The model runner: turns a scheduler decision into tensors, runs the model, samples.
+
+This is where the control path becomes the data path. The scheduler said "request A: 64 prompt
+tokens from position 128, request B: 1 token"; the runner builds one flat batch of input ids and
+positions, the slot of every new token in the paged cache, each request's block table, and the
+row of each request's last token, then calls the model once and samples the next tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.attention import build_attention_metadata
+from engine.models.llama import LlamaModel
+from engine.sampler import SampleResult, Sampler
+from engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_meta: object
+    logits_indices: torch.Tensor
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, SampleResult]  # only requests whose scheduled tokens reached their end
+    timings: dict[str, float] = field(default_factory=dict)  # seconds: prepare_inputs, forward, sample
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_caches: list, block_size: int):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = model.device
+        self.sampler = Sampler()
+
+    def prepare_inputs(self, sched: SchedulerOutput) -> ModelInputs:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        logits_rows: list[int] = []
+        for s in sched.scheduled:
+            input_ids += s.token_ids
+            positions += range(s.num_computed_tokens, s.num_computed_tokens + s.num_tokens)
+            logits_rows.append(len(input_ids) - 1)
+        meta = build_attention_metadata(
+            query_lens=[s.num_tokens for s in sched.scheduled],
+            num_computed=[s.num_computed_tokens for s in sched.scheduled],
+            block_tables=[s.block_ids for s in sched.scheduled],
+            block_size=self.block_size,
+            device=self.device,
+        )
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        return ModelInputs(as_tensor(input_ids), as_tensor(positions), meta, as_tensor(logits_rows))
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in sched.finished_ids:
+            self.sampler.forget(request_id)
+        if sched.is_empty:
+            return ModelRunnerOutput({})
+        t0 = time.perf_counter()
+        inputs = self.prepare_inputs(sched)
+        t1 = time.perf_counter()
+        logits = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_meta, inputs.logits_indices)
+        self._sync()
+        t2 = time.perf_counter()
+        # A prefill chunk that stops before the end of the prompt has no next token to sample.
+        rows = [i for i, s in enumerate(sched.scheduled) if s.produces_token]
+        producing = [sched.scheduled[i] for i in rows]
+        results = self.sampler(logits[rows], [s.request_id for s in producing], [s.sampling_params for s in producing])
+        t3 = time.perf_counter()
+        return ModelRunnerOutput(
+            sampled={s.request_id: r for s, r in zip(producing, results)},
+            timings={"prepare_inputs": t1 - t0, "forward": t2 - t1, "sample": t3 - t2},
+        )
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

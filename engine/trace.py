@@ -1,0 +1,111 @@
+"""What the app draws: a StepRecord per engine step and a journey per request, as DataFrames."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import pandas as pd
+
+from engine.kv_cache import KVSnapshot
+from engine.request import Request
+
+PHASES = ("schedule", "prepare_inputs", "forward", "sample", "output_processing")
+
+
+@dataclass
+class ScheduledRecord:
+    request_id: str
+    phase: str  # prefill / chunked_prefill / decode
+    num_tokens: int
+    num_computed_tokens: int  # before the step
+    num_prompt_tokens: int
+    num_prefix_hit_tokens: int = 0  # admitted this step with this many tokens already cached
+
+
+@dataclass
+class StepRecord:
+    step: int
+    start_time: float  # perf_counter seconds
+    timings: dict[str, float]  # seconds per phase (PHASES)
+    scheduled: list[ScheduledRecord]
+    unscheduled: dict[str, str]  # request_id → reason
+    preempted: list[str]
+    token_budget: int
+    max_num_seqs: int
+    num_running: int
+    num_waiting: int
+    new_tokens: dict[str, list[int]]
+    finished: dict[str, str]  # request_id → finish reason
+    kv: KVSnapshot
+    outputs: list = field(default_factory=list, repr=False)  # RequestOutput per request that advanced
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        return {s.request_id: s.num_tokens for s in self.scheduled}
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def duration(self) -> float:
+        return sum(self.timings.values())
+
+
+def steps_dataframe(records: list[StepRecord]) -> pd.DataFrame:
+    """One row per (step, scheduled request): what the scheduler-decision plot stacks."""
+    rows = [
+        {"step": r.step, "request_id": s.request_id, "phase": s.phase, "num_tokens": s.num_tokens,
+         "num_computed_tokens": s.num_computed_tokens, "num_prefix_hit_tokens": s.num_prefix_hit_tokens,
+         "token_budget": r.token_budget}
+        for r in records
+        for s in r.scheduled
+    ]
+    return pd.DataFrame(rows, columns=["step", "request_id", "phase", "num_tokens", "num_computed_tokens",
+                                       "num_prefix_hit_tokens", "token_budget"])
+
+
+def unscheduled_dataframe(records: list[StepRecord]) -> pd.DataFrame:
+    rows = [{"step": r.step, "request_id": rid, "reason": reason} for r in records for rid, reason in r.unscheduled.items()]
+    return pd.DataFrame(rows, columns=["step", "request_id", "reason"])
+
+
+def timings_dataframe(records: list[StepRecord]) -> pd.DataFrame:
+    """One row per step: phase timings (ms), tokens, batch size, KV usage."""
+    rows = []
+    for r in records:
+        row = {"step": r.step, "num_tokens": r.total_tokens, "num_requests": len(r.scheduled),
+               "num_running": r.num_running, "num_waiting": r.num_waiting, "kv_usage": r.kv.usage,
+               "kv_used_blocks": r.kv.num_used, "kv_cached_blocks": r.kv.num_cached_free,
+               "num_preempted": len(r.preempted)}
+        row.update({f"{phase}_ms": 1000 * r.timings.get(phase, 0.0) for phase in PHASES})
+        row["total_ms"] = 1000 * r.duration
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def kv_blocks_dataframe(record: StepRecord) -> pd.DataFrame:
+    """One row per KV block of a step's snapshot (owner, status)."""
+    return pd.DataFrame(
+        [{"block_id": b.block_id, "status": b.status, "owner": ",".join(b.owners) or None, "ref_cnt": b.ref_cnt}
+         for b in record.kv.blocks]
+    )
+
+
+def journey_dataframe(requests: list[Request], t0: float | None = None) -> pd.DataFrame:
+    """One row per journey event, times in ms since `t0` (default: the earliest arrival)."""
+    if t0 is None:
+        t0 = min((r.arrival_time for r in requests), default=0.0)
+    rows = []
+    for r in requests:
+        for e in r.journey:
+            rows.append({"request_id": r.request_id, "event": e.kind, "time_ms": 1000 * (e.time - t0), "step": e.step,
+                         **{f"detail_{k}": v for k, v in e.detail.items()}})
+    return pd.DataFrame(rows)
+
+
+def record_to_dict(record: StepRecord) -> dict:
+    """Plain data (JSON-friendly) of a step, without the text outputs."""
+    data = asdict(record)
+    data.pop("outputs", None)
+    return data

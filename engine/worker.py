@@ -1,0 +1,127 @@
+"""The worker: one per device. It owns the device, the weights and the KV-cache memory.
+
+On a CPU the cache size is given (a block count or a number of bytes). On CUDA the worker first
+runs a profiling forward at the largest step size, then gives the cache a fraction of what is
+left of the GPU's memory, as vLLM does. Either way, a cache that cannot hold one request of the
+maximum model length is refused at start-up, with both numbers in the error.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+from engine.attention import build_attention_metadata
+from engine.model_runner import ModelRunner, ModelRunnerOutput
+from engine.models.llama import LlamaModel
+from engine.scheduler import SchedulerOutput
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB
+
+_weights_lock = threading.Lock()
+_loaded_models: dict[tuple[str, str, torch.dtype], LlamaModel] = {}
+
+
+def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> LlamaModel:
+    """Weights are read-only during inference, so engines in one process share one copy."""
+    key = (str(Path(model_dir).resolve()), str(device), dtype)
+    with _weights_lock:
+        if key not in _loaded_models:
+            _loaded_models[key] = LlamaModel.from_pretrained(model_dir, device=device, dtype=dtype)
+        return _loaded_models[key]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but CUDA is not available")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """Default: bfloat16 on CUDA, float32 on CPU."""
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose float32, bfloat16 or float16")
+    return names[dtype]
+
+
+class CacheTooSmallError(ValueError):
+    pass
+
+
+class Worker:
+    def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype, block_size: int):
+        self.model_dir = Path(model_dir)
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.model: LlamaModel | None = None
+        self.runner: ModelRunner | None = None
+        self.num_blocks = 0
+
+    def load_model(self) -> None:
+        self.model = load_model(self.model_dir, self.device, self.dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return self.model.cfg.kv_bytes_per_token * element * self.block_size
+
+    def determine_num_blocks(
+        self,
+        max_model_len: int,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        max_num_batched_tokens: int = 512,
+    ) -> int:
+        if num_kv_blocks is None:
+            if kv_cache_memory is None:
+                if self.device.type == "cuda":
+                    kv_cache_memory = self._profile_free_gpu_memory(gpu_memory_utilization, max_num_batched_tokens)
+                else:
+                    kv_cache_memory = DEFAULT_CPU_KV_CACHE_BYTES
+            num_kv_blocks = kv_cache_memory // self.bytes_per_block
+        blocks_needed = -(-max_model_len // self.block_size)
+        if num_kv_blocks < blocks_needed:
+            raise CacheTooSmallError(
+                f"KV cache of {num_kv_blocks} blocks ({num_kv_blocks * self.block_size} tokens) cannot hold one "
+                f"request of max_model_len={max_model_len} tokens ({blocks_needed} blocks); "
+                "add KV memory or lower max_model_len"
+            )
+        return num_kv_blocks
+
+    def _profile_free_gpu_memory(self, utilization: float, num_tokens: int) -> int:
+        """Run the largest step once on a scratch cache, then see what the GPU has left."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        blocks = -(-num_tokens // self.block_size)
+        scratch = self.model.allocate_kv_cache(blocks, self.block_size)
+        meta = build_attention_metadata([num_tokens], [0], [list(range(blocks))], self.block_size, self.device)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        pos = torch.arange(num_tokens, device=self.device)
+        self.model.forward(ids, pos, scratch, meta, torch.tensor([num_tokens - 1], device=self.device))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del scratch
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return max(int(total * utilization) - peak, 0)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        kv_caches = self.model.allocate_kv_cache(num_blocks, self.block_size)
+        self.runner = ModelRunner(self.model, kv_caches, self.block_size)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)
