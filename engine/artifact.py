@@ -62,17 +62,15 @@ def validate_model_dir(path: str | os.PathLike) -> dict:
     missing = [name for name in REQUIRED_FILES if not (path / name).is_file()]
     if missing:
         raise ArtifactError(f"model directory {path} is missing {', '.join(missing)}")
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except json.JSONDecodeError as exc:
-        raise ArtifactError(f"{path / 'config.json'} is not valid JSON: {exc}") from None
+    config = _read_json_object(path / "config.json")
+    _read_json_object(path / "tokenizer_config.json")
     architectures = config.get("architectures") or []
     if not any(arch in SUPPORTED_ARCHITECTURES for arch in architectures):
         raise ArtifactError(
             f"unsupported architecture {architectures or config.get('model_type')!r} in {path}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         if key not in config:
             raise ArtifactError(f"{path / 'config.json'} has no {key!r}")
     try:
@@ -94,14 +92,38 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
 
 
 def read_safetensors_header(path: Path) -> dict:
-    """Tensor names, dtypes and shapes of a safetensors file, read without loading any weight."""
+    """Tensor names, dtypes and shapes of a safetensors file, read without loading any weight.
+    Raises ValueError if the header is malformed or the file is shorter than the header says."""
+    size = Path(path).stat().st_size
     with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        if header_len > 100_000_000:
-            raise ValueError("header too large")
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise ValueError(f"file is {len(prefix)} bytes, too short for a safetensors header")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > min(100_000_000, size - 8):
+            raise ValueError(f"header length {header_len} does not fit a file of {size} bytes")
         header = json.loads(f.read(header_len))
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
     header.pop("__metadata__", None)
+    data_size = size - 8 - header_len
+    for name, meta in header.items():
+        if not (isinstance(meta, dict) and isinstance(meta.get("shape"), list) and "dtype" in meta
+                and isinstance(meta.get("data_offsets"), list) and len(meta["data_offsets"]) == 2):
+            raise ValueError(f"tensor {name!r} has no valid dtype/shape/data_offsets")
+        if meta["data_offsets"][1] > data_size:
+            raise ValueError(f"tensor {name!r} ends past the end of the file (truncated?)")
     return header
+
+
+def _read_json_object(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ArtifactError(f"{path} must hold a JSON object, found {type(value).__name__}")
+    return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,7 +281,7 @@ def inspect_artifact(path: str | os.PathLike | None = None) -> ArtifactInfo:
         params_by_kind[kind] = params_by_kind.get(kind, 0) + count
         dtypes.add(meta["dtype"])
     file_sizes = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file()}
-    tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
+    tok_cfg = _read_json_object(path / "tokenizer_config.json")
     special = {}
     for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
         value = tok_cfg.get(key)

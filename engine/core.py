@@ -57,6 +57,8 @@ class EngineCore:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        if self.model_config.sliding_window:  # full attention equals sliding-window attention only up to the window
+            self.max_model_len = min(self.max_model_len, self.model_config.sliding_window)
         if config.block_size < 1 or config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
             raise ValueError("block_size, max_num_batched_tokens and max_num_seqs must be positive")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import uuid
@@ -14,6 +15,8 @@ from engine.core import EngineConfig, EngineCore
 from engine.output import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.trace import StepRecord
+
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -163,7 +166,10 @@ class AsyncLLM:
                 for output in record.outputs:
                     self._deliver(output.request_id, output)
                 for listener in self.step_listeners:
-                    listener(record)
+                    try:
+                        listener(record)
+                    except Exception:  # an observer must never stop the engine
+                        logger.exception("step listener failed")
         except BaseException as exc:  # surface the failure to every waiting caller
             self.errored = exc
             for request_id in list(self._streams):

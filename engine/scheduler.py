@@ -165,7 +165,7 @@ class Scheduler:
                 if blocked is None:
                     budget -= scheduled[request_id].num_tokens
                     continue
-            unscheduled[request_id] = blocked
+            unscheduled.setdefault(request_id, blocked)  # a victim keeps "preempted"
 
         finished_ids, self.finished_since_last_step = self.finished_since_last_step, []
         return SchedulerOutput(

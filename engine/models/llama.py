@@ -42,6 +42,7 @@ class LlamaConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
+    sliding_window: int | None = None  # Mistral-style local attention; we attend fully, so cap the context here
 
     @classmethod
     def from_dict(cls, c: dict) -> "LlamaConfig":
@@ -62,6 +63,7 @@ class LlamaConfig:
             max_position_embeddings=c.get("max_position_embeddings", 4096),
             tie_word_embeddings=c.get("tie_word_embeddings", False),
             attention_bias=c.get("attention_bias", c.get("model_type") == "qwen2"),
+            sliding_window=c.get("sliding_window") if c.get("use_sliding_window", True) else None,
         )
 
     @classmethod
@@ -160,10 +162,10 @@ class LlamaModel:
             weights[f"{i}.gate_up"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
             weights[f"{i}.down"] = take(p + "mlp.down_proj.weight")
         weights["final_norm"] = take("model.norm.weight")
-        if "lm_head.weight" in tensors and not cfg.tie_word_embeddings:
-            weights["lm_head"] = take("lm_head.weight")
-        else:
+        if cfg.tie_word_embeddings:
             weights["lm_head"] = weights["embed"]  # tied: the output layer reuses the embedding
+        else:
+            weights["lm_head"] = take("lm_head.weight")
         return cls(cfg, weights, device, dtype)
 
     def num_parameters(self) -> int:
