@@ -109,7 +109,7 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
-    async def generate(
+    def generate(
         self,
         prompt: str | None,
         sampling_params: SamplingParams | None = None,
@@ -118,14 +118,19 @@ class AsyncLLM:
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield a RequestOutput each time the request advances; the last one has finished=True.
-        Leaving the loop early (or a cancelled task) aborts the request and frees its KV blocks."""
+        """Validate now (a bad request raises InvalidRequestError here, before any streaming),
+        then return a stream yielding a RequestOutput each time the request advances; the last
+        one has finished=True. Leaving the stream early (or cancelling the task) aborts the
+        request and frees its KV blocks."""
         if self.errored is not None:
             raise RuntimeError(f"engine loop died: {self.errored!r}")
         request = self.engine.make_request(
             prompt, sampling_params, request_id or f"req-{uuid.uuid4().hex[:12]}", prompt_token_ids, priority,
             arrival_time,
         )
+        return self._stream(request)
+
+    async def _stream(self, request) -> AsyncIterator[RequestOutput]:
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request.request_id] = (asyncio.get_running_loop(), stream)
         self._inbox.put(("add", request))

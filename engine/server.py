@@ -253,11 +253,6 @@ class OpenAIServer:
             raise bad_request(str(exc), exc.param, "context_length_exceeded") from exc
         return params
 
-    def validate(self, prompt: str | None, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                 arrival: float) -> None:
-        """Run the engine's own checks now, so a bad request gets its 400 before anything streams."""
-        self.engine.make_request(prompt, params, request_id, prompt_ids, arrival_time=arrival)
-
     # -- prompts -------------------------------------------------------------------------------
 
     def completion_prompt(self, body: CompletionRequest) -> tuple[str | None, list[int]]:
@@ -466,7 +461,7 @@ def build_app(engine_or_async_llm, api_key: str | None = None, served_model_name
         prompt, prompt_ids = server.completion_prompt(body)
         params = server.sampling_params(body, len(prompt_ids), body.max_tokens, body.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        server.validate(prompt, prompt_ids, params, request_id, arrival)
+        # generate() runs the engine's own checks at once, so a bad request gets its 400 here.
         outputs = server.async_llm.generate(prompt, params, request_id, prompt_token_ids=prompt_ids,
                                             arrival_time=arrival)
         base = {"id": request_id, "object": "text_completion", "created": int(time.time()),
@@ -525,7 +520,7 @@ def build_app(engine_or_async_llm, api_key: str | None = None, served_model_name
                                         "max_completion_tokens" if body.max_completion_tokens is not None
                                         else "max_tokens")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        server.validate(prompt, prompt_ids, params, request_id, arrival)
+        # generate() runs the engine's own checks at once, so a bad request gets its 400 here.
         outputs = server.async_llm.generate(prompt, params, request_id, prompt_token_ids=prompt_ids,
                                             arrival_time=arrival)
         base = {"id": request_id, "created": int(time.time()), "model": server.model_name}

@@ -410,10 +410,10 @@ def test_engine_failure_is_reported_not_hidden(engine_kwargs, model_name):
     """If the engine loop dies, requests get a 5xx in the error shape and /health says so."""
     llm = AsyncLLM(EngineCore(EngineConfig(**engine_kwargs)))
 
-    def explode(record):
+    def explode():
         raise RuntimeError("simulated engine failure")
 
-    llm.step_listeners.append(explode)
+    llm.engine.step = explode  # the loop's next step raises (a failing listener would only be logged)
     try:
         with start_server_in_thread(build_app(llm, api_key=API_KEY)) as handle:
             body = {"model": model_name, "prompt": "hi", "max_tokens": 4}
