@@ -61,6 +61,13 @@ class EngineCore:
             self.max_model_len = min(self.max_model_len, self.model_config.sliding_window)
         if config.block_size < 1 or config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
             raise ValueError("block_size, max_num_batched_tokens and max_num_seqs must be positive")
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            # Without chunking a request is prefilled (or, after preemption, recomputed) in one step,
+            # so one step must be able to hold the longest request; vLLM refuses the same way.
+            raise ValueError(
+                f"with chunked prefill off, max_num_batched_tokens ({config.max_num_batched_tokens}) must be at "
+                f"least max_model_len ({self.max_model_len})"
+            )
 
         self.executor = executor or UniProcExecutor(Worker(self.model_dir, self.device, self.dtype, config.block_size))
         self.num_blocks = self.executor.initialize(
@@ -148,12 +155,6 @@ class EngineCore:
                 f"{num_prompt_tokens} prompt tokens and asks for {max_tokens or 0} output tokens ({total} in total)",
                 "max_tokens" if num_prompt_tokens < self.max_model_len else "prompt",
             )
-        if not self.config.enable_chunked_prefill and num_prompt_tokens > self.config.max_num_batched_tokens:
-            raise InvalidRequestError(
-                f"with chunked prefill off, a prompt of {num_prompt_tokens} tokens can never fit the token budget "
-                f"of {self.config.max_num_batched_tokens}",
-                "prompt",
-            )
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks. True if it was still live."""
@@ -206,8 +207,10 @@ class EngineCore:
                 request.stop_reason = stop
                 self.scheduler.finish_requests([rid], RequestStatus.FINISHED_STOPPED)
                 finished.add(rid)
-            elif stop is not None:
+            elif stop is not None:  # the same token also hit the length limit: the stop string wins
                 request.stop_reason = stop
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.finish_reason = RequestStatus.FINISHED_STOPPED.value
             is_finished = rid in finished
             if is_finished:
                 request.finish_time = t_token

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from engine.core import EngineConfig, EngineCore
 from engine.output import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.trace import StepRecord
 
 logger = logging.getLogger(__name__)
@@ -124,10 +124,10 @@ class AsyncLLM:
         request and frees its KV blocks."""
         if self.errored is not None:
             raise RuntimeError(f"engine loop died: {self.errored!r}")
-        request = self.engine.make_request(
-            prompt, sampling_params, request_id or f"req-{uuid.uuid4().hex[:12]}", prompt_token_ids, priority,
-            arrival_time,
-        )
+        request_id = request_id or f"req-{uuid.uuid4().hex[:12]}"
+        if request_id in self._streams or request_id in self.engine.live_requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        request = self.engine.make_request(prompt, sampling_params, request_id, prompt_token_ids, priority, arrival_time)
         return self._stream(request)
 
     async def _stream(self, request) -> AsyncIterator[RequestOutput]:

@@ -1,0 +1,46 @@
+"""LLM 추론 실험실: the Streamlit entry point.
+
+    streamlit run app.py
+
+Every chapter of the course is a page; a chapter whose page file does not exist yet shows a short
+"준비 중" page. The sidebar holds the engine settings and the status of this session's engine.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import streamlit as st  # noqa: E402
+
+from ui.lesson import CHAPTERS, PAGES, SECTIONS, coming_soon  # noqa: E402
+from ui.session import engine_settings_sidebar, engine_status  # noqa: E402
+
+st.set_page_config(page_title="LLM 추론 실험실", page_icon=":material/science:", layout="wide")
+
+
+def build_pages() -> dict[str, list]:
+    sections: dict[str, list] = {name: [] for name in SECTIONS}
+    for ch in CHAPTERS:
+        path = ch.page_file()
+        if path is not None:
+            page = st.Page(str(path.relative_to(ROOT)), title=ch.title, icon=ch.icon, url_path=ch.url_path,
+                           default=ch.id == "00")
+        else:
+            page = st.Page(coming_soon(ch), title=f"{ch.title} (준비 중)", icon=":material/construction:", url_path=ch.url_path,
+                           default=ch.id == "00")
+        PAGES[ch.id] = page
+        sections[ch.section].append(page)
+    return sections
+
+
+navigation = st.navigation(build_pages())
+st.sidebar.caption("LLM 추론 시스템의 원리 · 실제 엔진을 한 스텝씩")
+engine_settings_sidebar(show_status=False)
+navigation.run()
+with st.sidebar:
+    engine_status("main")  # after the page ran, so it shows this run's steps

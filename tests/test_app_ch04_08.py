@@ -1,0 +1,116 @@
+"""Chapters 04–08 under streamlit.testing.v1.AppTest: each page opens from app.py, its lab's 실행
+button drives real engine runs, and the lab's plotly figures are present and carry data.
+
+The session's engine settings point at the tiny test model (the same path the sidebar's model field
+takes), so the labs run real engines in seconds; the real model is exercised by the browser test."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("streamlit")
+from streamlit.testing.v1 import AppTest  # noqa: E402
+
+from ui.session import SETTINGS_KEY, EngineSettings  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT = 180
+
+PAGES = {
+    "04": ("pages/ch04_latency_throughput.py", ["ch04_run"], ["ch04_journey", "ch04_schedule", "ch04_per_request",
+                                                               "ch04_dist"]),
+    "05": ("pages/ch05_memory_dtype.py", ["ch05_run"], ["ch05_budget_fig", "ch05_requests_fig", "ch05_measure_fig"]),
+    "06": ("pages/ch06_paged_kv.py", ["ch06_run"], ["ch06_compare_fig", "ch06_grid_mid"]),
+    "07": ("pages/ch07_batching.py", ["ch07_run"], ["ch07_journey_0", "ch07_journey_1", "ch07_journey_2", "ch07_e2e",
+                                                    "ch07_waste", "ch07_static_schedule"]),
+    "08": ("pages/ch08_continuous_batching.py", ["ch08_run"], ["ch08_schedule_0", "ch08_schedule_1",
+                                                               "ch08_step_times", "ch08_itl"]),
+}
+
+
+@pytest.fixture(scope="module")
+def app(tiny_model_dir):
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=TIMEOUT)
+    at.session_state[SETTINGS_KEY] = EngineSettings(model=str(tiny_model_dir), device="cpu")
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def charts(at: AppTest) -> dict[str, dict]:
+    return {c.proto.id: json.loads(c.proto.spec) for c in at.get("plotly_chart")}
+
+
+def assert_charts(at: AppTest, keys: list[str]) -> None:
+    specs = charts(at)
+    for key in keys:
+        match = [spec for element_id, spec in specs.items() if key in element_id]
+        assert match, f"plot {key} missing; ids: {list(specs)}"
+        data = match[0]["data"]
+        assert data and any(t.get("x") or t.get("y") or t.get("z") for t in data), f"plot {key} has no data"
+
+
+@pytest.mark.parametrize("chapter_id", list(PAGES))
+def test_lab_runs_and_draws(app, chapter_id):
+    page, buttons, plots = PAGES[chapter_id]
+    app.switch_page(page)
+    app.run()
+    assert not app.exception, [e.value for e in app.exception]
+    assert any("실험실" in h.value for h in app.header)
+    for key in buttons:
+        app.button(key=key).click().run()
+        assert not app.exception, (chapter_id, [e.value for e in app.exception])
+    assert_charts(app, plots)
+    # the quiz (≥ 3 questions) is rendered below the lab
+    assert sum(1 for m in app.markdown if m.value.startswith("**문제 ")) >= 3
+    # evidence labels are shown
+    text = " ".join(m.value for m in app.markdown)
+    assert "측정값" in text or "계산값" in text
+
+
+def test_results_are_cached_across_reruns(app):
+    app.switch_page(PAGES["07"][0])
+    app.run()
+    first = app.session_state["ch07_results"]
+    app.run()  # a plain rerun must not recompute
+    assert app.session_state["ch07_results"] is first
+
+
+def test_ch04_runs_accumulate_and_ch08_sliders_drive_runs(app):
+    app.switch_page(PAGES["04"][0])
+    app.run()
+    before = len(app.session_state["ch04_runs"])
+    app.slider(key="ch04_seqs").set_value(2).run()
+    app.button(key="ch04_run").click().run()
+    runs = app.session_state["ch04_runs"]
+    assert len(runs) == before + 1 and runs[-1].config.max_num_seqs == 2
+    assert_charts(app, ["ch04_history"])
+
+    app.switch_page(PAGES["08"][0])
+    app.run()
+    app.slider(key="ch08_budget").set_value(128).run()
+    app.slider(key="ch08_seqs").set_value(2).run()
+    app.button(key="ch08_run").click().run()
+    assert not app.exception, [e.value for e in app.exception]
+    on = app.session_state["ch08_result"].runs["chunked prefill 켬"]
+    assert on.config.max_num_batched_tokens == 128 and on.config.max_num_seqs == 2
+    assert max(r.total_tokens for r in on.records) <= 128
+
+
+def test_ch04_shows_bench_json_with_its_conditions(app, monkeypatch):
+    import engine.bench as bench
+
+    fake = {"conditions": {"date": "2026-01-01T00:00:00+00:00", "device": "cpu", "device_name": "test-cpu",
+                           "threads": 2, "dtype": "float32", "model_name": "tiny", "weight_bytes_per_step": 538_000_000},
+            "ceilings": {"memory_read_gb_s": 20.0, "matmul_gflop_s": {"float32": 100.0}},
+            "rooflines": {"decode_tokens_per_s": 20e9 / 538e6},
+            "decode_batch1": {"tokens_per_s": 20.0, "fraction_of_roofline": 0.54}}
+    monkeypatch.setattr(bench, "load_latest_results", lambda path=None: fake)
+    app.switch_page(PAGES["04"][0])
+    app.run()
+    assert not app.exception, [e.value for e in app.exception]
+    text = " ".join(m.value for m in app.markdown)
+    assert "20.0 GB/s" in text and "test-cpu" in text and "26.9 ms" in text

@@ -1,0 +1,231 @@
+"""Engine settings, one EngineCore per browser session, and the step records the plots draw.
+
+Weights are read-only, so they are loaded once per process (st.cache_resource around
+engine.worker.load_model). Everything that changes — queues, KV cache, requests, records —
+lives in st.session_state, so two learners never see each other's requests.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import streamlit as st
+
+from engine.core import EngineConfig, EngineCore
+from engine.trace import StepRecord
+
+SETTINGS_KEY = "_engine_settings"
+_ENGINES = "_engines"  # key → {"signature": ..., "engine": EngineCore}
+_RECORDS = "_records"  # key → list[StepRecord]
+_TEXTS = "_texts"  # key → {request_id: text so far}
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+POLICIES = ("fcfs", "priority", "static")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the sidebar sets. Defaults keep a lab step interactive on a CPU."""
+
+    model: str = ""  # "" = the embedded default artifact (SmolLM2-135M-Instruct)
+    device: str = "auto"
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    block_size: int = 16
+    num_kv_blocks: int = 64
+    max_model_len: int = 1024
+    max_num_batched_tokens: int = 128
+    max_num_seqs: int = 8
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+
+    def to_config(self, **overrides) -> EngineConfig:
+        config = EngineConfig(
+            model=self.model or None,
+            device=self.device,
+            dtype=None if self.dtype == "auto" else self.dtype,
+            block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            enable_prefix_caching=self.enable_prefix_caching,
+            scheduling_policy=self.scheduling_policy,
+        )
+        for name, value in overrides.items():
+            if not hasattr(config, name):
+                raise TypeError(f"unknown engine setting {name!r}")
+            setattr(config, name, value)
+        return config
+
+
+def current_settings() -> EngineSettings:
+    """The settings of this session (defaults if the sidebar has not run, e.g. a page alone)."""
+    return st.session_state.get(SETTINGS_KEY) or EngineSettings()
+
+
+def engine_settings_sidebar(show_status: bool = True) -> EngineSettings:
+    """The sidebar's engine settings form (and the main engine's status). Returns the settings.
+
+    app.py passes show_status=False and draws the status after the page ran, so it is current."""
+    defaults = current_settings()
+    with st.sidebar:
+        st.subheader("⚙️ 엔진 설정")
+        with st.form("engine_settings_form", border=False):
+            model = st.text_input("모델 경로 (비우면 기본 SmolLM2-135M-Instruct)", value=defaults.model, key="cfg_model")
+            c1, c2 = st.columns(2)
+            device = c1.selectbox("장치", DEVICES, index=DEVICES.index(defaults.device), key="cfg_device")
+            dtype = c2.selectbox("dtype", DTYPES, index=DTYPES.index(defaults.dtype), key="cfg_dtype")
+            c1, c2 = st.columns(2)
+            block_size = c1.number_input("블록 크기 (토큰)", 1, 256, defaults.block_size, key="cfg_block_size")
+            num_kv_blocks = c2.number_input("KV 블록 수", 1, 100_000, defaults.num_kv_blocks, key="cfg_num_kv_blocks")
+            c1, c2 = st.columns(2)
+            budget = c1.number_input("토큰 예산/스텝", 1, 8192, defaults.max_num_batched_tokens, key="cfg_budget")
+            max_seqs = c2.number_input("최대 동시 요청", 1, 256, defaults.max_num_seqs, key="cfg_max_seqs")
+            max_len = st.number_input("최대 길이 (max_model_len)", 16, 32768, defaults.max_model_len, key="cfg_max_len")
+            c1, c2 = st.columns(2)
+            prefix = c1.checkbox("prefix caching", value=defaults.enable_prefix_caching, key="cfg_prefix")
+            policy = c2.selectbox("정책", POLICIES, index=POLICIES.index(defaults.scheduling_policy), key="cfg_policy")
+            submitted = st.form_submit_button("설정 적용 (엔진 재시작)", key="cfg_apply")
+        if submitted:
+            new = EngineSettings(model.strip(), device, dtype, int(block_size), int(num_kv_blocks), int(max_len),
+                                 int(budget), int(max_seqs), bool(prefix), policy)
+            if new != defaults:
+                st.session_state[SETTINGS_KEY] = new
+                defaults = new
+        st.session_state.setdefault(SETTINGS_KEY, defaults)
+        if show_status:
+            engine_status()
+    return defaults
+
+
+def engine_status(key: str = "main") -> None:
+    """Device, dtype, blocks used/total and running/waiting of the session's engine (sidebar)."""
+    st.subheader("📟 엔진 상태")
+    entry = st.session_state.get(_ENGINES, {}).get(key)
+    if entry is None:
+        st.caption("엔진이 아직 시작되지 않았습니다. 실험실에서 요청을 넣으면 시작됩니다.")
+        return
+    engine: EngineCore = entry["engine"]
+    snap = engine.kv_cache_manager.snapshot()
+    st.markdown(
+        f"- 장치 **{engine.device}** · dtype **{str(engine.dtype).replace('torch.', '')}**\n"
+        f"- KV 블록 **{snap.num_used}/{snap.num_blocks}** 사용 (캐시 보관 {snap.num_cached_free})\n"
+        f"- 실행 중 **{len(engine.scheduler.running)}** · 대기 **{len(engine.scheduler.waiting)}**\n"
+        f"- 스텝 **{engine.stats['steps']}**"
+    )
+
+
+@st.cache_resource(show_spinner=False)
+def _weights(model_dir: str, device: str, dtype: str):
+    """Read-only weights, shared by every session of this process."""
+    import torch
+
+    from engine.worker import load_model
+
+    return load_model(model_dir, torch.device(device), getattr(torch, dtype))
+
+
+def _signature(settings: EngineSettings, overrides: dict) -> tuple:
+    return tuple(sorted(asdict(settings).items())) + tuple(sorted((k, repr(v)) for k, v in overrides.items()))
+
+
+def build_engine(settings: EngineSettings | None = None, **overrides) -> EngineCore:
+    """A fresh EngineCore for these settings; weights come from the per-process cache."""
+    from engine.artifact import resolve_model_path
+    from engine.worker import resolve_device, resolve_dtype
+
+    config = (settings or current_settings()).to_config(**overrides)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    model_dir = resolve_model_path(config.model)
+    with st.spinner(f"가중치를 불러오는 중… ({model_dir.name}, {device}, {str(dtype).replace('torch.', '')})"):
+        _weights(str(model_dir), str(device), str(dtype).replace("torch.", ""))
+        return EngineCore(config)
+
+
+def get_engine(key: str = "main", **overrides) -> EngineCore:
+    """This session's engine under `key`; rebuilt (records cleared) when settings or overrides change."""
+    engines = st.session_state.setdefault(_ENGINES, {})
+    settings = current_settings()
+    signature = _signature(settings, overrides)
+    entry = engines.get(key)
+    if entry is None or entry["signature"] != signature:
+        engine = build_engine(settings, **overrides)
+        engines[key] = {"signature": signature, "engine": engine, "overrides": dict(overrides),
+                        "created": time.perf_counter()}
+        st.session_state.setdefault(_RECORDS, {})[key] = []
+        st.session_state.setdefault(_TEXTS, {})[key] = {}
+    return engines[key]["engine"]
+
+
+def current_engine(key: str = "main") -> EngineCore:
+    """The engine already built under `key` (whatever its overrides), else a default one."""
+    entry = st.session_state.get(_ENGINES, {}).get(key)
+    if entry is not None:
+        return entry["engine"]
+    return get_engine(key)
+
+
+def reset_engine(key: str = "main") -> None:
+    """Throw away this session's engine under `key` (a new one is built on the next get_engine)."""
+    st.session_state.get(_ENGINES, {}).pop(key, None)
+    st.session_state.get(_RECORDS, {}).pop(key, None)
+    st.session_state.get(_TEXTS, {}).pop(key, None)
+
+
+def get_records(key: str = "main") -> list[StepRecord]:
+    return st.session_state.setdefault(_RECORDS, {}).setdefault(key, [])
+
+
+def get_texts(key: str = "main") -> dict[str, str]:
+    """Text streamed so far per request (from each step's RequestOutput)."""
+    return st.session_state.setdefault(_TEXTS, {}).setdefault(key, {})
+
+
+def record_step(key: str, record: StepRecord) -> None:
+    get_records(key).append(record)
+    texts = get_texts(key)
+    for output in record.outputs:
+        texts[output.request_id] = output.text
+
+
+def run_step(key: str = "main") -> StepRecord | None:
+    """One EngineCore.step() if work remains; its record is appended to get_records(key)."""
+    engine = current_engine(key)
+    if not engine.has_unfinished_requests():
+        return None
+    record = engine.step()
+    record_step(key, record)
+    return record
+
+
+def run_to_end(key: str = "main", max_steps: int = 500) -> list[StepRecord]:
+    """Step until every request is finished (or max_steps). Returns the new records."""
+    new = []
+    for _ in range(max_steps):
+        record = run_step(key)
+        if record is None:
+            break
+        new.append(record)
+    return new
+
+
+def engine_overrides(key: str = "main") -> dict:
+    entry = st.session_state.get(_ENGINES, {}).get(key)
+    return dict(entry["overrides"]) if entry else {}
+
+
+def conditions_of(engine: EngineCore, **extra) -> dict:
+    """Measurement conditions for a 측정값 label: device, dtype, model, date (+ batch etc.)."""
+    cond = {
+        "장치": str(engine.device),
+        "dtype": str(engine.dtype).replace("torch.", ""),
+        "모델": Path(engine.model_dir).name,
+    }
+    cond.update(extra)
+    cond["날짜"] = _dt.date.today().isoformat()
+    return cond
