@@ -135,15 +135,17 @@ class Scheduler:
                 continue
             while self.kv.allocate_slots(request, num_new) is None:
                 victim = self._pick_victim()
-                if victim.request_id in scheduled:
+                if victim.request_id in scheduled:  # priority policy: the victim may already have its share
                     budget += scheduled.pop(victim.request_id).num_tokens
+                if self.running.index(victim) < i:
+                    i -= 1  # keep `i` on the current request once the list closes up
                 self._preempt(victim, step)
                 preempted.append(victim.request_id)
                 unscheduled[victim.request_id] = REASON_PREEMPTED
                 if victim is request:
                     break
             else:
-                scheduled[request.request_id] = self._make_scheduled(request, num_new, step)
+                scheduled[request.request_id] = self._make_scheduled(request, num_new)
                 budget -= num_new
                 i += 1
                 continue
@@ -167,6 +169,9 @@ class Scheduler:
                     continue
             unscheduled.setdefault(request_id, blocked)  # a victim keeps "preempted"
 
+        for s in scheduled.values():  # only now is the decision final (a victim may have lost its share)
+            self.requests[s.request_id].record("scheduled", step, phase=s.phase, num_tokens=s.num_tokens,
+                                               start=s.num_computed_tokens)
         finished_ids, self.finished_since_last_step = self.finished_since_last_step, []
         return SchedulerOutput(
             step=step,
@@ -195,7 +200,7 @@ class Scheduler:
         if request.status == RequestStatus.PREEMPTED:
             request.record("resumed", step)
         request.status = RequestStatus.RUNNING
-        scheduled[request.request_id] = self._make_scheduled(request, num_new, step)
+        scheduled[request.request_id] = self._make_scheduled(request, num_new)
         scheduled[request.request_id].num_prefix_hit_tokens = num_cached
         return None
 
@@ -206,7 +211,7 @@ class Scheduler:
             return 0
         return min(remaining, budget)
 
-    def _make_scheduled(self, request: Request, num_new: int, step: int) -> ScheduledRequest:
+    def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
         if start >= request.num_prompt_tokens and num_new == 1:
@@ -215,7 +220,6 @@ class Scheduler:
             phase = "prefill"
         else:
             phase = "chunked_prefill"
-        request.record("scheduled", step, phase=phase, num_tokens=num_new, start=start)
         return ScheduledRequest(
             request_id=request.request_id,
             phase=phase,
