@@ -7,8 +7,12 @@ request to be contiguous: that is the whole point of paging (chapter 06).
 
 A step's batch is flat (vLLM style): all scheduled tokens of all requests in one sequence. A
 request contributes either one decode token or a prefill chunk that may start at any offset of its
-prompt (chunked prefill). Decode requests are attended to together in one padded call; prefill
-chunks one request at a time, each with its own causal mask.
+prompt (chunked prefill). Prefill chunks are attended one request at a time, each with its own
+causal mask. Decode tokens are attended in groups of requests with similar context lengths: one
+padded call per group, so that a short request does not pay for the padding up to a long one.
+
+Everything that depends only on the batch's shape (slots, padded block tables, masks) is computed
+once per step in `build_attention_metadata` and shared by all layers.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+
+DECODE_GROUP_SIZE = 4  # decodes per padded attention call (4 to 8 measured best on a 2-core CPU)
 
 
 @dataclass
@@ -31,14 +38,25 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode tokens of requests with similar context lengths, attended to in one padded call."""
+
+    rows: slice | torch.Tensor  # their rows in the flat batch (a slice when the rows are adjacent)
+    num_seqs: int
+    block_ids: torch.Tensor  # [num_seqs * max_blocks] each request's blocks in order, padded with 0
+    padded_len: int  # max_blocks * block_size keys per request after the gather
+    context_len: int  # the longest request's context; the keys beyond it are cut off
+    mask: torch.Tensor | None  # [num_seqs, 1, 1, context_len] True = attend (False: padding past the
+    #                            request's end); None for a single request, which is cut to its length
+
+
+@dataclass
 class AttentionMetadata:
     """Everything attention needs about a step, built once and shared by all layers."""
 
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V are written
     block_size: int
-    decode_rows: torch.Tensor  # [num_decodes] rows of the flat batch that are decode tokens
-    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] True = attend
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
 
 
@@ -51,40 +69,67 @@ def build_attention_metadata(
 ) -> AttentionMetadata:
     """Describe a flat batch: request i has `query_lens[i]` new tokens after `num_computed[i]`
     tokens already in the cache, and owns the blocks `block_tables[i]`."""
-    slots: list[int] = []
-    decode_rows, decode_tables, decode_lens = [], [], []
-    prefills: list[PrefillSpan] = []
-    row = 0
-    for q_len, start, table in zip(query_lens, num_computed, block_tables):
-        context_len = start + q_len
-        for pos in range(start, context_len):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-        num_blocks = -(-context_len // block_size)
-        if q_len == 1 and start > 0:
-            decode_rows.append(row)
-            decode_tables.append(table[:num_blocks])
-            decode_lens.append(context_len)
-        else:
-            mask = None
-            if start > 0:  # chunk i-th query (position start+i) sees keys 0..start+i
-                q_pos = torch.arange(start, context_len, device=device).unsqueeze(1)
-                mask = torch.arange(context_len, device=device).unsqueeze(0) <= q_pos
-            ids = torch.tensor(table[:num_blocks], dtype=torch.long, device=device)
-            prefills.append(PrefillSpan(row, q_len, context_len, ids, mask))
-        row += q_len
+    num_reqs = len(query_lens)
+    context_lens = [start + q_len for start, q_len in zip(num_computed, query_lens)]
+    num_blocks = [-(-n // block_size) for n in context_lens]
+    max_blocks = max(num_blocks, default=0)
+    # One padded block table for the whole batch: row i = request i's blocks, then zeros.
+    tables = torch.tensor([t[:n] + [0] * (max_blocks - n) for t, n in zip(block_tables, num_blocks)],
+                          dtype=torch.long).view(num_reqs, max_blocks)
+    token_starts = [0]
+    for q_len in query_lens:
+        token_starts.append(token_starts[-1] + q_len)
 
-    max_blocks = max((len(t) for t in decode_tables), default=0)
-    padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
-    key_pos = torch.arange(max_blocks * block_size, device=device)
-    lens = torch.tensor(decode_lens, dtype=torch.long, device=device)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        block_size=block_size,
-        decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
-        decode_block_tables=torch.tensor(padded, dtype=torch.long, device=device).view(len(padded), max_blocks),
-        decode_mask=(key_pos.unsqueeze(0) < lens.unsqueeze(1)).view(len(decode_lens), 1, 1, len(key_pos)),
-        prefills=prefills,
-    )
+    # Slot of every new token: its request's block for its position, then the offset in the block.
+    q_lens = torch.tensor(query_lens, dtype=torch.long)
+    request_of_token = torch.repeat_interleave(torch.arange(num_reqs), q_lens)
+    first_position = torch.tensor(num_computed, dtype=torch.long) - torch.tensor(token_starts[:-1], dtype=torch.long)
+    positions = torch.arange(token_starts[-1]) + first_position[request_of_token]
+    slots = tables[request_of_token, positions // block_size] * block_size + positions % block_size
+
+    # Decodes, shortest context first, cut into groups; each group is padded to its longest member.
+    decodes = [i for i in range(num_reqs) if query_lens[i] == 1 and num_computed[i] > 0]
+    decodes.sort(key=lambda i: context_lens[i])
+    decode_groups = []
+    if decodes:
+        decode_tables = tables[decodes].to(device)  # [num_decodes, max_blocks]
+        decode_lens = torch.tensor([context_lens[i] for i in decodes], device=device)
+        longest = context_lens[decodes[-1]]
+        attend = torch.arange(longest, device=device).unsqueeze(0) < decode_lens.unsqueeze(1)  # [num_decodes, longest]
+        for g in range(0, len(decodes), DECODE_GROUP_SIZE):
+            group = decodes[g : g + DECODE_GROUP_SIZE]
+            n, last = len(group), group[-1]  # the last one has the group's longest context
+            context_len = context_lens[last]
+            decode_groups.append(DecodeGroup(
+                rows=_as_rows([token_starts[i] for i in group], device),
+                num_seqs=n,
+                block_ids=decode_tables[g : g + n, : num_blocks[last]].reshape(-1),
+                padded_len=num_blocks[last] * block_size,
+                context_len=context_len,
+                mask=attend[g : g + n, :context_len].view(n, 1, 1, context_len) if n > 1 else None,
+            ))
+
+    prefills = []
+    is_decode = set(decodes)
+    for i in range(num_reqs):
+        if i in is_decode:
+            continue
+        start, context_len = num_computed[i], context_lens[i]
+        mask = None
+        if start > 0:  # chunk i-th query (position start+i) sees keys 0..start+i
+            q_pos = torch.arange(start, context_len, device=device).unsqueeze(1)
+            mask = torch.arange(context_len, device=device).unsqueeze(0) <= q_pos
+        prefills.append(PrefillSpan(token_starts[i], query_lens[i], context_len,
+                                    tables[i, : num_blocks[i]].to(device), mask))
+    return AttentionMetadata(slot_mapping=slots.to(device), block_size=block_size, decode_groups=decode_groups,
+                             prefills=prefills)
+
+
+def _as_rows(rows: list[int], device) -> slice | torch.Tensor:
+    """Rows of the flat batch as a slice when they are adjacent (a view, no copy), else as indices."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows, device=device)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
@@ -95,9 +140,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def gather_context(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """A request's keys or values in order: [..., num_blocks * block_size, kv_heads, head_dim]."""
-    blocks = cache[block_ids]  # [..., num_blocks, block_size, kv_heads, head_dim]
-    return blocks.flatten(-4, -3)
+    """Blocks in table order, as one tensor [len(block_ids), block_size, kv_heads, head_dim].
+    (index_select copies whole blocks at once: several times faster than cache[block_ids].)"""
+    return cache.index_select(0, block_ids)
 
 
 def paged_attention(
@@ -113,21 +158,30 @@ def paged_attention(
     Writes k, v to the cache, then attends every query to its request's cached context."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)
+    _, _, kv_heads, head_dim = k_cache.shape
+    group_size = q.shape[1] // kv_heads  # query heads sharing one KV head (GQA)
 
-    if meta.decode_rows.numel():
-        q_dec = q[meta.decode_rows].unsqueeze(2)  # [B, heads, 1, head_dim]
-        k_ctx = gather_context(k_cache, meta.decode_block_tables).transpose(1, 2)  # [B, kv_heads, L, d]
-        v_ctx = gather_context(v_cache, meta.decode_block_tables).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q_dec, k_ctx, v_ctx, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-        )
-        out[meta.decode_rows] = o.squeeze(2)
+    for group in meta.decode_groups:
+        n = group.num_seqs
+        # [n, padded_len, kv_heads, d] → [n, kv_heads, context_len, d]
+        k_ctx = gather_context(k_cache, group.block_ids).view(n, group.padded_len, kv_heads, head_dim)
+        v_ctx = gather_context(v_cache, group.block_ids).view(n, group.padded_len, kv_heads, head_dim)
+        k_ctx = k_ctx[:, : group.context_len].transpose(1, 2)
+        v_ctx = v_ctx[:, : group.context_len].transpose(1, 2)
+        # The query heads that share a KV head become that head's queries: [n, kv_heads, group_size, d].
+        # One decode token attends to all its keys, so they need no causal mask, only the padding one.
+        q_dec = q[group.rows].view(n, kv_heads, group_size, head_dim)
+        o = F.scaled_dot_product_attention(q_dec, k_ctx, v_ctx, attn_mask=group.mask, scale=scale)
+        out[group.rows] = o.reshape(n, kv_heads * group_size, head_dim)
 
     for span in meta.prefills:
         rows = slice(span.token_start, span.token_start + span.num_tokens)
         q_chunk = q[rows].transpose(0, 1)  # [heads, n, head_dim]
-        k_ctx = gather_context(k_cache, span.block_ids)[: span.context_len].transpose(0, 1)
-        v_ctx = gather_context(v_cache, span.block_ids)[: span.context_len].transpose(0, 1)
+        if span.num_tokens == span.context_len:  # a first chunk sees only itself: its K/V are at hand
+            k_ctx, v_ctx = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+        else:
+            k_ctx = gather_context(k_cache, span.block_ids).flatten(0, 1)[: span.context_len].transpose(0, 1)
+            v_ctx = gather_context(v_cache, span.block_ids).flatten(0, 1)[: span.context_len].transpose(0, 1)
         o = F.scaled_dot_product_attention(
             q_chunk,
             k_ctx,

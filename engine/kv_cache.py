@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable
 
 from engine.request import Request
@@ -51,10 +52,13 @@ class BlockState:
 
 @dataclass
 class KVSnapshot:
+    """The KV cache after a step. Cheap to take (it runs every step): the per-block view that the
+    block-grid plot draws is built from the block tables only when `blocks` is first read."""
+
     num_blocks: int
     block_size: int
-    blocks: list[BlockState]
     block_tables: dict[str, list[int]]
+    cached_free_ids: list[int]  # free blocks still holding reusable prefix K/V
     num_used: int
     num_cached_free: int
     num_free: int
@@ -66,12 +70,29 @@ class KVSnapshot:
     def hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
+    @cached_property
+    def blocks(self) -> list[BlockState]:
+        """One BlockState per block. A block's owners are the requests whose tables list it (its
+        reference count is their number); an unowned block is cached-free or plain free."""
+        owners: dict[int, list[str]] = {}
+        for request_id, block_ids in self.block_tables.items():
+            for block_id in block_ids:
+                owners.setdefault(block_id, []).append(request_id)
+        cached = set(self.cached_free_ids)
+        states = []
+        for block_id in range(self.num_blocks):
+            users = owners.get(block_id, [])
+            status = "used" if users else "cached" if block_id in cached else "free"
+            states.append(BlockState(block_id, status, users, len(users)))
+        return states
+
 
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True):
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[int, list[KVCacheBlock]] = {}  # block hash → blocks with that hash
+        self.cached_free: set[int] = set()  # ids of free blocks still holding cached K/V (for snapshots)
         self.enable_caching = enable_caching
 
     @property
@@ -86,6 +107,7 @@ class BlockPool:
         taken = []
         for _ in range(n):
             _, block = self.free_queue.popitem(last=False)
+            self.cached_free.discard(block.block_id)
             self._evict(block)
             block.ref_cnt = 1
             taken.append(block)
@@ -96,6 +118,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 del self.free_queue[block.block_id]
+                self.cached_free.discard(block.block_id)
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
@@ -106,6 +129,8 @@ class BlockPool:
             assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
+                if block.block_hash is not None:
+                    self.cached_free.add(block.block_id)
 
     def lookup(self, block_hash: int, token_ids: tuple[int, ...], parent: KVCacheBlock | None) -> KVCacheBlock | None:
         """The cached block holding exactly `token_ids` after `parent`, verified, else None."""
@@ -125,6 +150,8 @@ class BlockPool:
         block.token_ids = token_ids
         block.parent_key = (parent.block_id, parent.generation) if parent else None
         self.cached.setdefault(block_hash, []).append(block)
+        if block.ref_cnt == 0:
+            self.cached_free.add(block.block_id)
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
@@ -238,29 +265,17 @@ class KVCacheManager:
         return 1.0 - self.pool.num_free_blocks / self.num_blocks
 
     def snapshot(self) -> KVSnapshot:
-        owners: dict[int, list[str]] = {}
-        for request_id, blocks in self.req_to_blocks.items():
-            for block in blocks:
-                owners.setdefault(block.block_id, []).append(request_id)
-        states = []
-        for block in self.pool.blocks:
-            if block.ref_cnt > 0:
-                status = "used"
-            elif block.block_hash is not None:
-                status = "cached"
-            else:
-                status = "free"
-            states.append(BlockState(block.block_id, status, owners.get(block.block_id, []), block.ref_cnt))
-        num_used = sum(1 for s in states if s.status == "used")
-        num_cached = sum(1 for s in states if s.status == "cached")
+        block_tables = {rid: [b.block_id for b in blocks] for rid, blocks in self.req_to_blocks.items()}
+        cached_free = list(self.pool.cached_free)
+        num_used = self.num_blocks - self.pool.num_free_blocks
         return KVSnapshot(
             num_blocks=self.num_blocks,
             block_size=self.block_size,
-            blocks=states,
-            block_tables={rid: [b.block_id for b in blocks] for rid, blocks in self.req_to_blocks.items()},
+            block_tables=block_tables,
+            cached_free_ids=cached_free,
             num_used=num_used,
-            num_cached_free=num_cached,
-            num_free=self.num_blocks - num_used - num_cached,
+            num_cached_free=len(cached_free),
+            num_free=self.num_blocks - num_used - len(cached_free),
             usage=num_used / self.num_blocks,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,

@@ -42,20 +42,26 @@ class ModelRunner:
         self.sampler = Sampler()
 
     def prepare_inputs(self, sched: SchedulerOutput) -> ModelInputs:
+        # Row order of the flat batch: decode tokens first, shortest context first, then prefill
+        # chunks. Attention takes decodes of similar length together, and adjacent rows are a slice.
+        batch = sorted(sched.scheduled, key=lambda s: (s.phase != "decode", s.num_computed_tokens))
         input_ids: list[int] = []
         positions: list[int] = []
-        logits_rows: list[int] = []
-        for s in sched.scheduled:
+        last_row: dict[str, int] = {}
+        for s in batch:
             input_ids += s.token_ids
             positions += range(s.num_computed_tokens, s.num_computed_tokens + s.num_tokens)
-            logits_rows.append(len(input_ids) - 1)
+            last_row[s.request_id] = len(input_ids) - 1
         meta = build_attention_metadata(
-            query_lens=[s.num_tokens for s in sched.scheduled],
-            num_computed=[s.num_computed_tokens for s in sched.scheduled],
-            block_tables=[s.block_ids for s in sched.scheduled],
+            query_lens=[s.num_tokens for s in batch],
+            num_computed=[s.num_computed_tokens for s in batch],
+            block_tables=[s.block_ids for s in batch],
             block_size=self.block_size,
             device=self.device,
         )
+        # Logits only for the requests that sample this step, in the scheduler's order. A prefill
+        # chunk that stops before the end of the prompt has no next token: no lm_head row for it.
+        logits_rows = [last_row[s.request_id] for s in sched.scheduled if s.produces_token]
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         return ModelInputs(as_tensor(input_ids), as_tensor(positions), meta, as_tensor(logits_rows))
 
@@ -70,10 +76,8 @@ class ModelRunner:
         logits = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_meta, inputs.logits_indices)
         self._sync()
         t2 = time.perf_counter()
-        # A prefill chunk that stops before the end of the prompt has no next token to sample.
-        rows = [i for i, s in enumerate(sched.scheduled) if s.produces_token]
-        producing = [sched.scheduled[i] for i in rows]
-        results = self.sampler(logits[rows], [s.request_id for s in producing], [s.sampling_params for s in producing])
+        producing = [s for s in sched.scheduled if s.produces_token]  # one logits row each, in order
+        results = self.sampler(logits, [s.request_id for s in producing], [s.sampling_params for s in producing])
         t3 = time.perf_counter()
         return ModelRunnerOutput(
             sampled={s.request_id: r for s, r in zip(producing, results)},

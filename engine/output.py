@@ -71,10 +71,12 @@ class RequestOutput:
 
 
 def metrics_of(request: Request) -> RequestMetrics:
-    scheduled = [e.time for e in request.journey if e.kind == "scheduled"]
+    # The first "scheduled" event is near the start of the journey: stop there (this runs for every
+    # request at every step, and the journey grows by a few events per token).
+    first_scheduled = next((e.time for e in request.journey if e.kind == "scheduled"), None)
     return RequestMetrics(
         arrival_time=request.arrival_time,
-        first_scheduled_time=scheduled[0] if scheduled else None,
+        first_scheduled_time=first_scheduled,
         first_token_time=request.first_token_time,
         finish_time=request.finish_time,
         num_prompt_tokens=request.num_prompt_tokens,

@@ -108,4 +108,5 @@ def record_to_dict(record: StepRecord) -> dict:
     """Plain data (JSON-friendly) of a step, without the text outputs."""
     data = asdict(record)
     data.pop("outputs", None)
+    data["kv"]["blocks"] = [asdict(b) for b in record.kv.blocks]  # built on demand, so not a field
     return data

@@ -1,0 +1,127 @@
+"""`python -m engine bench`: runs end to end on the tiny model and writes complete, self-describing
+results. No timing is asserted here: timings belong to the benchmark's report, not to tests."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+
+import pytest
+
+from engine import bench
+from engine.__main__ import main
+
+# --quick plus an even smaller workload: a few seconds on the tiny model, every section still runs.
+SMALL = ["--quick", "--num-requests", "5", "--prompt-len", "8", "40", "--output-len", "3", "9",
+         "--max-num-seqs", "4", "--latency-requests", "3"]
+
+
+@pytest.fixture(scope="module")
+def bench_run(tiny_model_dir, tmp_path_factory):
+    """(results path, exit code, printed text) of one small bench run."""
+    path = tmp_path_factory.mktemp("bench") / "results.json"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["bench", "--model", str(tiny_model_dir), "--json", str(path), *SMALL])
+    return path, rc, out.getvalue()
+
+
+def test_quick_bench_runs_and_prints_the_table(bench_run):
+    path, rc, printed = bench_run
+    assert rc == 0 and path.is_file()
+    assert "1. Ceilings" in printed and "5. Latency under load" in printed and str(path) in printed
+
+
+def test_results_carry_their_conditions(bench_run, tiny_model_dir):
+    results = json.loads(bench_run[0].read_text())
+    c = results["conditions"]
+    for key in ("date", "device", "device_name", "threads", "dtype", "model", "seed", "workload", "engine",
+                "num_parameters", "weight_bytes_per_step", "flop_per_token", "torch", "transformers"):
+        assert key in c, key
+    assert c["model"] == str(tiny_model_dir) and c["dtype"] == "float32" and c["quick"] is True
+    assert c["workload"]["num_requests"] == 5 and c["workload"]["prompt_len"] == [8, 40]
+    assert c["engine"]["max_num_seqs"] == 4
+    # the tiny model is tied: its lm_head is the embedding, so every parameter is a matmul weight
+    assert c["weight_bytes_per_step"] == 4 * c["num_parameters"]
+    assert c["flop_per_token"] == 2 * c["num_parameters"]
+
+
+def test_ceilings_and_rooflines_are_consistent(bench_run):
+    results = json.loads(bench_run[0].read_text())
+    ce, ro, c = results["ceilings"], results["rooflines"], results["conditions"]
+    assert ce["kind"] == "measured" and ro["kind"] == "derived"
+    assert ce["memory_read_gb_s"] > 0 and ce["matvec_gb_s"] > 0
+    assert len(ce["memory_read_gb_s_samples"]) == 2 and ce["memory_read_gb_s"] == max(ce["memory_read_gb_s_samples"])
+    assert set(ce["matmul_gflop_s"]) == {"float32", "bfloat16"}
+    for dtype, by_kernel in ce["matmul_gflop_s_by_kernel"].items():
+        assert ce["matmul_gflop_s"][dtype] == max(by_kernel.values())
+    # the rooflines are the formulas they claim to be
+    assert math.isclose(ro["decode_tokens_per_s"], ce["memory_read_gb_s"] * 1e9 / c["weight_bytes_per_step"])
+    assert math.isclose(ro["compute_tokens_per_s"], ce["matmul_gflop_s"]["float32"] * 1e9 / c["flop_per_token"])
+    assert math.isclose(ro["decode_matvec_tokens_per_s"], ce["matvec_gb_s"] * 1e9 / c["weight_bytes_per_step"])
+
+
+def test_offline_counts_only_useful_tokens(bench_run):
+    results = json.loads(bench_run[0].read_text())
+    off = results["offline"]
+    workload = bench.make_workload(5, (8, 40), (3, 9), 0, 49152, range(17))
+    useful = sum(w.output_len for w in workload)
+    assert off["engine"]["output_tokens"] == useful == off["transformers"]["output_tokens"]
+    hf = off["transformers"]
+    assert hf["batches"] == 2 and hf["batch_size"] == 4
+    assert hf["output_slots_computed"] >= hf["output_slots_useful"] == useful
+    assert hf["prompt_tokens_computed"] >= hf["prompt_tokens_useful"]
+    assert math.isclose(off["ratio"], off["engine"]["output_tokens_per_s"] / hf["output_tokens_per_s"])
+    agreement = off["greedy_agreement"]
+    assert agreement["requests"] == 5 and 0 <= agreement["identical_requests"] <= 5
+
+
+def test_decode_overhead_and_latency_sections(bench_run):
+    results = json.loads(bench_run[0].read_text())
+    b1 = results["decode_batch1"]
+    assert b1["tokens_per_s"] > 0 and 0 < b1["fraction_of_roofline"]
+    for key, batch in (("batch_1", 1), ("full_batch", 4)):
+        o = results["overhead"][key]
+        assert o["batch"] == batch and o["steps"] > 0
+        assert 0 <= o["overhead_share"] < 1
+        assert set(o["phase_ms"]) == {"schedule", "prepare_inputs", "forward", "sample", "output_processing", "untimed"}
+    runs = results["latency"]["runs"]
+    assert len(runs) == 2  # --quick: half and all of the offline request rate
+    for run in runs:
+        assert run["requests"] == 3 and run["rate_req_s"] > 0 and run["output_tokens_per_s"] > 0
+        for metric in ("ttft_s", "tpot_s", "e2e_s"):
+            p = run[metric]
+            assert p["p50"] <= p["p90"] <= p["p99"]
+    names = [t["name"] for t in results["targets"]]
+    assert len(names) == 3 and all(isinstance(t["met"], bool) for t in results["targets"])
+
+
+def test_table_names_every_section(bench_run):
+    text = bench.format_results(json.loads(bench_run[0].read_text()))
+    for needle in ("1. Ceilings", "decode roofline", "2. Offline throughput", "ratio", "3. Decode at batch 1",
+                   "4. Engine overhead", "5. Latency under load", "Targets"):
+        assert needle in text, needle
+
+
+def test_load_latest_results_reads_back_what_was_saved(bench_run, tmp_path):
+    results = json.loads(bench_run[0].read_text())
+    assert bench.load_latest_results(bench_run[0]) == results
+    assert bench.load_latest_results(tmp_path / "missing.json") is None
+    copy = bench.save_results(results, tmp_path / "sub" / "latest.json")
+    assert bench.load_latest_results(copy) == results
+
+
+def test_workload_is_seeded_and_within_its_ranges():
+    a = bench.make_workload(20, (16, 512), (16, 256), 7, 49152, range(17))
+    b = bench.make_workload(20, (16, 512), (16, 256), 7, 49152, range(17))
+    assert [(w.prompt_token_ids, w.output_len) for w in a] == [(w.prompt_token_ids, w.output_len) for w in b]
+    assert all(16 <= len(w.prompt_token_ids) <= 512 and 16 <= w.output_len <= 256 for w in a)
+    assert all(17 <= t < 49152 for w in a for t in w.prompt_token_ids)  # no special tokens
+
+
+def test_percentiles_interpolate():
+    p = bench.percentiles([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert p == {"p50": 3.0, "p90": pytest.approx(4.6), "p99": pytest.approx(4.96)}
+    assert bench.percentiles([]) == {"p50": None, "p90": None, "p99": None}
