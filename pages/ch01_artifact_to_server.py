@@ -16,6 +16,7 @@ from ui.widgets import decision_table, evidence, show_code
 STAGE_MODULE = {
     "arrival": ("API 수신", "engine/server.py"),
     "tokenized": ("tokenize (채팅 템플릿 → 토큰 id)", "engine/tokenizer.py, engine/core.py"),
+    "queued": ("대기열 (엔진 스레드가 받아 줄 세움)", "engine/llm.py (AsyncLLM) → engine/scheduler.py"),
     "scheduled": ("스케줄링 (토큰 예산, KV 블록)", "engine/scheduler.py, engine/kv_cache.py"),
     "first_token": ("첫 토큰 (forward + 샘플링)", "engine/executor.py → worker.py → model_runner.py → models/llama.py, sampler.py"),
     "token": ("토큰 (decode forward + 샘플링)", "engine/model_runner.py, engine/sampler.py"),
