@@ -8,24 +8,17 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 
+from _browser import ROOT, SHOTS, browser_page as open_browser_page, streamlit_server
+from _browser import wait_idle as _wait_idle
+
 pytestmark = pytest.mark.browser
 
-ROOT = Path(__file__).resolve().parent.parent
-SHOTS = ROOT / "tests" / "screenshots"
+# Copied over the README's picture only when asked (UPDATE_README_SHOT=1), so a test run leaves
+# the tracked files alone.
 README_SHOT = ROOT / "docs" / "screenshots" / "lab.png"
-IDLE = "[data-testid='stApp'][data-test-script-state='notRunning']"
-RUNNING = "[data-testid='stApp'][data-test-script-state='running']"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"]
 STEP_TIMEOUT_MS = 180_000
 
 
@@ -35,77 +28,20 @@ def url_of(chapter_id: str) -> str:
     return next(c.url_path for c in CHAPTERS if c.id == chapter_id)
 
 
-def find_chromium() -> str | None:
-    for candidate in (os.environ.get("CHROMIUM"), "/usr/bin/chromium", shutil.which("chromium"),
-                      shutil.which("chromium-browser"), shutil.which("google-chrome")):
-        if candidate and Path(candidate).exists():
-            return candidate
-    return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def app_url(default_model_dir, tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("streamlit") / "streamlit.log"
-    cmd = [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true",
-           "--server.address", "127.0.0.1", "--server.port", str(port), "--browser.gatherUsageStats", "false",
-           "--server.fileWatcherType", "none"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"streamlit did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.3)
+    with streamlit_server(tmp_path_factory.mktemp("streamlit") / "streamlit.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture(scope="module")
 def browser_page(app_url):
-    chromium = find_chromium()
-    if chromium is None:
-        pytest.skip("no Chromium found (looked for $CHROMIUM, /usr/bin/chromium, chromium, chromium-browser): "
-                    "install Debian's chromium to run the browser test")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000}, locale="ko-KR")
-        page.set_default_timeout(STEP_TIMEOUT_MS)
-        page.goto(app_url)  # warm up on the main page (imports torch, loads the weights)
-        page.wait_for_selector(IDLE, timeout=STEP_TIMEOUT_MS)
+    with open_browser_page(app_url, STEP_TIMEOUT_MS) as page:
         yield page
-        browser.close()
 
 
 def wait_idle(page) -> None:
-    """Wait for the script run a click started to finish."""
-    try:
-        page.wait_for_selector(RUNNING, timeout=3000)
-    except Exception:  # noqa: BLE001 - the run may have finished before we looked
-        pass
-    page.wait_for_selector(IDLE, timeout=STEP_TIMEOUT_MS)
-    page.wait_for_timeout(300)
+    _wait_idle(page, STEP_TIMEOUT_MS)
 
 
 def open_page(page, url: str) -> None:
@@ -178,8 +114,9 @@ def test_chapter02_lab_to_the_end(browser_page, app_url):
     page.mouse.wheel(0, 250)
     page.wait_for_timeout(500)
     page.screenshot(path=str(SHOTS / "ch02_lab_mid_run.png"))
-    README_SHOT.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy(SHOTS / "ch02_lab_mid_run.png", README_SHOT)
+    if os.environ.get("UPDATE_README_SHOT") == "1":
+        README_SHOT.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(SHOTS / "ch02_lab_mid_run.png", README_SHOT)
     finish_lab(page)
     body = page.inner_text("body")
     assert "한국어로 자기소개를 해 주세요." in body  # the streamed panel shows the Korean request

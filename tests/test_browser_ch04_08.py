@@ -5,27 +5,14 @@ tests/screenshots/. Skips only where no Chromium (or Playwright) can be found.""
 
 from __future__ import annotations
 
-import os
-import shutil
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-from pathlib import Path
-
 import pytest
+
+from _browser import SHOTS, browser_page, streamlit_server
+from _browser import wait_idle as _wait_idle
 
 pytestmark = pytest.mark.browser
 
-ROOT = Path(__file__).resolve().parent.parent
-SHOTS = ROOT / "tests" / "screenshots"
-IDLE = "[data-testid='stApp'][data-test-script-state='notRunning']"
-RUNNING = "[data-testid='stApp'][data-test-script-state='running']"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"]
 STEP_TIMEOUT_MS = 300_000
-VENV_PYTHON = ROOT / ".venv" / "bin" / "python"
 
 # chapter url → (text that must be on the page, minimum plots after 실행)
 CHAPTERS = {
@@ -37,73 +24,20 @@ CHAPTERS = {
 }
 
 
-def find_chromium() -> str | None:
-    for candidate in (os.environ.get("CHROMIUM"), "/usr/bin/chromium", shutil.which("chromium")):
-        if candidate and Path(candidate).exists():
-            return candidate
-    return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def app_url(default_model_dir, tmp_path_factory):
-    if find_chromium() is None:
-        pytest.skip("no Chromium at $CHROMIUM or /usr/bin/chromium: install Debian's chromium to run the browser test")
-    python = str(VENV_PYTHON) if VENV_PYTHON.exists() else sys.executable
-    port = free_port()
-    log = tmp_path_factory.mktemp("streamlit_ch04_08") / "streamlit.log"
-    cmd = [python, "-m", "streamlit", "run", "app.py", "--server.headless", "true", "--server.address", "127.0.0.1",
-           "--server.port", str(port), "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"streamlit did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.3)
+    with streamlit_server(tmp_path_factory.mktemp("streamlit_ch04_08") / "streamlit.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture(scope="module")
 def page(app_url):
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=find_chromium(), headless=True, args=CHROMIUM_ARGS)
-        pg = browser.new_page(viewport={"width": 1400, "height": 1000}, locale="ko-KR")
-        pg.set_default_timeout(STEP_TIMEOUT_MS)
-        pg.goto(app_url)  # warm-up: torch import and the weights
-        pg.wait_for_selector(IDLE, timeout=STEP_TIMEOUT_MS)
+    with browser_page(app_url, STEP_TIMEOUT_MS) as pg:
         yield pg
-        browser.close()
 
 
 def wait_idle(pg) -> None:
-    try:
-        pg.wait_for_selector(RUNNING, timeout=3000)
-    except Exception:  # noqa: BLE001 - the run may already be over
-        pass
-    pg.wait_for_selector(IDLE, timeout=STEP_TIMEOUT_MS)
-    pg.wait_for_timeout(500)
+    _wait_idle(pg, STEP_TIMEOUT_MS, settle_ms=500)
 
 
 def no_exception(pg) -> None:
