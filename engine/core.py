@@ -8,6 +8,7 @@ looks like afterwards, so that a learner can replay the engine's life one decisi
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import OrderedDict
@@ -47,9 +48,8 @@ class EngineConfig:
 
 class EngineCore:
     def __init__(self, config: EngineConfig | None = None, executor: Executor | None = None, **overrides):
-        config = config or EngineConfig()
-        for key, value in overrides.items():
-            setattr(config, key, value)
+        # A copy with the overrides: the caller's config is never changed; unknown names raise TypeError.
+        config = dataclasses.replace(config or EngineConfig(), **overrides)
         self.config = config
         self.model_dir = resolve_model_path(config.model)
         self.model_config = LlamaConfig.from_model_dir(self.model_dir)
@@ -203,14 +203,14 @@ class EngineCore:
                 continue
             self._record_token(request, token, sched.step, t_token)
             stop = self.output_processor.process_tokens(request, [token])
-            if stop is not None and rid not in finished:
+            if stop is not None:
                 request.stop_reason = stop
-                self.scheduler.finish_requests([rid], RequestStatus.FINISHED_STOPPED)
-                finished.add(rid)
-            elif stop is not None:  # the same token also hit the length limit: the stop string wins
-                request.stop_reason = stop
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.finish_reason = RequestStatus.FINISHED_STOPPED.value
+                if rid in finished:  # the same token also hit the length limit: the stop string wins
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    request.finish_reason = RequestStatus.FINISHED_STOPPED.value
+                else:
+                    self.scheduler.finish_requests([rid], RequestStatus.FINISHED_STOPPED)
+                    finished.add(rid)
             is_finished = rid in finished
             if is_finished:
                 request.finish_time = t_token

@@ -70,17 +70,11 @@ def prompt_ids(engine: EngineCore, length: int, variant: int = 0) -> list[int]:
 
 
 def make_config(config: ConfigLike | None = None, **overrides) -> EngineConfig:
-    if config is None:
-        config = EngineConfig()
-    elif isinstance(config, dict):
+    """A copy of `config` (an EngineConfig, a dict of its fields, or None for the defaults) with the
+    overrides applied; an unknown setting raises TypeError."""
+    if isinstance(config, dict):
         config = EngineConfig(**config)
-    else:
-        config = dataclasses.replace(config)
-    for name, value in overrides.items():
-        if not hasattr(config, name):
-            raise TypeError(f"unknown engine setting {name!r}")
-        setattr(config, name, value)
-    return config
+    return dataclasses.replace(config or EngineConfig(), **overrides)
 
 
 # -- one run -------------------------------------------------------------------------------------

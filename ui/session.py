@@ -7,9 +7,10 @@ lives in st.session_state, so two learners never see each other's requests.
 
 from __future__ import annotations
 
+
 import datetime as _dt
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import streamlit as st
@@ -55,11 +56,7 @@ class EngineSettings:
             enable_prefix_caching=self.enable_prefix_caching,
             scheduling_policy=self.scheduling_policy,
         )
-        for name, value in overrides.items():
-            if not hasattr(config, name):
-                raise TypeError(f"unknown engine setting {name!r}")
-            setattr(config, name, value)
-        return config
+        return replace(config, **overrides)  # an unknown setting raises TypeError
 
 
 def current_settings() -> EngineSettings:
