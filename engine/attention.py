@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.utils import cdiv
+
 
 DECODE_GROUP_SIZE = 4  # decodes per padded attention call (4 to 8 measured best on a 2-core CPU)
 
@@ -71,7 +73,7 @@ def build_attention_metadata(
     tokens already in the cache, and owns the blocks `block_tables[i]`."""
     num_reqs = len(query_lens)
     context_lens = [start + q_len for start, q_len in zip(num_computed, query_lens)]
-    num_blocks = [-(-n // block_size) for n in context_lens]
+    num_blocks = [cdiv(n, block_size) for n in context_lens]
     max_blocks = max(num_blocks, default=0)
     # One padded block table for the whole batch: row i = request i's blocks, then zeros.
     tables = torch.tensor([t[:n] + [0] * (max_blocks - n) for t, n in zip(block_tables, num_blocks)],

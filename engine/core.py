@@ -10,40 +10,28 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
-from pathlib import Path
 
 from engine.artifact import resolve_model_path
+from engine.clock import EngineClock
+from engine.config import EngineConfig
 from engine.executor import Executor, UniProcExecutor
 from engine.kv_cache import KVCacheManager
+from engine.model_runner import ModelRunnerOutput
 from engine.models.llama import LlamaConfig
 from engine.output import OutputProcessor
 from engine.request import Request, RequestStatus
 from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.sampler import SampleResult
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler_output import Phase, SchedulerOutput
 from engine.tokenizer import Tokenizer
 from engine.trace import ScheduledRecord, StepRecord
 from engine.worker import Worker, resolve_device, resolve_dtype
 
-
-@dataclass
-class EngineConfig:
-    model: str | Path | None = None  # None: the embedded default artifact
-    device: str = "auto"
-    dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int | None = None  # bytes (CPU default 1 GiB)
-    gpu_memory_utilization: float = 0.9
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 32
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    scheduling_policy: str = "fcfs"
-    keep_finished: int = 1000  # finished requests kept for the app's plots
+logger = logging.getLogger(__name__)
 
 
 class EngineCore:
@@ -93,6 +81,7 @@ class EngineCore:
         self.live_requests: dict[str, Request] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0}
         self._ids = itertools.count()
+        self.clock = EngineClock()
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -104,9 +93,13 @@ class EngineCore:
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        engine_arrival_time: float | None = None,
     ) -> Request:
-        """Tokenize, validate and queue a request. Raises InvalidRequestError for bad input."""
-        request = self.make_request(prompt, sampling_params, request_id, prompt_token_ids, priority, arrival_time)
+        """Tokenize, validate and queue a request. Raises InvalidRequestError for bad input.
+        `arrival_time` is wall time (perf_counter); `engine_arrival_time` is on the engine clock
+        (default: now), for a workload whose arrivals are scheduled in engine time."""
+        request = self.make_request(prompt, sampling_params, request_id, prompt_token_ids, priority, arrival_time,
+                                    engine_arrival_time)
         self.queue_request(request)
         return request
 
@@ -118,6 +111,7 @@ class EngineCore:
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        engine_arrival_time: float | None = None,
     ) -> Request:
         """Tokenize and validate without touching the engine's state (safe from any thread)."""
         params = sampling_params or SamplingParams()
@@ -134,8 +128,11 @@ class EngineCore:
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.model_config.vocab_size})", "prompt")
         self.check_length(len(prompt_token_ids), params.max_tokens)
         request = Request(request_id, list(prompt_token_ids), params, self.tokenizer.eos_token_id, prompt,
-                          priority=priority, arrival_time=arrival)
-        request.record("arrival").time = arrival
+                          priority=priority, arrival_time=arrival, engine_clock=self.clock.now)
+        event = request.record("arrival")
+        event.time = arrival
+        if engine_arrival_time is not None:
+            event.engine_time = engine_arrival_time
         request.record("tokenized", num_prompt_tokens=len(prompt_token_ids))
         return request
 
@@ -168,6 +165,14 @@ class EngineCore:
         self._retire(request)
         return True
 
+    def weight_bytes(self) -> int:
+        """Bytes of model weights the executor's workers hold."""
+        return self.executor.weight_bytes()
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes of KV-cache memory allocated (all blocks, K and V, all layers)."""
+        return self.executor.kv_cache_bytes()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -180,88 +185,130 @@ class EngineCore:
     # -- the step ------------------------------------------------------------------------------
 
     def step(self) -> StepRecord:
-        """One engine iteration. Its record carries an output for every request that advanced."""
-        start = time.perf_counter()
-        sched = self.scheduler.schedule()
-        t_scheduled = time.perf_counter()
-        runner_out = self.executor.execute_model(sched)
-        t_executed = time.perf_counter()
+        """One engine iteration: schedule → execute → update → record."""
+        self.clock.start_step()
+        timer = StepTimer()
+        scheduler_output = self.scheduler.schedule()
+        timer.lap("schedule")
+        runner_output = self._execute(scheduler_output)
+        timer.lap("execute")
+        outputs = self._process_outputs(scheduler_output, runner_output)
+        timer.lap("output_processing")
+        engine_start = self.clock.now() - timer.total
+        duration = self.clock.end_step(runner_output.simulated_duration)
+        return self._make_record(scheduler_output, runner_output, outputs, timer, engine_start, duration)
 
-        sampled = {rid: r.token_id for rid, r in runner_out.sampled.items()}
-        for rid, result in runner_out.sampled.items():
-            request = self.live_requests.get(rid)
-            if request is not None and request.sampling_params.logprobs is not None:
-                request.output_logprobs.append(
-                    {"token_id": result.token_id, "logprob": result.logprob, "top_logprobs": result.top_logprobs})
-        finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the model. If the forward itself fails, only the step's requests fail."""
+        try:
+            return self.executor.execute_model(scheduler_output)
+        except Exception as error:  # noqa: BLE001 — one bad step must not stop the engine loop
+            logger.exception("step %d: the forward pass failed", scheduler_output.step)
+            message = f"the model failed in step {scheduler_output.step} ({type(error).__name__})"
+            return ModelRunnerOutput({}, failed={s.request_id: message for s in scheduler_output.scheduled})
 
-        t_token = time.perf_counter()
-        outputs = []
-        for rid, token in sampled.items():
-            request = self.live_requests.get(rid)
+    def _process_outputs(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list:
+        """Sampled tokens → stop checks (the scheduler decides), streamed text, journeys."""
+        failed = dict(runner_output.failed)
+        stop_strings: dict[str, str] = {}
+        for request_id, result in runner_output.sampled.items():
+            request = self.live_requests.get(request_id)
             if request is None:
                 continue
-            self._record_token(request, token, sched.step, t_token)
-            stop = self.output_processor.process_tokens(request, [token])
+            try:
+                stop = self.output_processor.process_tokens(request, [result.token_id])
+            except Exception as error:  # noqa: BLE001 — fail this request only
+                logger.exception("request %s: output processing failed", request_id)
+                failed[request_id] = f"output processing failed ({type(error).__name__})"
+                continue
             if stop is not None:
-                request.stop_reason = stop
-                if rid in finished:  # the same token also hit the length limit: the stop string wins
-                    request.status = RequestStatus.FINISHED_STOPPED
-                    request.finish_reason = RequestStatus.FINISHED_STOPPED.value
-                else:
-                    self.scheduler.finish_requests([rid], RequestStatus.FINISHED_STOPPED)
-                    finished.add(rid)
-            is_finished = rid in finished
-            if is_finished:
-                request.finish_time = t_token
-                request.record("finished", sched.step, reason=request.finish_reason)
-            output = self.output_processor.make_output(request, [token], is_finished)
-            if output.delta_text:
-                request.record("streamed", sched.step, chars=len(output.delta_text))
-            outputs.append(output)
-            if is_finished:
-                self._retire(request)
-        t_done = time.perf_counter()
+                stop_strings[request_id] = stop
+        self._fail_requests(failed, scheduler_output.step)
 
-        self.stats["steps"] += 1
-        self.stats["preemptions"] += len(sched.preempted)
-        self.stats["prompt_tokens"] += sum(s.num_tokens for s in sched.scheduled if s.phase != "decode")
-        self.stats["generation_tokens"] += len(sampled)
-        record = StepRecord(
-            step=sched.step,
-            start_time=start,
-            timings={
-                "schedule": t_scheduled - start,
-                "prepare_inputs": runner_out.timings.get("prepare_inputs", 0.0),
-                "forward": runner_out.timings.get("forward", 0.0),
-                "sample": runner_out.timings.get("sample", 0.0),
-                "output_processing": (t_done - t_executed),
-            },
-            scheduled=[
-                ScheduledRecord(s.request_id, s.phase, s.num_tokens, s.num_computed_tokens,
-                                self._num_prompt_tokens(s.request_id), s.num_prefix_hit_tokens)
-                for s in sched.scheduled
-            ],
-            unscheduled=sched.unscheduled,
-            preempted=sched.preempted,
-            token_budget=sched.token_budget,
-            max_num_seqs=self.config.max_num_seqs,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            new_tokens={rid: [tok] for rid, tok in sampled.items()},
-            finished={rid: self.get_request(rid).finish_reason for rid in finished if self.get_request(rid)},
-            kv=self.kv_cache_manager.snapshot(),
-            outputs=outputs,
-        )
-        return record
+        sampled = {rid: r.token_id for rid, r in runner_output.sampled.items() if rid not in failed}
+        finished = {r.request_id for r in self.scheduler.update_from_output(scheduler_output, sampled, stop_strings)}
+        now = time.perf_counter()
+        outputs = [self.output_processor.make_error_output(self.get_request(rid)) for rid in failed
+                   if self.get_request(rid) is not None]
+        for request_id, token in sampled.items():
+            request = self.live_requests.get(request_id)
+            if request is not None:
+                self._keep_logprobs(request, runner_output.sampled[request_id])
+                outputs.append(self._emit_token(request, token, request_id in finished, scheduler_output.step, now))
+        return outputs
 
-    def _record_token(self, request: Request, token: int, step: int, now: float) -> None:
+    def _emit_token(self, request: Request, token: int, is_finished: bool, step: int, now: float):
+        """Journey events and the RequestOutput for one new token (retires a finished request)."""
         request.token_times.append(now)
         if request.first_token_time is None:
             request.first_token_time = now
             request.record("first_token", step, token_id=token).time = now
         else:
             request.record("token", step, token_id=token).time = now
+        if is_finished:
+            request.finish_time = now
+            request.record("finished", step, reason=request.finish_reason)
+        output = self.output_processor.make_output(request, [token], is_finished)
+        if output.delta_text:
+            request.record("streamed", step, chars=len(output.delta_text))
+        if is_finished:
+            self._retire(request)
+        return output
+
+    @staticmethod
+    def _keep_logprobs(request: Request, result: SampleResult) -> None:
+        if request.sampling_params.logprobs is not None:
+            request.output_logprobs.append(
+                {"token_id": result.token_id, "logprob": result.logprob, "top_logprobs": result.top_logprobs})
+
+    def _fail_requests(self, errors: dict[str, str], step: int) -> None:
+        """End requests the engine could not serve; their clients get the error, the loop goes on."""
+        for request_id, message in errors.items():
+            request = self.live_requests.get(request_id)
+            if request is None:
+                continue
+            request.error = message
+            self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
+            request.finish_time = time.perf_counter()
+            request.record("finished", step, reason=request.finish_reason, error=message)
+            self._retire(request)
+
+    def _make_record(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, outputs: list,
+                     timer: "StepTimer", engine_start: float, engine_duration: float) -> StepRecord:
+        self.stats["steps"] += 1
+        self.stats["preemptions"] += len(scheduler_output.preempted)
+        self.stats["prompt_tokens"] += sum(
+            s.num_tokens for s in scheduler_output.scheduled if s.phase != Phase.DECODE)
+        self.stats["generation_tokens"] += len(runner_output.sampled)
+        finished = {o.request_id: o.finish_reason for o in outputs if o.finished}
+        return StepRecord(
+            step=scheduler_output.step,
+            start_time=timer.start,
+            timings={
+                "schedule": timer.laps["schedule"],
+                "prepare_inputs": runner_output.timings.get("prepare_inputs", 0.0),
+                "forward": runner_output.timings.get("forward", 0.0),
+                "sample": runner_output.timings.get("sample", 0.0),
+                "output_processing": timer.laps["output_processing"],
+            },
+            scheduled=[
+                ScheduledRecord(s.request_id, s.phase.value, s.num_tokens, s.num_computed_tokens,
+                                self._num_prompt_tokens(s.request_id), s.num_prefix_hit_tokens)
+                for s in scheduler_output.scheduled
+            ],
+            unscheduled=scheduler_output.unscheduled,
+            preempted=scheduler_output.preempted,
+            token_budget=scheduler_output.token_budget,
+            max_num_seqs=self.config.max_num_seqs,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            new_tokens={o.request_id: o.delta_token_ids for o in outputs if o.delta_token_ids},
+            finished=finished,
+            kv=self.kv_cache_manager.snapshot(),
+            outputs=outputs,
+            engine_start_time=engine_start,
+            engine_duration=engine_duration,
+        )
 
     def _retire(self, request: Request) -> None:
         self.live_requests.pop(request.request_id, None)
@@ -272,3 +319,20 @@ class EngineCore:
     def _num_prompt_tokens(self, request_id: str) -> int:
         request = self.get_request(request_id)
         return request.num_prompt_tokens if request else 0
+
+
+class StepTimer:
+    """Wall time of a step's phases: `lap(name)` closes the phase that ran since the last lap."""
+
+    def __init__(self) -> None:
+        self.start = self._last = time.perf_counter()
+        self.laps: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = now - self._last
+        self._last = now
+
+    @property
+    def total(self) -> float:
+        return self._last - self.start

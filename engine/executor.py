@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from engine.model_runner import ModelRunnerOutput
-from engine.scheduler import SchedulerOutput
+from engine.scheduler_output import SchedulerOutput
 from engine.worker import Worker
 
 
@@ -24,6 +24,14 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         ...
+
+    @abstractmethod
+    def weight_bytes(self) -> int:
+        """Bytes of model weights over all workers."""
+
+    @abstractmethod
+    def kv_cache_bytes(self) -> int:
+        """Bytes of KV-cache memory over all workers."""
 
     def shutdown(self) -> None:
         pass
@@ -44,3 +52,9 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def weight_bytes(self) -> int:
+        return self.worker.weight_bytes()
+
+    def kv_cache_bytes(self) -> int:
+        return self.worker.kv_cache_bytes()

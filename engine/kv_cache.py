@@ -22,6 +22,7 @@ from functools import cached_property
 from typing import Callable
 
 from engine.request import Request
+from engine.utils import cdiv
 
 BlockHashFn = Callable[[int | None, tuple[int, ...]], int]
 
@@ -174,7 +175,7 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
         self.hash_fn = hash_fn
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_hashes: dict[str, list[int]] = {}
@@ -198,7 +199,7 @@ class KVCacheManager:
         for i in range(max_blocks):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             block_hash = self.hash_fn(parent_hash, chunk)
-            block = self.pool.lookup(block_hash, chunk, parent)
+            block = self.block_pool.lookup(block_hash, chunk, parent)
             if block is None:
                 break
             hits.append(block)
@@ -220,13 +221,13 @@ class KVCacheManager:
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_needed = cdiv(num_computed + num_new_tokens, self.block_size)
         num_to_allocate = num_needed - len(blocks) - len(new_computed_blocks)
         evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_to_allocate > self.pool.num_free_blocks - evictable_hits:
+        if num_to_allocate > self.block_pool.num_free_blocks - evictable_hits:
             return None
-        self.pool.touch(new_computed_blocks)
-        blocks = blocks + new_computed_blocks + self.pool.get_new_blocks(max(num_to_allocate, 0))
+        self.block_pool.touch(new_computed_blocks)
+        blocks = blocks + new_computed_blocks + self.block_pool.get_new_blocks(max(num_to_allocate, 0))
         self.req_to_blocks[request.request_id] = blocks
         return blocks
 
@@ -243,13 +244,13 @@ class KVCacheManager:
             parent_hash = hashes[i - 1] if i else None
             block_hash = self.hash_fn(parent_hash, chunk)
             hashes.append(block_hash)
-            self.pool.cache_block(blocks[i], block_hash, chunk, blocks[i - 1] if i else None)
+            self.block_pool.cache_block(blocks[i], block_hash, chunk, blocks[i - 1] if i else None)
 
     def free(self, request: Request) -> None:
         """Release a request's blocks (finish, abort or preemption), tail first."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.req_to_hashes.pop(request.request_id, None)
-        self.pool.free_blocks(list(reversed(blocks)))
+        self.block_pool.free_blocks(list(reversed(blocks)))
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
@@ -258,16 +259,16 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
+        return self.block_pool.num_free_blocks
 
     @property
     def usage(self) -> float:
-        return 1.0 - self.pool.num_free_blocks / self.num_blocks
+        return 1.0 - self.block_pool.num_free_blocks / self.num_blocks
 
     def snapshot(self) -> KVSnapshot:
         block_tables = {rid: [b.block_id for b in blocks] for rid, blocks in self.req_to_blocks.items()}
-        cached_free = list(self.pool.cached_free)
-        num_used = self.num_blocks - self.pool.num_free_blocks
+        cached_free = list(self.block_pool.cached_free)
+        num_used = self.num_blocks - self.block_pool.num_free_blocks
         return KVSnapshot(
             num_blocks=self.num_blocks,
             block_size=self.block_size,

@@ -8,22 +8,25 @@ row of each request's last token, then calls the model once and samples the next
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import build_attention_metadata
+from engine.attention import AttentionMetadata, build_attention_metadata
 from engine.models.llama import LlamaModel
 from engine.sampler import SampleResult, Sampler
-from engine.scheduler import SchedulerOutput
+from engine.scheduler_output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
 class ModelInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    attn_meta: object
+    attn_meta: AttentionMetadata
     logits_indices: torch.Tensor
 
 
@@ -31,6 +34,8 @@ class ModelInputs:
 class ModelRunnerOutput:
     sampled: dict[str, SampleResult]  # only requests whose scheduled tokens reached their end
     timings: dict[str, float] = field(default_factory=dict)  # seconds: prepare_inputs, forward, sample
+    failed: dict[str, str] = field(default_factory=dict)  # request_id → why it could not be sampled
+    simulated_duration: float | None = None  # a simulated executor's computed step time (seconds)
 
 
 class ModelRunner:
@@ -77,12 +82,24 @@ class ModelRunner:
         self._sync()
         t2 = time.perf_counter()
         producing = [s for s in sched.scheduled if s.produces_token]  # one logits row each, in order
-        results = self.sampler(logits, [s.request_id for s in producing], [s.sampling_params for s in producing])
+        sampled, failed = self.sample(logits, producing)
         t3 = time.perf_counter()
-        return ModelRunnerOutput(
-            sampled={s.request_id: r for s, r in zip(producing, results)},
-            timings={"prepare_inputs": t1 - t0, "forward": t2 - t1, "sample": t3 - t2},
-        )
+        return ModelRunnerOutput(sampled, {"prepare_inputs": t1 - t0, "forward": t2 - t1, "sample": t3 - t2}, failed)
+
+    def sample(self, logits: torch.Tensor, producing: list) -> tuple[dict[str, SampleResult], dict[str, str]]:
+        """Sample the whole batch at once; if that fails, row by row, so only the bad request fails."""
+        ids, params = [s.request_id for s in producing], [s.sampling_params for s in producing]
+        try:
+            return dict(zip(ids, self.sampler(logits, ids, params))), {}
+        except Exception:  # noqa: BLE001 — find the row that fails, keep the others
+            sampled, failed = {}, {}
+            for row, (request_id, p) in enumerate(zip(ids, params)):
+                try:
+                    sampled[request_id] = self.sampler(logits[row : row + 1], [request_id], [p])[0]
+                except Exception as error:  # noqa: BLE001
+                    logger.exception("request %s: sampling failed", request_id)
+                    failed[request_id] = f"sampling failed ({type(error).__name__})"
+            return sampled, failed
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -8,50 +8,10 @@ the final text.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from engine.request import Request
+from engine.request import Request, RequestMetrics
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-
-
-@dataclass
-class RequestMetrics:
-    arrival_time: float
-    first_scheduled_time: float | None
-    first_token_time: float | None
-    finish_time: float | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    num_preemptions: int
-    token_times: list[float] = field(default_factory=list)
-
-    @property
-    def ttft(self) -> float | None:
-        """Time to first token: arrival → first generated token (seconds)."""
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def e2e(self) -> float | None:
-        """End-to-end latency: arrival → last token (seconds)."""
-        return None if self.finish_time is None else self.finish_time - self.arrival_time
-
-    @property
-    def tpot(self) -> float | None:
-        """Time per output token after the first: (E2E − TTFT) / (output tokens − 1)."""
-        if self.finish_time is None or self.first_token_time is None or self.num_output_tokens < 2:
-            return None
-        return (self.token_times[-1] - self.first_token_time) / (self.num_output_tokens - 1)
-
-    @property
-    def itl(self) -> list[float]:
-        """Inter-token latencies: the gap before each token after the first."""
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
-
-    def as_dict(self) -> dict:
-        return {"ttft": self.ttft, "tpot": self.tpot, "e2e": self.e2e, "num_prompt_tokens": self.num_prompt_tokens,
-                "num_output_tokens": self.num_output_tokens, "num_cached_tokens": self.num_cached_tokens,
-                "num_preemptions": self.num_preemptions}
 
 
 @dataclass
@@ -68,23 +28,11 @@ class RequestOutput:
     stop_reason: str | int | None
     metrics: RequestMetrics
     logprobs: list[dict] | None = None
+    error: str | None = None  # set when the engine failed this request (finish_reason "error")
 
 
 def metrics_of(request: Request) -> RequestMetrics:
-    # The first "scheduled" event is near the start of the journey: stop there (this runs for every
-    # request at every step, and the journey grows by a few events per token).
-    first_scheduled = next((e.time for e in request.journey if e.kind == "scheduled"), None)
-    return RequestMetrics(
-        arrival_time=request.arrival_time,
-        first_scheduled_time=first_scheduled,
-        first_token_time=request.first_token_time,
-        finish_time=request.finish_time,
-        num_prompt_tokens=request.num_prompt_tokens,
-        num_output_tokens=request.num_output_tokens,
-        num_cached_tokens=request.num_cached_tokens,
-        num_preemptions=request.num_preemptions,
-        token_times=list(request.token_times),
-    )
+    return RequestMetrics.from_request(request, "wall")
 
 
 class RequestTextState:
@@ -127,6 +75,25 @@ class OutputProcessor:
                 return stop
         return None
 
+    def make_error_output(self, request: Request) -> RequestOutput:
+        """The last output of a request the engine failed: what was streamed stays, the error is added."""
+        state = self.states.pop(request.request_id, None)
+        text = state.text[: state.num_streamed_chars] if state else ""
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            text=text,
+            token_ids=list(request.output_token_ids),
+            delta_text="",
+            delta_token_ids=[],
+            finished=True,
+            finish_reason=request.finish_reason,
+            stop_reason=None,
+            metrics=metrics_of(request),
+            error=request.error,
+        )
+
     def make_output(self, request: Request, new_token_ids: list[int], finished: bool) -> RequestOutput:
         state = self.states[request.request_id]
         if finished and not isinstance(request.stop_reason, str):  # a stop string already cut the text
@@ -149,4 +116,5 @@ class OutputProcessor:
             stop_reason=request.stop_reason,
             metrics=metrics_of(request),
             logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None else None,
+            error=request.error,
         )

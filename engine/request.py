@@ -1,10 +1,12 @@
-"""A request as the engine sees it: its tokens, how far it has been computed, and its journey."""
+"""A request as the engine sees it: its tokens, how far it has been computed, and its journey;
+and RequestMetrics, the one definition of TTFT, TPOT, ITL and E2E that every figure uses."""
 
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Literal
 
 from engine.sampling_params import SamplingParams
 
@@ -16,20 +18,31 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # the engine failed this request (and only it); the loop went on
 
     @property
     def is_finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self in _FINISHED
+
+
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+             RequestStatus.FINISHED_ERROR}
+
+Clock = Literal["wall", "engine"]
 
 
 @dataclass
 class JourneyEvent:
     """One timestamped moment of a request's life (what chapter 01's swimlane draws)."""
 
-    time: float  # time.perf_counter() seconds
+    time: float  # wall clock: time.perf_counter() seconds
     kind: str  # arrival, tokenized, queued, scheduled, first_token, token, preempted, resumed, streamed, finished
     step: int | None = None
     detail: dict = field(default_factory=dict)
+    engine_time: float | None = None  # engine clock (engine/clock.py) seconds, None outside an engine
+
+    def at(self, clock: Clock) -> float | None:
+        return self.time if clock == "wall" else self.engine_time
 
 
 @dataclass
@@ -54,6 +67,8 @@ class Request:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
+    error: str | None = None  # why the engine failed it (status FINISHED_ERROR)
+    engine_clock: Callable[[], float] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -76,6 +91,85 @@ class Request:
         return self.status.is_finished
 
     def record(self, kind: str, step: int | None = None, **detail) -> JourneyEvent:
-        event = JourneyEvent(time.perf_counter(), kind, step, detail)
+        engine_time = self.engine_clock() if self.engine_clock else None
+        event = JourneyEvent(time.perf_counter(), kind, step, detail, engine_time)
         self.journey.append(event)
         return event
+
+    def metrics(self, clock: Clock = "wall") -> "RequestMetrics":
+        return RequestMetrics.from_request(self, clock)
+
+
+@dataclass
+class RequestMetrics:
+    """A request's latencies, defined once (seconds on one clock, `wall` or `engine`).
+
+    TTFT = first token − arrival;  E2E = last token − arrival;
+    TPOT = (E2E − TTFT) / (N − 1): the mean gap between output tokens, undefined (None) for N < 2;
+    ITL  = each gap between consecutive output tokens (N − 1 values).
+    """
+
+    clock: Clock
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finish_time: float | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+    token_times: list[float] = field(default_factory=list)
+
+    @classmethod
+    def from_request(cls, request: Request, clock: Clock = "wall") -> "RequestMetrics":
+        if clock == "wall":
+            # Fast path (runs for every request at every step): the request keeps its wall times.
+            # The first "scheduled" event is near the start of the journey, so the search is short.
+            first_scheduled = next((e.time for e in request.journey if e.kind == "scheduled"), None)
+            arrival, first_token, finish = request.arrival_time, request.first_token_time, request.finish_time
+            token_times = list(request.token_times)
+        else:
+            times: dict[str, float] = {}
+            token_times = []
+            for e in request.journey:
+                if e.kind in ("first_token", "token"):
+                    token_times.append(e.engine_time)
+                times.setdefault(e.kind, e.engine_time)
+            arrival, first_scheduled = times.get("arrival", 0.0), times.get("scheduled")
+            first_token = token_times[0] if token_times else None
+            finish = times.get("finished") if request.is_finished else None
+        return cls(clock, arrival, first_scheduled, first_token, finish, request.num_prompt_tokens,
+                   request.num_output_tokens, request.num_cached_tokens, request.num_preemptions, token_times)
+
+    @property
+    def queue_time(self) -> float | None:
+        """Arrival → first scheduled (waiting in the queue)."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token: arrival → first generated token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e(self) -> float | None:
+        """End-to-end latency: arrival → finish."""
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first; None when there is no second token."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+    @property
+    def itl(self) -> list[float]:
+        """Inter-token latencies: the gap before each token after the first."""
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+    def as_dict(self) -> dict:
+        return {"clock": self.clock, "ttft": self.ttft, "tpot": self.tpot, "e2e": self.e2e,
+                "queue_time": self.queue_time, "num_prompt_tokens": self.num_prompt_tokens,
+                "num_output_tokens": self.num_output_tokens, "num_cached_tokens": self.num_cached_tokens,
+                "num_preemptions": self.num_preemptions}

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.scheduler_output import Phase, ScheduledRequest, SchedulerOutput
 
 # Why a request got no tokens this step (shown in the app's decision table).
 REASON_TOKEN_BUDGET = "token_budget"
@@ -29,65 +30,122 @@ REASON_MAX_NUM_SEQS = "max_num_seqs"
 REASON_PREEMPTED = "preempted"
 REASON_STATIC_BATCH = "static_batch_in_progress"
 
-POLICIES = ("fcfs", "priority", "static")
-
 
 @dataclass
 class SchedulerConfig:
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 32
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_model_len: int = 8192
     policy: str = "fcfs"
     enable_chunked_prefill: bool = True
 
 
+class TokenBudget:
+    """The step's token budget: how many tokens are left, and how many a request may take."""
+
+    def __init__(self, max_num_batched_tokens: int, enable_chunked_prefill: bool):
+        self.remaining = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+
+    def fit(self, num_uncomputed_tokens: int) -> int:
+        """Tokens a request may run now: all it has left, cut to the budget. Without chunked
+        prefill a request that does not fit whole gets none."""
+        if num_uncomputed_tokens > self.remaining and not self.enable_chunked_prefill:
+            return 0
+        return min(num_uncomputed_tokens, self.remaining)
+
+
 @dataclass
-class ScheduledRequest:
-    """One request's share of a step: plain data, enough for a worker in another process."""
+class StepPlan:
+    """The decision under construction: who runs how many tokens, who waits and why."""
 
-    request_id: str
-    phase: str  # "prefill" (whole prompt at once), "chunked_prefill" or "decode"
-    num_tokens: int
-    num_computed_tokens: int  # tokens already in the cache before this step
-    token_ids: list[int]  # the tokens to run now
-    block_ids: list[int]  # the request's block table
-    sampling_params: SamplingParams
-    produces_token: bool  # False for a prefill chunk that does not reach the end of the prompt
-    num_prefix_hit_tokens: int = 0  # tokens found in the prefix cache when admitted this step
-
-
-@dataclass
-class SchedulerOutput:
     step: int
-    scheduled: list[ScheduledRequest]
-    unscheduled: dict[str, str]  # request_id → reason
-    preempted: list[str]
-    token_budget: int
-    finished_ids: list[str] = field(default_factory=list)  # freed since the last step
+    budget: TokenBudget
+    scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
+    unscheduled: dict[str, str] = field(default_factory=dict)  # request_id → reason
+    preempted: list[str] = field(default_factory=list)
 
-    @property
-    def num_scheduled_tokens(self) -> dict[str, int]:
-        return {s.request_id: s.num_tokens for s in self.scheduled}
+    def add(self, scheduled: ScheduledRequest) -> None:
+        self.scheduled[scheduled.request_id] = scheduled
+        self.budget.remaining -= scheduled.num_tokens
 
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
+    def withdraw(self, request_id: str) -> None:
+        """A request scheduled earlier in this step was preempted: its tokens return to the budget."""
+        if request_id in self.scheduled:
+            self.budget.remaining += self.scheduled.pop(request_id).num_tokens
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+
+class SchedulingPolicy:
+    """FCFS: waiting requests in arrival order; the newest running request is preempted first."""
+
+    name = "fcfs"
+
+    def order_waiting(self, waiting: list[Request]) -> list[Request]:
+        return list(waiting)
+
+    def pick_victim(self, running: list[Request]) -> Request:
+        return running[-1]
+
+    def begin_admission(self, waiting: list[Request], running: list[Request], max_num_seqs: int) -> None:
+        """Called once per step before waiting requests are considered."""
+
+    def may_admit(self, request: Request) -> bool:
+        return True
+
+    def on_finish(self, request: Request) -> None:
+        pass
+
+
+class PriorityPolicy(SchedulingPolicy):
+    """Lower `priority` value first (then earlier arrival); the least important runs are preempted."""
+
+    name = "priority"
+
+    def order_waiting(self, waiting: list[Request]) -> list[Request]:
+        return sorted(waiting, key=lambda r: (r.priority, r.arrival_time))
+
+    def pick_victim(self, running: list[Request]) -> Request:
+        return max(running, key=lambda r: (r.priority, r.arrival_time))
+
+
+class StaticBatchingPolicy(SchedulingPolicy):
+    """Static batching (chapter 07's baseline): a batch forms only when nothing runs, and nothing
+    joins it until all of it has finished."""
+
+    name = "static"
+
+    def __init__(self) -> None:
+        self.batch: set[str] = set()
+
+    def begin_admission(self, waiting: list[Request], running: list[Request], max_num_seqs: int) -> None:
+        if not running and not self.batch:
+            self.batch = {r.request_id for r in waiting[:max_num_seqs]}
+
+    def may_admit(self, request: Request) -> bool:
+        return request.request_id in self.batch
+
+    def on_finish(self, request: Request) -> None:
+        self.batch.discard(request.request_id)
+
+
+POLICIES: dict[str, type[SchedulingPolicy]] = {
+    "fcfs": SchedulingPolicy, "priority": PriorityPolicy, "static": StaticBatchingPolicy}
+
+
+def make_policy(name: str) -> SchedulingPolicy:
+    if name not in POLICIES:
+        raise ValueError(f"scheduling policy must be one of {tuple(POLICIES)}, got {name!r}")
+    return POLICIES[name]()
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
-        if config.policy not in POLICIES:
-            raise ValueError(f"scheduling policy must be one of {POLICIES}, got {config.policy!r}")
         self.config = config
-        self.kv = kv_cache_manager
+        self.policy = make_policy(config.policy)
+        self.kv_cache_manager = kv_cache_manager
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # in admission order: the last one is the newest
-        self.static_batch: set[str] = set()
         self.finished_since_last_step: list[str] = []
         self.step_index = 0
         self.num_preemptions = 0
@@ -100,7 +158,7 @@ class Scheduler:
         request.record("queued", waiting=len(self.waiting))
 
     def finish_requests(self, request_ids, status: RequestStatus) -> None:
-        """End requests from outside the step (abort, stop string): free their blocks at once."""
+        """End requests from outside the step (abort, error): free their blocks at once."""
         for request_id in list(request_ids):
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
@@ -117,167 +175,150 @@ class Scheduler:
     # -- the decision --------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """Running requests first (ongoing generations keep flowing), then waiting ones."""
         self.step_index += 1
-        step = self.step_index
-        budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, ScheduledRequest] = {}
-        unscheduled: dict[str, str] = {}
-        preempted: list[str] = []
+        plan = StepPlan(self.step_index, TokenBudget(self.config.max_num_batched_tokens,
+                                                     self.config.enable_chunked_prefill))
+        self._schedule_running(plan)
+        self._schedule_waiting(plan)
+        return self._finalize(plan)
 
-        # 1. Running requests, oldest first.
-        i = 0
-        while i < len(self.running):
-            request = self.running[i]
-            num_new = self._num_tokens_to_schedule(request, budget)
+    def _schedule_running(self, plan: StepPlan) -> None:
+        """Each running request gets its next tokens; if the KV cache is full, someone is preempted."""
+        for request in list(self.running):
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step to make room for another
+            num_new = plan.budget.fit(request.num_tokens - request.num_computed_tokens)
             if num_new == 0:
-                unscheduled[request.request_id] = REASON_TOKEN_BUDGET
-                i += 1
-                continue
-            while self.kv.allocate_slots(request, num_new) is None:
-                victim = self._pick_victim()
-                if victim.request_id in scheduled:  # priority policy: the victim may already have its share
-                    budget += scheduled.pop(victim.request_id).num_tokens
-                if self.running.index(victim) < i:
-                    i -= 1  # keep `i` on the current request once the list closes up
-                self._preempt(victim, step)
-                preempted.append(victim.request_id)
-                unscheduled[victim.request_id] = REASON_PREEMPTED
-                if victim is request:
-                    break
-            else:
-                scheduled[request.request_id] = self._make_scheduled(request, num_new)
-                budget -= num_new
-                i += 1
-                continue
-            # the request preempted itself; `running` shrank, so `i` already points at the next one
+                plan.unscheduled[request.request_id] = REASON_TOKEN_BUDGET
+            elif self._make_room(request, num_new, plan):
+                plan.add(self._make_scheduled(request, num_new))
 
-        # 2. Waiting requests, unless this step already had to preempt.
-        if self.config.policy == "static" and not self.running and not self.static_batch:
-            self.static_batch = {r.request_id for r in self.waiting[: self.config.max_num_seqs]}
-        blocked = REASON_NO_KV_BLOCKS if preempted else None  # FCFS: once one waits, all behind it wait
-        for request in self._waiting_in_order():
-            request_id = request.request_id
-            if self.config.policy == "static" and request_id not in self.static_batch:
-                unscheduled[request_id] = REASON_STATIC_BATCH
+    def _make_room(self, request: Request, num_new: int, plan: StepPlan) -> bool:
+        """Allocate KV slots for `num_new` tokens, preempting running requests (the policy picks
+        whom) until they fit. False if the request itself had to be preempted."""
+        while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+            victim = self.policy.pick_victim(self.running)
+            self._preempt(victim, plan)
+            if victim is request:
+                return False
+        return True
+
+    def _schedule_waiting(self, plan: StepPlan) -> None:
+        """Admit waiting requests in the policy's order while they fit. Once one cannot be
+        admitted, all behind it wait too (no overtaking), and none is admitted after a preemption."""
+        self.policy.begin_admission(self.waiting, self.running, self.config.max_num_seqs)
+        blocked = REASON_NO_KV_BLOCKS if plan.preempted else None
+        for request in self.policy.order_waiting(self.waiting):
+            if not self.policy.may_admit(request):
+                plan.unscheduled[request.request_id] = REASON_STATIC_BATCH
                 continue
             if blocked is None and len(self.running) >= self.config.max_num_seqs:
                 blocked = REASON_MAX_NUM_SEQS
             if blocked is None:
-                blocked = self._admit(request, budget, step, scheduled)
-                if blocked is None:
-                    budget -= scheduled[request_id].num_tokens
-                    continue
-            unscheduled.setdefault(request_id, blocked)  # a victim keeps "preempted"
+                blocked = self._admit(request, plan)
+            if blocked is not None:
+                plan.unscheduled.setdefault(request.request_id, blocked)  # a victim keeps "preempted"
 
-        for s in scheduled.values():  # only now is the decision final (a victim may have lost its share)
-            self.requests[s.request_id].record("scheduled", step, phase=s.phase, num_tokens=s.num_tokens,
-                                               start=s.num_computed_tokens)
-        finished_ids, self.finished_since_last_step = self.finished_since_last_step, []
-        return SchedulerOutput(
-            step=step,
-            scheduled=list(scheduled.values()),
-            unscheduled=unscheduled,
-            preempted=preempted,
-            token_budget=self.config.max_num_batched_tokens,
-            finished_ids=finished_ids,
-        )
-
-    def _admit(self, request: Request, budget: int, step: int, scheduled: dict) -> str | None:
+    def _admit(self, request: Request, plan: StepPlan) -> str | None:
         """Move a waiting request to running if its first chunk fits; else return why not."""
-        computed_blocks, num_cached = self.kv.get_computed_blocks(request)
-        request.num_computed_tokens = num_cached
-        num_new = self._num_tokens_to_schedule(request, budget)
+        computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
+        num_new = plan.budget.fit(request.num_tokens - num_cached)
         if num_new == 0:
-            request.num_computed_tokens = 0
             return REASON_TOKEN_BUDGET
-        request.num_computed_tokens = 0
-        if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
+        if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks) is None:
             return REASON_NO_KV_BLOCKS
-        self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+        self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_cached)
         request.num_computed_tokens = request.num_cached_tokens = num_cached
         self.waiting.remove(request)
         self.running.append(request)
         if request.status == RequestStatus.PREEMPTED:
-            request.record("resumed", step)
+            request.record("resumed", plan.step)
         request.status = RequestStatus.RUNNING
-        scheduled[request.request_id] = self._make_scheduled(request, num_new)
-        scheduled[request.request_id].num_prefix_hit_tokens = num_cached
+        plan.add(self._make_scheduled(request, num_new, num_prefix_hit_tokens=num_cached))
         return None
 
-    def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
-        """All tokens not yet computed, cut to the budget (or 0 if chunking is off and it won't fit)."""
-        remaining = request.num_tokens - request.num_computed_tokens
-        if remaining > budget and not self.config.enable_chunked_prefill:
-            return 0
-        return min(remaining, budget)
+    def _finalize(self, plan: StepPlan) -> SchedulerOutput:
+        for s in plan.scheduled.values():  # only now is the decision final (a victim may have lost its share)
+            self.requests[s.request_id].record("scheduled", plan.step, phase=s.phase.value,
+                                               num_tokens=s.num_tokens, start=s.num_computed_tokens)
+        finished_ids, self.finished_since_last_step = self.finished_since_last_step, []
+        return SchedulerOutput(
+            step=plan.step,
+            scheduled=list(plan.scheduled.values()),
+            unscheduled=plan.unscheduled,
+            preempted=plan.preempted,
+            token_budget=self.config.max_num_batched_tokens,
+            finished_ids=finished_ids,
+        )
 
-    def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _make_scheduled(self, request: Request, num_new: int, num_prefix_hit_tokens: int = 0) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
         if start >= request.num_prompt_tokens and num_new == 1:
-            phase = "decode"
+            phase = Phase.DECODE
         elif start == request.num_cached_tokens and end == request.num_tokens:
-            phase = "prefill"
+            phase = Phase.PREFILL
         else:
-            phase = "chunked_prefill"
+            phase = Phase.CHUNKED_PREFILL
         return ScheduledRequest(
             request_id=request.request_id,
             phase=phase,
             num_tokens=num_new,
             num_computed_tokens=start,
             token_ids=request.all_token_ids[start:end],
-            block_ids=self.kv.block_ids(request.request_id),
+            block_ids=self.kv_cache_manager.block_ids(request.request_id),
             sampling_params=request.sampling_params,
             produces_token=end == request.num_tokens,
+            num_prefix_hit_tokens=num_prefix_hit_tokens,
         )
 
-    def _waiting_in_order(self) -> list[Request]:
-        if self.config.policy == "priority":
-            return sorted(self.waiting, key=lambda r: (r.priority, r.arrival_time))
-        return list(self.waiting)
-
-    def _pick_victim(self) -> Request:
-        if self.config.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
-
-    def _preempt(self, request: Request, step: int) -> None:
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
         """Free the victim's KV and put it back at the head of the queue; it will be recomputed."""
+        plan.withdraw(request.request_id)
+        plan.preempted.append(request.request_id)
+        plan.unscheduled[request.request_id] = REASON_PREEMPTED
         self.running.remove(request)
-        self.kv.free(request)
+        self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_cached_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.insert(0, request)
-        request.record("preempted", step)
+        request.record("preempted", plan.step)
 
     # -- after the model ran -------------------------------------------------------------------
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int],
+                           stop_strings: dict[str, str] | None = None) -> list[Request]:
         """Advance each scheduled request, append its new token, stop it if it is done.
-        Returns the requests that finished in this step."""
+        `stop_strings`: requests whose text now contains a stop string (the output processor
+        found it). Returns the requests that finished in this step."""
+        stop_strings = stop_strings or {}
         finished = []
         for s in output.scheduled:
             request = self.requests.get(s.request_id)
-            if request is None:  # aborted while the step ran
+            if request is None:  # aborted or failed while the step ran
                 continue
             request.num_computed_tokens += s.num_tokens
-            self.kv.cache_full_blocks(request)
+            self.kv_cache_manager.cache_full_blocks(request)
             if s.request_id not in sampled:
                 continue
             request.output_token_ids.append(sampled[s.request_id])
-            status = self._check_stop(request)
+            status = self._check_stop(request, stop_strings.get(s.request_id))
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
                 finished.append(request)
         return finished
 
-    def _check_stop(self, request: Request) -> RequestStatus | None:
+    def _check_stop(self, request: Request, stop_string: str | None = None) -> RequestStatus | None:
         params = request.sampling_params
         token = request.output_token_ids[-1]
+        if stop_string is not None:  # a stop string wins, even over the length limit
+            request.stop_reason = stop_string
+            return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token == request.eos_token_id:
                 request.stop_reason = None
@@ -294,7 +335,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         request.finish_reason = status.value
-        self.kv.free(request)
-        self.static_batch.discard(request.request_id)
+        self.kv_cache_manager.free(request)
+        self.policy.on_finish(request)
         self.finished_since_last_step.append(request.request_id)
         del self.requests[request.request_id]

@@ -38,6 +38,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a token string (e.g. a special token), None if the vocabulary lacks it."""
+        return self._tok.token_to_id(token)
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=True).ids
 

@@ -38,6 +38,8 @@ class StepRecord:
     finished: dict[str, str]  # request_id → finish reason
     kv: KVSnapshot
     outputs: list = field(default_factory=list, repr=False)  # RequestOutput per request that advanced
+    engine_start_time: float = 0.0  # on the engine clock (engine/clock.py): seconds since it started
+    engine_duration: float = 0.0  # engine seconds this step took (measured, or computed by a simulator)
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
@@ -49,6 +51,7 @@ class StepRecord:
 
     @property
     def duration(self) -> float:
+        """Wall seconds of the step's timed phases."""
         return sum(self.timings.values())
 
 

@@ -14,11 +14,16 @@ from pathlib import Path
 import torch
 
 from engine.attention import build_attention_metadata
+from engine.config import (
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+)
 from engine.model_runner import ModelRunner, ModelRunnerOutput
 from engine.models.llama import LlamaModel
-from engine.scheduler import SchedulerOutput
+from engine.scheduler_output import SchedulerOutput
+from engine.utils import cdiv
 
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB
 
 _weights_lock = threading.Lock()
 _loaded_models: dict[tuple[str, str, torch.dtype], LlamaModel] = {}
@@ -31,6 +36,12 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype) 
         if key not in _loaded_models:
             _loaded_models[key] = LlamaModel.from_pretrained(model_dir, device=device, dtype=dtype)
         return _loaded_models[key]
+
+
+def is_model_loaded(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether these weights are already in this process (the next load is then free)."""
+    with _weights_lock:
+        return (str(Path(model_dir).resolve()), str(device), dtype) in _loaded_models
 
 
 def resolve_device(device: str) -> torch.device:
@@ -75,15 +86,15 @@ class Worker:
     @property
     def bytes_per_block(self) -> int:
         element = torch.tensor([], dtype=self.dtype).element_size()
-        return self.model.cfg.kv_bytes_per_token * element * self.block_size
+        return self.model.cfg.kv_elements_per_token * element * self.block_size
 
     def determine_num_blocks(
         self,
         max_model_len: int,
         num_kv_blocks: int | None = None,
         kv_cache_memory: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        max_num_batched_tokens: int = 512,
+        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
     ) -> int:
         if num_kv_blocks is None:
             if kv_cache_memory is None:
@@ -92,7 +103,7 @@ class Worker:
                 else:
                     kv_cache_memory = DEFAULT_CPU_KV_CACHE_BYTES
             num_kv_blocks = kv_cache_memory // self.bytes_per_block
-        blocks_needed = -(-max_model_len // self.block_size)
+        blocks_needed = cdiv(max_model_len, self.block_size)
         if num_kv_blocks < blocks_needed:
             raise CacheTooSmallError(
                 f"KV cache of {num_kv_blocks} blocks ({num_kv_blocks * self.block_size} tokens) cannot hold one "
@@ -105,7 +116,7 @@ class Worker:
         """Run the largest step once on a scratch cache, then see what the GPU has left."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        blocks = -(-num_tokens // self.block_size)
+        blocks = cdiv(num_tokens, self.block_size)
         scratch = self.model.allocate_kv_cache(blocks, self.block_size)
         meta = build_attention_metadata([num_tokens], [0], [list(range(blocks))], self.block_size, self.device)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
@@ -117,6 +128,13 @@ class Worker:
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory
         return max(int(total * utilization) - peak, 0)
+
+    def weight_bytes(self) -> int:
+        return self.model.weight_bytes()
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV cache tensors this worker allocated (K and V, all layers)."""
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.runner.kv_caches)
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks

@@ -65,7 +65,7 @@ def artifact_inspector() -> None:
     from engine.tokenizer import Tokenizer
 
     tok = Tokenizer(info.path)
-    special = [{"역할": k, "토큰": v, "id": tok._tok.token_to_id(v)} for k, v in info.special_tokens.items()]
+    special = [{"역할": k, "토큰": v, "id": tok.token_to_id(v)} for k, v in info.special_tokens.items()]
     st.markdown(f"**tokenizer**: 어휘 {tok.vocab_size:,}개, 채팅 템플릿 "
                 f"{'있음' if tok.chat_template else '없음'}, 특수 토큰:")
     st.dataframe(pd.DataFrame(special), hide_index=True)

@@ -5,6 +5,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from engine.kv_cache import KVCacheManager
+from engine.utils import cdiv
 from ui import figures
 from ui.experiments import RequestSpec, Workload, block_tables_frame, fragmentation, run_workload
 from ui.lesson import render_chapter
@@ -45,7 +46,7 @@ def compare_lab() -> None:
     max_len = c3.select_slider("최대 길이 (max_model_len)", [128, 256, 512], value=256, key="ch06_maxlen")
     mode = c4.radio("연속 예약 크기 R", ["max_model_len", "prompt+max_tokens"], key="ch06_mode")
     bs = current_settings().block_size
-    blocks = max(48, -(-max_len // bs))
+    blocks = max(48, cdiv(max_len, bs))
     if st.button("실행", key="ch06_run", type="primary"):
         cfg = current_settings().to_config(max_model_len=max_len, num_kv_blocks=blocks, enable_prefix_caching=False)
         with st.spinner("엔진에서 워크로드를 실행하는 중…"):

@@ -47,16 +47,16 @@ def check_consistent(kv: KVCacheManager) -> None:
         assert len(ids) == len(set(ids)), f"{rid} holds a block twice: {ids}"
         for b in ids:
             holders[b] = holders.get(b, 0) + 1
-    for block in kv.pool.blocks:
+    for block in kv.block_pool.blocks:
         assert block.ref_cnt == holders.get(block.block_id, 0), block
-        assert (block.ref_cnt == 0) == (block.block_id in kv.pool.free_queue), block
+        assert (block.ref_cnt == 0) == (block.block_id in kv.block_pool.free_queue), block
         if holders.get(block.block_id, 0) > 1:
             assert block.block_hash is not None, f"block {block.block_id} shared but not a prefix-cache block"
-    cached_ids = {b.block_id for same in kv.pool.cached.values() for b in same}
-    assert cached_ids == {b.block_id for b in kv.pool.blocks if b.block_hash is not None}
+    cached_ids = {b.block_id for same in kv.block_pool.cached.values() for b in same}
+    assert cached_ids == {b.block_id for b in kv.block_pool.blocks if b.block_hash is not None}
     snap = kv.snapshot()
     assert snap.num_used + snap.num_cached_free + snap.num_free == kv.num_blocks
-    assert snap.num_used == sum(1 for b in kv.pool.blocks if b.ref_cnt > 0)
+    assert snap.num_used == sum(1 for b in kv.block_pool.blocks if b.ref_cnt > 0)
     assert snap.usage == pytest.approx(snap.num_used / kv.num_blocks)
 
 
@@ -122,12 +122,12 @@ def test_prefix_hit_shares_blocks_and_counts_references():
     assert b_hits == a_table[:3] and b_table[:3] == a_table[:3]
     assert set(b_table[3:]).isdisjoint(a_table)
     for block_id in a_table[:3]:
-        assert kv.pool.blocks[block_id].ref_cnt == 2
+        assert kv.block_pool.blocks[block_id].ref_cnt == 2
     snap = kv.snapshot()
     assert sorted(snap.blocks[a_table[0]].owners) == ["a", "b"]
     check_consistent(kv)
     kv.free(a)
-    assert all(kv.pool.blocks[i].ref_cnt == 1 for i in a_table[:3])
+    assert all(kv.block_pool.blocks[i].ref_cnt == 1 for i in a_table[:3])
     check_consistent(kv)
     kv.free(b)
     check_consistent(kv)
@@ -282,7 +282,7 @@ def test_freed_cached_blocks_are_reused_until_evicted_least_recently_freed_first
     assert admit(kv, b)[1] == [3, 4, 5]
     kv.free(a)  # tail first: 2, 1, 0
     kv.free(b)  # then 5, 4, 3
-    assert list(kv.pool.free_queue) == [2, 1, 0, 5, 4, 3]
+    assert list(kv.block_pool.free_queue) == [2, 1, 0, 5, 4, 3]
     snap = kv.snapshot()
     assert [s.status for s in snap.blocks] == ["cached", "cached", "free", "cached", "cached", "free"]
     assert snap.num_cached_free == 4 and snap.num_used == 0
@@ -291,22 +291,22 @@ def test_freed_cached_blocks_are_reused_until_evicted_least_recently_freed_first
     c = make_req("c", X + Y + [2])
     hits, table = admit(kv, c)
     assert hits == [0, 1] and table == [0, 1, 2]  # block 2 (plain free) was the first in line
-    assert [kv.pool.blocks[i].ref_cnt for i in (0, 1)] == [1, 1]
-    assert list(kv.pool.free_queue) == [5, 4, 3]
+    assert [kv.block_pool.blocks[i].ref_cnt for i in (0, 1)] == [1, 1]
+    assert list(kv.block_pool.free_queue) == [5, 4, 3]
     check_consistent(kv)
 
     # new tokens evict: the plain free block 5 first, then 4 = b's tail (freed before its head)
     d = make_req("d", [90] * 5)
     _, d_table = admit(kv, d)
     assert d_table == [5, 4]
-    assert kv.pool.blocks[5].token_ids == (90,) * 4 and kv.pool.blocks[4].block_hash is None  # W's copy is gone
+    assert kv.block_pool.blocks[5].token_ids == (90,) * 4 and kv.block_pool.blocks[4].block_hash is None  # W's copy is gone
     hits, n = kv.get_computed_blocks(make_req("e", Z + W + [1]))
     assert [h.block_id for h in hits] == [3] and n == BS  # W's block was evicted, Z's survives
     check_consistent(kv)
 
     # c frees its blocks; they go to the back of the queue (most recently freed)
     kv.free(c)
-    assert list(kv.pool.free_queue) == [3, 2, 1, 0]
+    assert list(kv.block_pool.free_queue) == [3, 2, 1, 0]
     check_consistent(kv)
 
 
@@ -315,12 +315,12 @@ def test_revived_block_moves_to_the_back_of_the_queue():
     a = make_req("a", X + [1])  # blocks 0 (cached) and 1
     admit(kv, a)
     kv.free(a)
-    assert list(kv.pool.free_queue) == [2, 3, 4, 1, 0]
+    assert list(kv.block_pool.free_queue) == [2, 3, 4, 1, 0]
     b = make_req("b", X + [2])
     assert admit(kv, b)[0] == [0]
     kv.free(b)
     # 0 is now the most recently freed, so it outlives blocks freed before it
-    assert list(kv.pool.free_queue)[-1] == 0
+    assert list(kv.block_pool.free_queue)[-1] == 0
     admit(kv, make_req("c", [80] * 13))  # 4 blocks: everything but block 0
     assert kv.get_computed_blocks(make_req("d", X + [3]))[1] == BS
 
@@ -400,5 +400,5 @@ def test_random_admit_grow_free_keeps_ref_counts_right(seed, num_blocks, block_s
     for req in list(live.values()):
         kv.free(req)
     check_consistent(kv)
-    assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
+    assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
     assert kv.num_free_blocks == num_blocks and kv.usage == 0.0

@@ -59,7 +59,7 @@ def step(sched: Scheduler, token: int = 5):
 
 def check_kv(sched: Scheduler) -> None:
     """Block ownership and reference counts against the block tables of live requests."""
-    kv = sched.kv
+    kv = sched.kv_cache_manager
     bs = kv.block_size
     running_ids = {r.request_id for r in sched.running}
     assert set(kv.req_to_blocks) == running_ids, "only running requests hold blocks"
@@ -69,10 +69,10 @@ def check_kv(sched: Scheduler) -> None:
         assert len(ids) == len(set(ids)), f"{rid} holds a block twice"
         for b in ids:
             holders.setdefault(b, []).append(rid)
-    for block in kv.pool.blocks:
+    for block in kv.block_pool.blocks:
         owners = holders.get(block.block_id, [])
         assert block.ref_cnt == len(owners), (block, owners)
-        assert (block.ref_cnt == 0) == (block.block_id in kv.pool.free_queue)
+        assert (block.ref_cnt == 0) == (block.block_id in kv.block_pool.free_queue)
         if len(owners) > 1:
             assert kv.enable_prefix_caching and block.block_hash is not None, (
                 f"block {block.block_id} owned by {owners} but is not a prefix-cache block")
@@ -112,7 +112,7 @@ class Driver:
         request = self.sched.requests.get(request_id)
         self.sched.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
         if request is not None:
-            assert request.finish_reason == "abort" and request_id not in self.sched.kv.req_to_blocks
+            assert request.finish_reason == "abort" and request_id not in self.sched.kv_cache_manager.req_to_blocks
             self.finished[request_id] = request
             self.finish_step.setdefault(request_id, self.num_steps)
 
@@ -186,8 +186,8 @@ class Driver:
                 assert s.num_computed_tokens == computed_before[s.request_id]
             assert s.token_ids == request.all_token_ids[s.num_computed_tokens : s.num_computed_tokens + s.num_tokens]
             assert s.produces_token == (s.num_computed_tokens + s.num_tokens == request.num_tokens)
-            assert len(s.block_ids) * sched.kv.block_size >= s.num_computed_tokens + s.num_tokens
-            assert s.block_ids == sched.kv.block_ids(s.request_id)
+            assert len(s.block_ids) * sched.kv_cache_manager.block_size >= s.num_computed_tokens + s.num_tokens
+            assert s.block_ids == sched.kv_cache_manager.block_ids(s.request_id)
             if s.phase == "decode":
                 assert s.num_tokens == 1 and s.num_computed_tokens >= request.num_prompt_tokens
             if s.phase == "prefill":
@@ -196,8 +196,8 @@ class Driver:
                 assert s.phase != "chunked_prefill" or s.produces_token
             if s.request_id in admitted:
                 assert s.num_prefix_hit_tokens == request.num_cached_tokens == s.num_computed_tokens
-                assert s.num_prefix_hit_tokens % sched.kv.block_size == 0
-                if not sched.kv.enable_prefix_caching:
+                assert s.num_prefix_hit_tokens % sched.kv_cache_manager.block_size == 0
+                if not sched.kv_cache_manager.enable_prefix_caching:
                     assert s.num_prefix_hit_tokens == 0
         check_kv(sched)
 
@@ -222,7 +222,7 @@ class Driver:
 
     def check_finish(self, request: Request) -> None:
         params, cfg = request.sampling_params, self.sched.config
-        assert request.request_id not in self.sched.requests and request.request_id not in self.sched.kv.req_to_blocks
+        assert request.request_id not in self.sched.requests and request.request_id not in self.sched.kv_cache_manager.req_to_blocks
         last = request.output_token_ids[-1]
         if request.finish_reason == "stop":
             assert not params.ignore_eos and last == EOS or last in params.stop_token_ids
@@ -304,10 +304,10 @@ def run_scenario(scenario, check_decisions=True):
         t += 1
     # everything finished or aborted: all blocks free or cached-free
     assert not sched.running and not sched.waiting and not sched.requests
-    assert all(b.ref_cnt == 0 for b in sched.kv.pool.blocks)
-    assert sched.kv.num_free_blocks == sched.kv.num_blocks and sched.kv.usage == 0.0
-    assert sched.kv.req_to_blocks == {}
-    snap = sched.kv.snapshot()
+    assert all(b.ref_cnt == 0 for b in sched.kv_cache_manager.block_pool.blocks)
+    assert sched.kv_cache_manager.num_free_blocks == sched.kv_cache_manager.num_blocks and sched.kv_cache_manager.usage == 0.0
+    assert sched.kv_cache_manager.req_to_blocks == {}
+    snap = sched.kv_cache_manager.snapshot()
     assert snap.num_used == 0 and snap.num_free + snap.num_cached_free == snap.num_blocks
     if not cfg["caching"]:
         assert snap.num_cached_free == 0
@@ -375,7 +375,7 @@ def test_property_driver_sees_preemption_chunking_and_every_reason():
         driver = run_scenario(scenario, check_decisions=scenario[0]["policy"] != "priority")
         seen.update(driver.saw)
         preemptions += driver.sched.num_preemptions
-        hits += driver.sched.kv.prefix_cache_hits
+        hits += driver.sched.kv_cache_manager.prefix_cache_hits
 
     collect()
     assert {"prefill", "chunked_prefill", "decode"} <= seen
@@ -533,7 +533,7 @@ def test_newest_running_request_is_preempted_and_returns_to_the_head_of_the_queu
     assert [r.request_id for r in sched.waiting] == ["c", "d"]
     c = sched.requests["c"]
     assert c.status == RequestStatus.PREEMPTED and c.num_computed_tokens == 0 and c.num_preemptions == 1
-    assert c.num_output_tokens == 1 and sched.kv.block_ids("c") == []
+    assert c.num_output_tokens == 1 and sched.kv_cache_manager.block_ids("c") == []
     assert [e.kind for e in c.journey][-1] == "preempted"
     assert sched.num_preemptions == 1
     out, finished = step(sched)  # c waits for blocks; a finishes
@@ -558,7 +558,7 @@ def test_a_request_that_cannot_grow_preempts_itself_when_it_is_the_newest():
     assert out.unscheduled == {"b": REASON_PREEMPTED}
     while sched.has_unfinished_requests():
         step(sched)
-    assert sched.kv.usage == 0.0
+    assert sched.kv_cache_manager.usage == 0.0
 
 
 def test_preempted_request_hits_its_own_cached_prefix_when_resumed():
@@ -628,7 +628,7 @@ def test_priority_preemption_of_an_earlier_request_skips_none():
     sched.add_request(make_req("B", 4, priority=0, arrival=1.0, max_tokens=6))
     sched.add_request(make_req("C", 1, priority=0, arrival=2.0, max_tokens=6))
     out, _ = step(sched)
-    assert [r.request_id for r in sched.running] == ["A", "B", "C"] and sched.kv.num_free_blocks == 0
+    assert [r.request_id for r in sched.running] == ["A", "B", "C"] and sched.kv_cache_manager.num_free_blocks == 0
     out, _ = step(sched)  # B needs a second block; A (least important, but first in `running`) goes
     assert out.preempted == ["A"]
     assert out.num_scheduled_tokens == {"B": 1, "C": 1}, (out.num_scheduled_tokens, out.unscheduled)
@@ -667,7 +667,7 @@ def test_eos_stop_tokens_min_tokens_and_max_model_len():
     assert finished["stop_id"].finish_reason == "stop" and finished["stop_id"].stop_reason == 5
     assert finished["min"].finish_reason == "stop"  # EOS counted from the second token on
     assert finished["ctx"].finish_reason == "length" and finished["ctx"].num_tokens == 10
-    assert not sched.has_unfinished_requests() and sched.kv.usage == 0.0
+    assert not sched.has_unfinished_requests() and sched.kv_cache_manager.usage == 0.0
 
 
 def test_finish_requests_frees_blocks_at_once_and_is_reported_next_step():
@@ -675,9 +675,9 @@ def test_finish_requests_frees_blocks_at_once_and_is_reported_next_step():
     sched.add_request(make_req("a", 9))
     sched.add_request(make_req("w", 3))
     step(sched)
-    assert sched.kv.snapshot().num_used == 4
+    assert sched.kv_cache_manager.snapshot().num_used == 4
     sched.finish_requests(["a", "w", "missing"], RequestStatus.FINISHED_ABORTED)
-    assert sched.kv.snapshot().num_used == 0 and not sched.has_unfinished_requests()
+    assert sched.kv_cache_manager.snapshot().num_used == 0 and not sched.has_unfinished_requests()
     out = sched.schedule()
     assert out.finished_ids == ["a", "w"] and out.is_empty
     assert sched.schedule().finished_ids == []

@@ -23,6 +23,7 @@ from engine.core import EngineConfig, EngineCore
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.trace import StepRecord
+from engine.utils import cdiv
 
 # A varied seed text (Korean and English, code and prose) that prompts of any length are cut from.
 SEED_TEXT = (
@@ -370,7 +371,7 @@ def measure_dtype(config: ConfigLike | None, dtype: str, prompt: str = "The capi
     params, nbytes = model_tensor_bytes(model)
     element = torch.tensor([], dtype=torch_dtype).element_size()
 
-    config.num_kv_blocks = -(-256 // config.block_size)
+    config.num_kv_blocks = cdiv(256, config.block_size)
     engine = EngineCore(config)
     params_s = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
     request = engine.add_request(prompt, params_s)

@@ -71,8 +71,8 @@ class LlamaConfig:
         return cls.from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
 
     @property
-    def kv_bytes_per_token(self) -> int:
-        """Per element size excluded: 2 (K and V) × layers × kv_heads × head_dim."""
+    def kv_elements_per_token(self) -> int:
+        """K/V values one token stores: 2 (K and V) × layers × kv_heads × head_dim (× dtype size = bytes)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
 
@@ -191,16 +191,21 @@ class LlamaModel:
             weights["lm_head"] = take("lm_head.weight")
         return cls(cfg, weights, device, dtype)
 
-    def num_parameters(self) -> int:
-        seen, total = set(), 0
+    def distinct_weights(self) -> list[torch.Tensor]:
+        """Every weight tensor once (a tied lm_head shares the embedding's storage)."""
+        seen, tensors = set(), []
         for t in self.w.values():
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
-                total += t.numel()
-        return total
+                tensors.append(t)
+        return tensors
+
+    def num_parameters(self) -> int:
+        return sum(t.numel() for t in self.distinct_weights())
 
     def weight_bytes(self) -> int:
-        return self.num_parameters() * self.w["embed"].element_size()
+        """Bytes the weights occupy on the device (what a decode step reads)."""
+        return sum(t.numel() * t.element_size() for t in self.distinct_weights())
 
     # -- forward -----------------------------------------------------------------------------
 

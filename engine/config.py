@@ -1,0 +1,30 @@
+"""Engine settings in one place: every default the engine, the CLI and the app share lives here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # the step's token budget
+DEFAULT_MAX_NUM_SEQS = 32  # requests running at once
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB, when neither a block count nor a size is given
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
+@dataclass
+class EngineConfig:
+    model: str | Path | None = None  # None: the embedded default artifact
+    device: str = "auto"
+    dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
+    block_size: int = DEFAULT_BLOCK_SIZE
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None  # bytes (CPU default DEFAULT_CPU_KV_CACHE_BYTES)
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    keep_finished: int = 1000  # finished requests kept for the app's plots

@@ -1,0 +1,57 @@
+"""What the scheduler decides each step: plain data that crosses from the control path to the
+data path (executor → worker → model runner), so those modules never import the scheduler."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class Phase(str, enum.Enum):
+    """What a request does in a step. A str enum: it prints and compares as its value."""
+
+    PREFILL = "prefill"  # the whole (uncached) prompt at once
+    CHUNKED_PREFILL = "chunked_prefill"  # a part of the prompt (or of a recompute)
+    DECODE = "decode"  # one new token
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: plain data, enough for a worker in another process."""
+
+    request_id: str
+    phase: Phase
+    num_tokens: int
+    num_computed_tokens: int  # tokens already in the cache before this step
+    token_ids: list[int]  # the tokens to run now
+    block_ids: list[int]  # the request's block table
+    sampling_params: SamplingParams
+    produces_token: bool  # False for a prefill chunk that does not reach the end of the prompt
+    num_prefix_hit_tokens: int = 0  # tokens found in the prefix cache when admitted this step
+
+
+@dataclass
+class SchedulerOutput:
+    step: int
+    scheduled: list[ScheduledRequest]
+    unscheduled: dict[str, str]  # request_id → reason
+    preempted: list[str]
+    token_budget: int
+    finished_ids: list[str] = field(default_factory=list)  # freed since the last step
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        return {s.request_id: s.num_tokens for s in self.scheduled}
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
