@@ -3,8 +3,6 @@ and one transformers reference model shared by every slow test."""
 
 from __future__ import annotations
 
-import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -14,16 +12,16 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from _tiny import TINY_VOCAB_SIZE, write_tiny_model, write_tiny_tokenizer  # noqa: E402
 from engine.artifact import ArtifactError, default_artifact_path, validate_model_dir  # noqa: E402
-
-# Files of the real artifact that the tiny one borrows (tokenizer + chat template).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 # The tiny model: small enough that transformers and the engine both run it in milliseconds,
 # shaped like the real one (GQA with 2 query heads per kv head, tied embeddings, explicit
 # head_dim) and with a non-default rope theta so that ignoring the config's rope would show.
+# Its tokenizer is trained on this repository's text (tests/_tiny.py), so no fast test needs the
+# real artifact.
 TINY_CONFIG = dict(
-    vocab_size=49152,
+    vocab_size=TINY_VOCAB_SIZE,
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
@@ -55,37 +53,41 @@ def default_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
-    """A randomly initialised 2-layer Llama saved as an artifact directory (seeded, reproducible).
-
-    Weights are written with safetensors directly (as the default artifact's build does) with the
-    tied lm_head left out; the tokenizer files are copied from the real artifact, which is why
-    the vocabulary is the real 49152 (only ~3M parameters at hidden size 64)."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A randomly initialised 2-layer Llama saved as an artifact directory (seeded, reproducible),
+    with the tied lm_head left out of the weights file as the default artifact's build does."""
+    from transformers import LlamaConfig
 
     path = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(**TINY_CONFIG)
+    vocab_size = write_tiny_tokenizer(path)
+    config = LlamaConfig(**{**TINY_CONFIG, "vocab_size": vocab_size})
     config.architectures = ["LlamaForCausalLM"]
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # norm weights default to exactly 1; make them matter
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-    state = {name: t.detach().contiguous().clone() for name, t in model.state_dict().items()}
-    state.pop("lm_head.weight", None)  # tied to model.embed_tokens.weight
-    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-    config_dict = config.to_dict()
-    config_dict["architectures"] = ["LlamaForCausalLM"]
-    config_dict["torch_dtype"] = "float32"
-    (path / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True))
-    for name in TOKENIZER_FILES:
-        if (default_model_dir / name).is_file():
-            shutil.copy(default_model_dir / name, path / name)
+    write_tiny_model(path, config)
     validate_model_dir(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen2-style model: q/k/v projections with bias, untied lm_head (the loader claims
+    Qwen2 directories, so a test must load one)."""
+    from transformers import Qwen2Config
+
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    vocab_size = write_tiny_tokenizer(path)
+    config = Qwen2Config(**{**TINY_CONFIG, "vocab_size": vocab_size, "tie_word_embeddings": False,
+                            "use_sliding_window": False})
+    config.architectures = ["Qwen2ForCausalLM"]
+    write_tiny_model(path, config, seed=1)
+    validate_model_dir(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir):
+    from engine.tokenizer import Tokenizer
+
+    return Tokenizer(tiny_model_dir)
 
 
 @pytest.fixture(scope="session")

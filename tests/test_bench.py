@@ -10,6 +10,7 @@ import math
 
 import pytest
 
+from _tiny import TINY_VOCAB_SIZE
 from engine import bench
 from engine.__main__ import main
 
@@ -66,7 +67,7 @@ def test_ceilings_and_rooflines_are_consistent(bench_run):
 def test_offline_counts_only_useful_tokens(bench_run):
     results = json.loads(bench_run[0].read_text())
     off = results["offline"]
-    workload = bench.make_workload(5, (8, 40), (3, 9), 0, 49152, range(17))
+    workload = bench.make_workload(5, (8, 40), (3, 9), 0, TINY_VOCAB_SIZE, range(3))
     useful = sum(w.output_len for w in workload)
     assert off["engine"]["output_tokens"] == useful == off["transformers"]["output_tokens"]
     hf = off["transformers"]
@@ -75,7 +76,10 @@ def test_offline_counts_only_useful_tokens(bench_run):
     assert hf["prompt_tokens_computed"] >= hf["prompt_tokens_useful"]
     assert math.isclose(off["ratio"], off["engine"]["output_tokens_per_s"] / hf["output_tokens_per_s"])
     agreement = off["greedy_agreement"]
-    assert agreement["requests"] == 5 and 0 <= agreement["identical_requests"] <= 5
+    # The tiny model's logits are spread wide (initializer 0.2), so no near-tie can flip a token:
+    # both sides must agree on every request, token for token.
+    assert agreement["requests"] == 5 and agreement["identical_requests"] == 5
+    assert agreement["mean_matching_prefix"] == 1.0
 
 
 def test_decode_overhead_and_latency_sections(bench_run):
@@ -94,8 +98,11 @@ def test_decode_overhead_and_latency_sections(bench_run):
         for metric in ("ttft_s", "tpot_s", "e2e_s"):
             p = run[metric]
             assert p["p50"] <= p["p90"] <= p["p99"]
-    names = [t["name"] for t in results["targets"]]
-    assert len(names) == 3 and all(isinstance(t["met"], bool) for t in results["targets"])
+    targets = {t["name"].split(" ")[0]: t for t in results["targets"]}
+    assert set(targets) == {"offline", "batch-1", "overhead"}
+    for name, t in targets.items():  # "met" must say what the value and the target say
+        lower_is_better = name == "overhead"
+        assert t["met"] == (t["value"] < t["target"] if lower_is_better else t["value"] >= t["target"])
 
 
 def test_table_names_every_section(bench_run):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _tiny import TINY_VOCAB_SIZE
 from engine import InvalidRequestError, SamplingParams
 from engine.core import EngineConfig, EngineCore
 from engine.trace import (
@@ -38,7 +39,8 @@ def engine(make_engine):
 
 
 def ids(n: int, start: int = 1000) -> list[int]:
-    return [start + 7 * i for i in range(n)]
+    """`n` distinct token ids; different starts give different sequences (tiny vocabulary)."""
+    return [3 + (start * 31 + 7 * i) % (TINY_VOCAB_SIZE - 3) for i in range(n)]
 
 
 def run(engine: EngineCore, max_steps: int = 2000):
@@ -70,7 +72,7 @@ def generate(engine: EngineCore, prompts: dict[str, list[int]], params: Sampling
 def tiny_prompts():
     g = torch.Generator().manual_seed(7)
     lengths = {"a": 5, "b": 17, "c": 40, "d": 1, "e": 33, "f": 90}
-    return {k: torch.randint(3, 49152, (n,), generator=g).tolist() for k, n in lengths.items()}
+    return {k: torch.randint(3, TINY_VOCAB_SIZE, (n,), generator=g).tolist() for k, n in lengths.items()}
 
 
 @pytest.fixture(scope="module")
@@ -348,7 +350,7 @@ def test_bad_requests_are_refused(make_engine, engine):
         engine.add_request(prompt_token_ids=[])
     assert err.value.param == "prompt"
     with pytest.raises(InvalidRequestError) as err:
-        engine.add_request(prompt_token_ids=[49152])
+        engine.add_request(prompt_token_ids=[TINY_VOCAB_SIZE])
     assert err.value.param == "prompt"
     with pytest.raises(InvalidRequestError):
         engine.add_request()
@@ -473,3 +475,106 @@ def test_logprobs_are_returned(engine):
         assert all(v <= 0.0 for v in entry["top_logprobs"].values())
     _, final, _ = generate(engine, {"nolp": ids(8)}, SamplingParams(max_tokens=2, **GREEDY))
     assert final["nolp"].logprobs is None
+
+
+# -- one request never takes the engine down ------------------------------------------------------
+
+
+def test_a_request_whose_sampling_fails_fails_alone(make_engine, monkeypatch):
+    """The sampler raises whenever request "bad" is in its batch: the batch is retried row by row,
+    only "bad" ends with finish_reason "error", the others finish as if nothing happened."""
+    from engine.sampler import Sampler
+
+    prompts = {"ok1": ids(9, 11), "bad": ids(12, 12), "ok2": ids(20, 13)}
+    clean = generate(make_engine(), prompts, SamplingParams(max_tokens=6, **GREEDY))[1]
+
+    real_call = Sampler.__call__
+
+    def poisoned(self, logits, request_ids, params):
+        if "bad" in request_ids:
+            raise RuntimeError("injected sampling fault")
+        return real_call(self, logits, request_ids, params)
+
+    monkeypatch.setattr(Sampler, "__call__", poisoned)
+    engine = make_engine()
+    records, final, _ = generate(engine, prompts, SamplingParams(max_tokens=6, **GREEDY))
+    assert final["bad"].finish_reason == "error" and final["bad"].error
+    assert "injected" not in final["bad"].error  # clients get a short reason, not internals
+    for rid in ("ok1", "ok2"):
+        assert final[rid].finish_reason == "length" and final[rid].token_ids == clean[rid].token_ids
+    assert any(r.finished.get("bad") == "error" for r in records)
+    assert engine.kv_cache_manager.snapshot().num_used == 0
+    monkeypatch.setattr(Sampler, "__call__", real_call)
+    _, after, _ = generate(engine, {"later": ids(5, 14)}, SamplingParams(max_tokens=3, **GREEDY))
+    assert after["later"].finish_reason == "length"  # the loop goes on
+
+
+def test_a_failed_forward_fails_only_that_steps_requests(make_engine, monkeypatch):
+    engine = make_engine()
+    engine.add_request(prompt_token_ids=ids(8, 21), request_id="victim",
+                       sampling_params=SamplingParams(max_tokens=4, **GREEDY))
+    real_execute = engine.executor.execute_model
+
+    def broken(scheduler_output):
+        raise RuntimeError("injected forward fault")
+
+    monkeypatch.setattr(engine.executor, "execute_model", broken)
+    record = engine.step()
+    assert record.finished == {"victim": "error"}
+    assert engine.get_request("victim").error and not engine.has_unfinished_requests()
+    assert engine.kv_cache_manager.snapshot().num_used == 0
+    monkeypatch.setattr(engine.executor, "execute_model", real_execute)
+    _, final, _ = generate(engine, {"next": ids(8, 22)}, SamplingParams(max_tokens=4, **GREEDY))
+    assert final["next"].finish_reason == "length"
+
+
+def test_a_request_whose_output_processing_fails_fails_alone(make_engine, monkeypatch):
+    engine = make_engine()
+    real = engine.output_processor.process_tokens
+
+    def flaky(request, token_ids):
+        if request.request_id == "bad":
+            raise UnicodeError("injected detokenizer fault")
+        return real(request, token_ids)
+
+    monkeypatch.setattr(engine.output_processor, "process_tokens", flaky)
+    _, final, _ = generate(engine, {"bad": ids(6, 31), "good": ids(7, 32)},
+                           SamplingParams(max_tokens=4, **GREEDY))
+    assert final["bad"].finish_reason == "error"
+    assert final["good"].finish_reason == "length" and len(final["good"].token_ids) == 4
+
+
+# -- the engine clock and the one definition of TTFT / TPOT ----------------------------------------
+
+
+def test_engine_clock_ignores_pauses_between_steps(make_engine):
+    """Step mode: a learner pauses before pressing "next step". Wall-clock TTFT includes the
+    pause; engine-clock TTFT counts only the engine's own work."""
+    import time
+
+    engine = make_engine()
+    request = engine.add_request(prompt_token_ids=ids(10, 41), request_id="r",
+                                 sampling_params=SamplingParams(max_tokens=3, **GREEDY))
+    time.sleep(0.3)
+    records = run(engine)[0]
+    wall, clocked = request.metrics("wall"), request.metrics("engine")
+    assert wall.ttft >= 0.3 > clocked.ttft
+    assert clocked.ttft == pytest.approx(records[0].engine_start_time + records[0].engine_duration, abs=0.05)
+    assert engine.clock.now() == pytest.approx(sum(r.engine_duration for r in records))
+    starts = [r.engine_start_time for r in records]
+    assert starts == sorted(starts)
+    for metrics in (wall, clocked):
+        assert metrics.tpot == pytest.approx((metrics.token_times[-1] - metrics.token_times[0]) / 2)
+        assert len(metrics.itl) == 2 and metrics.e2e >= metrics.ttft
+
+
+def test_arrivals_scheduled_in_engine_time(make_engine):
+    engine = make_engine()
+    engine.clock.advance_to(2.0)
+    request = engine.add_request(prompt_token_ids=ids(4, 42), engine_arrival_time=1.5,
+                                 sampling_params=SamplingParams(max_tokens=1, **GREEDY))
+    run(engine)
+    metrics = request.metrics("engine")
+    assert metrics.arrival_time == 1.5 and metrics.queue_time >= 0.5
+    assert metrics.tpot is None and metrics.itl == []  # one token: no time *between* tokens
+    assert request.metrics("wall").tpot is None

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from _paged import PagedRunner, blocks_needed, greedy_batched, rel_err
+from _tiny import TINY_VOCAB_SIZE
 from engine.models.llama import LlamaModel
 
 BLOCK = 16
@@ -26,7 +27,7 @@ def sequences():
     """Seeded random token sequences of assorted lengths (around block boundaries on purpose)."""
     g = torch.Generator().manual_seed(1234)
     lengths = {"a": 13, "b": 37, "c": 31, "d": 33, "e": 16, "f": 1, "g": 100}
-    return {k: torch.randint(3, 49152, (n,), generator=g).tolist() for k, n in lengths.items()}
+    return {k: torch.randint(3, TINY_VOCAB_SIZE, (n,), generator=g).tolist() for k, n in lengths.items()}
 
 
 def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
@@ -52,11 +53,12 @@ def test_prefill_logits_match_transformers(tiny_model, tiny_hf_model, sequences,
     runner = PagedRunner(tiny_model, blocks_needed([len(ids)], BLOCK), BLOCK)
     (ours,) = runner.step([("x", ids)], all_logits=True)
     ref = hf_logits(tiny_hf_model, ids)
-    assert ours.shape == ref.shape == (len(ids), 49152)
+    assert ours.shape == ref.shape == (len(ids), TINY_VOCAB_SIZE)
     assert rel_err(ours, ref) <= TOL
 
 
-def test_prefill_of_real_text_matches_transformers(tiny_model, tiny_hf_model, tokenizer):
+def test_prefill_of_real_text_matches_transformers(tiny_model, tiny_hf_model, tiny_tokenizer):
+    tokenizer = tiny_tokenizer
     ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "한국의 수도는? Answer briefly 🙂"}]))
     runner = PagedRunner(tiny_model, blocks_needed([len(ids)], BLOCK), BLOCK)
     (ours,) = runner.step([("x", ids)], all_logits=True)
@@ -164,4 +166,20 @@ def test_cuda_mixed_batch_matches_transformers(tiny_model_dir, tiny_hf_model, se
     for name, n in {"a": 13, "b": 37, "c": 31, "d": 33}.items():
         ref = hf_logits(tiny_hf_model, sequences[name][:n])[-1]
         assert rel_err(batched[name], ref) <= 1e-3, name  # GPU kernels sum in another order
+        assert batched[name].argmax() == ref.argmax(), name
+
+
+def test_qwen2_style_model_with_qkv_bias_matches_transformers(tiny_qwen2_dir, sequences):
+    """Qwen2 directories load too: q/k/v projections carry a bias, lm_head is untied."""
+    from transformers import AutoModelForCausalLM
+
+    model = LlamaModel.from_pretrained(tiny_qwen2_dir, device="cpu", dtype=torch.float32)
+    assert model.cfg.attention_bias and not model.cfg.tie_word_embeddings
+    assert "0.qkv_bias" in model.w and model.w["lm_head"].data_ptr() != model.w["embed"].data_ptr()
+    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32).eval()
+    assert model.num_parameters() == sum(p.numel() for p in hf.parameters())
+    batched, _ = run_mixed_batch(model, sequences)
+    for name, n in {"a": 13, "b": 37, "c": 31, "d": 33}.items():
+        ref = hf_logits(hf, sequences[name][:n])[-1]
+        assert rel_err(batched[name], ref) <= TOL, name
         assert batched[name].argmax() == ref.argmax(), name

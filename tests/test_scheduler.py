@@ -328,12 +328,6 @@ def test_random_mixes_keep_every_invariant_and_finish(scenario):
     run_scenario(scenario, check_decisions=True)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(scenarios(policies=("fcfs", "static")))
-def test_random_mixes_every_live_request_gets_tokens_or_a_reason(scenario):
-    run_scenario(scenario, check_decisions=True)
-
-
 @st.composite
 def priority_scenarios(draw):
     """Priority mixes that make the least important request sit early in `running`: it arrives
