@@ -27,4 +27,6 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
+    preemption_mode: str = "recompute"  # or "swap": a preempted request's K/V wait in host memory
+    num_swap_blocks: int | None = None  # swap space in blocks; None = as many as the KV cache has
     keep_finished: int = 1000  # finished requests kept for the app's plots

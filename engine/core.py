@@ -49,6 +49,8 @@ class EngineCore:
             self.max_model_len = min(self.max_model_len, self.model_config.sliding_window)
         if config.block_size < 1 or config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
             raise ValueError("block_size, max_num_batched_tokens and max_num_seqs must be positive")
+        if config.num_swap_blocks is not None and config.num_swap_blocks < 0:
+            raise ValueError(f"num_swap_blocks must be >= 0, got {config.num_swap_blocks}")
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             # Without chunking a request is prefilled (or, after preemption, recomputed) in one step,
             # so one step must be able to hold the longest request; vLLM refuses the same way.
@@ -64,8 +66,10 @@ class EngineCore:
             kv_cache_memory=config.kv_cache_memory,
             gpu_memory_utilization=config.gpu_memory_utilization,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            num_swap_blocks=config.num_swap_blocks if config.preemption_mode == "swap" else 0,
         )
-        self.kv_cache_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
+                                               num_swap_blocks=self.executor.num_swap_blocks)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,
@@ -73,15 +77,18 @@ class EngineCore:
                 max_model_len=self.max_model_len,
                 policy=config.scheduling_policy,
                 enable_chunked_prefill=config.enable_chunked_prefill,
+                preemption_mode=config.preemption_mode,
             ),
             self.kv_cache_manager,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.finished_requests: OrderedDict[str, Request] = OrderedDict()
         self.live_requests: dict[str, Request] = {}
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0,
+                      "recomputed_tokens": 0, "swapped_out_blocks": 0, "swapped_in_blocks": 0, "swap_seconds": 0.0}
         self._ids = itertools.count()
         self.clock = EngineClock()
+        self._prefix_cache_counts = (0, 0)  # (queries, hits) at the last step's end
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -94,12 +101,14 @@ class EngineCore:
         priority: int = 0,
         arrival_time: float | None = None,
         engine_arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Tokenize, validate and queue a request. Raises InvalidRequestError for bad input.
         `arrival_time` is wall time (perf_counter); `engine_arrival_time` is on the engine clock
-        (default: now), for a workload whose arrivals are scheduled in engine time."""
+        (default: now), for a workload whose arrivals are scheduled in engine time. Requests share
+        prefix-cache blocks only when their `cache_salt` is equal (None is a salt too)."""
         request = self.make_request(prompt, sampling_params, request_id, prompt_token_ids, priority, arrival_time,
-                                    engine_arrival_time)
+                                    engine_arrival_time, cache_salt)
         self.queue_request(request)
         return request
 
@@ -112,10 +121,15 @@ class EngineCore:
         priority: int = 0,
         arrival_time: float | None = None,
         engine_arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Tokenize and validate without touching the engine's state (safe from any thread)."""
         params = sampling_params or SamplingParams()
         params.verify()
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}", "priority")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         arrival = arrival_time if arrival_time is not None else time.perf_counter()
         if prompt_token_ids is None:
@@ -128,7 +142,8 @@ class EngineCore:
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.model_config.vocab_size})", "prompt")
         self.check_length(len(prompt_token_ids), params.max_tokens)
         request = Request(request_id, list(prompt_token_ids), params, self.tokenizer.eos_token_id, prompt,
-                          priority=priority, arrival_time=arrival, engine_clock=self.clock.now)
+                          priority=priority, cache_salt=cache_salt, arrival_time=arrival,
+                          engine_clock=self.clock.now)
         event = request.record("arrival")
         event.time = arrival
         if engine_arrival_time is not None:
@@ -280,7 +295,14 @@ class EngineCore:
         self.stats["prompt_tokens"] += sum(
             s.num_tokens for s in scheduler_output.scheduled if s.phase != Phase.DECODE)
         self.stats["generation_tokens"] += len(runner_output.sampled)
+        self.stats["recomputed_tokens"] += sum(s.num_recomputed_tokens for s in scheduler_output.scheduled)
+        self.stats["swapped_out_blocks"] += len(scheduler_output.blocks_to_swap_out)
+        self.stats["swapped_in_blocks"] += len(scheduler_output.blocks_to_swap_in)
+        self.stats["swap_seconds"] += runner_output.timings.get("swap", 0.0)
         finished = {o.request_id: o.finish_reason for o in outputs if o.finished}
+        kv = self.kv_cache_manager.snapshot()
+        queries, hits = self._prefix_cache_counts
+        self._prefix_cache_counts = (kv.prefix_cache_queries, kv.prefix_cache_hits)
         return StepRecord(
             step=scheduler_output.step,
             start_time=timer.start,
@@ -293,7 +315,8 @@ class EngineCore:
             },
             scheduled=[
                 ScheduledRecord(s.request_id, s.phase.value, s.num_tokens, s.num_computed_tokens,
-                                self._num_prompt_tokens(s.request_id), s.num_prefix_hit_tokens)
+                                self._num_prompt_tokens(s.request_id), s.num_prefix_hit_tokens,
+                                s.num_recomputed_tokens)
                 for s in scheduler_output.scheduled
             ],
             unscheduled=scheduler_output.unscheduled,
@@ -304,10 +327,15 @@ class EngineCore:
             num_waiting=len(self.scheduler.waiting),
             new_tokens={o.request_id: o.delta_token_ids for o in outputs if o.delta_token_ids},
             finished=finished,
-            kv=self.kv_cache_manager.snapshot(),
+            kv=kv,
             outputs=outputs,
             engine_start_time=engine_start,
             engine_duration=engine_duration,
+            num_swapped_out_blocks=len(scheduler_output.blocks_to_swap_out),
+            num_swapped_in_blocks=len(scheduler_output.blocks_to_swap_in),
+            swap_seconds=runner_output.timings.get("swap", 0.0),
+            prefix_cache_queries=kv.prefix_cache_queries - queries,
+            prefix_cache_hits=kv.prefix_cache_hits - hits,
         )
 
     def _retire(self, request: Request) -> None:

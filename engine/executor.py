@@ -16,10 +16,12 @@ from engine.worker import Worker
 
 class Executor(ABC):
     num_blocks: int
+    num_swap_blocks: int = 0  # host-memory blocks for swap preemption (0: none)
 
     @abstractmethod
-    def initialize(self, max_model_len: int, **cache_args) -> int:
-        """Load weights, size and allocate the KV cache; return the number of blocks."""
+    def initialize(self, max_model_len: int, num_swap_blocks: int | None = 0, **cache_args) -> int:
+        """Load weights, size and allocate the KV cache, and a swap space of `num_swap_blocks`
+        blocks in host memory (None: as many as the device has); return the device blocks."""
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -44,10 +46,11 @@ class UniProcExecutor(Executor):
         self.worker = worker
         self.num_blocks = 0
 
-    def initialize(self, max_model_len: int, **cache_args) -> int:
+    def initialize(self, max_model_len: int, num_swap_blocks: int | None = 0, **cache_args) -> int:
         self.worker.load_model()
         self.num_blocks = self.worker.determine_num_blocks(max_model_len, **cache_args)
-        self.worker.initialize_cache(self.num_blocks)
+        self.num_swap_blocks = self.num_blocks if num_swap_blocks is None else num_swap_blocks
+        self.worker.initialize_cache(self.num_blocks, self.num_swap_blocks)
         return self.num_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -11,7 +11,9 @@ The memory itself (tensors) belongs to the worker; this module only hands out bl
 Prefix caching: a *full* block is identified by a chained hash of (parent block's hash, this
 block's token ids), so equal hashes mean equal whole prefixes. A hit is trusted only after the
 candidate's token ids and its parent block are compared: a hash collision then costs a miss, never
-another request's K/V.
+another request's K/V. A request's `cache_salt` enters its first block's hash and key, so requests
+with different salts (tenants) never share blocks: a cache hit shortens TTFT, which would let one
+user probe another's prompt by timing.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ class KVCacheBlock:
     ref_cnt: int = 0
     block_hash: int | None = None  # set once the block is full and cached
     token_ids: tuple[int, ...] | None = None  # the tokens it holds, for hit verification
-    parent_key: tuple[int, int] | None = None  # (block_id, generation) of the previous block
+    parent_key: tuple | None = None  # (block_id, generation) of the previous block; for a first
+    #                                  block ("salt", cache_salt) or None
     generation: int = 0  # bumped each time the block is cached anew, so stale parents are seen
 
 
@@ -133,26 +136,33 @@ class BlockPool:
                 if block.block_hash is not None:
                     self.cached_free.add(block.block_id)
 
-    def lookup(self, block_hash: int, token_ids: tuple[int, ...], parent: KVCacheBlock | None) -> KVCacheBlock | None:
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...], parent: KVCacheBlock | None,
+               salt: str | None = None) -> KVCacheBlock | None:
         """The cached block holding exactly `token_ids` after `parent`, verified, else None."""
-        parent_key = (parent.block_id, parent.generation) if parent else None
+        parent_key = _parent_key(parent, salt)
         for block in self.cached.get(block_hash, ()):
             if block.token_ids == token_ids and block.parent_key == parent_key:
                 return block
         return None
 
-    def cache_block(self, block: KVCacheBlock, block_hash: int, token_ids: tuple[int, ...], parent: KVCacheBlock | None):
+    def cache_block(self, block: KVCacheBlock, block_hash: int, token_ids: tuple[int, ...],
+                    parent: KVCacheBlock | None, salt: str | None = None) -> KVCacheBlock:
+        """Register a full block in the prefix cache. Returns the canonical block for this prefix:
+        `block` itself, or an identical block cached before it (two requests computed the same
+        prefix in the same step); the caller then uses that one and frees its duplicate."""
         if not self.enable_caching or block.block_hash is not None:
-            return
-        if self.lookup(block_hash, token_ids, parent) is not None:
-            return  # an identical block is already cached (two requests computed the same prefix)
+            return block
+        twin = self.lookup(block_hash, token_ids, parent, salt)
+        if twin is not None:
+            return twin
         block.generation += 1
         block.block_hash = block_hash
         block.token_ids = token_ids
-        block.parent_key = (parent.block_id, parent.generation) if parent else None
+        block.parent_key = _parent_key(parent, salt)
         self.cached.setdefault(block_hash, []).append(block)
         if block.ref_cnt == 0:
             self.cached_free.add(block.block_id)
+        return block
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
@@ -164,6 +174,31 @@ class BlockPool:
         block.block_hash = block.token_ids = block.parent_key = None
 
 
+def _parent_key(parent: KVCacheBlock | None, salt: str | None) -> tuple | None:
+    if parent is not None:
+        return (parent.block_id, parent.generation)
+    return ("salt", salt) if salt is not None else None
+
+
+def first_parent_hash(salt: str | None) -> int | None:
+    """The hash a request's first block chains on: its salt's, so salts split the cache."""
+    return None if salt is None else hash(("cache_salt", salt))
+
+
+class SwapSpace:
+    """Blocks in host memory that hold swapped-out requests' K/V (swap preemption, chapter 09).
+    Bounded: when it is full, the scheduler falls back to recompute."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.free_ids = list(range(num_blocks))
+        self.req_to_swap_ids: dict[str, list[int]] = {}
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free_ids)
+
+
 class KVCacheManager:
     def __init__(
         self,
@@ -171,6 +206,7 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         hash_fn: BlockHashFn = chained_block_hash,
+        num_swap_blocks: int = 0,
     ):
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -181,6 +217,8 @@ class KVCacheManager:
         self.req_to_hashes: dict[str, list[int]] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.num_deduplicated_blocks = 0  # blocks freed because an identical one was cached first
+        self.swap_space = SwapSpace(num_swap_blocks)
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -195,11 +233,11 @@ class KVCacheManager:
         tokens = request.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
         hits: list[KVCacheBlock] = []
-        parent_hash, parent = None, None
+        parent_hash, parent = first_parent_hash(request.cache_salt), None
         for i in range(max_blocks):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             block_hash = self.hash_fn(parent_hash, chunk)
-            block = self.block_pool.lookup(block_hash, chunk, parent)
+            block = self.block_pool.lookup(block_hash, chunk, parent, request.cache_salt)
             if block is None:
                 break
             hits.append(block)
@@ -232,7 +270,9 @@ class KVCacheManager:
         return blocks
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Register every block that became full of computed tokens (called after a step ran)."""
+        """Register every block that became full of computed tokens (called after a step ran).
+        A block whose twin was cached first is replaced by the twin in the request's table, so
+        the request's later blocks chain on the canonical block and can be hit too."""
         if not self.enable_prefix_caching:
             return
         blocks = self.req_to_blocks.get(request.request_id, [])
@@ -241,16 +281,56 @@ class KVCacheManager:
         tokens = request.all_token_ids
         for i in range(len(hashes), num_full):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
-            parent_hash = hashes[i - 1] if i else None
+            parent_hash = hashes[i - 1] if i else first_parent_hash(request.cache_salt)
             block_hash = self.hash_fn(parent_hash, chunk)
             hashes.append(block_hash)
-            self.block_pool.cache_block(blocks[i], block_hash, chunk, blocks[i - 1] if i else None)
+            parent = blocks[i - 1] if i else None
+            canonical = self.block_pool.cache_block(blocks[i], block_hash, chunk, parent, request.cache_salt)
+            if canonical is not blocks[i]:  # same K/V already cached: keep one copy
+                self.block_pool.touch([canonical])
+                self.block_pool.free_blocks([blocks[i]])
+                blocks[i] = canonical
+                self.num_deduplicated_blocks += 1
 
     def free(self, request: Request) -> None:
         """Release a request's blocks (finish, abort or preemption), tail first."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.req_to_hashes.pop(request.request_id, None)
         self.block_pool.free_blocks(list(reversed(blocks)))
+
+    # -- swap preemption ----------------------------------------------------------------------
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Give the request's device blocks up, its K/V to be copied to swap blocks first.
+        Returns (device block, swap block) pairs, or None (and no change) if the swap space is
+        too full. Only blocks that hold computed tokens are copied."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        num_to_copy = min(cdiv(request.num_computed_tokens, self.block_size), len(blocks))
+        if num_to_copy > len(self.swap_space.free_ids):
+            return None
+        swap_ids = [self.swap_space.free_ids.pop() for _ in range(num_to_copy)]
+        self.swap_space.req_to_swap_ids[request.request_id] = swap_ids
+        pairs = [(b.block_id, s) for b, s in zip(blocks, swap_ids)]
+        self.free(request)
+        return pairs
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Fresh device blocks for a swapped-out request's tokens plus `num_new_tokens`. Returns
+        (swap block, device block) pairs to copy back, or None (and no change) if blocks run out."""
+        swap_ids = self.swap_space.req_to_swap_ids[request.request_id]
+        num_needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+        if num_needed > self.block_pool.num_free_blocks:
+            return None
+        blocks = self.block_pool.get_new_blocks(num_needed)
+        self.req_to_blocks[request.request_id] = blocks
+        del self.swap_space.req_to_swap_ids[request.request_id]
+        self.swap_space.free_ids.extend(reversed(swap_ids))
+        return [(s, b.block_id) for s, b in zip(swap_ids, blocks)]
+
+    def drop_swapped(self, request: Request) -> None:
+        """A swapped-out request ended (abort, error): its swap blocks are free again."""
+        swap_ids = self.swap_space.req_to_swap_ids.pop(request.request_id, [])
+        self.swap_space.free_ids.extend(reversed(swap_ids))
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]

@@ -39,12 +39,32 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_caches: list, block_size: int):
+    def __init__(self, model: LlamaModel, kv_caches: list, block_size: int, swap_caches: list | None = None):
         self.model = model
         self.kv_caches = kv_caches
+        self.swap_caches = swap_caches or []  # per layer (K, V) blocks in host memory
         self.block_size = block_size
         self.device = model.device
         self.sampler = Sampler()
+
+    def swap_blocks(self, sched: SchedulerOutput) -> float:
+        """Copy preempted requests' blocks out to the swap space, and resumed ones back in.
+        Outs first: a block given up by a swap-out may be handed to someone in this same step."""
+        if not sched.blocks_to_swap_out and not sched.blocks_to_swap_in:
+            return 0.0
+        start = time.perf_counter()
+        for pairs, src_of, dst_of in ((sched.blocks_to_swap_out, 0, 1), (sched.blocks_to_swap_in, 1, 0)):
+            if not pairs:
+                continue
+            src_ids = torch.tensor([p[0] for p in pairs])
+            dst_ids = torch.tensor([p[1] for p in pairs])
+            for device_kv, swap_kv in zip(self.kv_caches, self.swap_caches):
+                caches = (device_kv, swap_kv)
+                for k_or_v in (0, 1):
+                    src, dst = caches[src_of][k_or_v], caches[dst_of][k_or_v]
+                    dst[dst_ids.to(dst.device)] = src[src_ids.to(src.device)].to(dst.device, non_blocking=True)
+        self._sync()
+        return time.perf_counter() - start
 
     def prepare_inputs(self, sched: SchedulerOutput) -> ModelInputs:
         # Row order of the flat batch: decode tokens first, shortest context first, then prefill
@@ -73,8 +93,9 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in sched.finished_ids:
             self.sampler.forget(request_id)
+        swap_seconds = self.swap_blocks(sched)
         if sched.is_empty:
-            return ModelRunnerOutput({})
+            return ModelRunnerOutput({}, {"swap": swap_seconds})
         t0 = time.perf_counter()
         inputs = self.prepare_inputs(sched)
         t1 = time.perf_counter()
@@ -84,7 +105,8 @@ class ModelRunner:
         producing = [s for s in sched.scheduled if s.produces_token]  # one logits row each, in order
         sampled, failed = self.sample(logits, producing)
         t3 = time.perf_counter()
-        return ModelRunnerOutput(sampled, {"prepare_inputs": t1 - t0, "forward": t2 - t1, "sample": t3 - t2}, failed)
+        timings = {"prepare_inputs": t1 - t0, "forward": t2 - t1, "sample": t3 - t2, "swap": swap_seconds}
+        return ModelRunnerOutput(sampled, timings, failed)
 
     def sample(self, logits: torch.Tensor, producing: list) -> tuple[dict[str, SampleResult], dict[str, str]]:
         """Sample the whole batch at once; if that fails, row by row, so only the bad request fails."""

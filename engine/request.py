@@ -53,6 +53,7 @@ class Request:
     eos_token_id: int | None = None
     prompt: str | None = None
     priority: int = 0  # lower value = more important (used by the priority policy)
+    cache_salt: str | None = None  # prefix-cache namespace: only requests with the same salt share blocks
     arrival_time: float = field(default_factory=time.perf_counter)
 
     status: RequestStatus = RequestStatus.WAITING
@@ -61,6 +62,9 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
     num_preemptions: int = 0
+    max_computed_tokens: int = 0  # the most tokens ever in the cache (a preemption may lose them)
+    num_recomputed_tokens: int = 0  # tokens computed again after a recompute preemption
+    is_swapped_out: bool = False  # preempted by swap: its K/V wait in the swap space
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     journey: list[JourneyEvent] = field(default_factory=list)

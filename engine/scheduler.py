@@ -8,7 +8,10 @@ step (`max_num_batched_tokens`) and a cap on running requests (`max_num_seqs`).
 Order: running requests first (so ongoing generations keep flowing), then waiting ones, FCFS or by
 priority. If a running request needs a KV block and none is free, the most recently admitted
 running request (the lowest-priority one, under the priority policy) is preempted: its blocks are
-freed and it goes back to the head of the queue, to be recomputed later.
+freed and it goes back to the head of the queue. Its K/V are then either recomputed when it
+resumes (`preemption_mode="recompute"`, vLLM V1's only mode) or copied to a bounded swap space in
+host memory and copied back (`"swap"`, vLLM V0's other mode; when the swap space is full, the
+request is recomputed instead).
 
 The "static" policy is classic static batching, kept for chapter 07's comparison: a batch is
 formed when nothing runs, and nothing new is admitted until every request of it has finished.
@@ -38,6 +41,10 @@ class SchedulerConfig:
     max_model_len: int = 8192
     policy: str = "fcfs"
     enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"  # or "swap"
+
+
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 class TokenBudget:
@@ -64,6 +71,8 @@ class StepPlan:
     scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
     unscheduled: dict[str, str] = field(default_factory=dict)  # request_id → reason
     preempted: list[str] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     def add(self, scheduled: ScheduledRequest) -> None:
         self.scheduled[scheduled.request_id] = scheduled
@@ -140,6 +149,8 @@ def make_policy(name: str) -> SchedulingPolicy:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+        if config.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {config.preemption_mode!r}")
         self.config = config
         self.policy = make_policy(config.policy)
         self.kv_cache_manager = kv_cache_manager
@@ -167,6 +178,9 @@ class Scheduler:
                 self.running.remove(request)
             if request in self.waiting:
                 self.waiting.remove(request)
+            if request.is_swapped_out:
+                self.kv_cache_manager.drop_swapped(request)
+                request.is_swapped_out = False
             self._finish(request, status)
 
     def has_unfinished_requests(self) -> bool:
@@ -222,6 +236,8 @@ class Scheduler:
 
     def _admit(self, request: Request, plan: StepPlan) -> str | None:
         """Move a waiting request to running if its first chunk fits; else return why not."""
+        if request.is_swapped_out:
+            return self._swap_in(request, plan)
         computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
         num_new = plan.budget.fit(request.num_tokens - num_cached)
         if num_new == 0:
@@ -230,13 +246,30 @@ class Scheduler:
             return REASON_NO_KV_BLOCKS
         self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_cached)
         request.num_computed_tokens = request.num_cached_tokens = num_cached
+        self._start_running(request, plan, mode="recompute")
+        plan.add(self._make_scheduled(request, num_new, num_prefix_hit_tokens=num_cached))
+        return None
+
+    def _swap_in(self, request: Request, plan: StepPlan) -> str | None:
+        """Resume a swapped-out request: fresh blocks, its K/V copied back before the forward."""
+        num_new = plan.budget.fit(request.num_tokens - request.num_computed_tokens)
+        if num_new == 0:
+            return REASON_TOKEN_BUDGET
+        pairs = self.kv_cache_manager.swap_in(request, num_new)
+        if pairs is None:
+            return REASON_NO_KV_BLOCKS
+        plan.swap_in += pairs
+        request.is_swapped_out = False
+        self._start_running(request, plan, mode="swap", blocks=len(pairs))
+        plan.add(self._make_scheduled(request, num_new))
+        return None
+
+    def _start_running(self, request: Request, plan: StepPlan, **detail) -> None:
         self.waiting.remove(request)
         self.running.append(request)
         if request.status == RequestStatus.PREEMPTED:
-            request.record("resumed", plan.step)
+            request.record("resumed", plan.step, **detail)
         request.status = RequestStatus.RUNNING
-        plan.add(self._make_scheduled(request, num_new, num_prefix_hit_tokens=num_cached))
-        return None
 
     def _finalize(self, plan: StepPlan) -> SchedulerOutput:
         for s in plan.scheduled.values():  # only now is the decision final (a victim may have lost its share)
@@ -250,6 +283,8 @@ class Scheduler:
             preempted=plan.preempted,
             token_budget=self.config.max_num_batched_tokens,
             finished_ids=finished_ids,
+            blocks_to_swap_out=plan.swap_out,
+            blocks_to_swap_in=plan.swap_in,
         )
 
     def _make_scheduled(self, request: Request, num_new: int, num_prefix_hit_tokens: int = 0) -> ScheduledRequest:
@@ -271,22 +306,32 @@ class Scheduler:
             sampling_params=request.sampling_params,
             produces_token=end == request.num_tokens,
             num_prefix_hit_tokens=num_prefix_hit_tokens,
+            num_recomputed_tokens=max(0, min(end, request.max_computed_tokens) - start),
         )
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
-        """Free the victim's KV and put it back at the head of the queue; it will be recomputed."""
+        """Take the victim's KV blocks and put it back at the head of the queue. Its K/V go to
+        the swap space if swapping is on and there is room, else they are recomputed later."""
         plan.withdraw(request.request_id)
         plan.preempted.append(request.request_id)
         plan.unscheduled[request.request_id] = REASON_PREEMPTED
         self.running.remove(request)
-        self.kv_cache_manager.free(request)
+        swapped = None
+        if self.config.preemption_mode == "swap":
+            swapped = self.kv_cache_manager.swap_out(request)
+        if swapped is not None:
+            plan.swap_out += swapped
+            request.is_swapped_out = True
+        else:
+            self.kv_cache_manager.free(request)
+            request.num_computed_tokens = 0
+            request.num_cached_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.num_cached_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.insert(0, request)
-        request.record("preempted", plan.step)
+        request.record("preempted", plan.step, mode="swap" if swapped is not None else "recompute",
+                       tokens_kept=request.num_computed_tokens)
 
     # -- after the model ran -------------------------------------------------------------------
 
@@ -302,6 +347,8 @@ class Scheduler:
             if request is None:  # aborted or failed while the step ran
                 continue
             request.num_computed_tokens += s.num_tokens
+            request.num_recomputed_tokens += s.num_recomputed_tokens
+            request.max_computed_tokens = max(request.max_computed_tokens, request.num_computed_tokens)
             self.kv_cache_manager.cache_full_blocks(request)
             if s.request_id not in sampled:
                 continue

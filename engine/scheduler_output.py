@@ -33,6 +33,7 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     produces_token: bool  # False for a prefill chunk that does not reach the end of the prompt
     num_prefix_hit_tokens: int = 0  # tokens found in the prefix cache when admitted this step
+    num_recomputed_tokens: int = 0  # of num_tokens, how many were computed before (a preemption lost them)
 
 
 @dataclass
@@ -43,6 +44,10 @@ class SchedulerOutput:
     preempted: list[str]
     token_budget: int
     finished_ids: list[str] = field(default_factory=list)  # freed since the last step
+    # Swap preemption: (device block, swap block) pairs to copy out, (swap block, device block) in.
+    # The worker copies them before the forward, outs first: a block swapped out may be reused now.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:

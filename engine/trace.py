@@ -20,6 +20,7 @@ class ScheduledRecord:
     num_computed_tokens: int  # before the step
     num_prompt_tokens: int
     num_prefix_hit_tokens: int = 0  # admitted this step with this many tokens already cached
+    num_recomputed_tokens: int = 0  # of num_tokens, computed before and lost to a preemption
 
 
 @dataclass
@@ -40,6 +41,19 @@ class StepRecord:
     outputs: list = field(default_factory=list, repr=False)  # RequestOutput per request that advanced
     engine_start_time: float = 0.0  # on the engine clock (engine/clock.py): seconds since it started
     engine_duration: float = 0.0  # engine seconds this step took (measured, or computed by a simulator)
+    num_swapped_out_blocks: int = 0  # swap preemption: blocks copied to host memory before the forward
+    num_swapped_in_blocks: int = 0  # and copied back for resumed requests
+    swap_seconds: float = 0.0  # measured time of those copies
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache in this step (admissions)
+    prefix_cache_hits: int = 0  # of those, found
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else None
+
+    @property
+    def num_recomputed_tokens(self) -> int:
+        return sum(s.num_recomputed_tokens for s in self.scheduled)
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:

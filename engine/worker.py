@@ -136,10 +136,18 @@ class Worker:
         """Bytes of the KV cache tensors this worker allocated (K and V, all layers)."""
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.runner.kv_caches)
 
-    def initialize_cache(self, num_blocks: int) -> None:
+    def initialize_cache(self, num_blocks: int, num_swap_blocks: int = 0) -> None:
+        """The KV cache on the device, and (for swap preemption) a swap space in host memory:
+        pinned on CUDA so copies run at full PCIe speed; on a CPU a separate pool of tensors."""
         self.num_blocks = num_blocks
         kv_caches = self.model.allocate_kv_cache(num_blocks, self.block_size)
-        self.runner = ModelRunner(self.model, kv_caches, self.block_size)
+        swap_caches = []
+        if num_swap_blocks > 0:
+            pin = self.device.type == "cuda"
+            swap_caches = [tuple(t.new_zeros((num_swap_blocks, *t.shape[1:]), device="cpu").pin_memory()
+                                 if pin else torch.zeros((num_swap_blocks, *t.shape[1:]), dtype=t.dtype)
+                                 for t in layer) for layer in kv_caches]
+        self.runner = ModelRunner(self.model, kv_caches, self.block_size, swap_caches)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)

@@ -166,13 +166,15 @@ def test_prefix_cache_serves_a_shared_system_prompt(big_llm, batch_run, system_p
 # -- small caches: preemption, chunked prefill, prefix caching on and off ---------------------------
 
 
-@pytest.mark.parametrize("caching, budget", [(False, 64), (True, 128)], ids=["no_prefix_caching", "prefix_caching"])
+@pytest.mark.parametrize("caching, budget, mode", [(False, 64, "recompute"), (True, 128, "recompute"),
+                                                   (True, 128, "swap")],
+                         ids=["no_prefix_caching", "prefix_caching", "swap"])
 def test_preemption_and_chunked_prefill_keep_greedy_outputs(
-    default_model_dir, prompts, hf_reference, tokenizer, reference, caching, budget
+    default_model_dir, prompts, hf_reference, tokenizer, reference, caching, budget, mode
 ):
     # 25 blocks of 16 = 400 tokens: one long request fits, the whole batch does not
     llm = make_llm(default_model_dir, num_kv_blocks=25, max_model_len=400, max_num_batched_tokens=budget,
-                   enable_prefix_caching=caching)
+                   enable_prefix_caching=caching, preemption_mode=mode)
     names = list(prompts)
     outputs = llm.generate([prompts[n] for n in names], GREEDY, use_tqdm=False)
     check_batch(llm, outputs, names, hf_reference, tokenizer, reference)
@@ -183,3 +185,9 @@ def test_preemption_and_chunked_prefill_keep_greedy_outputs(
     assert sum(o.metrics.num_preemptions for o in outputs) == llm.engine.scheduler.num_preemptions
     hits = sum(s.num_prefix_hit_tokens for r in records for s in r.scheduled)
     assert (hits > 0) == caching
+    stats = llm.engine.stats
+    if mode == "swap":  # the swap space is as large as the cache: nothing is ever recomputed
+        assert stats["swapped_out_blocks"] > 0 and stats["swapped_in_blocks"] == stats["swapped_out_blocks"]
+        assert stats["recomputed_tokens"] == 0 and stats["swap_seconds"] > 0
+    else:
+        assert stats["recomputed_tokens"] > 0 and stats["swapped_out_blocks"] == 0

@@ -253,21 +253,57 @@ def test_stale_parent_after_reuse_misses():
 
 
 def test_identical_prefix_computed_twice_is_cached_once():
-    """Two requests admitted together compute the same prefix; only one copy enters the cache and
-    a later request gets that one."""
+    """Two requests admitted together compute the same prefix; only one copy enters the cache,
+    the second request switches to that copy and frees its duplicate."""
     kv = KVCacheManager(32, BS)
     a, b = make_req("a", X + Y + [1]), make_req("b", X + Y + [2])
     # both admitted before either ran: no hits
     for req in (a, b):
         assert kv.get_computed_blocks(req) == ([], 0)
         assert kv.allocate_slots(req, req.num_tokens) is not None
+    free_before = kv.num_free_blocks
     for req in (a, b):
         req.num_computed_tokens = req.num_tokens
         kv.cache_full_blocks(req)
-    heads = [blocks[0] for blocks in kv.req_to_blocks.values()]
-    assert sum(1 for blk in heads if blk.block_hash is not None) == 1
+    assert kv.block_ids("b")[:2] == kv.block_ids("a")[:2]  # b now uses a's copy...
+    assert kv.num_free_blocks == free_before + 2 and kv.num_deduplicated_blocks == 2  # ...and gave its own back
     hits, _ = kv.get_computed_blocks(make_req("c", X + Y + [3]))
     assert [h.block_id for h in hits] == kv.block_ids("a")[:2]
+    check_consistent(kv)
+
+
+def test_blocks_after_a_duplicated_prefix_can_be_hit():
+    """The waste this fixes: b computed X, Y alongside a, then Z. Its Z block used to chain on b's
+    own (uncached) copy of Y, so no later request could ever hit it."""
+    kv = KVCacheManager(32, BS)
+    a, b = make_req("a", X + Y + [1]), make_req("b", X + Y + Z + [2])
+    for req in (a, b):
+        assert kv.allocate_slots(req, req.num_tokens) is not None
+        req.num_computed_tokens = req.num_tokens
+    for req in (a, b):
+        kv.cache_full_blocks(req)
+    hits, num_hit = kv.get_computed_blocks(make_req("c", X + Y + Z + [3]))
+    assert num_hit == 3 * BS and [h.block_id for h in hits] == kv.block_ids("b")[:3]
+    check_consistent(kv)
+
+
+def test_cache_salt_separates_tenants():
+    """Equal prompts share blocks only under an equal salt (None counts as one salt)."""
+    kv = KVCacheManager(32, BS)
+    owner = make_req("owner", X + Y + [1])
+    owner.cache_salt = "tenant-a"
+    admit(kv, owner)
+    owner.num_computed_tokens = owner.num_tokens
+    kv.cache_full_blocks(owner)
+    for salt, expected in (("tenant-a", 2 * BS), ("tenant-b", 0), (None, 0)):
+        probe = make_req(f"probe-{salt}", X + Y + [2])
+        probe.cache_salt = salt
+        assert kv.get_computed_blocks(probe)[1] == expected, salt
+    unsalted = make_req("plain", X + Y + [3])
+    admit(kv, unsalted)
+    unsalted.num_computed_tokens = unsalted.num_tokens
+    kv.cache_full_blocks(unsalted)
+    assert set(kv.block_ids("plain")).isdisjoint(kv.block_ids("owner"))
     check_consistent(kv)
 
 

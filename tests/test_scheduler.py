@@ -42,9 +42,10 @@ def make_req(rid, tokens, max_tokens=8, priority=0, arrival=0.0, ignore_eos=True
 
 
 def make_sched(num_blocks=64, block_size=4, budget=512, max_seqs=32, max_model_len=256, policy="fcfs",
-               caching=True, chunked=True, hash_fn=chained_block_hash) -> Scheduler:
-    kv = KVCacheManager(num_blocks, block_size, caching, hash_fn=hash_fn)
-    return Scheduler(SchedulerConfig(budget, max_seqs, max_model_len, policy, chunked), kv)
+               caching=True, chunked=True, hash_fn=chained_block_hash, preemption_mode="recompute",
+               num_swap_blocks=0) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size, caching, hash_fn=hash_fn, num_swap_blocks=num_swap_blocks)
+    return Scheduler(SchedulerConfig(budget, max_seqs, max_model_len, policy, chunked, preemption_mode), kv)
 
 
 def step(sched: Scheduler, token: int = 5):
@@ -88,6 +89,17 @@ def check_kv(sched: Scheduler) -> None:
     snap = kv.snapshot()
     assert snap.num_used == sum(1 for owners in holders.values() if owners)
     assert snap.num_used + snap.num_cached_free + snap.num_free == kv.num_blocks
+    # swap space: exactly the swapped-out waiting requests hold swap blocks, each block once
+    swap = kv.swap_space
+    swapped = {r.request_id for r in sched.waiting if r.is_swapped_out}
+    assert set(swap.req_to_swap_ids) == swapped
+    held = [i for ids in swap.req_to_swap_ids.values() for i in ids]
+    assert len(held) == len(set(held)) == swap.num_used and not set(held) & set(swap.free_ids)
+    for request in sched.waiting:
+        if request.is_swapped_out:
+            assert len(swap.req_to_swap_ids[request.request_id]) == -(-request.num_computed_tokens // bs)
+        else:
+            assert request.num_computed_tokens == 0
 
 
 @dataclass
@@ -138,6 +150,12 @@ class Driver:
             assert set(scheduled) | set(out.unscheduled) == live_before, (
                 f"step {out.step}: no decision for {live_before - set(scheduled) - set(out.unscheduled)}")
         self.saw.update(out.unscheduled.values())
+        if out.blocks_to_swap_out:
+            self.saw.add("swap_out")
+        if out.blocks_to_swap_in:
+            self.saw.add("swap_in")
+        swapped_ids = {s for _, s in out.blocks_to_swap_out} | {s for s, _ in out.blocks_to_swap_in}
+        assert len(swapped_ids) == len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
         # queues
         running_ids = [r.request_id for r in sched.running]
         waiting_ids = [r.request_id for r in sched.waiting]
@@ -156,9 +174,10 @@ class Driver:
                 order = running_before
             assert preempted == [r.request_id for r in reversed(order)][: len(preempted)]
             assert waiting_ids[: len(preempted)] == preempted[::-1]
-            for rid in preempted:
-                assert sched.requests[rid].num_computed_tokens == 0
-                assert sched.requests[rid].status == RequestStatus.PREEMPTED
+            for rid in preempted:  # recomputed from scratch, or kept whole in the swap space
+                request = sched.requests[rid]
+                assert request.is_swapped_out or request.num_computed_tokens == 0
+                assert request.status == RequestStatus.PREEMPTED
         # admission is in queue order: the admitted form a prefix of the (eligible) waiting queue
         admitted = [rid for rid in waiting_before if rid in scheduled]
         if cfg.policy == "priority":
@@ -194,7 +213,11 @@ class Driver:
                 assert s.produces_token
             if not cfg.enable_chunked_prefill:
                 assert s.phase != "chunked_prefill" or s.produces_token
-            if s.request_id in admitted:
+            swapped_in = any(e.kind == "resumed" and e.step == out.step and e.detail.get("mode") == "swap"
+                             for e in request.journey)
+            if s.request_id in admitted and swapped_in:  # its K/V come back from the swap space
+                assert s.num_prefix_hit_tokens == 0 and s.num_computed_tokens == computed_before[s.request_id]
+            elif s.request_id in admitted:
                 assert s.num_prefix_hit_tokens == request.num_cached_tokens == s.num_computed_tokens
                 assert s.num_prefix_hit_tokens % sched.kv_cache_manager.block_size == 0
                 if not sched.kv_cache_manager.enable_prefix_caching:
@@ -254,6 +277,7 @@ def scenarios(draw, policies=("fcfs", "priority", "static")):
         num_blocks=num_blocks, block_size=block_size, budget=budget, max_model_len=max_model_len,
         max_seqs=draw(st.integers(1, 6)), policy=draw(st.sampled_from(policies)), caching=draw(st.booleans()),
         chunked=chunked, hash_fn=draw(st.sampled_from([chained_block_hash, constant_hash])),
+        preemption_mode=draw(st.sampled_from(["recompute", "swap"])), num_swap_blocks=draw(st.integers(0, 12)),
     )
     prefixes = [draw(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=40)) for _ in range(2)]
     # later arrivals more important: the least important request then sits early in `running`
@@ -510,6 +534,50 @@ def test_unknown_policy_is_refused():
 
 
 # -- unit tests: preemption -------------------------------------------------------------------
+
+
+def test_swap_preemption_keeps_the_victims_tokens_and_copies_them_back():
+    sched = make_sched(num_blocks=6, block_size=4, caching=False, max_model_len=24,
+                       preemption_mode="swap", num_swap_blocks=4)
+    sched.add_request(make_req("a", 8, max_tokens=3))
+    for rid in "bc":
+        sched.add_request(make_req(rid, 8, max_tokens=10))
+    step(sched)
+    c_blocks = sched.kv_cache_manager.block_ids("c")
+    out, _ = step(sched)  # every request needs a third block: c is swapped out, not dropped
+    assert out.preempted == ["c"] and out.blocks_to_swap_out == list(zip(c_blocks, [3, 2]))
+    c = sched.requests["c"]
+    assert c.is_swapped_out and c.num_computed_tokens == 8 and c.num_preemptions == 1
+    assert c.journey[-1].detail == {"mode": "swap", "tokens_kept": 8}
+    step(sched)  # a finishes and frees its blocks
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens["c"] == 1  # resumes where it stopped: no recompute
+    assert [swap for swap, _ in out.blocks_to_swap_in] == [3, 2]
+    assert [dev for _, dev in out.blocks_to_swap_in] == sched.kv_cache_manager.block_ids("c")[:2]
+    assert not c.is_swapped_out and c.num_recomputed_tokens == 0
+    assert sched.kv_cache_manager.swap_space.num_used == 0
+
+
+def test_a_full_swap_space_falls_back_to_recompute():
+    sched = make_sched(num_blocks=6, block_size=4, caching=False, max_model_len=24,
+                       preemption_mode="swap", num_swap_blocks=1)  # c needs 3 swap blocks
+    sched.add_request(make_req("a", 8, max_tokens=3))
+    for rid in "bc":
+        sched.add_request(make_req(rid, 8, max_tokens=10))
+    step(sched)
+    out, _ = step(sched)
+    c = sched.requests["c"]
+    assert out.preempted == ["c"] and out.blocks_to_swap_out == []
+    assert not c.is_swapped_out and c.num_computed_tokens == 0
+    assert c.journey[-1].detail["mode"] == "recompute"
+    while c.num_output_tokens < 3:
+        step(sched)
+    assert c.num_recomputed_tokens == 8  # its 8 prompt tokens, once more
+
+
+def test_unknown_preemption_mode_is_refused():
+    with pytest.raises(ValueError, match="preemption_mode"):
+        make_sched(preemption_mode="discard")
 
 
 def test_newest_running_request_is_preempted_and_returns_to_the_head_of_the_queue():
