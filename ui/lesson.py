@@ -223,7 +223,8 @@ def next_chapter(chapter_id: str) -> Chapter | None:
 def lesson_parts(chapter_id: str) -> tuple[str, str, str]:
     """(before the lab, after the lab up to 다음 장, the 다음 장 section)."""
     path = LESSONS_DIR / f"ch{chapter(chapter_id).id}.md"
-    text = path.read_text(encoding="utf-8") if path.is_file() else f"# {chapter(chapter_id).title}\n\n(본문 준비 중)"
+    missing = f"# {chapter(chapter_id).title}\n\n(본문 준비 중)"
+    text = path.read_text(encoding="utf-8") if path.is_file() else missing
     before, _, after = text.partition(LAB_MARK)
     rest, mark, next_part = after.partition(NEXT_HEADING)
     return before, rest, (mark + next_part) if mark else ""
@@ -271,7 +272,8 @@ def coming_soon(ch: Chapter) -> Callable[[], None]:
             st.caption("아래는 미리 써 둔 본문입니다 (실험실 없이).")
             before, rest, next_part = lesson_parts(ch.id)
             st.markdown(before + rest + next_part)
-        st.page_link(PAGES.get("00", "pages/ch00_intro.py"), label="00 · 코스 안내로 돌아가기", icon=":material/explore:")
+        st.page_link(PAGES.get("00", "pages/ch00_intro.py"), label="00 · 코스 안내로 돌아가기",
+                     icon=":material/explore:")
 
     page.__name__ = f"coming_soon_ch{ch.id}"
     return page
