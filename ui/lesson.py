@@ -2,17 +2,37 @@
 
 render_chapter("03", lab): lessons/ch03.md up to `<!-- LAB -->` → lab() → the rest of the lesson
 → ✍️ 확인 문제 (the quiz) → 다음 장 with a link to the next chapter's page.
+
+The quiz (lessons/chNN_quiz.json) is a list of questions of two kinds:
+
+    {"kind": "choice", "question": str, "options": [str, ...], "answer": int,
+     "hint": str (optional), "explanation": str}
+    {"kind": "short", "question": str, "check": CHECK, "accept": [str, ...],
+     "hint": str (optional), "explanation": str}
+
+CHECK says what a right short answer is, in a form the code can verify:
+    {"type": "number", "value": float, "rel_tol": float (default 0.005)}
+        the last number written (thousands separators allowed) lies within the tolerance;
+    {"type": "exact", "answers": [str, ...]}
+        the whole answer, normalised, is one of these;
+    {"type": "keywords", "all": [[str, ...], ...], "none": [str, ...] (optional)}
+        every group in "all" has a synonym in the answer and no word of "none" appears
+        ("=word" matches only an answer that is exactly that word).
+"accept" holds example right answers (each must pass CHECK); one is shown once the answer is
+revealed. Choice options are shuffled per session (seeded); a first wrong answer gets a hint and a
+second try, and only a second wrong answer reveals the key and the explanation.
 """
 
 from __future__ import annotations
 
+import json
+import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import streamlit as st
-
-from ui.widgets import quiz
 
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS_DIR = ROOT / "lessons"
@@ -63,6 +83,128 @@ CHAPTERS = [
 ]
 SECTIONS = ["기초", "메모리", "배칭과 스케줄링", "최적화", "서빙"]
 
+# -- the quiz ------------------------------------------------------------------------------------
+
+QUIZ_SEED_KEY = "_quiz_seed"
+MAX_TRIES = 2  # wrong answers before the key and the explanation are shown
+DEFAULT_HINT = "본문의 해당 절을 다시 떠올려 보고 한 번 더 답해 보세요."
+
+
+def load_quiz(chapter_id: str) -> list[dict]:
+    path = LESSONS_DIR / f"ch{chapter(chapter_id).id}_quiz.json"
+    if not path.is_file():
+        return []
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def normalize(text: str) -> str:
+    """Lower case without spaces, hyphens, underscores, quotes and middle dots."""
+    return re.sub(r"[\s\-_·'\"`‘’“”]+", "", str(text)).lower()
+
+
+_NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+
+
+def numbers_in(text: str) -> list[float]:
+    """The numbers written in text, thousands separators allowed ("23,040" → 23040.0)."""
+    out = []
+    for raw in _NUMBER.findall(str(text)):
+        try:
+            out.append(float(raw.replace(",", "")))
+        except ValueError:
+            continue
+    return out
+
+
+def _keyword_in(word: str, given: str) -> bool:
+    """A synonym appears in the normalised answer ("=word": the whole answer must be the word)."""
+    if word.startswith("="):
+        return given == normalize(word[1:])
+    return normalize(word) in given
+
+
+def check_answer(answer: str, check: dict) -> bool:
+    """Whether a short answer is right under the question's CHECK (see the module docstring)."""
+    given = normalize(answer)
+    if not given:
+        return False
+    kind = check.get("type")
+    if kind == "number":
+        found = numbers_in(answer)
+        if not found:
+            return False
+        value = float(check["value"])
+        tol = float(check.get("rel_tol", 0.005)) * abs(value) or 1e-9
+        return abs(found[-1] - value) <= tol
+    if kind == "exact":
+        return given in {normalize(a) for a in check["answers"]}
+    if kind == "keywords":
+        if any(normalize(w) in given for w in check.get("none", [])):
+            return False
+        return all(any(_keyword_in(w, given) for w in group) for group in check["all"])
+    raise ValueError(f"unknown check type: {kind!r}")
+
+
+def shuffled_order(n: int, seed: int, chapter_id: str, index: int) -> list[int]:
+    """A permutation of range(n), fixed for one session, chapter and question."""
+    order = list(range(n))
+    random.Random(f"{seed}:{chapter_id}:{index}").shuffle(order)
+    return order
+
+
+def _session_seed() -> int:
+    if QUIZ_SEED_KEY not in st.session_state:
+        st.session_state[QUIZ_SEED_KEY] = random.SystemRandom().randrange(2**31)
+    return int(st.session_state[QUIZ_SEED_KEY])
+
+
+def _count_wrong(key: str, answer: str) -> int:
+    """Remember a distinct wrong answer of this question; return how many there were so far."""
+    tried = st.session_state.setdefault(f"{key}_wrong", [])
+    if answer not in tried:
+        tried.append(answer)
+    return len(tried)
+
+
+def _feedback(key: str, answer: str, right: bool, q: dict, key_text: str) -> None:
+    if right:
+        st.success("정답입니다. " + q.get("explanation", ""))
+        return
+    if _count_wrong(key, answer) < MAX_TRIES:
+        st.error("다시 생각해 보세요. 한 번 더 답할 수 있습니다. 힌트: " + q.get("hint", DEFAULT_HINT))
+    else:
+        st.error("다시 생각해 보세요. 정답: " + key_text + " — " + q.get("explanation", ""))
+
+
+def quiz(chapter_id: str) -> None:
+    """The chapter's questions with feedback: shuffled options, a hint and a second try."""
+    questions = load_quiz(chapter_id)
+    if not questions:
+        st.caption("이 장의 확인 문제는 준비 중입니다.")
+        return
+    cid = f"ch{chapter(chapter_id).id}"
+    seed = _session_seed()
+    for i, q in enumerate(questions, 1):
+        key = f"quiz_{cid}_{i}"
+        with st.container(border=True):
+            st.markdown(f"**문제 {i}.** {q['question']}")
+            if q.get("kind") == "choice":
+                order = shuffled_order(len(q["options"]), seed, cid, i)
+                shown = [q["options"][j] for j in order]
+                choice = st.radio("답 고르기", shown, index=None, key=key,
+                                  label_visibility="collapsed")
+                if choice is not None:
+                    key_text = q["options"][q["answer"]]
+                    _feedback(key, choice, choice == key_text, q, key_text)
+            else:
+                answer = st.text_input("답 쓰기", key=key, label_visibility="collapsed",
+                                       placeholder="답을 쓰고 Enter")
+                if answer.strip():
+                    example = (q.get("accept") or ["—"])[0]
+                    _feedback(key, answer.strip(), check_answer(answer, q["check"]), q,
+                              "예시 답: " + example)
+
+
 # app.py registers its st.Page objects here (chapter id → page), so that links work for every page.
 PAGES: dict = {}
 
@@ -81,7 +223,8 @@ def next_chapter(chapter_id: str) -> Chapter | None:
 def lesson_parts(chapter_id: str) -> tuple[str, str, str]:
     """(before the lab, after the lab up to 다음 장, the 다음 장 section)."""
     path = LESSONS_DIR / f"ch{chapter(chapter_id).id}.md"
-    text = path.read_text(encoding="utf-8") if path.is_file() else f"# {chapter(chapter_id).title}\n\n(본문 준비 중)"
+    missing = f"# {chapter(chapter_id).title}\n\n(본문 준비 중)"
+    text = path.read_text(encoding="utf-8") if path.is_file() else missing
     before, _, after = text.partition(LAB_MARK)
     rest, mark, next_part = after.partition(NEXT_HEADING)
     return before, rest, (mark + next_part) if mark else ""
@@ -129,7 +272,8 @@ def coming_soon(ch: Chapter) -> Callable[[], None]:
             st.caption("아래는 미리 써 둔 본문입니다 (실험실 없이).")
             before, rest, next_part = lesson_parts(ch.id)
             st.markdown(before + rest + next_part)
-        st.page_link(PAGES.get("00", "pages/ch00_intro.py"), label="00 · 코스 안내로 돌아가기", icon=":material/explore:")
+        st.page_link(PAGES.get("00", "pages/ch00_intro.py"), label="00 · 코스 안내로 돌아가기",
+                     icon=":material/explore:")
 
     page.__name__ = f"coming_soon_ch{ch.id}"
     return page
