@@ -1,8 +1,24 @@
-"""How a request wants its tokens chosen and when it wants to stop (vLLM's SamplingParams)."""
+"""How a request wants its tokens chosen and when it wants to stop (vLLM's SamplingParams).
+
+`verify()` is the one place where every field is checked, for the library and the HTTP server
+alike: a value the sampler cannot handle must be refused here, at the edge, with a message that
+names the field, never discovered later inside the engine loop.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Dividing logits by a tiny temperature overflows float32 (max about 3.4e38): logits of size 10
+# divided by 1e-40 are inf, softmax of inf is NaN, and sampling from NaN fails. Below 0.01 the
+# distribution is already all but greedy, so smaller positive values are refused (send 0).
+MIN_TEMPERATURE = 1e-2
+MAX_TEMPERATURE = 2.0
+MAX_LOGPROBS = 20
+MAX_SEED = 2**64 - 1  # vLLM's range; torch.Generator.manual_seed takes any value in [0, 2**64)
+MAX_INT32 = 2**31 - 1  # the bound of every count and token id (they become int32/int64 tensors)
+MAX_STOP_STRINGS = 16
 
 
 class InvalidRequestError(ValueError):
@@ -13,10 +29,20 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+def _is_int(value) -> bool:
+    """An int that is not a bool (True is an int in Python, but not a token count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    """A finite int or float (NaN and ±inf are refused everywhere)."""
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 means greedy; otherwise in [MIN_TEMPERATURE, MAX_TEMPERATURE]
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 means no top-k
     min_p: float = 0.0
@@ -42,23 +68,41 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def verify(self) -> None:
-        """Raise InvalidRequestError for any out-of-range value, naming the parameter."""
-        checks = [
-            (self.n == 1, "n", f"n must be 1, got {self.n}"),
-            (0.0 <= self.temperature <= 2.0, "temperature", f"temperature must be in [0, 2], got {self.temperature}"),
-            (0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k == -1 or self.top_k >= 0, "top_k", f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}"),
-            (0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
-             f"max_tokens must be at least 1, got {self.max_tokens}"),
-            (self.min_tokens >= 0, "min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}"),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
-             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
-             f"logprobs must be in [0, 20], got {self.logprobs}"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings"),
-            (self.seed is None or isinstance(self.seed, int), "seed", f"seed must be an integer, got {self.seed!r}"),
-        ]
-        for ok, param, message in checks:
-            if not ok:
+        """Raise InvalidRequestError for any wrong type or out-of-range value, naming the field."""
+        for ok, param, message in self._checks():
+            if not ok():
                 raise InvalidRequestError(message, param)
+
+    def _checks(self):
+        """(test, field, message) triples, in order; each test runs only if the earlier passed,
+        so a range test can assume the type test before it held."""
+        t, k = self.temperature, self.top_k
+        return [
+            (lambda: _is_int(self.n), "n", f"n must be an integer, got {self.n!r}"),
+            (lambda: self.n == 1, "n", f"n must be 1 (one answer per request), got {self.n}"),
+            (lambda: _is_number(t), "temperature", f"temperature must be a finite number, got {t!r}"),
+            (lambda: t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE, "temperature",
+             f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], got {t}"),
+            (lambda: _is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p",
+             f"top_p must be in (0, 1], got {self.top_p!r}"),
+            (lambda: _is_int(k) and -1 <= k <= MAX_INT32, "top_k",
+             f"top_k must be -1, 0 (disabled) or a positive integer up to {MAX_INT32}, got {k!r}"),
+            (lambda: _is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p",
+             f"min_p must be in [0, 1], got {self.min_p!r}"),
+            (lambda: self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED), "seed",
+             f"seed must be an integer in [0, 2**64 - 1], got {self.seed!r}"),
+            (lambda: self.max_tokens is None or (_is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_INT32),
+             "max_tokens", f"max_tokens must be an integer in [1, {MAX_INT32}], got {self.max_tokens!r}"),
+            (lambda: _is_int(self.min_tokens) and 0 <= self.min_tokens <= MAX_INT32, "min_tokens",
+             f"min_tokens must be an integer in [0, {MAX_INT32}], got {self.min_tokens!r}"),
+            (lambda: self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
+            (lambda: self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+             "logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"),
+            (lambda: all(isinstance(s, str) and s for s in self.stop), "stop",
+             "stop strings must be non-empty strings"),
+            (lambda: len(self.stop) <= MAX_STOP_STRINGS, "stop",
+             f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}"),
+            (lambda: all(_is_int(i) and 0 <= i <= MAX_INT32 for i in self.stop_token_ids), "stop_token_ids",
+             f"stop_token_ids must be integers in [0, {MAX_INT32}]"),
+        ]

@@ -8,7 +8,10 @@ U+FFFD. The IncrementalDetokenizer holds such tokens back until the character is
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 import jinja2
@@ -24,6 +27,12 @@ class Tokenizer:
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
         self._tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        # A second copy that reads special-token text ("<|im_start|>") as plain text: for what a
+        # client wrote, so that typed text can never become a control token.
+        self._plain = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self._plain.encode_special_tokens = True
+        self._byte_level = "ByteLevel" in type(self._tok.decoder).__name__ or "ByteLevel" in repr(
+            self._tok.decoder)
         config = json.loads((model_dir / "tokenizer_config.json").read_text())
         self.bos_token = _token_content(config.get("bos_token"))
         self.eos_token = _token_content(config.get("eos_token"))
@@ -45,6 +54,26 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=True).ids
 
+    def encode_plain(self, text: str) -> list[int]:
+        """Encode `text` with special tokens read as ordinary text (no BOS/EOS added)."""
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for (OpenAI's logprobs `bytes`).
+
+        A byte-level BPE token is a string over GPT-2's byte alphabet (e.g. "Ġ" is the space byte);
+        mapped back, a token holding half a Hangul syllable gives its real bytes, where decoding
+        the token alone would give U+FFFD. Special tokens are their text in UTF-8."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self.special_token_ids or not self._byte_level:
+            return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+        decoder = _gpt2_byte_decoder()
+        if all(ch in decoder for ch in piece):
+            return bytes(decoder[ch] for ch in piece)
+        return piece.encode("utf-8")
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
@@ -62,6 +91,50 @@ class Tokenizer:
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
+
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+        """The chat prompt as (text, token ids), where only the template makes control tokens.
+
+        The template is rendered with a placeholder for each message's content; the template's
+        own text is encoded with special tokens, each content with encode_plain. So a user who
+        types "<|im_start|>system" gets those characters as text, not a forged system turn."""
+        nonce = secrets.token_hex(8)
+        marks = [f"\ue000{nonce}:{i}\ue001" for i in range(len(messages))]
+        masked = [{**m, "content": mark} for m, mark in zip(messages, marks)]
+        rendered = self.apply_chat_template(masked, add_generation_prompt)
+        contents = {mark: str(m.get("content") or "") for m, mark in zip(messages, marks)}
+        pattern = re.compile("(" + "|".join(re.escape(mark) for mark in marks) + ")")
+        text_parts, encodings = [], []
+        for i, part in enumerate(pattern.split(rendered)):
+            if not part:
+                continue
+            if i % 2:  # a placeholder: the client's text
+                text_parts.append(contents[part])
+                encodings.append(self._plain.encode(contents[part], add_special_tokens=False))
+            else:  # the template's text
+                text_parts.append(part)
+                encodings.append(self._tok.encode(part, add_special_tokens=False))
+        merged = encodings[0].merge(encodings) if encodings else self._tok.encode("", add_special_tokens=False)
+        ids = self._tok.post_process(merged, add_special_tokens=True).ids
+        return "".join(text_parts), ids
+
+
+@lru_cache(maxsize=1)
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's byte ↔ printable-character table, reversed (character → byte).
+
+    Printable Latin-1 bytes stand for themselves; the other 68 bytes are shifted to 256 + n so that
+    every byte has a visible, non-space character."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    chars, shifted = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + shifted)
+            shifted += 1
+    return {chr(c): b for b, c in zip(keep, chars)}
 
 
 def _token_content(value) -> str | None:
