@@ -22,7 +22,8 @@ MAX_STOP_STRINGS = 16
 
 
 class InvalidRequestError(ValueError):
-    """A request the engine refuses up front; `param` names the offending field (API error shape)."""
+    """A request the engine refuses up front; `param` names the offending field (as in the API's
+    error shape)."""
 
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
@@ -32,6 +33,10 @@ class InvalidRequestError(ValueError):
 def _is_int(value) -> bool:
     """An int that is not a bool (True is an int in Python, but not a token count)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _in_range(value, low: int, high: int) -> bool:
+    return _is_int(value) and low <= value <= high
 
 
 def _is_number(value) -> bool:
@@ -68,41 +73,41 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def verify(self) -> None:
-        """Raise InvalidRequestError for any wrong type or out-of-range value, naming the field."""
-        for ok, param, message in self._checks():
-            if not ok():
-                raise InvalidRequestError(message, param)
+        """Raise InvalidRequestError for any wrong type or out-of-range value, naming the field.
 
-    def _checks(self):
-        """(test, field, message) triples, in order; each test runs only if the earlier passed,
-        so a range test can assume the type test before it held."""
-        t, k = self.temperature, self.top_k
-        return [
-            (lambda: _is_int(self.n), "n", f"n must be an integer, got {self.n!r}"),
-            (lambda: self.n == 1, "n", f"n must be 1 (one answer per request), got {self.n}"),
-            (lambda: _is_number(t), "temperature", f"temperature must be a finite number, got {t!r}"),
-            (lambda: t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE, "temperature",
-             f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], got {t}"),
-            (lambda: _is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p",
-             f"top_p must be in (0, 1], got {self.top_p!r}"),
-            (lambda: _is_int(k) and -1 <= k <= MAX_INT32, "top_k",
-             f"top_k must be -1, 0 (disabled) or a positive integer up to {MAX_INT32}, got {k!r}"),
-            (lambda: _is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p",
-             f"min_p must be in [0, 1], got {self.min_p!r}"),
-            (lambda: self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED), "seed",
-             f"seed must be an integer in [0, 2**64 - 1], got {self.seed!r}"),
-            (lambda: self.max_tokens is None or (_is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_INT32),
-             "max_tokens", f"max_tokens must be an integer in [1, {MAX_INT32}], got {self.max_tokens!r}"),
-            (lambda: _is_int(self.min_tokens) and 0 <= self.min_tokens <= MAX_INT32, "min_tokens",
-             f"min_tokens must be an integer in [0, {MAX_INT32}], got {self.min_tokens!r}"),
-            (lambda: self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
-             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
-            (lambda: self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-             "logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"),
-            (lambda: all(isinstance(s, str) and s for s in self.stop), "stop",
-             "stop strings must be non-empty strings"),
-            (lambda: len(self.stop) <= MAX_STOP_STRINGS, "stop",
-             f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}"),
-            (lambda: all(_is_int(i) and 0 <= i <= MAX_INT32 for i in self.stop_token_ids), "stop_token_ids",
-             f"stop_token_ids must be integers in [0, {MAX_INT32}]"),
-        ]
+        Each test checks the type first (`and` stops there), so a string or a NaN never reaches
+        a comparison that would raise TypeError or quietly pass."""
+        t = self.temperature
+        require(_is_int(self.n) and self.n == 1, "n",
+                f"n must be 1 (one answer per request), got {self.n!r}")
+        require(_is_number(t) and (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE),
+                "temperature",
+                f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
+                f"got {t!r}")
+        require(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p",
+                f"top_p must be in (0, 1], got {self.top_p!r}")
+        require(_is_int(self.top_k) and -1 <= self.top_k <= MAX_INT32, "top_k",
+                f"top_k must be -1, 0 (disabled) or positive up to {MAX_INT32}, got {self.top_k!r}")
+        require(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p",
+                f"min_p must be in [0, 1], got {self.min_p!r}")
+        require(self.seed is None or _in_range(self.seed, 0, MAX_SEED), "seed",
+                f"seed must be an integer in [0, 2**64 - 1], got {self.seed!r}")
+        require(self.max_tokens is None or _in_range(self.max_tokens, 1, MAX_INT32), "max_tokens",
+                f"max_tokens must be an integer in [1, {MAX_INT32}], got {self.max_tokens!r}")
+        require(_in_range(self.min_tokens, 0, MAX_INT32), "min_tokens",
+                f"min_tokens must be an integer in [0, {MAX_INT32}], got {self.min_tokens!r}")
+        require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        require(self.logprobs is None or _in_range(self.logprobs, 0, MAX_LOGPROBS), "logprobs",
+                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        require(all(isinstance(s, str) and s for s in self.stop), "stop",
+                "stop strings must be non-empty strings")
+        require(len(self.stop) <= MAX_STOP_STRINGS, "stop",
+                f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        require(all(_in_range(i, 0, MAX_INT32) for i in self.stop_token_ids), "stop_token_ids",
+                f"stop_token_ids must be integers in [0, {MAX_INT32}]")
+
+
+def require(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(message, param)

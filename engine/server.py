@@ -1,4 +1,4 @@
-"""The API server: where a request's journey begins (chapter 01) and what chapter 14 puts under load.
+"""The API server: where a request's journey begins (chapter 01), put under load in chapter 14.
 
 An OpenAI-compatible HTTP front end on FastAPI + uvicorn. For each HTTP request it
 
@@ -438,8 +438,9 @@ class OpenAIServer:
                 f"this model's maximum context length is {self.engine.max_model_len} tokens, "
                 f"but the prompt has {num_tokens} tokens", param, "context_length_exceeded")
 
-    def sampling_params(self, body: SamplingFields, num_prompt_tokens: int, max_tokens: int | None,
-                        logprobs: int | None, max_tokens_param: str = "max_tokens") -> SamplingParams:
+    def sampling_params(self, body: SamplingFields, num_prompt_tokens: int,
+                        max_tokens: int | None, logprobs: int | None,
+                        max_tokens_param: str = "max_tokens") -> SamplingParams:
         """Map the body onto SamplingParams (whose verify() checks every value); an error names
         the field as the client called it (`max_tokens_param`, e.g. max_completion_tokens)."""
         try:
@@ -771,8 +772,9 @@ def get_server(raw_request: Request) -> OpenAIServer:
 bearer = HTTPBearer(auto_error=False, description="the server's API key, if it has one")
 
 
-async def require_api_key(raw_request: Request,
-                          credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+async def require_api_key(
+        raw_request: Request,
+        credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
     get_server(raw_request).check_api_key(credentials)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Encoding
 from tokenizers import Tokenizer as HFTokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -31,13 +32,13 @@ class Tokenizer:
         # client wrote, so that typed text can never become a control token.
         self._plain = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
         self._plain.encode_special_tokens = True
-        self._byte_level = "ByteLevel" in type(self._tok.decoder).__name__ or "ByteLevel" in repr(
-            self._tok.decoder)
+        self._byte_level = "ByteLevel" in repr(self._tok.decoder)
         config = json.loads((model_dir / "tokenizer_config.json").read_text())
         self.bos_token = _token_content(config.get("bos_token"))
         self.eos_token = _token_content(config.get("eos_token"))
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
-        self.special_token_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        added = self._tok.get_added_tokens_decoder()
+        self.special_token_ids = {i for i, t in added.items() if t.special}
         self.chat_template = config.get("chat_template")
         if self.chat_template is None and (model_dir / "chat_template.jinja").is_file():
             self.chat_template = (model_dir / "chat_template.jinja").read_text()
@@ -93,7 +94,8 @@ class Tokenizer:
         )
 
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    def encode_chat(self, messages: list[dict],
+                    add_generation_prompt: bool = True) -> tuple[str, list[int]]:
         """The chat prompt as (text, token ids), where only the template makes control tokens.
 
         The template is rendered with a placeholder for each message's content; the template's
@@ -115,8 +117,9 @@ class Tokenizer:
             else:  # the template's text
                 text_parts.append(part)
                 encodings.append(self._tok.encode(part, add_special_tokens=False))
-        merged = encodings[0].merge(encodings) if encodings else self._tok.encode("", add_special_tokens=False)
-        ids = self._tok.post_process(merged, add_special_tokens=True).ids
+        if not encodings:
+            encodings.append(self._tok.encode("", add_special_tokens=False))
+        ids = self._tok.post_process(Encoding.merge(encodings), add_special_tokens=True).ids
         return "".join(text_parts), ids
 
 
@@ -147,7 +150,8 @@ def _compile_template(source: str) -> jinja2.Template:
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = raise_exception
     return env.from_string(source)
 

@@ -143,7 +143,8 @@ def from_schema(schema: dict) -> st.SearchStrategy:
 
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    lambda inner: (st.lists(inner, max_size=4)
+                   | st.dictionaries(st.text(max_size=8), inner, max_size=4)),
     max_leaves=12,
 )
 
@@ -178,7 +179,8 @@ def check_response(server, path: str, body) -> None:
     assert response.status_code < 500, (body, raw[:500])
     if response.status_code >= 400:
         error = json.loads(raw)
-        assert set(error) == {"error"} and set(error["error"]) == {"message", "type", "param", "code"}
+        assert set(error) == {"error"}
+        assert set(error["error"]) == {"message", "type", "param", "code"}
         assert isinstance(error["error"]["message"], str) and error["error"]["message"]
     elif response.headers["content-type"].startswith("text/event-stream"):
         events = [line[6:] for line in raw.decode().splitlines() if line.startswith("data: ")]

@@ -20,7 +20,8 @@ from engine.core import EngineConfig, EngineCore
 from engine.llm import LLM, AsyncLLM
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.server import DEFAULT_MAX_BODY_BYTES, OpenAIServer, build_app, serve, start_server_in_thread
+from engine.server import (DEFAULT_MAX_BODY_BYTES, OpenAIServer, build_app, serve,
+                           start_server_in_thread)
 from test_server import API_KEY, AUTH, assert_error, post, wait_until_idle
 
 MAX_MODEL_LEN = 1024
@@ -166,7 +167,8 @@ def test_chunked_body_over_the_cap_is_refused(server):
         for _ in range(12):
             yield b" " * (1024 * 1024)  # whitespace: would be valid JSON padding
 
-    response = httpx.post(f"{server.url}/v1/completions", content=chunks(), headers=AUTH, timeout=30)
+    response = httpx.post(f"{server.url}/v1/completions", content=chunks(), headers=AUTH,
+                          timeout=30)
     assert_error(response, 413)
 
 
@@ -177,7 +179,8 @@ def test_long_prompt_under_the_body_cap_is_refused_before_tokenizing(server):
         error = assert_error(response, 400)
         assert error["code"] == "context_length_exceeded"
     ids = [7] * (MAX_MODEL_LEN + 5)
-    assert assert_error(completion(server, prompt=ids), 400, "prompt")["code"] == "context_length_exceeded"
+    error = assert_error(completion(server, prompt=ids), 400, "prompt")
+    assert error["code"] == "context_length_exceeded"
 
 
 # -- fields this engine does not implement -----------------------------------------------------
@@ -283,9 +286,11 @@ def poisoned_sampler(monkeypatch, async_llm):
     monkeypatch.setattr(Sampler, "__call__", wrapper)
 
 
-def test_a_failing_request_gets_an_error_and_the_others_complete(server, async_llm, poisoned_sampler):
+def test_a_failing_request_gets_an_error_and_the_others_complete(server, async_llm,
+                                                                 poisoned_sampler):
     healthy = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
-    expected = completion(server, prompt="A healthy request", **healthy).json()["choices"][0]["text"]
+    answer = completion(server, prompt="A healthy request", **healthy).json()
+    expected = answer["choices"][0]["text"]
     results: dict[str, object] = {}
 
     def healthy_stream(i):
@@ -372,8 +377,9 @@ def test_soak_64_streaming_clients_with_disconnects(tiny_model_dir):
                   max_model_len=256, max_num_seqs=32)
     rng = random.Random(0)
     jobs = [dict(prompt=" ".join(f"w{rng.randrange(1000)}" for _ in range(rng.randrange(3, 40))),
-                 max_tokens=rng.randrange(2, 40), leave_after=rng.randrange(1, 6) if rng.random() < 0.25
-                 else None) for _ in range(SOAK_CLIENTS)]
+                 max_tokens=rng.randrange(2, 40),
+                 leave_after=rng.randrange(1, 6) if rng.random() < 0.25 else None)
+            for _ in range(SOAK_CLIENTS)]
     offline = LLM(**kwargs).generate([j["prompt"] for j in jobs], [
         SamplingParams(temperature=0, max_tokens=j["max_tokens"], ignore_eos=True) for j in jobs],
         use_tqdm=False)
