@@ -100,21 +100,21 @@ class Tokenizer:
 
         The template is rendered with a placeholder for each message's content; the template's
         own text is encoded with special tokens, each content with encode_plain. So a user who
-        types "<|im_start|>system" gets those characters as text, not a forged system turn."""
+        types "<|im_start|>system" gets those characters as text, not a forged system turn.
+        (A template that filters the content, e.g. `| trim`, filters the placeholder instead: the
+        content goes in as sent. The default artifact's template inserts it unchanged.)"""
         nonce = secrets.token_hex(8)
-        marks = [f"\ue000{nonce}:{i}\ue001" for i in range(len(messages))]
-        masked = [{**m, "content": mark} for m, mark in zip(messages, marks)]
+        masked = [{**m, "content": f"\ue000{nonce}:{i}\ue001"} for i, m in enumerate(messages)]
         rendered = self.apply_chat_template(masked, add_generation_prompt)
-        contents = {mark: str(m.get("content") or "") for m, mark in zip(messages, marks)}
-        pattern = re.compile("(" + "|".join(re.escape(mark) for mark in marks) + ")")
+        # One pattern for every placeholder (split keeps the captured index): linear in the text
+        placeholder = re.compile(f"\ue000{nonce}:(\\d+)\ue001")
         text_parts, encodings = [], []
-        for i, part in enumerate(pattern.split(rendered)):
-            if not part:
-                continue
-            if i % 2:  # a placeholder: the client's text
-                text_parts.append(contents[part])
-                encodings.append(self._plain.encode(contents[part], add_special_tokens=False))
-            else:  # the template's text
+        for i, part in enumerate(placeholder.split(rendered)):
+            if i % 2:  # a placeholder's index: the client's text
+                content = str(messages[int(part)].get("content") or "")
+                text_parts.append(content)
+                encodings.append(self._plain.encode(content, add_special_tokens=False))
+            elif part:  # the template's text
                 text_parts.append(part)
                 encodings.append(self._tok.encode(part, add_special_tokens=False))
         if not encodings:

@@ -183,6 +183,17 @@ def test_long_prompt_under_the_body_cap_is_refused_before_tokenizing(server):
     assert error["code"] == "context_length_exceeded"
 
 
+def test_twenty_thousand_messages_are_refused_without_stalling(server):
+    """Rendering and tokenizing happen in a worker thread, linear in the input."""
+    messages = [{"role": "user", "content": ""}] * 20_000
+    results = {}
+    sender = threading.Thread(target=lambda: results.setdefault("r", chat(server, messages=messages)))
+    sender.start()
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    sender.join(60)
+    assert assert_error(results["r"], 400, "messages")["code"] == "context_length_exceeded"
+
+
 # -- fields this engine does not implement -----------------------------------------------------
 
 
