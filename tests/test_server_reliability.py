@@ -187,7 +187,8 @@ def test_twenty_thousand_messages_are_refused_without_stalling(server):
     """Rendering and tokenizing happen in a worker thread, linear in the input."""
     messages = [{"role": "user", "content": ""}] * 20_000
     results = {}
-    sender = threading.Thread(target=lambda: results.setdefault("r", chat(server, messages=messages)))
+    sender = threading.Thread(
+        target=lambda: results.setdefault("r", chat(server, messages=messages)))
     sender.start()
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     sender.join(60)
