@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from engine.artifact import ArtifactError
@@ -42,19 +43,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve until Ctrl-C; exit status 1 if the engine loop dies (so a supervisor restarts us)."""
     from engine.core import EngineConfig, EngineCore
     from engine.server import serve
 
-    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks,
-                          max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                          num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
+                          max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens)
     engine = EngineCore(config)
-    print(f"serving {engine.model_dir.name} ({engine.device.type}, {str(engine.dtype).removeprefix('torch.')}, "
-          f"{engine.num_blocks} KV blocks of {config.block_size} tokens, context {engine.max_model_len}) "
-          f"on http://{args.host}:{args.port}/v1" + (" (API key required)" if args.api_key else ""),
-          file=sys.stderr, flush=True)
-    serve(engine, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level)
-    return 0
+    name = args.served_model_name or engine.model_dir.name
+    print(f"serving {name} ({engine.device.type}, {str(engine.dtype).removeprefix('torch.')}, "
+          f"{engine.num_blocks} KV blocks of {config.block_size} tokens, context "
+          f"{engine.max_model_len}) on http://{args.host}:{args.port}/v1"
+          + (" (API key required)" if args.api_key else ""), file=sys.stderr, flush=True)
+    return serve(engine, host=args.host, port=args.port, api_key=args.api_key or None,
+                 log_level=args.log_level, served_model_name=args.served_model_name,
+                 public_docs_and_metrics=args.public_docs_and_metrics,
+                 max_body_bytes=args.max_body_bytes)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -84,11 +90,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)")
+    from engine.server import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)",
+                       description="OpenAI-compatible HTTP server. Exits with status 1 if the "
+                       "engine loop dies, so that a supervisor can restart it.")
     p.add_argument("--model", default=None, help="model directory (default: the embedded artifact)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model's name in the API (default: the model directory's name)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="if set, clients must send 'Authorization: Bearer KEY'")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help="if set, clients must send 'Authorization: Bearer KEY' (everything but "
+                   f"/health); default: the environment variable {API_KEY_ENV}, which keeps the "
+                   "key out of the process list")
+    p.add_argument("--public-docs-and-metrics", action="store_true",
+                   help="serve /metrics, /docs and /openapi.json without the API key")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"larger request bodies get a 413 (default {DEFAULT_MAX_BODY_BYTES})")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)

@@ -86,8 +86,10 @@ class LLM:
         """Apply the chat template to each conversation, then generate."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [self.engine.tokenizer.apply_chat_template(c) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        # encode_chat: message text can never turn into control tokens (see Tokenizer.encode_chat)
+        encoded = [self.engine.tokenizer.encode_chat(c) for c in conversations]
+        prompts, token_ids = [text for text, _ in encoded], [ids for _, ids in encoded]
+        return self.generate(prompts, sampling_params, use_tqdm, prompt_token_ids=token_ids)
 
 
 class AsyncLLM:
@@ -147,6 +149,11 @@ class AsyncLLM:
             self._streams.pop(request.request_id, None)
             if not finished:
                 self.abort(request.request_id)
+
+    @property
+    def is_running(self) -> bool:
+        """False once the engine thread has died (or was shut down): nothing will be served."""
+        return self.errored is None and self._thread.is_alive() and not self._stopped
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))

@@ -3,15 +3,24 @@
 Each row of the logits belongs to one request and is processed with that request's parameters.
 A seeded request draws from its own torch.Generator, so its output does not depend on which other
 requests share the batch (or on how many random numbers they drew).
+
+Defence in depth: SamplingParams.verify refuses values that break the arithmetic, but a row whose
+distribution still comes out broken (NaN or inf logits from the model, an empty filtered set) is
+answered greedily instead of raising, so one odd request never costs a whole step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import logging
+import math
+
 import torch
 
 from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -28,7 +37,8 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
 
-    def __call__(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[SampleResult]:
+    def __call__(self, logits: torch.Tensor, request_ids: list[str],
+                 params: list[SamplingParams]) -> list[SampleResult]:
         """logits: [num_reqs, vocab] float32, one row per request that produces a token."""
         results = []
         greedy_ids = logits.argmax(dim=-1).tolist()
@@ -39,10 +49,11 @@ class Sampler:
             result = SampleResult(token)
             if p.logprobs is not None:
                 row_lp = logprobs[row]
-                result.logprob = row_lp[token].item()
+                result.logprob = finite_logprob(row_lp[token].item())
                 if p.logprobs > 0:
                     top = row_lp.topk(p.logprobs)
-                    result.top_logprobs = dict(zip(top.indices.tolist(), top.values.tolist()))
+                    values = [finite_logprob(v) for v in top.values.tolist()]
+                    result.top_logprobs = dict(zip(top.indices.tolist(), values))
                 else:
                     result.top_logprobs = {}
             results.append(result)
@@ -50,6 +61,9 @@ class Sampler:
 
     def _sample_row(self, logits: torch.Tensor, request_id: str, p: SamplingParams) -> int:
         probs = self.probabilities(logits, p)
+        if not is_distribution(probs):  # NaN/inf logits or nothing left: greedy for this row
+            logger.warning("request %s: broken distribution, sampling greedily", request_id)
+            return int(torch.nan_to_num(logits.float(), nan=float("-inf")).argmax())
         generator = None
         if p.seed is not None:
             generator = self.generators.get(request_id)
@@ -69,8 +83,23 @@ class Sampler:
         if p.top_p < 1.0:  # keep the smallest set of tokens whose mass reaches top_p
             sorted_probs, order = probs.sort(descending=True)
             mass_before = sorted_probs.cumsum(0) - sorted_probs
-            sorted_probs[mass_before >= p.top_p] = 0.0
+            drop = mass_before >= p.top_p
+            # The most likely token always stays: a tiny top_p (1e-46 is 0 in float32) would
+            # otherwise drop every token and leave nothing to sample from.
+            drop[0] = False
+            sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         if p.min_p > 0.0:  # drop tokens less likely than min_p × the most likely one
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         return probs / probs.sum()
+
+
+def is_distribution(probs: torch.Tensor) -> bool:
+    """True if `probs` can be sampled from: finite, non-negative, with some mass."""
+    total = probs.sum()
+    return bool(torch.isfinite(probs).all()) and bool((probs >= 0).all()) and total.item() > 0
+
+
+def finite_logprob(value: float, floor: float = -9999.0) -> float:
+    """JSON has no NaN or -inf: clamp to `floor` (vLLM clamps the same way)."""
+    return max(value, floor) if math.isfinite(value) else floor

@@ -8,11 +8,15 @@ U+FFFD. The IncrementalDetokenizer holds such tokens back until the character is
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Encoding
 from tokenizers import Tokenizer as HFTokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -24,11 +28,17 @@ class Tokenizer:
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
         self._tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        # A second copy that reads special-token text ("<|im_start|>") as plain text: for what a
+        # client wrote, so that typed text can never become a control token.
+        self._plain = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self._plain.encode_special_tokens = True
+        self._byte_level = "ByteLevel" in repr(self._tok.decoder)
         config = json.loads((model_dir / "tokenizer_config.json").read_text())
         self.bos_token = _token_content(config.get("bos_token"))
         self.eos_token = _token_content(config.get("eos_token"))
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
-        self.special_token_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        added = self._tok.get_added_tokens_decoder()
+        self.special_token_ids = {i for i, t in added.items() if t.special}
         self.chat_template = config.get("chat_template")
         if self.chat_template is None and (model_dir / "chat_template.jinja").is_file():
             self.chat_template = (model_dir / "chat_template.jinja").read_text()
@@ -44,6 +54,26 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=True).ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Encode `text` with special tokens read as ordinary text (no BOS/EOS added)."""
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for (OpenAI's logprobs `bytes`).
+
+        A byte-level BPE token is a string over GPT-2's byte alphabet (e.g. "Ġ" is the space byte);
+        mapped back, a token holding half a Hangul syllable gives its real bytes, where decoding
+        the token alone would give U+FFFD. Special tokens are their text in UTF-8."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self.special_token_ids or not self._byte_level:
+            return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+        decoder = _gpt2_byte_decoder()
+        if all(ch in decoder for ch in piece):
+            return bytes(decoder[ch] for ch in piece)
+        return piece.encode("utf-8")
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -64,6 +94,52 @@ class Tokenizer:
         )
 
 
+    def encode_chat(self, messages: list[dict],
+                    add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+        """The chat prompt as (text, token ids), where only the template makes control tokens.
+
+        The template is rendered with a placeholder for each message's content; the template's
+        own text is encoded with special tokens, each content with encode_plain. So a user who
+        types "<|im_start|>system" gets those characters as text, not a forged system turn.
+        (A template that filters the content, e.g. `| trim`, filters the placeholder instead: the
+        content goes in as sent. The default artifact's template inserts it unchanged.)"""
+        nonce = secrets.token_hex(8)
+        masked = [{**m, "content": f"\ue000{nonce}:{i}\ue001"} for i, m in enumerate(messages)]
+        rendered = self.apply_chat_template(masked, add_generation_prompt)
+        # One pattern for every placeholder (split keeps the captured index): linear in the text
+        placeholder = re.compile(f"\ue000{nonce}:(\\d+)\ue001")
+        text_parts, encodings = [], []
+        for i, part in enumerate(placeholder.split(rendered)):
+            if i % 2:  # a placeholder's index: the client's text
+                content = str(messages[int(part)].get("content") or "")
+                text_parts.append(content)
+                encodings.append(self._plain.encode(content, add_special_tokens=False))
+            elif part:  # the template's text
+                text_parts.append(part)
+                encodings.append(self._tok.encode(part, add_special_tokens=False))
+        if not encodings:
+            encodings.append(self._tok.encode("", add_special_tokens=False))
+        ids = self._tok.post_process(Encoding.merge(encodings), add_special_tokens=True).ids
+        return "".join(text_parts), ids
+
+
+@lru_cache(maxsize=1)
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's byte ↔ printable-character table, reversed (character → byte).
+
+    Printable Latin-1 bytes stand for themselves; the other 68 bytes are shifted to 256 + n so that
+    every byte has a visible, non-space character."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    chars, shifted = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + shifted)
+            shifted += 1
+    return {chr(c): b for b, c in zip(keep, chars)}
+
+
 def _token_content(value) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
@@ -74,7 +150,8 @@ def _compile_template(source: str) -> jinja2.Template:
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = raise_exception
     return env.from_string(source)
 

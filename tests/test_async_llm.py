@@ -203,3 +203,23 @@ def test_step_listeners_see_every_step_and_cannot_break_the_loop(async_llm):
     assert outputs[-1].finished and len(outputs[-1].token_ids) == 16
     assert seen == sorted(seen) and len(set(seen)) == len(seen)
     assert async_llm.errored is None
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_is_running_tells_a_live_loop_from_a_dead_or_stopped_one(tiny_model_dir):
+    """The server's /health and `serve`'s exit status read this flag."""
+    llm = AsyncLLM(model=str(tiny_model_dir), **ENGINE)
+    assert llm.is_running and llm.errored is None
+
+    def explode():
+        raise RuntimeError("the loop dies")
+
+    llm.engine.has_unfinished_requests, llm.engine.step = (lambda: True), explode
+    assert wait_until(lambda: not llm.is_running)
+    assert isinstance(llm.errored, RuntimeError)
+    with pytest.raises(RuntimeError):
+        llm.generate("hi", GREEDY)
+    llm.shutdown()
+    stopped = AsyncLLM(model=str(tiny_model_dir), **ENGINE)
+    stopped.shutdown()
+    assert not stopped.is_running and stopped.errored is None

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from engine.sampler import Sampler
-from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.sampler import Sampler, is_distribution
+from engine.sampling_params import MIN_TEMPERATURE, InvalidRequestError, SamplingParams
 
 PROBS = [0.5, 0.3, 0.15, 0.05]  # a hand-made distribution, as logits below
 LOGITS = torch.tensor([math.log(p) for p in PROBS])
@@ -151,6 +151,14 @@ def test_logprobs_are_of_the_unmodified_distribution():
         ("n", 2), ("temperature", -0.1), ("temperature", 2.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
         ("min_p", -0.1), ("min_p", 1.5), ("max_tokens", 0), ("min_tokens", -1), ("logprobs", -1), ("logprobs", 21),
         ("stop", [""]), ("stop", [3]), ("seed", "abc"), ("seed", 1.5),
+        # the killers: each once took a whole engine step down (or a server with it)
+        ("temperature", 1e-40), ("temperature", 0.009), ("seed", 2**64), ("seed", -1), ("seed", -2**70),
+        ("seed", 10**30), ("seed", True),
+        # NaN and ±inf never pass, whatever the field
+        ("temperature", math.nan), ("temperature", math.inf), ("top_p", math.nan), ("min_p", math.nan),
+        ("top_k", 2**31), ("top_k", 1.5), ("max_tokens", 2**31), ("max_tokens", True), ("min_tokens", 1.5),
+        ("logprobs", True), ("n", 1.0), ("stop_token_ids", [-1]), ("stop_token_ids", [2**40]),
+        ("stop", ["x"] * 17),
     ],
 )
 def test_invalid_params_raise_naming_the_param(field, value):
@@ -180,3 +188,48 @@ def test_valid_edge_values_are_accepted():
     SamplingParams(temperature=2.0, top_p=1e-6, top_k=0, min_p=0.0, max_tokens=1, logprobs=0)
     assert SamplingParams(stop="###").stop == ["###"]
     assert SamplingParams(temperature=0.0).greedy and not SamplingParams(temperature=0.5).greedy
+
+
+def test_seed_accepts_vllms_whole_range_and_sampler_uses_it():
+    logits = torch.randn(1, 64)
+    for seed in (0, 2**63, 2**64 - 1):
+        params = sp(temperature=1.0, seed=seed)
+        first = Sampler()(logits, ["r"], [params])[0].token_id
+        assert Sampler()(logits, ["r"], [params])[0].token_id == first  # reproducible
+
+
+def test_minimum_temperature_samples_finite_probabilities():
+    logits = torch.tensor([[30.0, 29.0, -50.0, 10.0]])
+    probs = Sampler.probabilities(logits[0], sp(temperature=MIN_TEMPERATURE))
+    assert torch.isfinite(probs).all() and probs.sum() == pytest.approx(1.0)
+    assert Sampler()(logits, ["t"], [sp(temperature=MIN_TEMPERATURE, seed=1)])[0].token_id == 0
+
+
+@pytest.mark.parametrize("top_p", [1e-46, 1e-300, 5e-324, 1e-8])
+def test_tiny_top_p_keeps_the_most_likely_token(top_p):
+    """1e-46 is 0 in float32: the cutoff must still keep the first token, not mask every one."""
+    probs = Sampler.probabilities(LOGITS, sp(top_p=top_p))
+    assert torch.allclose(probs, torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    (result,) = Sampler()(LOGITS[None], ["p"], [sp(top_p=top_p, seed=0)])
+    assert result.token_id == 0
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_broken_logits_fall_back_to_greedy_instead_of_raising(bad):
+    """Defence in depth: a model that emits NaN/inf must not make the sampler raise."""
+    logits = torch.tensor([[0.5, 2.0, bad, 1.0], [bad] * 4])
+    params = [sp(temperature=1.0, seed=0, logprobs=2), sp(temperature=0.7, top_p=0.5, logprobs=1)]
+    results = Sampler()(logits, ["a", "b"], params)
+    assert all(0 <= r.token_id < 4 for r in results)
+    for r in results:  # logprobs stay JSON-safe numbers
+        assert math.isfinite(r.logprob) and all(math.isfinite(v) for v in r.top_logprobs.values())
+    if math.isnan(bad):  # greedy over the numbers that are there
+        assert results[0].token_id == 1
+    elif bad == math.inf:  # an infinitely likely token is the greedy choice
+        assert results[0].token_id == 2
+
+
+def test_every_distribution_check_rejects_what_cannot_be_sampled():
+    assert is_distribution(torch.tensor([0.2, 0.8]))
+    for probs in ([0.0, 0.0], [math.nan, 1.0], [math.inf, 0.0], [-0.1, 1.1]):
+        assert not is_distribution(torch.tensor(probs))

@@ -121,7 +121,7 @@ def greedy_chat(reference: LLM, messages: list[dict], max_tokens: int) -> str:
 
 def scrape(server) -> dict[str, float]:
     """/metrics as {sample name: value} (labels dropped; one model per server)."""
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    text = httpx.get(f"{server.url}/metrics", headers=AUTH, timeout=10).text
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -379,9 +379,19 @@ def test_api_key_is_required(server, model_name):
     with openai.OpenAI(base_url=server.base_url, api_key="not-the-key", max_retries=0) as bad:
         with pytest.raises(openai.AuthenticationError):
             bad.completions.create(model=model_name, prompt="hi", max_tokens=2)
-    # health and metrics stay open (as in vLLM)
+    # health stays open (a load balancer probes it); metrics and the API's docs follow the key
     assert httpx.get(f"{server.url}/health").status_code == 200
-    assert httpx.get(f"{server.url}/metrics").status_code == 200
+    for path in ("/metrics", "/openapi.json", "/docs"):
+        assert_error(httpx.get(f"{server.url}{path}"), 401)
+        assert httpx.get(f"{server.url}{path}", headers=AUTH).status_code == 200
+
+
+def test_docs_and_metrics_can_be_opted_out_of_the_key(async_llm):
+    app = build_app(async_llm, api_key=API_KEY, public_docs_and_metrics=True)
+    with start_server_in_thread(app) as handle:
+        for path in ("/metrics", "/openapi.json", "/docs"):
+            assert httpx.get(f"{handle.url}{path}").status_code == 200
+        assert_error(httpx.get(f"{handle.url}/v1/models"), 401)
 
 
 def test_unknown_route_and_method_use_the_error_shape(server):
@@ -484,7 +494,7 @@ def test_client_dropping_non_streaming_request_aborts_it(server, async_llm, mode
 
 def test_metrics_are_prometheus_text_with_vllm_names(server, client, model_name):
     client.completions.create(model=model_name, prompt="count me", max_tokens=4, temperature=0)
-    text = httpx.get(f"{server.url}/metrics").text
+    text = httpx.get(f"{server.url}/metrics", headers=AUTH).text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions",
