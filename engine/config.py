@@ -27,5 +27,5 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
-    kernels: str = "auto"  # "auto": our C++ CPU kernels when they build (CPU, float32), else torch; "torch"
+    kernels: str = "auto"  # "auto": our C++ CPU kernels if they build (CPU float32); "torch": never
     keep_finished: int = 1000  # finished requests kept for the app's plots

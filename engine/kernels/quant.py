@@ -66,10 +66,12 @@ def dequantize_int8(qw: Int8Weight) -> torch.Tensor:
 
 
 def quantize_int4(w: torch.Tensor, group_size: int = 32) -> Int4Weight:
-    """Group-wise asymmetric int4: per group, min and scale = (max - min) / 15, q = round((w-min)/scale)."""
+    """Group-wise asymmetric int4: per group, min and scale = (max - min) / 15,
+    q = round((w - min) / scale)."""
     out_features, in_features = w.shape
     if group_size % 2 or in_features % group_size:
-        raise ValueError(f"in_features {in_features} must be a multiple of an even group_size {group_size}")
+        raise ValueError(f"in_features {in_features} must be a multiple of an even "
+                         f"group_size {group_size}")
     groups = w.float().view(out_features, in_features // group_size, group_size)
     lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
     scales = (hi - lo) / 15.0
@@ -99,12 +101,14 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     return dequantize_int8(qw) if isinstance(qw, Int8Weight) else dequantize_int4(qw)
 
 
-def reference_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def reference_linear(x: torch.Tensor, qw: QuantizedWeight,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """The readable definition: dequantize, then an ordinary float matmul."""
     return torch.nn.functional.linear(x, dequantize(qw).to(x.dtype), bias)
 
 
-def quantized_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def quantized_linear(x: torch.Tensor, qw: QuantizedWeight,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ Wᵀ (+ bias) with a quantized W: our kernel on a CPU in float32, else the reference.
     x may have any leading dimensions ([..., in])."""
     from engine import kernels

@@ -181,9 +181,12 @@ inline void dot4(const float* x, int64_t ldx, int64_t m, const float* w, int64_t
 }
 
 // The loop shared by both formats: widen(j, row) writes output channel j's weights as K floats.
-template <typename Widen>
+// dot1(j, x) (may be null) is the fused one-activation-row case: a decode step at batch 1 reads
+// each weight once, so there it is cheaper to widen inside the dot product than to store a row.
+template <typename Widen, typename Dot1>
 torch::Tensor quantized_linear(const torch::Tensor& x, int64_t n,
-                               const c10::optional<torch::Tensor>& bias, const Widen& widen) {
+                               const c10::optional<torch::Tensor>& bias, const Widen& widen,
+                               const Dot1* dot1) {
   const int64_t m = x.size(0), k = x.size(1);
   auto y = torch::empty({m, n}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -195,6 +198,10 @@ torch::Tensor quantized_linear(const torch::Tensor& x, int64_t n,
     const int64_t n0 = item * ROWS_PER_ITEM, n1 = std::min(n, n0 + ROWS_PER_ITEM);
     float s[4];
     for (int64_t j = n0; j < n1; ++j) {
+      if (m == 1 && dot1 != nullptr) {
+        yp[j] = (*dot1)(j, xp) + (bp ? bp[j] : 0.f);
+        continue;
+      }
       widen(j, row.data());
       for (int64_t i = 0; i < m; i += 4) {
         const int64_t rows = std::min<int64_t>(4, m - i);
@@ -205,6 +212,10 @@ torch::Tensor quantized_linear(const torch::Tensor& x, int64_t n,
   });
   return y;
 }
+
+struct NoFusedDot {  // for formats without a fused one-row path
+  float operator()(int64_t, const float*) const { return 0.f; }
+};
 
 void check_x(const torch::Tensor& x, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
@@ -224,12 +235,20 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& qweight,
   TORCH_CHECK(qweight.size(1) == k && scales.numel() == n, "int8_linear: shapes");
   const int8_t* wp = qweight.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
-  return quantized_linear(x, n, bias, [&](int64_t j, float* row) {
+  auto widen = [&](int64_t j, float* row) {
     const int8_t* w = wp + j * k;
     const float scale = sp[j];
 #pragma omp simd
     for (int64_t i = 0; i < k; ++i) row[i] = static_cast<float>(w[i]) * scale;
-  });
+  };
+  auto dot1 = [&](int64_t j, const float* x0) {  // scale * sum x * q, the bytes widened in registers
+    const int8_t* w = wp + j * k;
+    float s0 = 0.f;
+#pragma omp simd reduction(+ : s0)
+    for (int64_t i = 0; i < k; ++i) s0 += x0[i] * static_cast<float>(w[i]);
+    return s0 * sp[j];
+  };
+  return quantized_linear(x, n, bias, widen, &dot1);
 }
 
 // int4, group-wise with a scale and a minimum (GGUF's Q4_1 idea): in each group of G consecutive
@@ -251,7 +270,7 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* scp = scales.data_ptr<float>();
   const float* mnp = mins.data_ptr<float>();
-  return quantized_linear(x, n, bias, [&](int64_t j, float* row) {
+  auto widen = [&](int64_t j, float* row) {
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* b = wp + j * (k / 2) + g * half;
       const float scale = scp[j * groups + g], mn = mnp[j * groups + g];
@@ -262,7 +281,8 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
         out[e + half] = static_cast<float>(b[e] >> 4) * scale + mn;
       }
     }
-  });
+  };
+  return quantized_linear(x, n, bias, widen, static_cast<const NoFusedDot*>(nullptr));
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
