@@ -135,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rates", type=float, nargs="+", default=None, help="arrival rates in requests/s "
                    "(default: fractions of the measured offline request rate)")
     p.add_argument("--skip-transformers", action="store_true", help="do not run the transformers baseline")
+    p.add_argument("--kernels", choices=["auto", "torch"], default=None,
+                   help="auto: our C++ CPU kernels when they build (default); torch: the reference")
     p.set_defaults(func=cmd_bench)
 
     args = parser.parse_args(argv)

@@ -13,6 +13,14 @@ padded call per group, so that a short request does not pay for the padding up t
 
 Everything that depends only on the batch's shape (slots, padded block tables, masks) is computed
 once per step in `build_attention_metadata` and shared by all layers.
+
+Two implementations, the same numbers (tests/test_kernels.py checks it):
+- the torch path below, the readable reference: gather each request's blocks into one tensor
+  (`gather_context`), then `F.scaled_dot_product_attention`;
+- on a CPU in float32 with `kernels="auto"`, our C++ kernel (engine/kernels/csrc) for decode tokens
+  and for prefill chunks that attend to a cached prefix: it reads every K/V row where it lies in
+  its block, through the block table, so the copy of the whole context per request, per layer,
+  per step disappears. A first prefill chunk needs no cache read at all: it stays on SDPA.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from engine.utils import cdiv
 
 
 DECODE_GROUP_SIZE = 4  # decodes per padded attention call (4 to 8 measured best on a 2-core CPU)
+KERNEL_TILE_ROWS = 16  # prefill queries per work item of the C++ kernel (each key read serves them all)
 
 
 @dataclass
@@ -60,6 +69,11 @@ class AttentionMetadata:
     block_size: int
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
+    # For the C++ kernel (CPU only, else None): every request's block table, and the work it does:
+    # rows (first row, number of rows, request, position of the first row) of the decode tokens
+    # and of the prefill chunks that have a cached prefix, cut into KERNEL_TILE_ROWS-row tiles.
+    kernel_block_tables: torch.Tensor | None = None  # [num_requests, max_blocks] int32
+    kernel_tiles: torch.Tensor | None = None  # [num_tiles, 4] int32
 
 
 def build_attention_metadata(
@@ -123,8 +137,19 @@ def build_attention_metadata(
             mask = torch.arange(context_len, device=device).unsqueeze(0) <= q_pos
         prefills.append(PrefillSpan(token_starts[i], query_lens[i], context_len,
                                     tables[i, : num_blocks[i]].to(device), mask))
+    kernel_tables = kernel_tiles = None
+    if torch.device(device).type == "cpu":
+        tiles = []
+        for i in range(num_reqs):
+            if num_computed[i] == 0:  # a first chunk: SDPA on its own fresh K/V
+                continue
+            for a in range(0, query_lens[i], KERNEL_TILE_ROWS):
+                rows = min(KERNEL_TILE_ROWS, query_lens[i] - a)
+                tiles.append((token_starts[i] + a, rows, i, num_computed[i] + a))
+        kernel_tables = tables.to(torch.int32)
+        kernel_tiles = torch.tensor(tiles, dtype=torch.int32).view(-1, 4)
     return AttentionMetadata(slot_mapping=slots.to(device), block_size=block_size, decode_groups=decode_groups,
-                             prefills=prefills)
+                             prefills=prefills, kernel_block_tables=kernel_tables, kernel_tiles=kernel_tiles)
 
 
 def _as_rows(rows: list[int], device) -> slice | torch.Tensor:
@@ -155,9 +180,13 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    kernels=None,
 ) -> torch.Tensor:
     """q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim].
-    Writes k, v to the cache, then attends every query to its request's cached context."""
+    Writes k, v to the cache, then attends every query to its request's cached context.
+    `kernels`: the compiled extension (engine.kernels.load()) to use it, None for torch only."""
+    if kernels is not None and meta.kernel_tiles is not None and q.dtype == torch.float32:
+        return paged_attention_kernel(q, k, v, k_cache, v_cache, meta, scale, kernels)
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)
     _, _, kv_heads, head_dim = k_cache.shape
@@ -193,5 +222,27 @@ def paged_attention(
             scale=scale,
             enable_gqa=True,
         )
+        out[rows] = o.transpose(0, 1)
+    return out
+
+
+def paged_attention_kernel(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                           kernels) -> torch.Tensor:
+    """The same attention with our C++ kernel for every query that reads the cache: decode tokens
+    and prefill chunks after a cached prefix read their K/V blocks in place (no gather). First
+    prefill chunks attend to their own fresh K/V with SDPA, exactly as the torch path does."""
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    q = q.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if meta.kernel_tiles.shape[0] > 0:
+        kernels.paged_attention(q, k_cache, v_cache, meta.kernel_block_tables, meta.kernel_tiles,
+                                scale, out)
+    for span in meta.prefills:
+        if span.num_tokens != span.context_len:  # has a cached prefix: done by the kernel
+            continue
+        rows = slice(span.token_start, span.token_start + span.num_tokens)
+        o = F.scaled_dot_product_attention(q[rows].transpose(0, 1), k[rows].transpose(0, 1),
+                                           v[rows].transpose(0, 1), is_causal=True, scale=scale,
+                                           enable_gqa=True)
         out[rows] = o.transpose(0, 1)
     return out

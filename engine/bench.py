@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench-results"
 LATEST_RESULTS = RESULTS_DIR / "latest.json"
@@ -49,6 +50,7 @@ TARGETS = {
     "offline_ratio": 2.5,  # engine output tokens/s ÷ transformers static batching
     "decode_roofline_fraction": 0.60,  # batch-1 decode tokens/s ÷ decode roofline
     "overhead_share_full_batch": 0.10,  # share of step time outside the forward, at full batch
+    "int8_matvec_speedup": 1.8,  # our int8 matrix × vector ÷ the best float32 one, 1 row
 }
 
 
@@ -79,6 +81,8 @@ class BenchConfig:
     matmul_size: int = 2048
     ceiling_repeats: int = 10
     skip_transformers: bool = False
+    kernels: str = "auto"  # "auto": our C++ CPU kernels when they build; "torch": the reference
+    kernel_section: bool = True  # section 6: our kernels against torch's, and the step both ways
 
     @classmethod
     def quick_config(cls, **overrides) -> "BenchConfig":
@@ -86,7 +90,7 @@ class BenchConfig:
         values = dict(
             quick=True, num_requests=16, prompt_len=(16, 128), output_len=(16, 64), probe_prompt_len=64,
             probe_output_len=32, probe_repeats=2, latency_requests=8, latency_rate_fractions=(0.5, 1.0),
-            bandwidth_bytes=128 << 20, matmul_size=1024, ceiling_repeats=5,
+            bandwidth_bytes=128 << 20, matmul_size=1024, ceiling_repeats=5, kernel_section=False,
         )
         values.update(overrides)
         return cls(**values)
@@ -440,6 +444,110 @@ def run_latency(engine, workload: list[WorkItem], rates: list[float], seed: int)
 
 
 # ---------------------------------------------------------------------------------------------
+# 6. Our kernels (engine/kernels) against torch's, and what they change in a decode step
+
+
+def measure_linear_kernels(model, repeats: int) -> dict:
+    """Every layer's weight matrices (qkv, o, gate_up, down of all layers; not the embedding or
+    the output layer) through each kernel: GB/s of weights streamed at 1 row (a decode step at
+    batch 1) and GFLOP/s at 32 rows (a decode step at batch 32). CPU only."""
+    from engine.kernels.quant import quantize_int4, quantize_int8, quantized_linear
+    from engine.models.llama import ONEDNN_LINEAR, linear
+
+    mats = [t.float() for k, t in model.w.items() if t.dim() == 2 and k.split(".")[0].isdigit()]
+    params = sum(m.numel() for m in mats)
+    bf16 = [m.to(torch.bfloat16) for m in mats]
+    q8 = [quantize_int8(m) for m in mats]
+    q4 = [quantize_int4(m, 32) for m in mats]
+    variants = {  # name: (one call per matrix, activation dtype, weight bytes)
+        "float32 F.linear (MKL)": (lambda x, i: F.linear(x, mats[i]), torch.float32, 4 * params),
+        "bfloat16 F.linear": (lambda x, i: F.linear(x, bf16[i]), torch.bfloat16, 2 * params),
+        "int8 ours": (lambda x, i: quantized_linear(x, q8[i]), torch.float32,
+                      sum(q.nbytes() for q in q8)),
+        "int4 ours (group 32)": (lambda x, i: quantized_linear(x, q4[i]), torch.float32,
+                                 sum(q.nbytes() for q in q4)),
+    }
+    if ONEDNN_LINEAR:
+        variants["float32 oneDNN"] = (lambda x, i: linear(x, mats[i]), torch.float32, 4 * params)
+    rows = {}
+    for name, (fn, dtype, nbytes) in variants.items():
+        entry = {"weight_bytes": nbytes}
+        for batch in (1, 32):
+            xs = {k: torch.randn(batch, k).to(dtype) for k in {m.shape[1] for m in mats}}
+            seconds = _best_time(lambda: [fn(xs[m.shape[1]], i) for i, m in enumerate(mats)],
+                                 torch.device("cpu"), repeats)
+            entry[f"ms_{batch}"] = seconds * 1e3
+        entry["gb_s_1"] = nbytes / entry["ms_1"] / 1e6
+        entry["gflop_s_32"] = 2 * params * 32 / entry["ms_32"] / 1e6
+        rows[name] = entry
+    best_f32 = min(v["ms_1"] for k, v in rows.items() if k.startswith("float32"))
+    return {"params": params, "kernels": rows,
+            "int8_speedup_vs_float32_1row": best_f32 / rows["int8 ours"]["ms_1"],
+            "int4_speedup_vs_float32_1row": best_f32 / rows["int4 ours (group 32)"]["ms_1"],
+            "method": f"{len(mats)} layer matrices, {params / 1e6:.1f} M weights; "
+                      f"best of {repeats}",
+            "kind": "measured"}
+
+
+def measure_attention_kernel(model, batch: int, context: tuple[int, int], repeats: int,
+                             seed: int) -> dict:
+    """One decode step's attention alone (all layers) at `batch` requests of random context
+    lengths, blocks shuffled: the torch path (gather + SDPA) against our kernel (in place)."""
+    from engine import kernels
+    from engine.attention import build_attention_metadata, paged_attention
+
+    cfg, block_size = model.cfg, 16
+    rng = random.Random(seed)
+    lens = [rng.randint(*context) for _ in range(batch)]
+    blocks = [-(-n // block_size) for n in lens]
+    ids = list(range(sum(blocks)))
+    rng.shuffle(ids)
+    tables, at = [], 0
+    for n in blocks:
+        tables.append(ids[at : at + n])
+        at += n
+    shape = (len(ids), block_size, cfg.num_kv_heads, cfg.head_dim)
+    caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(cfg.num_layers)]
+    meta = build_attention_metadata([1] * batch, [n - 1 for n in lens], tables, block_size)
+    q = torch.randn(batch, cfg.num_heads, cfg.head_dim)
+    k = torch.randn(batch, cfg.num_kv_heads, cfg.head_dim)
+    v = torch.randn(batch, cfg.num_kv_heads, cfg.head_dim)
+    ext = kernels.load()
+
+    def step(ext_or_none):
+        for kc, vc in caches:
+            paged_attention(q, k, v, kc, vc, meta, model.scale, ext_or_none)
+
+    out = {"batch": batch, "mean_context": sum(lens) / batch,
+           "torch_ms": _best_time(lambda: step(None), torch.device("cpu"), repeats) * 1e3}
+    if ext is not None:
+        out["kernel_ms"] = _best_time(lambda: step(ext), torch.device("cpu"), repeats) * 1e3
+    out["kv_bytes_read"] = sum(lens) * cfg.kv_elements_per_token * 4
+    return out
+
+
+def measure_decode_both_paths(model_dir, config: "BenchConfig", vocab: int, specials) -> dict:
+    """The batch-1 and batch-32 decode steps with kernels="torch" and kernels="auto" (two engines
+    sharing the weights), on the same probe workloads."""
+    from engine.llm import LLM
+
+    out = {}
+    for mode in ("torch", "auto"):
+        llm = LLM(model=str(model_dir), device="cpu", dtype="float32",
+                  max_num_seqs=config.max_num_seqs,
+                  max_num_batched_tokens=config.max_num_batched_tokens, kernels=mode,
+                  enable_prefix_caching=False)
+        engine = llm.engine
+        path = engine.executor.worker.model.kernel_path
+        b1 = probe_workload(1, config.probe_prompt_len, config.probe_output_len,
+                            config.seed + 500, vocab, specials)
+        full = probe_workload(config.max_num_seqs, 384, 24, config.seed + 600, vocab, specials)
+        out[mode] = {"path": path, "batch_1": step_breakdown(run_steps(engine, b1), 1),
+                     "full_batch": step_breakdown(run_steps(engine, full), config.max_num_seqs)}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # The whole run
 
 
@@ -471,7 +579,7 @@ def run_benchmark(config: BenchConfig, log=print) -> dict:
     started = time.perf_counter()
 
     llm = LLM(model=str(model_dir), device=config.device, dtype=config.dtype, max_num_seqs=config.max_num_seqs,
-              max_num_batched_tokens=config.max_num_batched_tokens)
+              max_num_batched_tokens=config.max_num_batched_tokens, kernels=config.kernels)
     engine = llm.engine
     device, dtype = engine.device, engine.dtype
     model = engine.executor.worker.model
@@ -480,6 +588,10 @@ def run_benchmark(config: BenchConfig, log=print) -> dict:
     specials = sorted(tokenizer.special_token_ids)
     numbers = model_numbers(model)
     dtype_name = str(dtype).removeprefix("torch.")
+    from engine import kernels as kernel_lib
+
+    kernels_line = f"{config.kernels} → {kernel_lib.describe(model.kernel_path)}"
+    log(f"kernels: {kernels_line}")
 
     results: dict = {
         "schema": 1,
@@ -497,6 +609,7 @@ def run_benchmark(config: BenchConfig, log=print) -> dict:
             "python": platform.python_version(),
             "quick": config.quick,
             "seed": config.seed,
+            "kernels": kernels_line,
             "engine": {"max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
                        "block_size": engine.config.block_size, "num_kv_blocks": engine.num_blocks,
                        "enable_prefix_caching": engine.config.enable_prefix_caching},
@@ -570,6 +683,15 @@ def run_benchmark(config: BenchConfig, log=print) -> dict:
         "runs": run_latency(engine, latency_workload, rates, config.seed + 400),
     }
 
+    if config.kernel_section and device.type == "cpu" and dtype == torch.float32:
+        log("[6/6] kernels: linear kernels, attention alone, decode steps with torch and auto")
+        results["kernels"] = {
+            "linear": measure_linear_kernels(model, config.ceiling_repeats),
+            "attention": measure_attention_kernel(model, config.max_num_seqs, (350, 450),
+                                                  config.ceiling_repeats, config.seed + 700),
+            "decode": measure_decode_both_paths(model_dir, config, vocab, specials),
+        }
+
     results["targets"] = evaluate_targets(results)
     results["conditions"]["bench_seconds"] = time.perf_counter() - started
     return results
@@ -580,6 +702,8 @@ def evaluate_targets(results: dict) -> list[dict]:
     ratio = results["offline"].get("ratio")
     fraction = results["decode_batch1"].get("fraction_of_roofline")
     share = results["overhead"]["full_batch"].get("overhead_share")
+    lin = results.get("kernels", {}).get("linear")
+    int8 = lin and lin["int8_speedup_vs_float32_1row"]
     rows = [
         ("offline throughput ÷ transformers static batching", ratio, TARGETS["offline_ratio"], ratio is not None
          and ratio >= TARGETS["offline_ratio"]),
@@ -588,6 +712,9 @@ def evaluate_targets(results: dict) -> list[dict]:
         ("overhead share at full batch", share, TARGETS["overhead_share_full_batch"], share is not None
          and share < TARGETS["overhead_share_full_batch"]),
     ]
+    if int8:
+        rows.append(("int8 matvec tokens/s ÷ float32's (1 row, best float32 kernel)", int8,
+                     TARGETS["int8_matvec_speedup"], int8 >= TARGETS["int8_matvec_speedup"]))
     return [{"name": n, "value": v, "target": t, "met": bool(m)} for n, v, t, m in rows]
 
 
@@ -607,6 +734,7 @@ def format_results(r: dict) -> str:
         f"  workload: {c['workload']['num_requests']} requests, prompt {c['workload']['prompt_len']} tokens, "
         f"output {c['workload']['output_len']} tokens, seed {c['seed']}; engine max_num_seqs "
         f"{c['engine']['max_num_seqs']}, token budget {c['engine']['max_num_batched_tokens']}",
+        f"  kernels: {c.get('kernels', 'torch')}",
         "",
         "1. Ceilings (measured, best of N) and rooflines (derived)",
     ]
@@ -673,12 +801,41 @@ def format_results(r: dict) -> str:
             cols.append("/".join(_fmt(p[k], ".3f" if key == "tpot_s" else ".2f") for k in ("p50", "p90", "p99")))
         lines.append(f"  {run['rate_req_s']:6.3f}   {cols[0]:<23} {cols[1]:<23} {cols[2]:<23} "
                      f"{run['output_tokens_per_s']:6.1f}")
+    lines += format_kernels(r.get("kernels"))
     lines += ["", "Targets (CPU, float32)"]
     for t in r["targets"]:
         lines.append(f"  {'met    ' if t['met'] else 'NOT met'}  {t['name']}: {_fmt(t['value'], '.3f')} "
                      f"(target {t['target']})")
     lines.append(f"\n  bench took {c['bench_seconds']:.0f} s")
     return "\n".join(lines)
+
+
+def format_kernels(k: dict | None) -> list[str]:
+    if not k:
+        return []
+    lin = k["linear"]
+    lines = ["", f"6. Kernels ({lin['method']})",
+             f"  {'kernel':<24}{'weights MB':>11}{'1 row ms':>10}{'GB/s':>8}"
+             f"{'32 rows ms':>12}{'GFLOP/s':>9}"]
+    for name, e in lin["kernels"].items():
+        lines.append(f"  {name:<24}{e['weight_bytes'] / 1e6:11.1f}{e['ms_1']:10.1f}"
+                     f"{e['gb_s_1']:8.1f}{e['ms_32']:12.1f}{e['gflop_s_32']:9.1f}")
+    lines.append(f"  1 row, vs the best float32: int8 {lin['int8_speedup_vs_float32_1row']:.2f}×, "
+                 f"int4 {lin['int4_speedup_vs_float32_1row']:.2f}×")
+    a = k["attention"]
+    kernel = f"our kernel {a['kernel_ms']:.1f} ms" if "kernel_ms" in a else "kernel unavailable"
+    lines.append(f"  attention alone, one decode step (all layers), batch {a['batch']}, "
+                 f"mean context {a['mean_context']:.0f}: torch (gather + SDPA) "
+                 f"{a['torch_ms']:.1f} ms, {kernel} "
+                 f"(K/V to read {a['kv_bytes_read'] / 1e6:.0f} MB)")
+    lines.append("  decode step (median ms)   kernels=torch   kernels=auto")
+    d = k["decode"]
+    for key, label in (("batch_1", "batch 1"), ("full_batch", "full batch, prompts 384")):
+        t, a2 = d["torch"][key], d["auto"][key]
+        lines.append(f"  {label:<26}{_fmt(t.get('step_ms'), '13.1f')}"
+                     f"{_fmt(a2.get('step_ms'), '15.1f')}   ({_fmt(t.get('tokens_per_s'))} → "
+                     f"{_fmt(a2.get('tokens_per_s'))} tokens/s; auto ran {d['auto']['path']})")
+    return lines
 
 
 def save_results(results: dict, path: str | Path | None = None) -> Path:
@@ -706,6 +863,7 @@ def main(args) -> int:
         latency_requests=args.latency_requests,
         latency_rates=tuple(args.rates) if args.rates else None,
         skip_transformers=args.skip_transformers or None,
+        kernels=getattr(args, "kernels", None),
     ).items() if v is not None}
     if args.prompt_len:
         overrides["prompt_len"] = tuple(args.prompt_len)

@@ -29,4 +29,5 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     preemption_mode: str = "recompute"  # or "swap": a preempted request's K/V wait in host memory
     num_swap_blocks: int | None = None  # swap space in blocks; None = as many as the KV cache has
+    kernels: str = "auto"  # "auto": our C++ CPU kernels if they build (CPU float32); "torch": never
     keep_finished: int = 1000  # finished requests kept for the app's plots

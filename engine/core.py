@@ -59,7 +59,8 @@ class EngineCore:
                 f"least max_model_len ({self.max_model_len})"
             )
 
-        self.executor = executor or UniProcExecutor(Worker(self.model_dir, self.device, self.dtype, config.block_size))
+        self.executor = executor or UniProcExecutor(
+            Worker(self.model_dir, self.device, self.dtype, config.block_size, config.kernels))
         self.num_blocks = self.executor.initialize(
             self.max_model_len,
             num_kv_blocks=config.num_kv_blocks,

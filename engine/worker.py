@@ -71,8 +71,10 @@ class CacheTooSmallError(ValueError):
 
 
 class Worker:
-    def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype, block_size: int):
+    def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype, block_size: int,
+                 kernels: str = "auto"):
         self.model_dir = Path(model_dir)
+        self.kernels = kernels  # "auto": our C++ kernels where they build and apply; "torch": never
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -81,7 +83,8 @@ class Worker:
         self.num_blocks = 0
 
     def load_model(self) -> None:
-        self.model = load_model(self.model_dir, self.device, self.dtype)
+        # The weights are shared by every engine of the process; the kernel choice is this worker's.
+        self.model = load_model(self.model_dir, self.device, self.dtype).with_kernels(self.kernels)
 
     @property
     def bytes_per_block(self) -> int:

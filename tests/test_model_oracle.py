@@ -25,8 +25,19 @@ PARAGRAPH = (
 
 
 @pytest.fixture(scope="module")
-def engine_model(default_model_dir):
+def base_model(default_model_dir):
     return LlamaModel.from_pretrained(default_model_dir, device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module", params=["torch", "auto"], ids=["kernels=torch", "kernels=auto"])
+def engine_model(base_model, request):
+    """The same weights with attention on the torch reference, then on our C++ kernels."""
+    model = base_model.with_kernels(request.param)
+    if request.param == "auto" and model.kernel_path != "cpu":
+        from engine import kernels
+
+        pytest.skip(f"C++ kernels unavailable: {kernels.build_error()}")
+    return model
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,9 @@ The model decides nothing: which tokens to run, and where their K/V go, come fro
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +24,11 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from engine import kernels as kernel_lib
 from engine.attention import AttentionMetadata, paged_attention
+from engine.kernels.quant import Int4Weight, Int8Weight, quantized_linear
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -92,9 +98,12 @@ def _onednn_linear_works() -> bool:
 ONEDNN_LINEAR = _onednn_linear_works()
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """A linear layer, y = x @ Wᵀ (+ bias), with W as checkpoints store it: [out, in].
-    One matmul for all tokens of the step."""
+    One matmul for all tokens of the step. W may also be a weight-only int8/int4 quantized matrix
+    (engine/kernels/quant.py): then our kernel runs on a CPU, dequantize + matmul elsewhere."""
+    if isinstance(w, (Int8Weight, Int4Weight)):
+        return quantized_linear(x, w, bias)
     if ONEDNN_LINEAR and x.is_cpu and x.dtype == torch.float32:
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
     return F.linear(x, w, bias)
@@ -150,6 +159,18 @@ class LlamaModel:
         self.scale = cfg.head_dim**-0.5
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.kernel_path = "torch"  # which attention runs: "torch" (reference) or "cpu" (C++)
+        self.kernels = None  # the compiled extension when kernel_path == "cpu"
+
+    def with_kernels(self, mode: str) -> "LlamaModel":
+        """This model (same weight tensors, no copy) with its attention on our C++ kernels
+        (mode "auto", when they build and apply: CPU, float32) or on the torch reference ("torch").
+        A shallow copy, so that engines sharing one set of weights may each choose."""
+        model = copy.copy(self)
+        model.kernel_path = kernel_lib.resolve(mode, self.device, self.dtype)
+        model.kernels = kernel_lib.load() if model.kernel_path == "cpu" else None
+        logger.info("kernels=%r: %s", mode, kernel_lib.describe(model.kernel_path))
+        return model
 
     # -- loading -----------------------------------------------------------------------------
 
@@ -242,7 +263,7 @@ class LlamaModel:
         qk = apply_rope(qk.view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn_meta, self.scale)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn_meta, self.scale, self.kernels)
         return linear(o.flatten(1), w[f"{i}.o"])
 
     def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:

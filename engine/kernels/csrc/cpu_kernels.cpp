@@ -1,0 +1,293 @@
+// CPU kernels for the engine: paged attention that reads K/V blocks where they lie, and
+// weight-only int8 / int4 matrix x (few) vectors. The pure-torch code in engine/attention.py and
+// engine/kernels/quant.py is the reference for every function here; tests/test_kernels.py checks
+// that both give the same numbers.
+//
+// Style: plain loops that the compiler vectorises. The file is compiled with -O3 -march=native
+// (the build directory is keyed by the CPU's flags, so a binary never runs on a CPU it was not
+// built for); `#pragma omp simd reduction` tells GCC it may reorder the float sums of a dot
+// product, which it otherwise must not do, and is what turns them into AVX2 / AVX-512 code.
+// Threads come from PyTorch's own pool (at::parallel_for), so torch.set_num_threads applies.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// Run fn(item) for item in [0, n) on torch's threads, each thread taking the next item when it is
+// done with its last (dynamic scheduling). Items differ a lot in cost (a 2000-token context next
+// to a 20-token one), so a static split would leave one core idle.
+template <typename F>
+void parallel_items(int64_t n, const F& fn) {
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, std::max<int64_t>(threads, 1), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
+  });
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float* y, float a, const float* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Paged attention.
+//
+// q:           [num_tokens, num_heads, head_dim]   float32, this step's queries (already roped)
+// k_cache:     [num_blocks, block_size, kv_heads, head_dim] float32 (this step's K already written)
+// v_cache:     same shape as k_cache
+// block_tables:[num_requests, max_blocks] int32, each request's blocks in order
+// tiles:       [num_tiles, 4] int32: (first row in q, number of rows, request, position of the
+//              first row). Row i of a tile sits at position pos0 + i of its request and attends
+//              to keys 0 .. pos0 + i (causal). A decode token is a tile of one row; a prefill
+//              chunk is cut into tiles of a few rows, so that each key read serves several queries.
+// out:         [num_tokens, num_heads, head_dim] float32, written only at the tiles' rows.
+//
+// One work item = one tile x one KV head. The query heads that share the KV head (grouped-query
+// attention) are handled together, so every K and V row is read once per tile, straight from its
+// block: no copy of the context is ever made.
+void paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                     const torch::Tensor& tiles, double scale, torch::Tensor& out) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
+                  v_cache.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32,
+              "paged_attention: float32 only");
+  TORCH_CHECK(block_tables.dtype() == torch::kInt32 && tiles.dtype() == torch::kInt32,
+              "paged_attention: block_tables and tiles must be int32");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  out.is_contiguous() && block_tables.is_contiguous() && tiles.is_contiguous(),
+              "paged_attention: contiguous tensors only");
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % kv_heads == 0, "paged_attention: shapes");
+  const int64_t group = num_heads / kv_heads;  // query heads per KV head
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t num_tiles = tiles.size(0);
+
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* tp = tiles.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  const int64_t token_stride = kv_heads * head_dim;  // floats between two slots of the cache
+
+  parallel_items(num_tiles * kv_heads, [&](int64_t item) {
+    const int64_t t = item / kv_heads, h = item % kv_heads;
+    const int64_t row0 = tp[4 * t], num_rows = tp[4 * t + 1];
+    const int32_t* table = tables + static_cast<int64_t>(tp[4 * t + 2]) * max_blocks;
+    const int64_t pos0 = tp[4 * t + 3];
+    const int64_t num_keys = pos0 + num_rows;  // the last row sees this many keys
+    const int64_t rows = num_rows * group;     // query vectors of this item
+
+    // Scratch per thread: scores [rows, num_keys], accumulators [rows, head_dim].
+    thread_local std::vector<float> scores, acc;
+    scores.resize(rows * num_keys);
+    acc.assign(rows * head_dim, 0.f);
+
+    // Query vector r = (row i, head g of the group): q[row0 + i, h * group + g, :].
+    auto query = [&](int64_t r) {
+      return qp + ((row0 + r / group) * num_heads + h * group + r % group) * head_dim;
+    };
+    auto slot = [&](int64_t j) {  // cache row of key j: its block from the table, then the offset
+      return (static_cast<int64_t>(table[j / block_size]) * block_size + j % block_size) *
+                 token_stride + h * head_dim;
+    };
+
+    // 1. Scores: each key is read once and dotted with every query of the tile that may see it.
+    for (int64_t j = 0; j < num_keys; ++j) {
+      const float* key = kp + slot(j);
+      const int64_t first_row = std::max<int64_t>(j - pos0, 0);  // rows before it cannot see j
+      for (int64_t r = first_row * group; r < rows; ++r)
+        scores[r * num_keys + j] = dot(query(r), key, head_dim) * fscale;
+    }
+    // 2. Softmax of each query's scores over the keys it sees (0 .. pos0 + i).
+    std::vector<float> inv_sum(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* s = scores.data() + r * num_keys;
+      const int64_t n = pos0 + r / group + 1;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
+      float sum = 0.f;
+      for (int64_t j = 0; j < n; ++j) {
+        s[j] = std::exp(s[j] - m);
+        sum += s[j];
+      }
+      inv_sum[r] = 1.f / sum;
+    }
+    // 3. Weighted sum of the values, each V row read once for the whole tile.
+    for (int64_t j = 0; j < num_keys; ++j) {
+      const float* value = vp + slot(j);
+      const int64_t first_row = std::max<int64_t>(j - pos0, 0);
+      for (int64_t r = first_row * group; r < rows; ++r)
+        axpy(acc.data() + r * head_dim, scores[r * num_keys + j], value, head_dim);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* o = op + ((row0 + r / group) * num_heads + h * group + r % group) * head_dim;
+      const float* a = acc.data() + r * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) o[d] = a[d] * inv_sum[r];
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Weight-only int8 and int4 linear layers: y = x @ W^T (+ bias) with W stored quantized.
+// Activations stay float32. Each work item takes ROWS_PER_ITEM output channels; for each one it
+// widens the quantized weight row into a float row in L1 (K floats), then dots it with every
+// activation row, four at a time (the float row is loaded once for four dot products). A decode
+// step is bound by reading the weights from memory, and the quantized row is all that is read:
+// 1 byte per weight for int8, 0.5 byte (+ 8 bytes per group) for int4.
+
+namespace {
+constexpr int64_t ROWS_PER_ITEM = 16;  // output channels per work item
+
+// s[r] = dot(x row r, w) for r < m (m <= 4); rows of x are ldx floats apart.
+inline void dot4(const float* x, int64_t ldx, int64_t m, const float* w, int64_t k, float* s) {
+  if (m == 1) {
+    s[0] = dot(x, w, k);
+    return;
+  }
+  const float* x0 = x;
+  const float* x1 = x + ldx;
+  const float* x2 = x + (m > 2 ? 2 * ldx : ldx);  // repeat a valid row when m < 4
+  const float* x3 = x + (m > 3 ? 3 * ldx : ldx);
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+  for (int64_t i = 0; i < k; ++i) {
+    s0 += x0[i] * w[i];
+    s1 += x1[i] * w[i];
+    s2 += x2[i] * w[i];
+    s3 += x3[i] * w[i];
+  }
+  s[0] = s0, s[1] = s1, s[2] = s2, s[3] = s3;
+}
+
+// The loop shared by both formats: widen(j, row) writes output channel j's weights as K floats.
+// dot1(j, x) (may be null) is the fused one-activation-row case: a decode step at batch 1 reads
+// each weight once, so there it is cheaper to widen inside the dot product than to store a row.
+template <typename Widen, typename Dot1>
+torch::Tensor quantized_linear(const torch::Tensor& x, int64_t n,
+                               const c10::optional<torch::Tensor>& bias, const Widen& widen,
+                               const Dot1* dot1) {
+  const int64_t m = x.size(0), k = x.size(1);
+  auto y = torch::empty({m, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  parallel_items((n + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM, [&](int64_t item) {
+    thread_local std::vector<float> row;
+    row.resize(k);
+    const int64_t n0 = item * ROWS_PER_ITEM, n1 = std::min(n, n0 + ROWS_PER_ITEM);
+    float s[4];
+    for (int64_t j = n0; j < n1; ++j) {
+      if (m == 1 && dot1 != nullptr) {
+        yp[j] = (*dot1)(j, xp) + (bp ? bp[j] : 0.f);
+        continue;
+      }
+      widen(j, row.data());
+      for (int64_t i = 0; i < m; i += 4) {
+        const int64_t rows = std::min<int64_t>(4, m - i);
+        dot4(xp + i * k, k, rows, row.data(), k, s);
+        for (int64_t r = 0; r < rows; ++r) yp[(i + r) * n + j] = s[r] + (bp ? bp[j] : 0.f);
+      }
+    }
+  });
+  return y;
+}
+
+struct NoFusedDot {  // for formats without a fused one-row path
+  float operator()(int64_t, const float*) const { return 0.f; }
+};
+
+void check_x(const torch::Tensor& x, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
+              "quantized linear: x must be a contiguous float32 [M, K]");
+  TORCH_CHECK(!bias.has_value() || (bias->dtype() == torch::kFloat32 && bias->is_contiguous()),
+              "quantized linear: bias must be contiguous float32");
+}
+}  // namespace
+
+// int8, per output channel, symmetric: w[n, k] ~ qweight[n, k] * scales[n].
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& qweight,
+                          const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias) {
+  check_x(x, bias);
+  TORCH_CHECK(qweight.dtype() == torch::kInt8 && qweight.is_contiguous(), "int8_linear: qweight");
+  TORCH_CHECK(scales.dtype() == torch::kFloat32, "int8_linear: scales must be float32");
+  const int64_t k = x.size(1), n = qweight.size(0);
+  TORCH_CHECK(qweight.size(1) == k && scales.numel() == n, "int8_linear: shapes");
+  const int8_t* wp = qweight.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  auto widen = [&](int64_t j, float* row) {
+    const int8_t* w = wp + j * k;
+    const float scale = sp[j];
+#pragma omp simd
+    for (int64_t i = 0; i < k; ++i) row[i] = static_cast<float>(w[i]) * scale;
+  };
+  auto dot1 = [&](int64_t j, const float* x0) {  // scale * sum x * q, the bytes widened in registers
+    const int8_t* w = wp + j * k;
+    float s0 = 0.f;
+#pragma omp simd reduction(+ : s0)
+    for (int64_t i = 0; i < k; ++i) s0 += x0[i] * static_cast<float>(w[i]);
+    return s0 * sp[j];
+  };
+  return quantized_linear(x, n, bias, widen, &dot1);
+}
+
+// int4, group-wise with a scale and a minimum (GGUF's Q4_1 idea): in each group of G consecutive
+// input channels, w ~ q * scale + min with q in 0..15. Packing (engine/kernels/quant.py): in each
+// group, byte e holds element e in its low nibble and element e + G/2 in its high nibble, so a
+// group unpacks with one mask and one shift, no shuffle.
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                          const torch::Tensor& scales, const torch::Tensor& mins,
+                          int64_t group_size, const c10::optional<torch::Tensor>& bias) {
+  check_x(x, bias);
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous(), "int4_linear: packed");
+  TORCH_CHECK(scales.dtype() == torch::kFloat32 && mins.dtype() == torch::kFloat32 &&
+                  scales.is_contiguous() && mins.is_contiguous(),
+              "int4_linear: scales and mins must be contiguous float32");
+  const int64_t k = x.size(1), n = packed.size(0);
+  TORCH_CHECK(group_size % 2 == 0 && k % group_size == 0 && packed.size(1) * 2 == k,
+              "int4_linear: shapes");
+  const int64_t groups = k / group_size, half = group_size / 2;
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* scp = scales.data_ptr<float>();
+  const float* mnp = mins.data_ptr<float>();
+  auto widen = [&](int64_t j, float* row) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* b = wp + j * (k / 2) + g * half;
+      const float scale = scp[j * groups + g], mn = mnp[j * groups + g];
+      float* out = row + g * group_size;
+#pragma omp simd
+      for (int64_t e = 0; e < half; ++e) {
+        out[e] = static_cast<float>(b[e] & 0x0F) * scale + mn;
+        out[e + half] = static_cast<float>(b[e] >> 4) * scale + mn;
+      }
+    }
+  };
+  return quantized_linear(x, n, bias, widen, static_cast<const NoFusedDot*>(nullptr));
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "llm-inference-lab CPU kernels: paged attention, weight-only int8/int4 linear";
+  m.def("paged_attention", &paged_attention, "paged attention over a block table, in place");
+  m.def("int8_linear", &int8_linear, "y = x @ (q * scale).T (+ bias), int8 weights");
+  m.def("int4_linear", &int4_linear, "y = x @ (q * scale + min).T (+ bias), int4 groups");
+}

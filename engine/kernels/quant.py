@@ -1,0 +1,124 @@
+"""Weight-only quantization formats, their pure-torch reference, and the call into our kernels.
+
+int8, per output channel, symmetric: each row n of W [out, in] gets one scale, absmax / 127,
+and w ≈ q × scale with q an int8 in -127..127. A quarter of float32's bytes.
+
+int4, group-wise, with a scale and a minimum (the idea of GGUF's Q4_1): each row is cut into
+groups of `group_size` (32) consecutive input channels; in a group w ≈ q × scale + min with q in
+0..15, scale = (max - min) / 15. Two weights per byte, plus two floats per group: 4 + 64/32 =
+6 bits per weight at group 32, 0.19 × float32's bytes.
+Packing: in each group, byte j holds weight j in its low nibble and weight j + group_size/2 in its
+high nibble (the kernel unpacks a group with one mask and one shift).
+
+Activations stay float32 ("weight-only"): the kernels widen the weights inside the dot product.
+`dequantize_*` + a float matmul is the reference the kernels are tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Int8Weight:
+    qweight: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor  # [out] float32
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qweight.shape
+
+    def nbytes(self) -> int:
+        return self.qweight.numel() + 4 * self.scales.numel()
+
+
+@dataclass
+class Int4Weight:
+    packed: torch.Tensor  # [out, in / 2] uint8, two weights per byte (see the module docstring)
+    scales: torch.Tensor  # [out, in / group_size] float32
+    mins: torch.Tensor  # [out, in / group_size] float32
+    group_size: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.packed.shape[0], self.packed.shape[1] * 2))
+
+    def nbytes(self) -> int:
+        return self.packed.numel() + 4 * (self.scales.numel() + self.mins.numel())
+
+
+QuantizedWeight = Int8Weight | Int4Weight
+
+
+def quantize_int8(w: torch.Tensor) -> Int8Weight:
+    """Per-output-channel symmetric int8: scale = max |w| of the row / 127."""
+    w = w.float()
+    scales = w.abs().amax(dim=1) / 127.0
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero row: any scale
+    q = torch.round(w / scales.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
+    return Int8Weight(q.contiguous(), scales.contiguous())
+
+
+def dequantize_int8(qw: Int8Weight) -> torch.Tensor:
+    return qw.qweight.float() * qw.scales.unsqueeze(1)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = 32) -> Int4Weight:
+    """Group-wise asymmetric int4: per group, min and scale = (max - min) / 15,
+    q = round((w - min) / scale)."""
+    out_features, in_features = w.shape
+    if group_size % 2 or in_features % group_size:
+        raise ValueError(f"in_features {in_features} must be a multiple of an even "
+                         f"group_size {group_size}")
+    groups = w.float().view(out_features, in_features // group_size, group_size)
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = (hi - lo) / 15.0
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # a constant group: q = 0
+    q = torch.round((groups - lo.unsqueeze(-1)) / scales.unsqueeze(-1)).clamp(0, 15).to(torch.uint8)
+    half = group_size // 2
+    packed = q[..., :half] | (q[..., half:] << 4)  # low nibble: first half, high: second half
+    return Int4Weight(packed.reshape(out_features, in_features // 2).contiguous(),
+                      scales.contiguous(), lo.contiguous(), group_size)
+
+
+def unpack_int4(qw: Int4Weight) -> torch.Tensor:
+    """The 0..15 values, [out, in] uint8."""
+    out_features, in_features = qw.shape
+    half = qw.group_size // 2
+    b = qw.packed.view(out_features, in_features // qw.group_size, half)
+    return torch.cat((b & 0x0F, b >> 4), dim=-1).view(out_features, in_features)
+
+
+def dequantize_int4(qw: Int4Weight) -> torch.Tensor:
+    out_features, in_features = qw.shape
+    q = unpack_int4(qw).float().view(out_features, -1, qw.group_size)
+    return (q * qw.scales.unsqueeze(-1) + qw.mins.unsqueeze(-1)).view(out_features, in_features)
+
+
+def dequantize(qw: QuantizedWeight) -> torch.Tensor:
+    return dequantize_int8(qw) if isinstance(qw, Int8Weight) else dequantize_int4(qw)
+
+
+def reference_linear(x: torch.Tensor, qw: QuantizedWeight,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The readable definition: dequantize, then an ordinary float matmul."""
+    return torch.nn.functional.linear(x, dequantize(qw).to(x.dtype), bias)
+
+
+def quantized_linear(x: torch.Tensor, qw: QuantizedWeight,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ Wᵀ (+ bias) with a quantized W: our kernel on a CPU in float32, else the reference.
+    x may have any leading dimensions ([..., in])."""
+    from engine import kernels
+
+    module = kernels.load() if x.is_cpu and x.dtype == torch.float32 else None
+    if module is None:
+        return reference_linear(x, qw, bias)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    if isinstance(qw, Int8Weight):
+        y = module.int8_linear(x2, qw.qweight, qw.scales, bias)
+    else:
+        y = module.int4_linear(x2, qw.packed, qw.scales, qw.mins, qw.group_size, bias)
+    return y.view(*x.shape[:-1], y.shape[-1])

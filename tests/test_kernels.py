@@ -1,0 +1,226 @@
+"""Our C++ kernels against their pure-torch references.
+
+- paged attention: the kernel path of engine.attention.paged_attention against the torch path, on
+  random flat batches (decodes, first prefill chunks, chunks after a cached prefix), shuffled
+  non-contiguous block tables, GQA ratios 1, 3, 4, context lengths 1, block boundary ± 1 and
+  several hundred, with junk in every cache slot nobody owns;
+- int8 / int4 weight-only linear against dequantize-then-matmul;
+- the fallback: "torch" never uses the extension, a failed build leaves the torch path;
+- the whole engine: greedy tokens with kernels="auto" equal kernels="torch" token for token (slow).
+
+The extension is built once per session (a minute or two on 2 cores the very first time, then
+cached); every kernel test skips with the reason if it cannot build.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine import kernels
+from engine.attention import build_attention_metadata, paged_attention
+from engine.kernels.quant import (
+    dequantize_int4,
+    dequantize_int8,
+    quantize_int4,
+    quantize_int8,
+    quantized_linear,
+    reference_linear,
+    unpack_int4,
+)
+
+HYPOTHESIS = settings(max_examples=40, deadline=None,
+                      suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="session")
+def ext():
+    module = kernels.load()
+    if module is None:
+        pytest.skip(f"C++ kernels unavailable: {kernels.build_error()}")
+    return module
+
+
+# -- paged attention ------------------------------------------------------------------------
+
+
+def run_both(ext, requests: list[tuple[int, int]], kv_heads: int, group: int, head_dim: int,
+             block_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """requests: (tokens already cached, new tokens) each. Returns (torch output, kernel output)."""
+    g = torch.Generator().manual_seed(seed)
+    heads = kv_heads * group
+    total_blocks = sum(-(-(c + n) // block_size) for c, n in requests) + 3
+    ids = list(range(total_blocks))
+    random.Random(seed).shuffle(ids)  # non-contiguous, shuffled physical blocks
+    tables = []
+    for cached, new in requests:
+        need = -(-(cached + new) // block_size)
+        tables.append([ids.pop() for _ in range(need)])
+    shape = (total_blocks, block_size, kv_heads, head_dim)
+    # junk everywhere (blocks of finished requests); the cached prefixes are whatever lies there
+    k_cache = torch.randn(shape, generator=g) * 3
+    v_cache = torch.randn(shape, generator=g) * 3
+    num_tokens = sum(n for _, n in requests)
+    q = torch.randn(num_tokens, heads, head_dim, generator=g)
+    k = torch.randn(num_tokens, kv_heads, head_dim, generator=g)
+    v = torch.randn(num_tokens, kv_heads, head_dim, generator=g)
+    meta = build_attention_metadata([n for _, n in requests], [c for c, _ in requests], tables,
+                                    block_size)
+    scale = head_dim**-0.5
+    kc, vc = k_cache.clone(), v_cache.clone()
+    ref = paged_attention(q, k, v, kc, vc, meta, scale, kernels=None)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, scale, kernels=ext)
+    assert torch.equal(kc, k_cache) and torch.equal(vc, v_cache)  # the same cache writes
+    return ref, out
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("context", [1, 2, 15, 16, 17, 31, 33, 300])
+def test_decode_context_lengths_and_gqa(ext, group, context):
+    """One decode token after context - 1 cached ones (context 1: a 1-token prompt, prefill)."""
+    requests = [(context - 1, 1), (max(context - 5, 1), 1)]
+    ref, out = run_both(ext, requests, kv_heads=3, group=group, head_dim=64, block_size=16,
+                        seed=context)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cached, new",
+                         [(16, 1), (15, 2), (16, 16), (17, 40), (300, 37), (5, 200)])
+def test_prefill_chunk_after_a_cached_prefix(ext, cached, new):
+    """Causal inside the chunk, full view of the prefix, tiles of 16 rows cut anywhere."""
+    ref, out = run_both(ext, [(cached, new), (40, 1)], kv_heads=3, group=3, head_dim=64,
+                        block_size=16, seed=cached + new)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@HYPOTHESIS
+@given(
+    requests=st.lists(
+        # (cached, new); a third of them decodes (new = 1)
+        st.tuples(st.integers(0, 400), st.integers(1, 40)).map(
+            lambda r: (r[0], 1 if r[1] > 30 else r[1])),
+        min_size=1, max_size=6,
+    ),
+    kv_heads=st.sampled_from([1, 2, 3]),
+    group=st.sampled_from([1, 3, 4]),
+    head_dim=st.sampled_from([16, 64]),
+    block_size=st.sampled_from([1, 4, 16]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_flat_batches(ext, requests, kv_heads, group, head_dim, block_size, seed):
+    ref, out = run_both(ext, requests, kv_heads, group, head_dim, block_size, seed)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+# -- quantized linear -----------------------------------------------------------------------
+
+
+def test_quantize_round_trips_within_half_a_step():
+    w = torch.randn(40, 96)
+    q8 = quantize_int8(w)
+    assert q8.qweight.dtype == torch.int8 and q8.scales.shape == (40,)
+    assert ((dequantize_int8(q8) - w).abs() <= q8.scales.unsqueeze(1) / 2 + 1e-6).all()
+    q4 = quantize_int4(w, group_size=32)
+    assert q4.packed.shape == (40, 48) and q4.scales.shape == (40, 3) and q4.shape == w.shape
+    assert unpack_int4(q4).max() <= 15
+    step = q4.scales.repeat_interleave(32, dim=1)
+    assert ((dequantize_int4(q4) - w).abs() <= step / 2 + 1e-5).all()
+
+
+def test_int4_packing_puts_the_group_halves_in_the_two_nibbles():
+    w = torch.arange(32, dtype=torch.float32).view(1, 32) / 31 * 15  # q = 0..15 twice, in order
+    q4 = quantize_int4(w, group_size=32)
+    expected = [round(i / 31 * 15) for i in range(32)]
+    assert unpack_int4(q4)[0].tolist() == expected
+    assert q4.packed[0, 0].item() == expected[0] | (expected[16] << 4)
+
+
+@HYPOTHESIS
+@given(
+    rows=st.integers(1, 40),
+    out_features=st.integers(1, 300),
+    groups=st.integers(1, 24),
+    group_size=st.sampled_from([32, 64, 16]),
+    bits=st.sampled_from([8, 4]),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_quantized_linear_matches_dequantize_then_matmul(ext, rows, out_features, groups,
+                                                         group_size, bits, with_bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    in_features = groups * group_size
+    w = torch.randn(out_features, in_features, generator=g) * 0.05
+    x = torch.randn(rows, in_features, generator=g)
+    bias = torch.randn(out_features, generator=g) if with_bias else None
+    qw = quantize_int8(w) if bits == 8 else quantize_int4(w, group_size)
+    torch.testing.assert_close(quantized_linear(x, qw, bias), reference_linear(x, qw, bias),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_quantized_linear_keeps_leading_dimensions(ext):
+    w = torch.randn(24, 64)
+    x = torch.randn(2, 3, 64)
+    for qw in (quantize_int8(w), quantize_int4(w)):
+        y = quantized_linear(x, qw)
+        assert y.shape == (2, 3, 24)
+        torch.testing.assert_close(y, reference_linear(x, qw), atol=1e-4, rtol=1e-4)
+
+
+# -- which path runs ------------------------------------------------------------------------
+
+
+def test_torch_mode_and_other_devices_never_use_the_kernels():
+    assert kernels.resolve("torch", torch.device("cpu"), torch.float32) == "torch"
+    assert kernels.resolve("auto", torch.device("cuda"), torch.bfloat16) == "torch"
+    assert kernels.resolve("auto", torch.device("cpu"), torch.bfloat16) == "torch"
+    with pytest.raises(ValueError):
+        kernels.resolve("fast", torch.device("cpu"), torch.float32)
+
+
+def test_a_failed_build_falls_back_to_torch(monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("g++: command not found")
+
+    monkeypatch.setattr(kernels, "_module", None)
+    monkeypatch.setattr(kernels, "_error", None)
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    assert kernels.load() is None
+    assert "g++: command not found" in kernels.build_error()
+    assert "did not build" in caplog.text
+    assert kernels.resolve("auto", torch.device("cpu"), torch.float32) == "torch"
+    assert "torch" in kernels.describe("torch")
+    caplog.clear()
+    assert kernels.load() is None  # not tried again, not logged again
+    assert caplog.text == ""
+
+
+# -- the whole engine -----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_engine_greedy_tokens_equal_with_and_without_kernels(ext, default_model_dir, tokenizer):
+    """Prefix caching and a small token budget, so that decodes, chunks after a cached prefix and
+    prefix-cache hits all go through the kernel."""
+    from engine import LLM, SamplingParams
+
+    system = "You are a patient teacher of inference systems. Explain each term you use. " * 6
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "system", "content": system},
+                                       {"role": "user", "content": question}])
+        for question in ("What is a KV cache?", "Why are blocks paged?", "What is a block table?")
+    ] + ["The history of the printing press begins", "1, 2, 3,"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for mode in ("torch", "auto"):
+        llm = LLM(model=str(default_model_dir), device="cpu", kernels=mode,
+                  max_num_batched_tokens=64, num_kv_blocks=256, max_model_len=2048)
+        expected_path = "cpu" if mode == "auto" else "torch"
+        assert llm.engine.executor.worker.model.kernel_path == expected_path
+        outputs[mode] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outputs["auto"] == outputs["torch"]
