@@ -26,6 +26,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
+from engine.clock import EngineClock
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
 from engine.cost_model import CostModel, Efficiency, StepCost
 from engine.executor import Executor
@@ -90,6 +91,35 @@ class SimTokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return " ".join(f"{m['role']}: {m['content']}" for m in messages)
+
+
+# ---------------------------------------------------------------------------------------------
+# A virtual engine clock
+
+
+class VirtualClock(EngineClock):
+    """Engine time that moves only by computed step durations, never by wall time.
+
+    The real clock's "now" inside a step is the step's start plus the wall time so far, so a token
+    recorded at the end of a step is stamped with (about) the step's end. Here the executor sets
+    the step's computed duration as soon as it knows it, and "now" inside the step is its start
+    plus that: tokens are stamped at the step's computed end, decisions at its start."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step_duration: float | None = None  # of the step in progress, once computed
+
+    def now(self) -> float:
+        return self._elapsed + (self.step_duration or 0.0)
+
+    def start_step(self) -> None:
+        self.step_duration = None
+
+    def end_step(self, duration: float | None = None) -> float:
+        step_time = duration if duration is not None else (self.step_duration or 0.0)
+        self._elapsed += step_time
+        self.step_duration = None
+        return step_time
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,6 +193,7 @@ class SimulatedExecutor(Executor):
         self.costs: list[StepCost] = []  # one per executed step, in order (what the lab plots)
         self.memory: MemoryPlan | None = None
         self.num_blocks = 0
+        self.clock = VirtualClock()  # the engine's clock (make_simulated_engine installs it)
 
     def initialize(self, max_model_len: int, num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
                    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -195,6 +226,7 @@ class SimulatedExecutor(Executor):
         cost = self.cost_model.step_cost(
             [(s.num_tokens, s.num_computed_tokens) for s in scheduler_output.scheduled], len(producing))
         self.costs.append(cost)
+        self.clock.step_duration = cost.total_s  # tokens of this step are stamped at its computed end
         sampled = {s.request_id: SampleResult(self._next_token(s.request_id, s.sampling_params)) for s in producing}
         timings = {"prepare_inputs": 0.0, "forward": cost.model_s, "sample": 0.0}  # computed, not measured
         return ModelRunnerOutput(sampled, timings, simulated_duration=cost.total_s)
@@ -248,7 +280,9 @@ def make_simulated_engine(model_preset: str | ModelPreset = "smollm2-135m-instru
     executor = SimulatedExecutor(preset, hw, config.block_size, tensor_parallel_size,
                                  efficiency or default_efficiency(hw), config.max_num_seqs, output_len)
     tokenizer = SimTokenizer(preset.config.vocab_size, preset.bos_token_id, preset.eos_token_id)
-    return EngineCore(config, executor=executor, model_config=preset.config, tokenizer=tokenizer)
+    engine = EngineCore(config, executor=executor, model_config=preset.config, tokenizer=tokenizer)
+    engine.clock = executor.clock  # before any request exists: requests read the clock they are given
+    return engine
 
 
 # ---------------------------------------------------------------------------------------------
