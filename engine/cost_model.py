@@ -4,10 +4,10 @@ A step runs every weight matrix once over all its tokens, attention once per req
 tensor parallelism) two all-reduces per layer. Each part is limited either by moving bytes or by
 doing arithmetic, whichever takes longer (the roofline):
 
-    linear group  g:  max(weight bytes_g / (bandwidth × e_mem),  2 × tokens × params_g / (peak × e_flop))
-    attention    r:  max(KV bytes read_r / bandwidth,  attention FLOPs_r / peak) / e_attn
-    all-reduce:      2 × layers × (2(N−1)/N × tokens × hidden × dtype bytes / (link × e_link) + latency)
-    step             = overhead + per-request overhead × requests + Σ linears + Σ attention + all-reduces
+    linear group g: max(bytes_g / (bandwidth × e_mem), 2 × tokens × params_g / (peak × e_flop))
+    attention r:    max(KV bytes read_r / bandwidth, attention FLOPs_r / peak) / e_attn
+    all-reduce:     2 × layers × (2(N−1)/N × tokens × hidden × bytes / (link × e_link) + latency)
+    step            = overhead + per-request overhead × requests + linears + attention + all-reduce
 
 The efficiencies e_* say how much of the hardware's peak each part reaches. They are fitted from
 the real engine's step times on this machine (engine/calibration.py); for a vendor preset they are
@@ -33,8 +33,10 @@ class Efficiency:
     allreduce_latency_s: float = 10e-6  # fixed cost of one all-reduce (launch and sync)
     step_overhead_s: float = 2e-3  # per step: scheduling, input preparation, output processing
     per_request_s: float = 0.0  # per scheduled request: its share of the same bookkeeping
-    evidence: str = ("assumed: typical fractions for a tuned GPU server (vLLM-class), not fitted; "
-                     "run a calibration on the GPU for fitted ones")
+    evidence: str = (
+        "assumed: typical fractions for a tuned GPU server (vLLM-class), not fitted; "
+        "run a calibration on the GPU for fitted ones"
+    )
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -59,8 +61,14 @@ class StepCost:
 
 
 class CostModel:
-    def __init__(self, model: LlamaConfig, hardware: HardwarePreset, tensor_parallel_size: int = 1,
-                 efficiency: Efficiency | None = None, dtype: str | None = None):
+    def __init__(
+        self,
+        model: LlamaConfig,
+        hardware: HardwarePreset,
+        tensor_parallel_size: int = 1,
+        efficiency: Efficiency | None = None,
+        dtype: str | None = None,
+    ):
         self.model = model
         self.hardware = hardware
         self.tp = tensor_parallel_size
@@ -79,7 +87,9 @@ class CostModel:
         self.layer_params = {k: v / self.tp for k, v in per_layer.items()}
         self.lm_head_params = c.vocab_size * h / self.tp
         self.kv_heads_per_gpu = max(c.num_kv_heads // self.tp, 1)  # replicated when N > KV heads
-        self.kv_bytes_per_token = 2 * c.num_layers * self.kv_heads_per_gpu * d * self.dtype_bytes  # per GPU
+        self.kv_bytes_per_token = (
+            2 * c.num_layers * self.kv_heads_per_gpu * d * self.dtype_bytes
+        )  # per GPU
         self.heads_per_gpu = c.num_heads / self.tp
 
     # -- the terms (seconds at 100 % of peak) -------------------------------------------------
@@ -104,14 +114,21 @@ class CostModel:
             attention += max(kv_read / hw.memory_bandwidth, flops / hw.peak_flops)
         allreduce_bytes = tokens * c.hidden_size * b
         ring = 2 * (self.tp - 1) / self.tp if self.tp > 1 else 0.0
-        link = hw.interconnect_bandwidth / 2 if hw.interconnect_bandwidth else float("inf")  # per direction
+        link = (
+            hw.interconnect_bandwidth / 2 if hw.interconnect_bandwidth else float("inf")
+        )  # per direction
         return {
-            "tokens": tokens, "requests": len(batch),
-            "layer_memory_s": layer_mem, "layer_compute_s": layer_flop,
-            "head_memory_s": head_mem, "head_compute_s": head_flop,
+            "tokens": tokens,
+            "requests": len(batch),
+            "layer_memory_s": layer_mem,
+            "layer_compute_s": layer_flop,
+            "head_memory_s": head_mem,
+            "head_compute_s": head_flop,
             "attention_s": attention,
             "allreduce_count": 2 * c.num_layers if self.tp > 1 else 0,
-            "allreduce_transfer_s": 2 * c.num_layers * ring * allreduce_bytes / link if self.tp > 1 else 0.0,
+            "allreduce_transfer_s": 2 * c.num_layers * ring * allreduce_bytes / link
+            if self.tp > 1
+            else 0.0,
         }
 
     # -- the step time --------------------------------------------------------------------------
@@ -122,8 +139,13 @@ class CostModel:
         layers = max(t["layer_memory_s"] / e.linear_memory, t["layer_compute_s"] / e.linear_compute)
         head = max(t["head_memory_s"] / e.linear_memory, t["head_compute_s"] / e.linear_compute)
         attention = t["attention_s"] / e.attention
-        allreduce = t["allreduce_transfer_s"] / e.interconnect + t["allreduce_count"] * e.allreduce_latency_s
+        allreduce = (
+            t["allreduce_transfer_s"] / e.interconnect
+            + t["allreduce_count"] * e.allreduce_latency_s
+        )
         overhead = e.step_overhead_s + e.per_request_s * t["requests"]
         total = layers + head + attention + allreduce + overhead
-        memory_bound = t["layer_memory_s"] / e.linear_memory >= t["layer_compute_s"] / e.linear_compute
+        memory_bound = (
+            t["layer_memory_s"] / e.linear_memory >= t["layer_compute_s"] / e.linear_compute
+        )
         return StepCost(layers + head, attention, allreduce, overhead, total, memory_bound, t)

@@ -58,7 +58,9 @@ class SimTokenizer:
     """Ids ↔ placeholder text. Enough for the output processor (it decodes ids to text) and for
     a text prompt (one id per whitespace-separated word, stable across runs)."""
 
-    def __init__(self, vocab_size: int, bos_token_id: int | None = None, eos_token_id: int | None = None):
+    def __init__(
+        self, vocab_size: int, bos_token_id: int | None = None, eos_token_id: int | None = None
+    ):
         self._vocab_size = vocab_size
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
@@ -82,8 +84,10 @@ class SimTokenizer:
         return bos + [self._word_id(w) for w in text.split()]
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        """One " ·" per token: placeholder text of the right length (runs for every token, so cheap)."""
-        specials = sum(1 for t in token_ids if t in self.special_token_ids) if skip_special_tokens else 0
+        """One " ·" per token: placeholder text of the right length (runs for every token)."""
+        specials = (
+            sum(1 for t in token_ids if t in self.special_token_ids) if skip_special_tokens else 0
+        )
         return " ·" * (len(token_ids) - specials)
 
     def token_pieces(self, text: str) -> list[tuple[int, str]]:
@@ -134,32 +138,53 @@ class MemoryPlan:
     weight_bytes: int  # per GPU (weights split over tensor-parallel ranks)
     activation_bytes: int  # the largest step's activations + logits, plus a runtime reserve
     kv_budget_bytes: int
-    bytes_per_block: int  # per GPU: 2 × layers × KV heads per GPU × head_dim × dtype bytes × block size
+    bytes_per_block: (
+        int  # per GPU: 2 × layers × KV heads per GPU × head_dim × dtype bytes × block size
+    )
     num_blocks: int
-    formula: str = ("blocks = (memory × gpu_memory_utilization − weights/N − activation reserve) ÷ "
-                    "(2 × layers × KV heads/N × head_dim × dtype bytes × block_size)")
+    formula: str = (
+        "blocks = (memory × gpu_memory_utilization − weights/N − activation reserve) ÷ "
+        "(2 × layers × KV heads/N × head_dim × dtype bytes × block_size)"
+    )
 
 
-def plan_memory(preset: ModelPreset, hardware: HardwarePreset, tp: int, block_size: int,
-                utilization: float, max_num_batched_tokens: int, max_num_seqs: int) -> MemoryPlan:
+def plan_memory(
+    preset: ModelPreset,
+    hardware: HardwarePreset,
+    tp: int,
+    block_size: int,
+    utilization: float,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+) -> MemoryPlan:
     """Chapter 05's budget, per GPU. Raises PresetError, saying by how much, if it does not fit."""
     c, b = preset.config, DTYPE_BYTES[hardware.dtype]
     usable = int(hardware.memory_bytes * utilization)
     weights = preset.num_parameters() * b // tp
     # Activations of the largest step: a few hidden-sized vectors and the MLP's two intermediate
     # ones per token, plus float32 logits of every sampling row (computed estimate).
-    per_token = (4 * c.hidden_size + (2 * c.intermediate_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim) // tp)
-    activations = max_num_batched_tokens * per_token * b + max_num_seqs * c.vocab_size * 4 + RUNTIME_RESERVE_BYTES
+    per_token = (
+        4 * c.hidden_size
+        + (2 * c.intermediate_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim) // tp
+    )
+    activations = (
+        max_num_batched_tokens * per_token * b
+        + max_num_seqs * c.vocab_size * 4
+        + RUNTIME_RESERVE_BYTES
+    )
     kv_heads = max(c.num_kv_heads // tp, 1)
     per_block = 2 * c.num_layers * kv_heads * c.head_dim * b * block_size
     budget = usable - weights - activations
     if budget < per_block:
         raise PresetError(
-            f"{preset.name} does not fit {hardware.name} × {tp}: per GPU it needs {weights / GB:.1f} GB of "
+            f"{preset.name} does not fit {hardware.name} × {tp}: per GPU it needs "
+            f"{weights / GB:.1f} GB of "
             f"{hardware.dtype} weights + {activations / GB:.1f} GB activation reserve, but "
-            f"{hardware.memory_bytes / GB:.0f} GB × {utilization:.2f} = {usable / GB:.1f} GB is usable: "
+            f"{hardware.memory_bytes / GB:.0f} GB × {utilization:.2f} = {usable / GB:.1f} GB "
+            "is usable: "
             f"{(weights + activations - usable) / GB:.1f} GB short (before any KV cache); "
-            f"try a larger --tensor-parallel-size or a GPU with more memory")
+            f"try a larger --tensor-parallel-size or a GPU with more memory"
+        )
     return MemoryPlan(usable, weights, activations, budget, per_block, budget // per_block)
 
 
@@ -171,37 +196,64 @@ class SimulatedExecutor(Executor):
     """An Executor with no weights and no tensors: each step's time comes from the cost model,
     its tokens from the output-length model."""
 
-    def __init__(self, preset: ModelPreset, hardware: HardwarePreset, block_size: int, tensor_parallel_size: int = 1,
-                 efficiency: Efficiency | None = None, max_num_seqs: int = 32,
-                 output_len: Callable[[str], int | None] | None = None, filler_token_id: int | None = None):
+    def __init__(
+        self,
+        preset: ModelPreset,
+        hardware: HardwarePreset,
+        block_size: int,
+        tensor_parallel_size: int = 1,
+        efficiency: Efficiency | None = None,
+        max_num_seqs: int = 32,
+        output_len: Callable[[str], int | None] | None = None,
+        filler_token_id: int | None = None,
+    ):
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
         if preset.config.num_heads % tensor_parallel_size:
-            raise ValueError(f"{preset.name} has {preset.config.num_heads} attention heads, which "
-                             f"{tensor_parallel_size} GPUs cannot share evenly")
+            raise ValueError(
+                f"{preset.name} has {preset.config.num_heads} attention heads, which "
+                f"{tensor_parallel_size} GPUs cannot share evenly"
+            )
         if tensor_parallel_size > 1 and not hardware.interconnect_bandwidth:
-            raise ValueError(f"{hardware.name} has no interconnect figure: tensor parallel cannot be simulated")
+            raise ValueError(
+                f"{hardware.name} has no interconnect figure: tensor parallel cannot be simulated"
+            )
         self.preset, self.hardware, self.block_size = preset, hardware, block_size
         self.tp = tensor_parallel_size
         self.max_num_seqs = max_num_seqs
         self.cost_model = CostModel(preset.config, hardware, tensor_parallel_size, efficiency)
         self.output_len = output_len or (lambda request_id: None)  # None: max_tokens ends it
         specials = {preset.bos_token_id, preset.eos_token_id}
-        self.filler_token_id = filler_token_id if filler_token_id is not None else next(
-            t for t in range(preset.config.vocab_size) if t not in specials)
+        self.filler_token_id = (
+            filler_token_id
+            if filler_token_id is not None
+            else next(t for t in range(preset.config.vocab_size) if t not in specials)
+        )
         self.num_emitted: dict[str, int] = {}  # tokens sampled so far per live request
         self.costs: list[StepCost] = []  # one per executed step, in order (what the lab plots)
         self.memory: MemoryPlan | None = None
         self.num_blocks = 0
         self.clock = VirtualClock()  # the engine's clock (make_simulated_engine installs it)
 
-    def initialize(self, max_model_len: int, num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
-                   gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
-                   max_num_batched_tokens: int = 512) -> int:
+    def initialize(
+        self,
+        max_model_len: int,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+        max_num_batched_tokens: int = 512,
+    ) -> int:
         from engine.worker import CacheTooSmallError
 
-        self.memory = plan_memory(self.preset, self.hardware, self.tp, self.block_size, gpu_memory_utilization,
-                                  max_num_batched_tokens, self.max_num_seqs)
+        self.memory = plan_memory(
+            self.preset,
+            self.hardware,
+            self.tp,
+            self.block_size,
+            gpu_memory_utilization,
+            max_num_batched_tokens,
+            self.max_num_seqs,
+        )
         if num_kv_blocks is None:
             if kv_cache_memory is None and self.hardware.kind == "cpu":
                 kv_cache_memory = DEFAULT_CPU_KV_CACHE_BYTES  # as the real engine on a CPU
@@ -212,8 +264,10 @@ class SimulatedExecutor(Executor):
         needed = cdiv(max_model_len, self.block_size)
         if num_kv_blocks < needed:
             raise CacheTooSmallError(
-                f"KV cache of {num_kv_blocks} blocks ({num_kv_blocks * self.block_size} tokens) cannot hold one "
-                f"request of max_model_len={max_model_len} tokens ({needed} blocks); lower max_model_len")
+                f"KV cache of {num_kv_blocks} blocks ({num_kv_blocks * self.block_size} tokens) "
+                f"cannot hold one request of max_model_len={max_model_len} tokens ({needed} "
+                "blocks); lower max_model_len"
+            )
         self.num_blocks = num_kv_blocks
         return num_kv_blocks
 
@@ -224,11 +278,22 @@ class SimulatedExecutor(Executor):
             return ModelRunnerOutput({}, simulated_duration=0.0)
         producing = [s for s in scheduler_output.scheduled if s.produces_token]
         cost = self.cost_model.step_cost(
-            [(s.num_tokens, s.num_computed_tokens) for s in scheduler_output.scheduled], len(producing))
+            [(s.num_tokens, s.num_computed_tokens) for s in scheduler_output.scheduled],
+            len(producing),
+        )
         self.costs.append(cost)
-        self.clock.step_duration = cost.total_s  # tokens of this step are stamped at its computed end
-        sampled = {s.request_id: SampleResult(self._next_token(s.request_id, s.sampling_params)) for s in producing}
-        timings = {"prepare_inputs": 0.0, "forward": cost.model_s, "sample": 0.0}  # computed, not measured
+        self.clock.step_duration = (
+            cost.total_s
+        )  # tokens of this step are stamped at its computed end
+        sampled = {
+            s.request_id: SampleResult(self._next_token(s.request_id, s.sampling_params))
+            for s in producing
+        }
+        timings = {
+            "prepare_inputs": 0.0,
+            "forward": cost.model_s,
+            "sample": 0.0,
+        }  # computed, not measured
         return ModelRunnerOutput(sampled, timings, simulated_duration=cost.total_s)
 
     def _next_token(self, request_id: str, params: SamplingParams) -> int:
@@ -248,7 +313,9 @@ class SimulatedExecutor(Executor):
         return self.num_blocks * self.memory.bytes_per_block * self.tp if self.memory else 0
 
 
-def _resolve(model_preset: str | ModelPreset, hardware: str | HardwarePreset) -> tuple[ModelPreset, HardwarePreset]:
+def _resolve(
+    model_preset: str | ModelPreset, hardware: str | HardwarePreset
+) -> tuple[ModelPreset, HardwarePreset]:
     preset = load_model_preset(model_preset) if isinstance(model_preset, str) else model_preset
     hw = load_hardware_preset(hardware) if isinstance(hardware, str) else hardware
     return preset, hw
@@ -265,10 +332,14 @@ def default_efficiency(hardware: HardwarePreset) -> Efficiency:
     return Efficiency()
 
 
-def make_simulated_engine(model_preset: str | ModelPreset = "smollm2-135m-instruct",
-                          hardware: str | HardwarePreset = "h100-sxm", tensor_parallel_size: int = 1,
-                          efficiency: Efficiency | None = None,
-                          output_len: Callable[[str], int | None] | None = None, **engine_config):
+def make_simulated_engine(
+    model_preset: str | ModelPreset = "smollm2-135m-instruct",
+    hardware: str | HardwarePreset = "h100-sxm",
+    tensor_parallel_size: int = 1,
+    efficiency: Efficiency | None = None,
+    output_len: Callable[[str], int | None] | None = None,
+    **engine_config,
+):
     """An EngineCore whose executor is simulated: `step()`, `add_request()`, journeys and records
     work as on the real engine. `engine_config`: EngineConfig fields (max_num_seqs, ...)."""
     from engine.core import EngineCore
@@ -277,11 +348,20 @@ def make_simulated_engine(model_preset: str | ModelPreset = "smollm2-135m-instru
     engine_config.setdefault("dtype", hw.dtype)
     engine_config.setdefault("device", "cpu")  # where the control path runs; no model is loaded
     config = EngineConfig(**engine_config)
-    executor = SimulatedExecutor(preset, hw, config.block_size, tensor_parallel_size,
-                                 efficiency or default_efficiency(hw), config.max_num_seqs, output_len)
+    executor = SimulatedExecutor(
+        preset,
+        hw,
+        config.block_size,
+        tensor_parallel_size,
+        efficiency or default_efficiency(hw),
+        config.max_num_seqs,
+        output_len,
+    )
     tokenizer = SimTokenizer(preset.config.vocab_size, preset.bos_token_id, preset.eos_token_id)
     engine = EngineCore(config, executor=executor, model_config=preset.config, tokenizer=tokenizer)
-    engine.clock = executor.clock  # before any request exists: requests read the clock they are given
+    engine.clock = (
+        executor.clock
+    )  # before any request exists: requests read the clock they are given
     return engine
 
 
@@ -291,7 +371,7 @@ def make_simulated_engine(model_preset: str | ModelPreset = "smollm2-135m-instru
 
 @dataclass
 class SimRequest:
-    """One request of a workload: its prompt, when it arrives (engine seconds), how long its answer is."""
+    """One request of a workload: its prompt, its arrival (engine seconds), its answer's length."""
 
     prompt_token_ids: list[int]
     output_len: int  # target length: EOS after this many tokens
@@ -300,9 +380,15 @@ class SimRequest:
     ignore_eos: bool = False
 
 
-def poisson_workload(num_requests: int, rate: float | None, prompt_len: tuple[int, int],
-                     output_len: tuple[int, int], vocab_size: int, seed: int = 0,
-                     special_ids=()) -> list[SimRequest]:
+def poisson_workload(
+    num_requests: int,
+    rate: float | None,
+    prompt_len: tuple[int, int],
+    output_len: tuple[int, int],
+    vocab_size: int,
+    seed: int = 0,
+    special_ids=(),
+) -> list[SimRequest]:
     """Seeded random prompts and target lengths (uniform in the ranges) with Poisson arrivals at
     `rate` requests/s (None: all at time 0). max_tokens is the range's maximum, so EOS ends them."""
     if num_requests < 1:
@@ -333,7 +419,9 @@ class SimulationResult:
     costs: list[StepCost] = field(default_factory=list, repr=False)
 
 
-def run_workload(engine, workload: list[SimRequest], keep_outputs: bool = False) -> tuple[list, list[Request]]:
+def run_workload(
+    engine, workload: list[SimRequest], keep_outputs: bool = False
+) -> tuple[list, list[Request]]:
     """Feed requests as the engine clock reaches their arrival; step until all finish. Works for
     a real engine too (arrivals then wait for the measured steps). Returns (records, requests)."""
     pending = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
@@ -342,14 +430,20 @@ def run_workload(engine, workload: list[SimRequest], keep_outputs: bool = False)
     while i < len(pending) or engine.has_unfinished_requests():
         while i < len(pending) and start + workload[pending[i]].arrival <= engine.clock.now():
             w = workload[pending[i]]
-            params = SamplingParams(max_tokens=w.max_tokens or w.output_len, temperature=0.0,
-                                    ignore_eos=w.ignore_eos)
-            requests[pending[i]] = engine.add_request(prompt_token_ids=w.prompt_token_ids, sampling_params=params,
-                                                      request_id=f"sim-{pending[i]}",
-                                                      engine_arrival_time=start + w.arrival)
+            params = SamplingParams(
+                max_tokens=w.max_tokens or w.output_len, temperature=0.0, ignore_eos=w.ignore_eos
+            )
+            requests[pending[i]] = engine.add_request(
+                prompt_token_ids=w.prompt_token_ids,
+                sampling_params=params,
+                request_id=f"sim-{pending[i]}",
+                engine_arrival_time=start + w.arrival,
+            )
             i += 1
         if not engine.has_unfinished_requests():
-            engine.clock.advance_to(start + workload[pending[i]].arrival)  # idle until the next arrival
+            engine.clock.advance_to(
+                start + workload[pending[i]].arrival
+            )  # idle until the next arrival
             continue
         record = engine.step()
         if not keep_outputs:
@@ -382,22 +476,40 @@ def summarize(metrics: list[RequestMetrics], records: list[StepRecord]) -> dict:
     }
 
 
-def simulate(model_preset: str | ModelPreset = "llama-3.1-8b", hardware: str | HardwarePreset = "h100-sxm",
-             rate: float | None = 4.0, num_requests: int = 1000, prompt_len: tuple[int, int] = (32, 1024),
-             output_len: tuple[int, int] = (32, 512), seed: int = 0, tensor_parallel_size: int = 1,
-             efficiency: Efficiency | None = None, workload: list[SimRequest] | None = None,
-             keep_outputs: bool = False, **engine_config) -> SimulationResult:
+def simulate(
+    model_preset: str | ModelPreset = "llama-3.1-8b",
+    hardware: str | HardwarePreset = "h100-sxm",
+    rate: float | None = 4.0,
+    num_requests: int = 1000,
+    prompt_len: tuple[int, int] = (32, 1024),
+    output_len: tuple[int, int] = (32, 512),
+    seed: int = 0,
+    tensor_parallel_size: int = 1,
+    efficiency: Efficiency | None = None,
+    workload: list[SimRequest] | None = None,
+    keep_outputs: bool = False,
+    **engine_config,
+) -> SimulationResult:
     """Run a workload through a simulated engine. `rate`: Poisson arrivals per second (None: all
     at once). `engine_config`: EngineConfig fields (max_num_seqs, max_num_batched_tokens, ...);
     max_model_len defaults to 8192 here, so that long-context presets fit a tight memory budget."""
     preset, hw = _resolve(model_preset, hardware)
     if workload is None:
-        workload = poisson_workload(num_requests, rate, prompt_len, output_len, preset.config.vocab_size, seed,
-                                    {preset.bos_token_id, preset.eos_token_id} - {None})
+        workload = poisson_workload(
+            num_requests,
+            rate,
+            prompt_len,
+            output_len,
+            preset.config.vocab_size,
+            seed,
+            {preset.bos_token_id, preset.eos_token_id} - {None},
+        )
     targets = {f"sim-{i}": w.output_len for i, w in enumerate(workload)}
     engine_config.setdefault("max_model_len", min(8192, preset.config.max_position_embeddings))
     wall_start = time.perf_counter()
-    engine = make_simulated_engine(preset, hw, tensor_parallel_size, efficiency, targets.get, **engine_config)
+    engine = make_simulated_engine(
+        preset, hw, tensor_parallel_size, efficiency, targets.get, **engine_config
+    )
     records, requests = run_workload(engine, workload, keep_outputs)
     wall = time.perf_counter() - wall_start
     metrics = [r.metrics(clock="engine") for r in requests]
@@ -406,25 +518,50 @@ def simulate(model_preset: str | ModelPreset = "llama-3.1-8b", hardware: str | H
     executor: SimulatedExecutor = engine.executor
     memory = executor.memory
     conditions = {
-        "model": {"name": preset.name, "source": preset.source, "num_parameters": preset.num_parameters(),
-                  "num_parameters_evidence": "computed from the config's shapes"},
-        "hardware": {"name": hw.name, "evidence": hw.evidence, "source": hw.source, "uncertain": hw.uncertain,
-                     "memory_gb": hw.memory_bytes / GB, "memory_bandwidth_gb_s": hw.memory_bandwidth / 1e9,
-                     "peak_tflop_s": hw.peak_flops / 1e12, "dtype": hw.dtype},
+        "model": {
+            "name": preset.name,
+            "source": preset.source,
+            "num_parameters": preset.num_parameters(),
+            "num_parameters_evidence": "computed from the config's shapes",
+        },
+        "hardware": {
+            "name": hw.name,
+            "evidence": hw.evidence,
+            "source": hw.source,
+            "uncertain": hw.uncertain,
+            "memory_gb": hw.memory_bytes / GB,
+            "memory_bandwidth_gb_s": hw.memory_bandwidth / 1e9,
+            "peak_tflop_s": hw.peak_flops / 1e12,
+            "dtype": hw.dtype,
+        },
         "tensor_parallel_size": tensor_parallel_size,
         "efficiency": executor.cost_model.efficiency.as_dict(),
-        "kv_cache": {"num_blocks": engine.num_blocks, "block_size": engine.config.block_size,
-                     "bytes_per_block_per_gpu": memory.bytes_per_block, "weight_bytes_per_gpu": memory.weight_bytes,
-                     "activation_reserve_bytes": memory.activation_bytes, "usable_bytes": memory.usable_bytes,
-                     "evidence": "computed", "formula": memory.formula},
-        "engine": {"max_num_seqs": engine.config.max_num_seqs,
-                   "max_num_batched_tokens": engine.config.max_num_batched_tokens,
-                   "max_model_len": engine.max_model_len,
-                   "enable_prefix_caching": engine.config.enable_prefix_caching,
-                   "scheduling_policy": engine.config.scheduling_policy},
-        "workload": {"num_requests": len(workload), "rate_req_s": rate, "prompt_len": list(prompt_len),
-                     "output_len": list(output_len), "seed": seed, "arrivals": "Poisson" if rate else "all at t=0",
-                     "output_length_model": "target drawn per request, EOS at the target"},
+        "kv_cache": {
+            "num_blocks": engine.num_blocks,
+            "block_size": engine.config.block_size,
+            "bytes_per_block_per_gpu": memory.bytes_per_block,
+            "weight_bytes_per_gpu": memory.weight_bytes,
+            "activation_reserve_bytes": memory.activation_bytes,
+            "usable_bytes": memory.usable_bytes,
+            "evidence": "computed",
+            "formula": memory.formula,
+        },
+        "engine": {
+            "max_num_seqs": engine.config.max_num_seqs,
+            "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+            "max_model_len": engine.max_model_len,
+            "enable_prefix_caching": engine.config.enable_prefix_caching,
+            "scheduling_policy": engine.config.scheduling_policy,
+        },
+        "workload": {
+            "num_requests": len(workload),
+            "rate_req_s": rate,
+            "prompt_len": list(prompt_len),
+            "output_len": list(output_len),
+            "seed": seed,
+            "arrivals": "Poisson" if rate else "all at t=0",
+            "output_length_model": "target drawn per request, EOS at the target",
+        },
     }
     return SimulationResult(records, requests, metrics, summary, conditions, list(executor.costs))
 
@@ -434,19 +571,25 @@ def format_result(result: SimulationResult) -> str:
     hw, kv, eff = c["hardware"], c["kv_cache"], c["efficiency"]
 
     def ms(p: dict) -> str:
-        return " / ".join("—" if p[k] is None else f"{1000 * p[k]:.1f}" for k in ("p50", "p90", "p99"))
+        return " / ".join(
+            "—" if p[k] is None else f"{1000 * p[k]:.1f}" for k in ("p50", "p90", "p99")
+        )
 
     rate = c["workload"]["rate_req_s"]
     lines = [
-        f"Simulated: {c['model']['name']} on {hw['name']} × {c['tensor_parallel_size']} ({hw['dtype']}), "
-        f"{s['requests']} requests, {'Poisson ' + format(rate, 'g') + '/s' if rate else 'all at once'}",
-        f"  hardware ({hw['evidence']}): {hw['memory_gb']:.0f} GB, {hw['memory_bandwidth_gb_s']:,.0f} GB/s, "
+        f"Simulated: {c['model']['name']} on {hw['name']} × {c['tensor_parallel_size']} "
+        f"({hw['dtype']}), {s['requests']} requests, "
+        f"{'Poisson ' + format(rate, 'g') + '/s' if rate else 'all at once'}",
+        f"  hardware ({hw['evidence']}): {hw['memory_gb']:.0f} GB, "
+        f"{hw['memory_bandwidth_gb_s']:,.0f} GB/s, "
         f"{hw['peak_tflop_s']:,.1f} TFLOP/s — {hw['source']}",
-        f"  efficiencies: linear memory {eff['linear_memory']:.2f}, linear compute {eff['linear_compute']:.2f}, "
+        f"  efficiencies: linear memory {eff['linear_memory']:.2f}, "
+        f"linear compute {eff['linear_compute']:.2f}, "
         f"attention {eff['attention']:.2f}, step overhead {1000 * eff['step_overhead_s']:.2f} ms "
         f"({eff['evidence']})",
         f"  KV cache (computed): {kv['num_blocks']:,} blocks of {kv['block_size']} tokens "
-        f"= {kv['num_blocks'] * kv['block_size']:,} tokens; weights {kv['weight_bytes_per_gpu'] / GB:.1f} GB per GPU",
+        f"= {kv['num_blocks'] * kv['block_size']:,} tokens; "
+        f"weights {kv['weight_bytes_per_gpu'] / GB:.1f} GB per GPU",
         "",
         "  latency (engine clock, ms)   p50 / p90 / p99",
         f"    TTFT                       {ms(s['ttft_s'])}",
@@ -454,7 +597,8 @@ def format_result(result: SimulationResult) -> str:
         f"    E2E                        {ms(s['e2e_s'])}",
         f"  throughput                   {s['output_tokens_per_s']:,.1f} output tokens/s, "
         f"{s['requests_per_s']:.2f} requests/s",
-        f"  preemptions                  {s['preemptions']}   (peak KV usage {100 * s['max_kv_usage']:.0f} %)",
+        f"  preemptions                  {s['preemptions']}   "
+        f"(peak KV usage {100 * s['max_kv_usage']:.0f} %)",
         f"  simulated time               {s['duration_s']:,.1f} s in {s['steps']:,} steps",
         f"  wall time                    {s['wall_s']:.1f} s (measured, this machine)",
         "  all latencies are computed by the cost model (engine/cost_model.py), not measured",

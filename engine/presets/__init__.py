@@ -42,7 +42,8 @@ class ModelPreset:
     def num_parameters(self) -> int:
         """Computed from the shapes (Llama block: attention, gated MLP, two RMSNorms), the same
         count as ui/hardware_data.py's `param_count` and as the engine's loaded model:
-        embedding V·h (+ LM head V·h unless tied) + L·(h·(H+2K)·d [+ biases] + H·d·h + 3·h·I + 2h) + h."""
+        embedding V·h (+ LM head V·h unless tied)
+        + L·(h·(H+2K)·d [+ biases] + H·d·h + 3·h·I + 2h) + h."""
         c = self.config
         h, d = c.hidden_size, c.head_dim
         q, kv = c.num_heads * d, c.num_kv_heads * d
@@ -68,8 +69,11 @@ class HardwarePreset:
     uncertain: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
-        return (f"{self.name}: {self.memory_bytes / GB:.0f} GB, {self.memory_bandwidth / 1e9:,.0f} GB/s, "
-                f"{self.peak_flops / 1e12:,.1f} TFLOP/s {self.dtype} ({self.evidence}: {self.source})")
+        return (
+            f"{self.name}: {self.memory_bytes / GB:.0f} GB, "
+            f"{self.memory_bandwidth / 1e9:,.0f} GB/s, "
+            f"{self.peak_flops / 1e12:,.1f} TFLOP/s {self.dtype} ({self.evidence}: {self.source})"
+        )
 
 
 def _names(folder: str) -> list[str]:
@@ -90,8 +94,14 @@ def _first(value):
 
 def model_config_from_dict(raw: dict, key: str, source: str) -> ModelPreset:
     """A preset from a config.json dict (a preset file's, or a real artifact's)."""
-    return ModelPreset(key, raw.get("_name", key), LlamaConfig.from_dict(raw), source,
-                       _first(raw.get("bos_token_id")), _first(raw.get("eos_token_id")))
+    return ModelPreset(
+        key,
+        raw.get("_name", key),
+        LlamaConfig.from_dict(raw),
+        source,
+        _first(raw.get("bos_token_id")),
+        _first(raw.get("eos_token_id")),
+    )
 
 
 def load_model_preset(key: str) -> ModelPreset:
@@ -106,7 +116,9 @@ def model_preset_from_dir(model_dir: str | Path) -> ModelPreset:
     """The shapes of a real artifact (what calibration and the fidelity check simulate)."""
     model_dir = Path(model_dir)
     raw = json.loads((model_dir / "config.json").read_text())
-    return model_config_from_dict(raw, model_dir.name, f"{model_dir / 'config.json'} (the artifact itself)")
+    return model_config_from_dict(
+        raw, model_dir.name, f"{model_dir / 'config.json'} (the artifact itself)"
+    )
 
 
 def load_hardware_preset(key: str) -> HardwarePreset:
@@ -117,11 +129,21 @@ def load_hardware_preset(key: str) -> HardwarePreset:
         return this_machine()
     path = PRESETS_DIR / "hardware" / f"{key.lower()}.json"
     if not path.is_file():
-        raise PresetError(f"unknown hardware preset {key!r}; known: {', '.join(hardware_preset_names())}")
+        raise PresetError(
+            f"unknown hardware preset {key!r}; known: {', '.join(hardware_preset_names())}"
+        )
     raw = json.loads(path.read_text())
     return HardwarePreset(
-        key=path.stem, name=raw["name"], kind=raw["kind"], memory_bytes=int(raw["memory_gb"] * GB),
-        memory_bandwidth=raw["memory_bandwidth_gb_s"] * 1e9, peak_flops=raw["bf16_dense_tflop_s"] * 1e12,
-        interconnect_bandwidth=raw["interconnect_gb_s"] * 1e9, interconnect=raw["interconnect"],
-        dtype="bfloat16", evidence=raw["evidence"], source=raw["source"], uncertain=list(raw.get("uncertain", [])),
+        key=path.stem,
+        name=raw["name"],
+        kind=raw["kind"],
+        memory_bytes=int(raw["memory_gb"] * GB),
+        memory_bandwidth=raw["memory_bandwidth_gb_s"] * 1e9,
+        peak_flops=raw["bf16_dense_tflop_s"] * 1e12,
+        interconnect_bandwidth=raw["interconnect_gb_s"] * 1e9,
+        interconnect=raw["interconnect"],
+        dtype="bfloat16",
+        evidence=raw["evidence"],
+        source=raw["source"],
+        uncertain=list(raw.get("uncertain", [])),
     )
