@@ -494,6 +494,7 @@ def simulate(
     at once). `engine_config`: EngineConfig fields (max_num_seqs, max_num_batched_tokens, ...);
     max_model_len defaults to 8192 here, so that long-context presets fit a tight memory budget."""
     preset, hw = _resolve(model_preset, hardware)
+    arrivals = "given by the caller" if workload is not None else "Poisson" if rate else "all at t=0"
     if workload is None:
         workload = poisson_workload(
             num_requests,
@@ -559,7 +560,7 @@ def simulate(
             "prompt_len": list(prompt_len),
             "output_len": list(output_len),
             "seed": seed,
-            "arrivals": "Poisson" if rate else "all at t=0",
+            "arrivals": arrivals,
             "output_length_model": "target drawn per request, EOS at the target",
         },
     }

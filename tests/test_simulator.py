@@ -269,11 +269,11 @@ def test_preemption_happens_when_the_kv_cache_is_small():
         "llama-3.1-8b",
         "h100-sxm",
         rate=None,
-        num_requests=30,
+        num_requests=12,
         prompt_len=(200, 400),
-        output_len=(100, 200),
-        num_kv_blocks=64,
-        max_model_len=1024,
+        output_len=(50, 100),
+        num_kv_blocks=48,
+        max_model_len=512,
         max_num_seqs=16,
     )
     assert result.summary["preemptions"] > 0
