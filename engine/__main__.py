@@ -1,4 +1,4 @@
-"""Command line: python -m engine {artifact,generate,serve,bench}."""
+"""Command line: python -m engine {artifact,generate,serve,bench,simulate}."""
 
 from __future__ import annotations
 
@@ -67,6 +67,37 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from engine import bench
 
     return bench.main(args)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    import json
+
+    from engine import presets, simulator
+
+    if args.list:
+        print("model presets:    " + ", ".join(presets.model_preset_names()))
+        print("hardware presets: " + ", ".join(presets.hardware_preset_names()))
+        return 0
+    if args.calibrate:
+        from engine.calibration import calibrate
+
+        calibrate(quick=args.quick_calibration)
+    engine_config = {k: v for k, v in dict(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+    ).items() if v is not None}
+    result = simulator.simulate(
+        args.model_preset, args.hardware, rate=args.rate, num_requests=args.num_requests,
+        prompt_len=tuple(args.prompt_len), output_len=tuple(args.output_len), seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size, **engine_config)
+    print(simulator.format_result(result))
+    if args.json:
+        data = {"summary": result.summary, "conditions": result.conditions,
+                "requests": [m.as_dict() for m in result.metrics]}
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=2, ensure_ascii=False)
+        print(f"results written to {args.json}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,6 +169,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernels", choices=["auto", "torch"], default=None,
                    help="auto: our C++ CPU kernels when they build (default); torch: the reference")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("simulate", help="what-if at scale: the real scheduler on a cost model (no model is run)")
+    p.add_argument("--model-preset", default="llama-3.1-8b", help="a model preset (see --list)")
+    p.add_argument("--hardware", default="h100-sxm", help="a hardware preset, or this-machine (see --list)")
+    p.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals, requests/s (default 4)")
+    p.add_argument("--num-requests", type=int, default=1000)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (512)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="requests running at once (32)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: min(8192, the model's))")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, help="share of GPU memory used (0.9)")
+    p.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=[32, 1024])
+    p.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=[32, 512],
+                   help="each request's target output length is drawn uniformly from this range")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the summary, conditions and per-request metrics here")
+    p.add_argument("--list", action="store_true", help="list the presets and exit")
+    p.add_argument("--calibrate", action="store_true", help="re-fit this machine's calibration first")
+    p.add_argument("--quick-calibration", action="store_true", help="with --calibrate: a smaller run")
+    p.set_defaults(func=cmd_simulate)
 
     args = parser.parse_args(argv)
     try:

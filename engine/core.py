@@ -35,13 +35,16 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig | None = None, executor: Executor | None = None, **overrides):
+    def __init__(self, config: EngineConfig | None = None, executor: Executor | None = None,
+                 model_config: LlamaConfig | None = None, tokenizer: Tokenizer | None = None, **overrides):
         # A copy with the overrides: the caller's config is never changed; unknown names raise TypeError.
         config = dataclasses.replace(config or EngineConfig(), **overrides)
         self.config = config
-        self.model_dir = resolve_model_path(config.model)
-        self.model_config = LlamaConfig.from_model_dir(self.model_dir)
-        self.tokenizer = Tokenizer(self.model_dir)
+        # A simulated engine (engine/simulator.py) passes a preset's shapes and a stand-in
+        # tokenizer: there is no model directory then. Otherwise both come from the artifact.
+        self.model_dir = resolve_model_path(config.model) if model_config is None else None
+        self.model_config = model_config or LlamaConfig.from_model_dir(self.model_dir)
+        self.tokenizer = tokenizer or Tokenizer(self.model_dir)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings

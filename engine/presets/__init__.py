@@ -1,0 +1,149 @@
+"""Model and hardware presets for the simulator: numbers only, each with its source.
+
+- Model presets (`models/*.json`) are the shape fields of each model's Hugging Face config.json
+  (no weights, no tokenizer), so `LlamaConfig.from_dict` reads them exactly as it reads a real
+  artifact. `_name` and `_source` say which file the numbers were copied from.
+- Hardware presets (`hardware/*.json`) are vendor-reported figures (datasheets), labelled as such,
+  with any figure we are not sure of listed under `uncertain`. "This machine" is not a file: its
+  figures are measured by the benchmark's ceilings (engine/calibration.py builds it).
+
+Note: ui/hardware_data.py keeps an older copy of some model and GPU numbers for chapter 05's
+calculator; these files are the engine's own (the integrator may point the UI here).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.models.llama import LlamaConfig
+
+PRESETS_DIR = Path(__file__).resolve().parent
+GB = 10**9  # vendors' GB (10⁹ B), as datasheets print them
+THIS_MACHINE = "this-machine"
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class PresetError(ValueError):
+    """An unknown preset name, or a model that does not fit the hardware; one readable line."""
+
+
+@dataclass
+class ModelPreset:
+    key: str  # the file name without .json, what the CLI takes
+    name: str
+    config: LlamaConfig
+    source: str
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def num_parameters(self) -> int:
+        """Computed from the shapes (Llama block: attention, gated MLP, two RMSNorms), the same
+        count as ui/hardware_data.py's `param_count` and as the engine's loaded model:
+        embedding V·h (+ LM head V·h unless tied)
+        + L·(h·(H+2K)·d [+ biases] + H·d·h + 3·h·I + 2h) + h."""
+        c = self.config
+        h, d = c.hidden_size, c.head_dim
+        q, kv = c.num_heads * d, c.num_kv_heads * d
+        attention = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if c.attention_bias else 0)
+        per_layer = attention + 3 * h * c.intermediate_size + 2 * h
+        embedding = c.vocab_size * h * (1 if c.tie_word_embeddings else 2)
+        return embedding + c.num_layers * per_layer + h
+
+
+@dataclass
+class HardwarePreset:
+    key: str
+    name: str
+    kind: str  # "gpu" or "cpu"
+    memory_bytes: int
+    memory_bandwidth: float  # bytes/s
+    peak_flops: float  # FLOP/s of dense matmuls in `dtype`
+    interconnect_bandwidth: float  # bytes/s, total bidirectional as vendors print it (0: none)
+    interconnect: str
+    dtype: str  # the dtype the peak is for, and the simulated engine's dtype
+    evidence: str  # "vendor-reported" or "measured"
+    source: str
+    uncertain: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        return (
+            f"{self.name}: {self.memory_bytes / GB:.0f} GB, "
+            f"{self.memory_bandwidth / 1e9:,.0f} GB/s, "
+            f"{self.peak_flops / 1e12:,.1f} TFLOP/s {self.dtype} ({self.evidence}: {self.source})"
+        )
+
+
+def _names(folder: str) -> list[str]:
+    return sorted(p.stem for p in (PRESETS_DIR / folder).glob("*.json"))
+
+
+def model_preset_names() -> list[str]:
+    return _names("models")
+
+
+def hardware_preset_names() -> list[str]:
+    return _names("hardware") + [THIS_MACHINE]
+
+
+def _first(value):
+    return value[0] if isinstance(value, list) else value
+
+
+def model_config_from_dict(raw: dict, key: str, source: str) -> ModelPreset:
+    """A preset from a config.json dict (a preset file's, or a real artifact's)."""
+    return ModelPreset(
+        key,
+        raw.get("_name", key),
+        LlamaConfig.from_dict(raw),
+        source,
+        _first(raw.get("bos_token_id")),
+        _first(raw.get("eos_token_id")),
+    )
+
+
+def load_model_preset(key: str) -> ModelPreset:
+    path = PRESETS_DIR / "models" / f"{key.lower()}.json"
+    if not path.is_file():
+        raise PresetError(f"unknown model preset {key!r}; known: {', '.join(model_preset_names())}")
+    raw = json.loads(path.read_text())
+    return model_config_from_dict(raw, path.stem, raw["_source"])
+
+
+def model_preset_from_dir(model_dir: str | Path) -> ModelPreset:
+    """The shapes of a real artifact (what calibration and the fidelity check simulate)."""
+    model_dir = Path(model_dir)
+    raw = json.loads((model_dir / "config.json").read_text())
+    return model_config_from_dict(
+        raw, model_dir.name, f"{model_dir / 'config.json'} (the artifact itself)"
+    )
+
+
+def load_hardware_preset(key: str) -> HardwarePreset:
+    """A vendor preset by name. "this-machine" comes from engine.calibration (it is measured)."""
+    if key.lower() == THIS_MACHINE:
+        from engine.calibration import this_machine
+
+        return this_machine()
+    path = PRESETS_DIR / "hardware" / f"{key.lower()}.json"
+    if not path.is_file():
+        raise PresetError(
+            f"unknown hardware preset {key!r}; known: {', '.join(hardware_preset_names())}"
+        )
+    raw = json.loads(path.read_text())
+    return HardwarePreset(
+        key=path.stem,
+        name=raw["name"],
+        kind=raw["kind"],
+        memory_bytes=int(raw["memory_gb"] * GB),
+        memory_bandwidth=raw["memory_bandwidth_gb_s"] * 1e9,
+        peak_flops=raw["bf16_dense_tflop_s"] * 1e12,
+        interconnect_bandwidth=raw["interconnect_gb_s"] * 1e9,
+        interconnect=raw["interconnect"],
+        dtype="bfloat16",
+        evidence=raw["evidence"],
+        source=raw["source"],
+        uncertain=list(raw.get("uncertain", [])),
+    )

@@ -1,0 +1,607 @@
+"""What-if at scale: the engine's own scheduler and KV-cache manager on a virtual clock.
+
+A real step runs the model; a simulated step asks a cost model how long the model *would* take
+on the chosen hardware (engine/cost_model.py) and makes up the sampled tokens. Everything else
+is the real engine, unchanged: EngineCore, Scheduler, KVCacheManager, the journeys, StepRecords
+and RequestMetrics. So a learner on a laptop can ask "1,000 requests at 4 per second on an H100
+with Llama-3.1-8B: what are TTFT and TPOT, and does the KV cache run out?" and get the answer the
+same scheduler would produce, in seconds.
+
+    engine = make_simulated_engine("llama-3.1-8b", "h100-sxm", max_num_seqs=64)
+    engine.add_request(prompt_token_ids=[...], sampling_params=SamplingParams(max_tokens=100))
+    record = engine.step()        # a StepRecord whose engine_duration is the computed step time
+
+    result = simulate("llama-3.1-8b", "h100-sxm", rate=4, num_requests=1000)
+
+The output-length model is the one benchmark simulators use: each request's target length is
+drawn from the workload; the simulated sampler emits a non-EOS token until the target, then EOS
+(or, with ignore_eos, lets max_tokens end the request).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+from engine.clock import EngineClock
+from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
+from engine.cost_model import CostModel, Efficiency, StepCost
+from engine.executor import Executor
+from engine.model_runner import ModelRunnerOutput
+from engine.presets import (
+    DTYPE_BYTES,
+    GB,
+    HardwarePreset,
+    ModelPreset,
+    PresetError,
+    load_hardware_preset,
+    load_model_preset,
+)
+from engine.request import Request, RequestMetrics
+from engine.sampler import SampleResult
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import SchedulerOutput
+from engine.trace import StepRecord
+from engine.utils import cdiv
+
+RUNTIME_RESERVE_BYTES = 1 * GB  # assumed: CUDA context, kernels' workspace, allocator slack
+
+
+# ---------------------------------------------------------------------------------------------
+# A tokenizer stand-in: presets have no tokenizer of their vocabulary
+
+
+class SimTokenizer:
+    """Ids ↔ placeholder text. Enough for the output processor (it decodes ids to text) and for
+    a text prompt (one id per whitespace-separated word, stable across runs)."""
+
+    def __init__(
+        self, vocab_size: int, bos_token_id: int | None = None, eos_token_id: int | None = None
+    ):
+        self._vocab_size = vocab_size
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.bos_token, self.eos_token = "<s>", "</s>"
+        self.special_token_ids = {t for t in (bos_token_id, eos_token_id) if t is not None}
+        self.chat_template = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def token_to_id(self, token: str) -> int | None:
+        return {"<s>": self.bos_token_id, "</s>": self.eos_token_id}.get(token)
+
+    def _word_id(self, word: str) -> int:
+        low = max(self.special_token_ids, default=-1) + 1
+        return low + zlib.crc32(word.encode()) % (self._vocab_size - low)
+
+    def encode(self, text: str) -> list[int]:
+        bos = [self.bos_token_id] if self.bos_token_id is not None else []
+        return bos + [self._word_id(w) for w in text.split()]
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """One " ·" per token: placeholder text of the right length (runs for every token)."""
+        specials = (
+            sum(1 for t in token_ids if t in self.special_token_ids) if skip_special_tokens else 0
+        )
+        return " ·" * (len(token_ids) - specials)
+
+    def token_pieces(self, text: str) -> list[tuple[int, str]]:
+        return [(self._word_id(w), w) for w in text.split()]
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return " ".join(f"{m['role']}: {m['content']}" for m in messages)
+
+
+# ---------------------------------------------------------------------------------------------
+# A virtual engine clock
+
+
+class VirtualClock(EngineClock):
+    """Engine time that moves only by computed step durations, never by wall time.
+
+    The real clock's "now" inside a step is the step's start plus the wall time so far, so a token
+    recorded at the end of a step is stamped with (about) the step's end. Here the executor sets
+    the step's computed duration as soon as it knows it, and "now" inside the step is its start
+    plus that: tokens are stamped at the step's computed end, decisions at its start."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step_duration: float | None = None  # of the step in progress, once computed
+
+    def now(self) -> float:
+        return self._elapsed + (self.step_duration or 0.0)
+
+    def start_step(self) -> None:
+        self.step_duration = None
+
+    def end_step(self, duration: float | None = None) -> float:
+        step_time = duration if duration is not None else (self.step_duration or 0.0)
+        self._elapsed += step_time
+        self.step_duration = None
+        return step_time
+
+
+# ---------------------------------------------------------------------------------------------
+# KV capacity from the memory budget
+
+
+@dataclass
+class MemoryPlan:
+    """Per GPU: usable memory − weights − activation reserve = KV budget (computed)."""
+
+    usable_bytes: int  # memory × gpu_memory_utilization
+    weight_bytes: int  # per GPU (weights split over tensor-parallel ranks)
+    activation_bytes: int  # the largest step's activations + logits, plus a runtime reserve
+    kv_budget_bytes: int
+    bytes_per_block: (
+        int  # per GPU: 2 × layers × KV heads per GPU × head_dim × dtype bytes × block size
+    )
+    num_blocks: int
+    formula: str = (
+        "blocks = (memory × gpu_memory_utilization − weights/N − activation reserve) ÷ "
+        "(2 × layers × KV heads/N × head_dim × dtype bytes × block_size)"
+    )
+
+
+def plan_memory(
+    preset: ModelPreset,
+    hardware: HardwarePreset,
+    tp: int,
+    block_size: int,
+    utilization: float,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+) -> MemoryPlan:
+    """Chapter 05's budget, per GPU. Raises PresetError, saying by how much, if it does not fit."""
+    c, b = preset.config, DTYPE_BYTES[hardware.dtype]
+    usable = int(hardware.memory_bytes * utilization)
+    weights = preset.num_parameters() * b // tp
+    # Activations of the largest step: a few hidden-sized vectors and the MLP's two intermediate
+    # ones per token, plus float32 logits of every sampling row (computed estimate).
+    per_token = (
+        4 * c.hidden_size
+        + (2 * c.intermediate_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim) // tp
+    )
+    activations = (
+        max_num_batched_tokens * per_token * b
+        + max_num_seqs * c.vocab_size * 4
+        + RUNTIME_RESERVE_BYTES
+    )
+    kv_heads = max(c.num_kv_heads // tp, 1)
+    per_block = 2 * c.num_layers * kv_heads * c.head_dim * b * block_size
+    budget = usable - weights - activations
+    if budget < per_block:
+        raise PresetError(
+            f"{preset.name} does not fit {hardware.name} × {tp}: per GPU it needs "
+            f"{weights / GB:.1f} GB of "
+            f"{hardware.dtype} weights + {activations / GB:.1f} GB activation reserve, but "
+            f"{hardware.memory_bytes / GB:.0f} GB × {utilization:.2f} = {usable / GB:.1f} GB "
+            "is usable: "
+            f"{(weights + activations - usable) / GB:.1f} GB short (before any KV cache); "
+            f"try a larger --tensor-parallel-size or a GPU with more memory"
+        )
+    return MemoryPlan(usable, weights, activations, budget, per_block, budget // per_block)
+
+
+# ---------------------------------------------------------------------------------------------
+# The simulated executor
+
+
+class SimulatedExecutor(Executor):
+    """An Executor with no weights and no tensors: each step's time comes from the cost model,
+    its tokens from the output-length model."""
+
+    def __init__(
+        self,
+        preset: ModelPreset,
+        hardware: HardwarePreset,
+        block_size: int,
+        tensor_parallel_size: int = 1,
+        efficiency: Efficiency | None = None,
+        max_num_seqs: int = 32,
+        output_len: Callable[[str], int | None] | None = None,
+        filler_token_id: int | None = None,
+    ):
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
+        if preset.config.num_heads % tensor_parallel_size:
+            raise ValueError(
+                f"{preset.name} has {preset.config.num_heads} attention heads, which "
+                f"{tensor_parallel_size} GPUs cannot share evenly"
+            )
+        if tensor_parallel_size > 1 and not hardware.interconnect_bandwidth:
+            raise ValueError(
+                f"{hardware.name} has no interconnect figure: tensor parallel cannot be simulated"
+            )
+        self.preset, self.hardware, self.block_size = preset, hardware, block_size
+        self.tp = tensor_parallel_size
+        self.max_num_seqs = max_num_seqs
+        self.cost_model = CostModel(preset.config, hardware, tensor_parallel_size, efficiency)
+        self.output_len = output_len or (lambda request_id: None)  # None: max_tokens ends it
+        specials = {preset.bos_token_id, preset.eos_token_id}
+        self.filler_token_id = (
+            filler_token_id
+            if filler_token_id is not None
+            else next(t for t in range(preset.config.vocab_size) if t not in specials)
+        )
+        self.num_emitted: dict[str, int] = {}  # tokens sampled so far per live request
+        self.costs: list[StepCost] = []  # one per executed step, in order (what the lab plots)
+        self.memory: MemoryPlan | None = None
+        self.num_blocks = 0
+        self.clock = VirtualClock()  # the engine's clock (make_simulated_engine installs it)
+
+    def initialize(
+        self,
+        max_model_len: int,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+        max_num_batched_tokens: int = 512,
+    ) -> int:
+        from engine.worker import CacheTooSmallError
+
+        self.memory = plan_memory(
+            self.preset,
+            self.hardware,
+            self.tp,
+            self.block_size,
+            gpu_memory_utilization,
+            max_num_batched_tokens,
+            self.max_num_seqs,
+        )
+        if num_kv_blocks is None:
+            if kv_cache_memory is None and self.hardware.kind == "cpu":
+                kv_cache_memory = DEFAULT_CPU_KV_CACHE_BYTES  # as the real engine on a CPU
+            if kv_cache_memory is not None:  # bytes over all GPUs, like the real engine's setting
+                num_kv_blocks = kv_cache_memory // (self.memory.bytes_per_block * self.tp)
+            else:
+                num_kv_blocks = self.memory.num_blocks
+        needed = cdiv(max_model_len, self.block_size)
+        if num_kv_blocks < needed:
+            raise CacheTooSmallError(
+                f"KV cache of {num_kv_blocks} blocks ({num_kv_blocks * self.block_size} tokens) "
+                f"cannot hold one request of max_model_len={max_model_len} tokens ({needed} "
+                "blocks); lower max_model_len"
+            )
+        self.num_blocks = num_kv_blocks
+        return num_kv_blocks
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in scheduler_output.finished_ids:
+            self.num_emitted.pop(request_id, None)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput({}, simulated_duration=0.0)
+        producing = [s for s in scheduler_output.scheduled if s.produces_token]
+        cost = self.cost_model.step_cost(
+            [(s.num_tokens, s.num_computed_tokens) for s in scheduler_output.scheduled],
+            len(producing),
+        )
+        self.costs.append(cost)
+        self.clock.step_duration = (
+            cost.total_s
+        )  # tokens of this step are stamped at its computed end
+        sampled = {
+            s.request_id: SampleResult(self._next_token(s.request_id, s.sampling_params))
+            for s in producing
+        }
+        timings = {
+            "prepare_inputs": 0.0,
+            "forward": cost.model_s,
+            "sample": 0.0,
+        }  # computed, not measured
+        return ModelRunnerOutput(sampled, timings, simulated_duration=cost.total_s)
+
+    def _next_token(self, request_id: str, params: SamplingParams) -> int:
+        """Non-EOS until the request's target length, then EOS (ignored under ignore_eos)."""
+        count = self.num_emitted.get(request_id, 0) + 1
+        self.num_emitted[request_id] = count
+        target = self.output_len(request_id)
+        eos = self.preset.eos_token_id
+        if target is not None and count >= target and eos is not None and not params.ignore_eos:
+            return eos
+        return self.filler_token_id
+
+    def weight_bytes(self) -> int:
+        return self.preset.num_parameters() * DTYPE_BYTES[self.hardware.dtype]
+
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.memory.bytes_per_block * self.tp if self.memory else 0
+
+
+def _resolve(
+    model_preset: str | ModelPreset, hardware: str | HardwarePreset
+) -> tuple[ModelPreset, HardwarePreset]:
+    preset = load_model_preset(model_preset) if isinstance(model_preset, str) else model_preset
+    hw = load_hardware_preset(hardware) if isinstance(hardware, str) else hardware
+    return preset, hw
+
+
+def default_efficiency(hardware: HardwarePreset) -> Efficiency:
+    """This machine: the calibration's fitted factors. A vendor preset: the assumed defaults."""
+    if hardware.evidence == "measured":
+        from engine.calibration import load_calibration
+
+        calibration = load_calibration()
+        if calibration is not None:
+            return calibration.efficiency
+    return Efficiency()
+
+
+def make_simulated_engine(
+    model_preset: str | ModelPreset = "smollm2-135m-instruct",
+    hardware: str | HardwarePreset = "h100-sxm",
+    tensor_parallel_size: int = 1,
+    efficiency: Efficiency | None = None,
+    output_len: Callable[[str], int | None] | None = None,
+    **engine_config,
+):
+    """An EngineCore whose executor is simulated: `step()`, `add_request()`, journeys and records
+    work as on the real engine. `engine_config`: EngineConfig fields (max_num_seqs, ...)."""
+    from engine.core import EngineCore
+
+    preset, hw = _resolve(model_preset, hardware)
+    engine_config.setdefault("dtype", hw.dtype)
+    engine_config.setdefault("device", "cpu")  # where the control path runs; no model is loaded
+    config = EngineConfig(**engine_config)
+    executor = SimulatedExecutor(
+        preset,
+        hw,
+        config.block_size,
+        tensor_parallel_size,
+        efficiency or default_efficiency(hw),
+        config.max_num_seqs,
+        output_len,
+    )
+    tokenizer = SimTokenizer(preset.config.vocab_size, preset.bos_token_id, preset.eos_token_id)
+    engine = EngineCore(config, executor=executor, model_config=preset.config, tokenizer=tokenizer)
+    engine.clock = (
+        executor.clock
+    )  # before any request exists: requests read the clock they are given
+    return engine
+
+
+# ---------------------------------------------------------------------------------------------
+# A whole workload
+
+
+@dataclass
+class SimRequest:
+    """One request of a workload: its prompt, its arrival (engine seconds), its answer's length."""
+
+    prompt_token_ids: list[int]
+    output_len: int  # target length: EOS after this many tokens
+    arrival: float = 0.0
+    max_tokens: int | None = None  # None: output_len (the request then ends by length)
+    ignore_eos: bool = False
+
+
+def poisson_workload(
+    num_requests: int,
+    rate: float | None,
+    prompt_len: tuple[int, int],
+    output_len: tuple[int, int],
+    vocab_size: int,
+    seed: int = 0,
+    special_ids=(),
+) -> list[SimRequest]:
+    """Seeded random prompts and target lengths (uniform in the ranges) with Poisson arrivals at
+    `rate` requests/s (None: all at time 0). max_tokens is the range's maximum, so EOS ends them."""
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be at least 1, got {num_requests}")
+    if rate is not None and not rate > 0:
+        raise ValueError(f"rate must be a positive number of requests per second, got {rate}")
+    for name, (lo, hi) in (("prompt_len", prompt_len), ("output_len", output_len)):
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{name} must be MIN MAX with 1 ≤ MIN ≤ MAX, got {lo} {hi}")
+    from engine.bench import make_workload
+
+    items = make_workload(num_requests, prompt_len, output_len, seed, vocab_size, special_ids)
+    rng, t, out = random.Random(seed + 1), 0.0, []
+    for item in items:
+        out.append(SimRequest(item.prompt_token_ids, item.output_len, t, max_tokens=output_len[1]))
+        if rate is not None:
+            t += rng.expovariate(rate)
+    return out
+
+
+@dataclass
+class SimulationResult:
+    records: list[StepRecord]
+    requests: list[Request]
+    metrics: list[RequestMetrics]  # engine clock, one per request in workload order
+    summary: dict
+    conditions: dict
+    costs: list[StepCost] = field(default_factory=list, repr=False)
+
+
+def run_workload(
+    engine, workload: list[SimRequest], keep_outputs: bool = False
+) -> tuple[list, list[Request]]:
+    """Feed requests as the engine clock reaches their arrival; step until all finish. Works for
+    a real engine too (arrivals then wait for the measured steps). Returns (records, requests)."""
+    pending = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
+    requests: list[Request | None] = [None] * len(workload)
+    records, start, i = [], engine.clock.now(), 0
+    while i < len(pending) or engine.has_unfinished_requests():
+        while i < len(pending) and start + workload[pending[i]].arrival <= engine.clock.now():
+            w = workload[pending[i]]
+            params = SamplingParams(
+                max_tokens=w.max_tokens or w.output_len, temperature=0.0, ignore_eos=w.ignore_eos
+            )
+            requests[pending[i]] = engine.add_request(
+                prompt_token_ids=w.prompt_token_ids,
+                sampling_params=params,
+                request_id=f"sim-{pending[i]}",
+                engine_arrival_time=start + w.arrival,
+            )
+            i += 1
+        if not engine.has_unfinished_requests():
+            engine.clock.advance_to(
+                start + workload[pending[i]].arrival
+            )  # idle until the next arrival
+            continue
+        record = engine.step()
+        if not keep_outputs:
+            record.outputs = []  # the texts are in the requests; keeps 1,000-request runs small
+        records.append(record)
+    return records, requests
+
+
+def summarize(metrics: list[RequestMetrics], records: list[StepRecord]) -> dict:
+    """Latency percentiles and throughput on the engine clock (seconds)."""
+    from engine.bench import percentiles
+
+    first = min(m.arrival_time for m in metrics)
+    last = max(m.finish_time for m in metrics if m.finish_time is not None)
+    output_tokens = sum(m.num_output_tokens for m in metrics)
+    span = last - first
+    return {
+        "requests": len(metrics),
+        "ttft_s": percentiles([m.ttft for m in metrics if m.ttft is not None]),
+        "tpot_s": percentiles([m.tpot for m in metrics if m.tpot is not None]),
+        "e2e_s": percentiles([m.e2e for m in metrics if m.e2e is not None]),
+        "output_tokens": output_tokens,
+        "prompt_tokens": sum(m.num_prompt_tokens for m in metrics),
+        "output_tokens_per_s": output_tokens / span if span > 0 else None,
+        "requests_per_s": len(metrics) / span if span > 0 else None,
+        "duration_s": span,
+        "steps": len(records),
+        "preemptions": sum(len(r.preempted) for r in records),
+        "max_kv_usage": max((r.kv.usage for r in records), default=0.0),
+    }
+
+
+def simulate(
+    model_preset: str | ModelPreset = "llama-3.1-8b",
+    hardware: str | HardwarePreset = "h100-sxm",
+    rate: float | None = 4.0,
+    num_requests: int = 1000,
+    prompt_len: tuple[int, int] = (32, 1024),
+    output_len: tuple[int, int] = (32, 512),
+    seed: int = 0,
+    tensor_parallel_size: int = 1,
+    efficiency: Efficiency | None = None,
+    workload: list[SimRequest] | None = None,
+    keep_outputs: bool = False,
+    **engine_config,
+) -> SimulationResult:
+    """Run a workload through a simulated engine. `rate`: Poisson arrivals per second (None: all
+    at once). `engine_config`: EngineConfig fields (max_num_seqs, max_num_batched_tokens, ...);
+    max_model_len defaults to 8192 here, so that long-context presets fit a tight memory budget."""
+    preset, hw = _resolve(model_preset, hardware)
+    arrivals = "given by the caller" if workload is not None else "Poisson" if rate else "all at t=0"
+    if workload is None:
+        workload = poisson_workload(
+            num_requests,
+            rate,
+            prompt_len,
+            output_len,
+            preset.config.vocab_size,
+            seed,
+            {preset.bos_token_id, preset.eos_token_id} - {None},
+        )
+    targets = {f"sim-{i}": w.output_len for i, w in enumerate(workload)}
+    engine_config.setdefault("max_model_len", min(8192, preset.config.max_position_embeddings))
+    wall_start = time.perf_counter()
+    engine = make_simulated_engine(
+        preset, hw, tensor_parallel_size, efficiency, targets.get, **engine_config
+    )
+    records, requests = run_workload(engine, workload, keep_outputs)
+    wall = time.perf_counter() - wall_start
+    metrics = [r.metrics(clock="engine") for r in requests]
+    summary = summarize(metrics, records)
+    summary["wall_s"] = wall
+    executor: SimulatedExecutor = engine.executor
+    memory = executor.memory
+    conditions = {
+        "model": {
+            "name": preset.name,
+            "source": preset.source,
+            "num_parameters": preset.num_parameters(),
+            "num_parameters_evidence": "computed from the config's shapes",
+        },
+        "hardware": {
+            "name": hw.name,
+            "evidence": hw.evidence,
+            "source": hw.source,
+            "uncertain": hw.uncertain,
+            "memory_gb": hw.memory_bytes / GB,
+            "memory_bandwidth_gb_s": hw.memory_bandwidth / 1e9,
+            "peak_tflop_s": hw.peak_flops / 1e12,
+            "dtype": hw.dtype,
+        },
+        "tensor_parallel_size": tensor_parallel_size,
+        "efficiency": executor.cost_model.efficiency.as_dict(),
+        "kv_cache": {
+            "num_blocks": engine.num_blocks,
+            "block_size": engine.config.block_size,
+            "bytes_per_block_per_gpu": memory.bytes_per_block,
+            "weight_bytes_per_gpu": memory.weight_bytes,
+            "activation_reserve_bytes": memory.activation_bytes,
+            "usable_bytes": memory.usable_bytes,
+            "evidence": "computed",
+            "formula": memory.formula,
+        },
+        "engine": {
+            "max_num_seqs": engine.config.max_num_seqs,
+            "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+            "max_model_len": engine.max_model_len,
+            "enable_prefix_caching": engine.config.enable_prefix_caching,
+            "scheduling_policy": engine.config.scheduling_policy,
+        },
+        "workload": {
+            "num_requests": len(workload),
+            "rate_req_s": rate,
+            "prompt_len": list(prompt_len),
+            "output_len": list(output_len),
+            "seed": seed,
+            "arrivals": arrivals,
+            "output_length_model": "target drawn per request, EOS at the target",
+        },
+    }
+    return SimulationResult(records, requests, metrics, summary, conditions, list(executor.costs))
+
+
+def format_result(result: SimulationResult) -> str:
+    s, c = result.summary, result.conditions
+    hw, kv, eff = c["hardware"], c["kv_cache"], c["efficiency"]
+
+    def ms(p: dict) -> str:
+        return " / ".join(
+            "—" if p[k] is None else f"{1000 * p[k]:.1f}" for k in ("p50", "p90", "p99")
+        )
+
+    rate = c["workload"]["rate_req_s"]
+    lines = [
+        f"Simulated: {c['model']['name']} on {hw['name']} × {c['tensor_parallel_size']} "
+        f"({hw['dtype']}), {s['requests']} requests, "
+        f"{'Poisson ' + format(rate, 'g') + '/s' if rate else 'all at once'}",
+        f"  hardware ({hw['evidence']}): {hw['memory_gb']:.0f} GB, "
+        f"{hw['memory_bandwidth_gb_s']:,.0f} GB/s, "
+        f"{hw['peak_tflop_s']:,.1f} TFLOP/s — {hw['source']}",
+        f"  efficiencies: linear memory {eff['linear_memory']:.2f}, "
+        f"linear compute {eff['linear_compute']:.2f}, "
+        f"attention {eff['attention']:.2f}, step overhead {1000 * eff['step_overhead_s']:.2f} ms "
+        f"({eff['evidence']})",
+        f"  KV cache (computed): {kv['num_blocks']:,} blocks of {kv['block_size']} tokens "
+        f"= {kv['num_blocks'] * kv['block_size']:,} tokens; "
+        f"weights {kv['weight_bytes_per_gpu'] / GB:.1f} GB per GPU",
+        "",
+        "  latency (engine clock, ms)   p50 / p90 / p99",
+        f"    TTFT                       {ms(s['ttft_s'])}",
+        f"    TPOT                       {ms(s['tpot_s'])}",
+        f"    E2E                        {ms(s['e2e_s'])}",
+        f"  throughput                   {s['output_tokens_per_s']:,.1f} output tokens/s, "
+        f"{s['requests_per_s']:.2f} requests/s",
+        f"  preemptions                  {s['preemptions']}   "
+        f"(peak KV usage {100 * s['max_kv_usage']:.0f} %)",
+        f"  simulated time               {s['duration_s']:,.1f} s in {s['steps']:,} steps",
+        f"  wall time                    {s['wall_s']:.1f} s (measured, this machine)",
+        "  all latencies are computed by the cost model (engine/cost_model.py), not measured",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,410 @@
+"""The simulator: presets, the cost model, the simulated executor on the real scheduler, the
+calibration fit, the CLI, and the property that matters most: for the same inputs, the simulated
+engine makes the same scheduling decisions as the real one, step for step. No timing is asserted."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from engine.calibration import fit_efficiency
+from engine.cost_model import CostModel, Efficiency
+from engine.presets import (
+    PresetError,
+    hardware_preset_names,
+    load_hardware_preset,
+    load_model_preset,
+    model_preset_from_dir,
+    model_preset_names,
+)
+from engine.request import RequestMetrics
+from engine.sampling_params import SamplingParams
+from engine.simulator import (
+    SimRequest,
+    make_simulated_engine,
+    plan_memory,
+    poisson_workload,
+    run_workload,
+    simulate,
+)
+from engine.trace import StepRecord
+
+REPORTED_PARAMS = {  # model cards, rounded (reported); the presets' counts are computed from shapes
+    "llama-3.1-8b": 8.03e9,
+    "llama-3.1-70b": 70.6e9,
+    "qwen2.5-7b": 7.62e9,
+    "mistral-7b-v0.3": 7.25e9,
+    "smollm2-135m-instruct": 0.1345e9,
+}
+
+
+# -- presets ------------------------------------------------------------------------------------
+
+
+def test_model_presets_have_their_shapes_and_sources():
+    assert set(REPORTED_PARAMS) <= set(model_preset_names())
+    for key, reported in REPORTED_PARAMS.items():
+        p = load_model_preset(key)
+        assert p.source.startswith("https://huggingface.co/") and "config.json" in p.source
+        assert abs(p.num_parameters() - reported) / reported < 0.01, key
+    c = load_model_preset("llama-3.1-70b").config
+    assert (
+        c.hidden_size,
+        c.num_layers,
+        c.num_heads,
+        c.num_kv_heads,
+        c.intermediate_size,
+        c.vocab_size,
+    ) == (8192, 80, 64, 8, 28672, 128256)
+    assert load_model_preset("qwen2.5-7b").config.attention_bias
+    assert load_model_preset("mistral-7b-v0.3").config.vocab_size == 32768
+
+
+def test_default_model_preset_matches_the_artifact(default_model_dir):
+    from engine.models.llama import LlamaModel
+
+    preset, artifact = (
+        load_model_preset("smollm2-135m-instruct"),
+        model_preset_from_dir(default_model_dir),
+    )
+    for field in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "tie_word_embeddings",
+    ):
+        assert getattr(preset.config, field) == getattr(artifact.config, field), field
+    model = LlamaModel.from_pretrained(default_model_dir, device="cpu")
+    assert preset.num_parameters() == model.num_parameters()
+
+
+def test_hardware_presets_are_labelled_vendor_reported():
+    names = hardware_preset_names()
+    assert {"h100-sxm", "h200", "a100-80gb-sxm", "l4", "rtx-4090", "this-machine"} <= set(names)
+    h100 = load_hardware_preset("h100-sxm")
+    assert h100.evidence == "vendor-reported" and "nvidia.com" in h100.source
+    assert (h100.memory_bandwidth, h100.peak_flops, h100.memory_bytes) == (3.35e12, 989e12, 80e9)
+    assert load_hardware_preset("rtx-4090").uncertain  # the figure we are not sure of says so
+
+
+@pytest.mark.parametrize(
+    "call, known",
+    [
+        (lambda: load_model_preset("gpt-5"), "llama-3.1-8b"),
+        (lambda: load_hardware_preset("tpu-v9"), "h100-sxm"),
+    ],
+)
+def test_unknown_presets_list_the_known_ones(call, known):
+    with pytest.raises(PresetError, match=known):
+        call()
+
+
+# -- memory budget and bad input ----------------------------------------------------------------
+
+
+def test_kv_capacity_follows_the_memory_budget():
+    preset, hw = load_model_preset("llama-3.1-8b"), load_hardware_preset("h100-sxm")
+    plan = plan_memory(preset, hw, 1, 16, 0.9, 512, 32)
+    assert plan.bytes_per_block == 2 * 32 * 8 * 128 * 2 * 16  # worker.py's formula, bf16
+    assert plan.weight_bytes == preset.num_parameters() * 2
+    assert (
+        plan.num_blocks
+        == (int(80e9 * 0.9) - plan.weight_bytes - plan.activation_bytes) // plan.bytes_per_block
+    )
+    engine = make_simulated_engine("llama-3.1-8b", "h100-sxm", max_model_len=8192)
+    assert engine.num_blocks == plan.num_blocks
+    assert engine.weight_bytes() == plan.weight_bytes
+    tp2 = plan_memory(preset, hw, 2, 16, 0.9, 512, 32)
+    assert (
+        tp2.weight_bytes == plan.weight_bytes // 2
+        and tp2.bytes_per_block == plan.bytes_per_block // 2
+    )
+
+
+def test_a_model_that_does_not_fit_says_by_how_much():
+    with pytest.raises(PresetError, match=r"GB short"):
+        make_simulated_engine("llama-3.1-70b", "h100-sxm")
+    engine = make_simulated_engine(
+        "llama-3.1-70b", "h100-sxm", tensor_parallel_size=4, max_model_len=8192
+    )
+    assert engine.num_blocks > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(rate=0), "rate"),
+        (dict(rate=-1.0), "rate"),
+        (dict(rate=float("nan")), "rate"),
+        (dict(num_requests=0), "num_requests"),
+        (dict(tensor_parallel_size=3), "heads"),
+    ],
+)
+def test_bad_input_is_a_clear_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        simulate("llama-3.1-8b", "h100-sxm", **{"num_requests": 5, **kwargs})
+
+
+# -- the cost model -------------------------------------------------------------------------------
+
+
+def test_cost_model_is_a_roofline():
+    preset, hw = load_model_preset("llama-3.1-8b"), load_hardware_preset("h100-sxm")
+    ideal = Efficiency(
+        linear_memory=1, linear_compute=1, attention=1, step_overhead_s=0, per_request_s=0
+    )
+    cost = CostModel(preset.config, hw, 1, ideal)
+    decode = cost.step_cost([(1, 100)], 1)
+    # batch-1 decode reads every matmul weight once: ≈ weight bytes / bandwidth (plus a little KV)
+    matmul_bytes = (
+        preset.num_parameters() - preset.config.vocab_size * preset.config.hidden_size
+    ) * 2
+    assert decode.memory_bound and decode.linear_s == pytest.approx(
+        matmul_bytes / hw.memory_bandwidth, rel=0.01
+    )
+    prefill = cost.step_cost([(8192, 0)], 1)
+    assert not prefill.memory_bound
+    # prefill: 2 FLOP per weight per token in the layers; the LM head runs for one sampled row
+    layer_params = (
+        preset.num_parameters() - 2 * preset.config.vocab_size * preset.config.hidden_size
+    )
+    head_bytes = preset.config.vocab_size * preset.config.hidden_size * 2
+    assert prefill.linear_s == pytest.approx(
+        2 * 8192 * layer_params / hw.peak_flops + head_bytes / hw.memory_bandwidth, rel=0.01
+    )
+    assert decode.allreduce_s == 0
+    tp = CostModel(preset.config, hw, 2, ideal).step_cost([(1, 100)], 1)
+    assert tp.allreduce_s > 0 and tp.linear_s == pytest.approx(decode.linear_s / 2, rel=0.01)
+
+
+def test_fit_recovers_known_efficiencies():
+    """Step times made by the cost model itself, with known efficiencies: the fit finds them."""
+    preset, hw = load_model_preset("smollm2-135m-instruct"), load_hardware_preset("l4")
+    truth = Efficiency(
+        linear_memory=0.6,
+        linear_compute=0.4,
+        attention=0.3,
+        step_overhead_s=0.004,
+        per_request_s=0.0002,
+    )
+    cost = CostModel(preset.config, hw, 1, truth)
+    batches = [([(1, 50 + 10 * i)] * b, b) for b in (1, 4, 16, 32) for i in range(5)]
+    batches += [([(n, 0)], 1) for n in (256, 512, 2048, 4096, 8192)] + [([(512, 512), (1, 30)], 2)]
+    terms = [cost.terms(batch, sampled) for batch, sampled in batches]
+    durations = [cost.step_cost(batch, sampled).total_s for batch, sampled in batches]
+    fitted, stats = fit_efficiency(terms, durations)
+    for name in (
+        "linear_memory",
+        "linear_compute",
+        "attention",
+        "step_overhead_s",
+        "per_request_s",
+    ):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-3), name
+    assert stats["median_abs_relative_error"] < 1e-6
+
+
+# -- the simulated engine -------------------------------------------------------------------------
+
+
+def test_simulate_returns_the_engines_own_records_and_metrics():
+    result = simulate(
+        "llama-3.1-8b",
+        "h100-sxm",
+        rate=8,
+        num_requests=40,
+        prompt_len=(16, 300),
+        output_len=(2, 40),
+        max_num_seqs=8,
+    )
+    assert len(result.metrics) == 40 and all(isinstance(m, RequestMetrics) for m in result.metrics)
+    assert all(isinstance(r, StepRecord) for r in result.records)
+    assert all(m.clock == "engine" and m.ttft > 0 for m in result.metrics)
+    # the output-length model: EOS at each request's target length
+    workload = poisson_workload(40, 8, (16, 300), (2, 40), 128256, 0, {128000, 128001})
+    for request, w in zip(result.requests, workload):
+        assert request.num_output_tokens == w.output_len and request.finish_reason == "stop"
+    # the engine clock advanced by exactly the computed step times
+    durations = [c.total_s for c in result.costs]
+    assert [r.engine_duration for r in result.records if r.scheduled] == pytest.approx(durations)
+    s = result.summary
+    assert (
+        s["ttft_s"]["p50"] <= s["ttft_s"]["p90"]
+        and s["output_tokens_per_s"] > 0
+        and s["steps"] == len(result.records)
+    )
+    assert result.conditions["hardware"]["evidence"] == "vendor-reported"
+
+
+def test_simulated_engine_steps_like_the_real_one():
+    """What the app's lab drives: add requests (text or ids), step, read records and journeys."""
+    engine = make_simulated_engine("qwen2.5-7b", "l4", max_num_seqs=4, max_model_len=4096)
+    request = engine.add_request("hello simulated world", SamplingParams(max_tokens=5))
+    engine.add_request(
+        prompt_token_ids=list(range(100, 400)), sampling_params=SamplingParams(max_tokens=3)
+    )
+    records = []
+    while engine.has_unfinished_requests():
+        records.append(engine.step())
+    assert (
+        request.num_output_tokens == 5 and request.finish_reason == "length"
+    )  # no target: max_tokens ends it
+    assert all(r.engine_duration > 0 for r in records)
+    kinds = [e.kind for e in request.journey]
+    assert (
+        kinds[0] == "arrival" and "first_token" in kinds and kinds[-1] in ("finished", "streamed")
+    )
+    assert request.metrics(clock="engine").ttft == pytest.approx(records[0].engine_duration)
+
+
+def test_preemption_happens_when_the_kv_cache_is_small():
+    result = simulate(
+        "llama-3.1-8b",
+        "h100-sxm",
+        rate=None,
+        num_requests=12,
+        prompt_len=(200, 400),
+        output_len=(50, 100),
+        num_kv_blocks=48,
+        max_model_len=512,
+        max_num_seqs=16,
+    )
+    assert result.summary["preemptions"] > 0
+    assert all(r.finish_reason == "stop" for r in result.requests)
+
+
+# -- the property: same decisions as the real engine ---------------------------------------------
+
+
+def decisions(records):
+    return [
+        (
+            [(s.request_id, s.phase, s.num_tokens, s.num_computed_tokens) for s in r.scheduled],
+            dict(r.unscheduled),
+            list(r.preempted),
+            r.kv.num_used,
+        )
+        for r in records
+    ]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(max_num_seqs=4, max_num_batched_tokens=64),
+        dict(
+            num_kv_blocks=8, max_model_len=128, max_num_batched_tokens=40, max_num_seqs=4
+        ),  # preemptions
+        dict(
+            num_kv_blocks=8,
+            max_model_len=128,
+            max_num_batched_tokens=48,
+            scheduling_policy="priority",
+        ),
+    ],
+    ids=["chunked", "preempting", "priority"],
+)
+def test_simulated_decisions_equal_the_real_engines(tiny_model_dir, config):
+    from engine.core import EngineCore
+
+    vocab = 49152
+    workload = poisson_workload(8, None, (5, 60), (10, 40), vocab, seed=7, special_ids={0, 1, 2})
+    shared = workload[0].prompt_token_ids[:20]
+    workload[3].prompt_token_ids = shared + workload[3].prompt_token_ids[:10]  # a prefix-cache hit
+    real_work = [SimRequest(w.prompt_token_ids, w.output_len, 0.0, w.output_len) for w in workload]
+    real = EngineCore(model=str(tiny_model_dir), device="cpu", dtype="float32", **config)
+    real_records, real_requests = run_workload(real, real_work)
+    # output lengths taken from the real run; the simulated sampler ends each with EOS there
+    lengths = [r.num_output_tokens for r in real_requests]
+    sim_work = [
+        SimRequest(w.prompt_token_ids, n, 0.0, max_tokens=64) for w, n in zip(workload, lengths)
+    ]
+    targets = {f"sim-{i}": n for i, n in enumerate(lengths)}
+    sim = make_simulated_engine(
+        model_preset_from_dir(tiny_model_dir),
+        "h100-sxm",
+        output_len=targets.get,
+        **{"max_model_len": 512, **config},
+    )
+    sim_records, sim_requests = run_workload(sim, sim_work)
+    assert decisions(sim_records) == decisions(real_records)
+    assert [r.num_output_tokens for r in sim_requests] == lengths
+    if "num_kv_blocks" in config and config.get("scheduling_policy") != "priority":
+        assert any(r.preempted for r in real_records)
+
+
+# -- the command line -----------------------------------------------------------------------------
+
+
+def run_cli(*argv):
+    from engine.__main__ import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["simulate", *argv])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_cli_prints_percentiles_and_writes_json(tmp_path):
+    path = tmp_path / "sim.json"
+    rc, out, _ = run_cli(
+        "--model-preset",
+        "mistral-7b-v0.3",
+        "--hardware",
+        "a100-80gb-sxm",
+        "--rate",
+        "20",
+        "--num-requests",
+        "30",
+        "--output-len",
+        "4",
+        "32",
+        "--max-num-seqs",
+        "16",
+        "--json",
+        str(path),
+    )
+    assert rc == 0
+    for word in (
+        "TTFT",
+        "TPOT",
+        "E2E",
+        "throughput",
+        "preemptions",
+        "simulated time",
+        "wall time",
+        "vendor-reported",
+    ):
+        assert word in out, word
+    data = json.loads(path.read_text())
+    assert (
+        len(data["requests"]) == 30
+        and data["conditions"]["hardware"]["evidence"] == "vendor-reported"
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model-preset", "nope"], "known:"),
+        (["--hardware", "nope"], "h100-sxm"),
+        (["--rate", "0"], "rate"),
+        (["--num-requests", "0"], "num_requests"),
+        (["--model-preset", "llama-3.1-70b", "--hardware", "l4"], "GB short"),
+    ],
+)
+def test_cli_bad_input_is_one_line(argv, message):
+    rc, _, err = run_cli(*argv)
+    assert rc == 1 and message in err and "Traceback" not in err
+
+
+def test_cli_lists_presets():
+    rc, out, _ = run_cli("--list")
+    assert rc == 0 and "llama-3.1-70b" in out and "this-machine" in out
