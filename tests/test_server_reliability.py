@@ -8,8 +8,10 @@ left behind.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
+import socket
 import threading
 import time
 
@@ -170,6 +172,21 @@ def test_chunked_body_over_the_cap_is_refused(server):
     response = httpx.post(f"{server.url}/v1/completions", content=chunks(), headers=AUTH,
                           timeout=30)
     assert_error(response, 413)
+
+
+def test_endless_headers_are_cut_off_by_uvicorn(server):
+    """h11_max_incomplete_event_size: a header block that keeps growing past 16 KiB without
+    ending is refused (uvicorn answers 400 and closes), and the server serves on."""
+    with socket.create_connection((server.host, server.port), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        reply = b""
+        with contextlib.suppress(ConnectionError):
+            for _ in range(64):  # up to 1 MiB, never the blank line that ends the headers
+                sock.sendall(b"a" * 16384)
+            while chunk := sock.recv(65536):
+                reply += chunk
+    assert reply.startswith(b"HTTP/1.1 400") or reply == b"", reply[:200]
+    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
 
 
 def test_long_prompt_under_the_body_cap_is_refused_before_tokenizing(server):
