@@ -17,13 +17,14 @@ import time
 
 import httpx
 import pytest
+from starlette.requests import Request
 
 from engine.core import EngineConfig, EngineCore
 from engine.llm import LLM, AsyncLLM
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.server import (DEFAULT_MAX_BODY_BYTES, OpenAIServer, build_app, serve,
-                           start_server_in_thread)
+from engine.server import (DEFAULT_MAX_BODY_BYTES, APIError, CompletionRequest, OpenAIServer,
+                           build_app, serve, start_server_in_thread)
 from test_server import API_KEY, AUTH, assert_error, post, wait_until_idle
 
 MAX_MODEL_LEN = 1024
@@ -97,6 +98,31 @@ class Background:
         self.thread.join(60)
         assert self.events[-1] == "[DONE]"
         assert self.events[-1 - 1]["usage"]["completion_tokens"] == self.max_tokens
+
+
+# -- the endpoints are plain methods -----------------------------------------------------------
+
+
+def test_endpoint_methods_can_be_called_without_http(async_llm):
+    """OpenAIServer's endpoints take a pydantic body and a request: no HTTP server needed."""
+    server = OpenAIServer(async_llm)
+
+    async def never_disconnects():
+        await asyncio.Event().wait()
+
+    request = Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": [],
+                       "state": {}}, never_disconnects)
+    try:
+        body = CompletionRequest(prompt="hi", max_tokens=2, temperature=0, ignore_eos=True)
+        response = asyncio.run(server.create_completion(body, request))
+        assert json.loads(response.body)["usage"]["completion_tokens"] == 2
+        with pytest.raises(APIError) as error:
+            asyncio.run(server.create_completion(CompletionRequest(prompt="hi", temperature=1e-40),
+                                                 request))
+        assert error.value.status == 400 and error.value.param == "temperature"
+        assert server.show_available_models()["data"][0]["id"] == server.model_name
+    finally:
+        server.close()
 
 
 # -- the killers -------------------------------------------------------------------------------
