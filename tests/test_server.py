@@ -545,7 +545,11 @@ def test_cli_serve(tiny_model_dir):
     cmd = [sys.executable, "-m", "engine", "serve", "--model", str(tiny_model_dir), "--port", str(port),
            "--num-kv-blocks", "32", "--max-model-len", "256", "--device", "cpu",
            "--log-level", "warning"]
-    env = {**os.environ, "LLM_LAB_API_KEY": API_KEY}  # the key from the environment, not argv
+    from engine.__main__ import SERVE_API_KEY_ENV
+    from engine.server import API_KEY_ENV
+
+    assert SERVE_API_KEY_ENV == API_KEY_ENV == "LLM_LAB_API_KEY"
+    env = {**os.environ, API_KEY_ENV: API_KEY}  # the key from the environment, not argv
     proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)
     try:
