@@ -8,6 +8,9 @@ import sys
 
 from engine.artifact import ArtifactError
 
+# engine.server.API_KEY_ENV, spelled out: importing the server here would load torch for --help.
+SERVE_API_KEY_ENV = "LLM_LAB_API_KEY"
+
 
 def cmd_artifact(args: argparse.Namespace) -> int:
     from engine import artifact
@@ -45,7 +48,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve until Ctrl-C; exit status 1 if the engine loop dies (so a supervisor restarts us)."""
     from engine.core import EngineConfig, EngineCore
-    from engine.server import serve
+    from engine.server import DEFAULT_MAX_BODY_BYTES, serve
 
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                           num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
@@ -60,7 +63,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(engine, host=args.host, port=args.port, api_key=args.api_key or None,
                  log_level=args.log_level, served_model_name=args.served_model_name,
                  public_docs_and_metrics=args.public_docs_and_metrics,
-                 max_body_bytes=args.max_body_bytes)
+                 max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -121,8 +124,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.set_defaults(func=cmd_generate)
 
-    from engine.server import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES
-
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)",
                        description="OpenAI-compatible HTTP server. Exits with status 1 if the "
                        "engine loop dies, so that a supervisor can restart it.")
@@ -132,14 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+    p.add_argument("--api-key", default=os.environ.get(SERVE_API_KEY_ENV),
                    help="if set, clients must send 'Authorization: Bearer KEY' (everything but "
-                   f"/health); default: the environment variable {API_KEY_ENV}, which keeps the "
-                   "key out of the process list")
+                   f"/health); default: the environment variable {SERVE_API_KEY_ENV}, which keeps "
+                   "the key out of the process list")
     p.add_argument("--public-docs-and-metrics", action="store_true",
                    help="serve /metrics, /docs and /openapi.json without the API key")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                   help=f"larger request bodies get a 413 (default {DEFAULT_MAX_BODY_BYTES})")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="larger request bodies get a 413 (default 2 MiB)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)

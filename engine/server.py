@@ -76,10 +76,11 @@ DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # 2 MiB: far above any prompt that fit
 # tokenizer does (a token rarely covers more than a few characters), so it is refused before
 # tokenizing: a 10 MB prompt costs a length check, not seconds of a worker thread.
 MAX_CHARS_PER_TOKEN = 32
-API_KEY_ENV = "LLM_LAB_API_KEY"  # read by `python -m engine serve` when --api-key is not given
-# uvicorn's limits (it has no header-read timeout of its own): headers over 64 KiB are refused,
-# idle keep-alive connections closed after 5 s. A slow-sending client (slowloris) needs a proxy.
-UVICORN_LIMITS = dict(http="h11", h11_max_incomplete_event_size=64 * 1024, timeout_keep_alive=5,
+API_KEY_ENV = "LLM_LAB_API_KEY"  # `python -m engine serve` reads it when --api-key is not given
+# uvicorn's limits, stated (it has no header-read timeout of its own): a header block that grows
+# past 16 KiB unfinished gets a 400; idle keep-alive connections close after 5 s; shutdown waits
+# 3 s for open streams. A client that sends its headers very slowly (slowloris) needs a proxy.
+UVICORN_LIMITS = dict(http="h11", h11_max_incomplete_event_size=16 * 1024, timeout_keep_alive=5,
                       timeout_graceful_shutdown=3)
 
 

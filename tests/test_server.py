@@ -543,9 +543,15 @@ def test_cli_serve(tiny_model_dir):
         port = s.getsockname()[1]
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "engine", "serve", "--model", str(tiny_model_dir), "--port", str(port),
-           "--api-key", API_KEY, "--num-kv-blocks", "32", "--max-model-len", "256", "--device", "cpu",
+           "--num-kv-blocks", "32", "--max-model-len", "256", "--device", "cpu",
            "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    from engine.__main__ import SERVE_API_KEY_ENV
+    from engine.server import API_KEY_ENV
+
+    assert SERVE_API_KEY_ENV == API_KEY_ENV == "LLM_LAB_API_KEY"
+    env = {**os.environ, API_KEY_ENV: API_KEY}  # the key from the environment, not argv
+    proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 90
@@ -558,6 +564,7 @@ def test_cli_serve(tiny_model_dir):
                 pass
             assert time.monotonic() < deadline, "server did not come up"
             time.sleep(0.2)
+        assert httpx.get(f"{url}/v1/models", timeout=5).status_code == 401
         with openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0) as c:
             assert [m.id for m in c.models.list().data] == [tiny_model_dir.name]
             out = c.chat.completions.create(model=tiny_model_dir.name, messages=CHAT, max_tokens=3)

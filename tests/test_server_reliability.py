@@ -8,20 +8,23 @@ left behind.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
+import socket
 import threading
 import time
 
 import httpx
 import pytest
+from starlette.requests import Request
 
 from engine.core import EngineConfig, EngineCore
 from engine.llm import LLM, AsyncLLM
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.server import (DEFAULT_MAX_BODY_BYTES, OpenAIServer, build_app, serve,
-                           start_server_in_thread)
+from engine.server import (DEFAULT_MAX_BODY_BYTES, APIError, CompletionRequest, OpenAIServer,
+                           build_app, serve, start_server_in_thread)
 from test_server import API_KEY, AUTH, assert_error, post, wait_until_idle
 
 MAX_MODEL_LEN = 1024
@@ -97,6 +100,31 @@ class Background:
         assert self.events[-1 - 1]["usage"]["completion_tokens"] == self.max_tokens
 
 
+# -- the endpoints are plain methods -----------------------------------------------------------
+
+
+def test_endpoint_methods_can_be_called_without_http(async_llm):
+    """OpenAIServer's endpoints take a pydantic body and a request: no HTTP server needed."""
+    server = OpenAIServer(async_llm)
+
+    async def never_disconnects():
+        await asyncio.Event().wait()
+
+    request = Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": [],
+                       "state": {}}, never_disconnects)
+    try:
+        body = CompletionRequest(prompt="hi", max_tokens=2, temperature=0, ignore_eos=True)
+        response = asyncio.run(server.create_completion(body, request))
+        assert json.loads(response.body)["usage"]["completion_tokens"] == 2
+        with pytest.raises(APIError) as error:
+            asyncio.run(server.create_completion(CompletionRequest(prompt="hi", temperature=1e-40),
+                                                 request))
+        assert error.value.status == 400 and error.value.param == "temperature"
+        assert server.show_available_models()["data"][0]["id"] == server.model_name
+    finally:
+        server.close()
+
+
 # -- the killers -------------------------------------------------------------------------------
 
 KILLERS = [
@@ -170,6 +198,21 @@ def test_chunked_body_over_the_cap_is_refused(server):
     response = httpx.post(f"{server.url}/v1/completions", content=chunks(), headers=AUTH,
                           timeout=30)
     assert_error(response, 413)
+
+
+def test_endless_headers_are_cut_off_by_uvicorn(server):
+    """h11_max_incomplete_event_size: a header block that keeps growing past 16 KiB without
+    ending is refused (uvicorn answers 400 and closes), and the server serves on."""
+    with socket.create_connection((server.host, server.port), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        reply = b""
+        with contextlib.suppress(ConnectionError):
+            for _ in range(64):  # up to 1 MiB, never the blank line that ends the headers
+                sock.sendall(b"a" * 16384)
+            while chunk := sock.recv(65536):
+                reply += chunk
+    assert reply.startswith(b"HTTP/1.1 400") or reply == b"", reply[:200]
+    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
 
 
 def test_long_prompt_under_the_body_cap_is_refused_before_tokenizing(server):
