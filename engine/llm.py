@@ -119,6 +119,7 @@ class AsyncLLM:
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Validate now (a bad request raises InvalidRequestError here, before any streaming),
         then return a stream yielding a RequestOutput each time the request advances; the last
@@ -129,7 +130,8 @@ class AsyncLLM:
         request_id = request_id or f"req-{uuid.uuid4().hex[:12]}"
         if request_id in self._streams or request_id in self.engine.live_requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        request = self.engine.make_request(prompt, sampling_params, request_id, prompt_token_ids, priority, arrival_time)
+        request = self.engine.make_request(prompt, sampling_params, request_id, prompt_token_ids, priority,
+                                           arrival_time, cache_salt=cache_salt)
         return self._stream(request)
 
     async def _stream(self, request) -> AsyncIterator[RequestOutput]:

@@ -215,6 +215,9 @@ class SamplingFields(_Body):
     frequency_penalty: float | None = Field(None, ge=-2, le=2, description="only 0 is supported")
     priority: int = Field(0, ge=-MAX_INT32 - 1, le=MAX_INT32,
                           description="vLLM extension: lower runs first under the priority policy")
+    cache_salt: str | None = Field(None, min_length=1, max_length=256,
+                                   description="vLLM extension: prefix-cache namespace; only requests "
+                                               "with the same salt share cached blocks")
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -269,6 +272,7 @@ class GenerationJob:
     params: SamplingParams
     priority: int
     arrival_time: float
+    cache_salt: str | None
     stream: bool
     include_usage: bool
 
@@ -549,7 +553,7 @@ class OpenAIServer:
                  params: SamplingParams, arrival: float) -> GenerationJob:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return GenerationJob(f"{prefix}-{uuid.uuid4().hex}", prompt, token_ids, params,
-                             body.priority, arrival, body.stream, include_usage)
+                             body.priority, arrival, body.cache_salt, body.stream, include_usage)
 
     async def respond(self, job: GenerationJob, shape: ResponseShape,
                       raw_request: Request) -> Response:
@@ -570,7 +574,8 @@ class OpenAIServer:
         try:
             return self.async_llm.generate(job.prompt, job.params, job.request_id,
                                            prompt_token_ids=job.prompt_token_ids,
-                                           priority=job.priority, arrival_time=job.arrival_time)
+                                           priority=job.priority, arrival_time=job.arrival_time,
+                                           cache_salt=job.cache_salt)
         except InvalidRequestError as exc:
             raise bad_request(str(exc), exc.param) from None
         except RuntimeError:  # the engine loop died between the check and now

@@ -275,6 +275,26 @@ def test_priority_reaches_the_engine(server, async_llm):
         assert_error(completion(server, priority=bad), 400, "priority")
 
 
+def test_cache_salt_keeps_tenants_apart(server):
+    """A prefix-cache hit shortens TTFT, so an unsalted shared cache lets one user probe another's
+    prompt by timing. Equal prompts share blocks only under an equal cache_salt."""
+    prompt = "The same long system prompt for everyone, long enough to fill several blocks. " * 4
+
+    def cached(salt):
+        body = dict(prompt=prompt, max_tokens=1)
+        if salt is not None:
+            body["cache_salt"] = salt
+        response = completion(server, **body)
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached("tenant-a")
+    assert cached("tenant-a") > 0
+    assert cached("tenant-b") == 0 and cached(None) == 0
+    for bad in (7, "", ["a"]):
+        assert_error(completion(server, prompt="hi", cache_salt=bad), 400, "cache_salt")
+
+
 def test_models_name_the_model_without_its_path(server, tiny_model_dir):
     text = httpx.get(f"{server.url}/v1/models", headers=AUTH).text
     assert tiny_model_dir.name in text
