@@ -16,6 +16,8 @@ Settings (environment variables, read when the registry is created):
   LLM_LAB_IDLE_TTL_S      where connection state is unknown (no Streamlit runtime, e.g. AppTest):
                           seconds without a script run before engines go    (default 3600)
   LLM_LAB_REAP_INTERVAL_S how often the reaper looks                        (default 10, ≤ TTL/2)
+  LLM_LAB_STATUS_FILE     if set, the reaper writes the registry's figures there as JSON after
+                          each pass (engines, KV bytes, sessions, reaped, RSS): for load scripts
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import json
 import logging
 import os
 import threading
@@ -390,10 +393,28 @@ class SessionRegistry:
         if self._reaper is not None:
             self._reaper.join(timeout)
 
+    def status(self) -> dict:
+        """What an instructor's load script reads (also written to $LLM_LAB_STATUS_FILE)."""
+        engines, kv = self.usage()
+        with self._lock:
+            sessions = len(self._sessions)
+        return {"engines": engines, "kv_bytes": kv, "sessions": sessions,
+                "reaped_sessions": self.reaped_sessions, "released_engines": self.released_engines,
+                "rss_bytes": rss_bytes(), "time": time.time()}
+
+    def write_status(self, path: str) -> None:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.status(), f)
+        os.replace(tmp, path)
+
     def _reap_forever(self) -> None:
+        status_file = os.environ.get("LLM_LAB_STATUS_FILE", "").strip()
         while not self._stop.wait(self.limits.reap_interval_s):
             try:
                 self.reap()
+                if status_file:
+                    self.write_status(status_file)
             except Exception:  # noqa: BLE001 - the reaper must outlive any one bad session
                 _LOG.exception("reaper pass failed")
 
