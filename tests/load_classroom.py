@@ -75,17 +75,19 @@ def free_port() -> int:
 class Server:
     """`streamlit run app.py` on 127.0.0.1 with the classroom's environment."""
 
-    def __init__(self, log_path: Path, env: dict[str, str], start_timeout_s: float = 180):
+    def __init__(self, log_path: Path, env: dict[str, str], app: str = "app.py",
+                 start_timeout_s: float = 180):
         python = ROOT / ".venv" / "bin" / "python"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.status_file = Path(tempfile.mkdtemp(prefix="llm-lab-")) / "status.json"
         full_env = {**os.environ, "LLM_LAB_STATUS_FILE": str(self.status_file), **env}
-        cmd = [str(python if python.exists() else sys.executable), "-m", "streamlit", "run", "app.py",
+        cmd = [str(python if python.exists() else sys.executable), "-m", "streamlit", "run", app,
                "--server.port", str(self.port)]
         self.log_path = log_path
         with open(log_path, "w") as out:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=full_env)
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                         env=full_env)
         self.pid = self.proc.pid
         deadline = time.monotonic() + start_timeout_s
         while True:
@@ -194,7 +196,8 @@ async def classroom(url: str, pid: int, learners: int, steps: int, timeout_ms: i
     tag = uuid.uuid4().hex[:6]
     result: dict = {"learners": learners, "steps": steps, "rss_start_mb": rss_mb(pid)}
     async with async_playwright() as p:
-        browser = await p.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
+        browser = await p.chromium.launch(executable_path=chromium, headless=True,
+                                          args=CHROMIUM_ARGS)
         # 1. One learner alone: weights loaded, one engine, a few steps. The one-learner level.
         go = asyncio.Event()
         go.set()
@@ -225,7 +228,8 @@ async def classroom(url: str, pid: int, learners: int, steps: int, timeout_ms: i
         await browser.close()
     clicks = [c for lr in loaded for c in lr.clicks_s]
     result.update(
-        clicks=len(clicks), click_p50_s=percentile(clicks, 0.5), click_p90_s=percentile(clicks, 0.9),
+        clicks=len(clicks), click_p50_s=percentile(clicks, 0.5),
+        click_p90_s=percentile(clicks, 0.9),
         wave_wall_s=t1 - t0, server_cpu_s=cpu1 - cpu0,
         server_cpu_per_click_s=(cpu1 - cpu0) / max(len(clicks), 1),
         page_load_p50_s=percentile([lr.load_s for lr in loaded if lr.load_s], 0.5),
@@ -240,7 +244,8 @@ async def classroom(url: str, pid: int, learners: int, steps: int, timeout_ms: i
     released_at = None
     while time.perf_counter() - t_left < reap_wait_s:
         s = status() if status else None
-        if s is not None and s.get("engines") == 0 and s["time"] > time.time() - 5 and released_at is None:
+        fresh = s is not None and s["time"] > time.time() - 5
+        if fresh and s.get("engines") == 0:
             released_at = time.perf_counter() - t_left
             await asyncio.sleep(2)  # let malloc_trim's effect settle before reading RSS
             break
@@ -253,7 +258,8 @@ async def classroom(url: str, pid: int, learners: int, steps: int, timeout_ms: i
 
 def report(r: dict) -> str:
     after = r["engines_released_after_s"]
-    released = f"{after:.0f} s after the tabs closed" if after is not None else "NOT within the wait"
+    released = (f"{after:.0f} s after the tabs closed" if after is not None
+                else "NOT within the wait")
     lines = [
         f"learners {r['learners']} × {r['steps']} steps = {r['clicks']} clicks on chapter 00",
         f"  click latency  p50 {r['click_p50_s']:.2f} s   p90 {r['click_p90_s']:.2f} s   "
@@ -261,11 +267,13 @@ def report(r: dict) -> str:
         f"  page load p50  {r['page_load_p50_s']:.2f} s",
         f"  server CPU     {r['server_cpu_s']:.1f} s over {r['wave_wall_s']:.1f} s wall = "
         f"{r['server_cpu_per_click_s']:.2f} CPU-s per click",
-        f"  server RSS     start {r['rss_start_mb']:.0f} MB, one learner {r['rss_one_learner_mb']:.0f} MB, "
+        f"  server RSS     start {r['rss_start_mb']:.0f} MB, "
+        f"one learner {r['rss_one_learner_mb']:.0f} MB, "
         f"wave peak {r['rss_peak_mb']:.0f} MB, after the wave left {r['rss_after_mb']:.0f} MB "
         f"({r['rss_after_mb'] - r['rss_one_learner_mb']:+.0f} MB vs one learner)",
         f"  engines released {released}",
-        f"  isolation      {'each learner saw only its own request' if r['isolation_ok'] else 'BROKEN'}",
+        "  isolation      " + ("each learner saw only its own request" if r["isolation_ok"]
+                                else "BROKEN"),
         f"  errors         {r['errors'] or 'none'}",
     ]
     return "\n".join(lines)
@@ -277,9 +285,13 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--url", help="a running app (default: start one here)")
     ap.add_argument("--pid", type=int, help="the running app's process id (with --url)")
-    ap.add_argument("--ttl", type=float, default=15, help="LLM_LAB_SESSION_TTL_S of the server started here")
+    ap.add_argument("--ttl", type=float, default=15,
+                    help="LLM_LAB_SESSION_TTL_S of the server started here")
     ap.add_argument("--timeout", type=float, default=300, help="seconds one click may take")
     ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--app", default="app.py",
+                    help="the app file to start "
+                         "(tests/classroom_fragment_app.py: chapter 00's lab in a fragment)")
     args = ap.parse_args()
     server = None
     if args.url:
@@ -288,7 +300,8 @@ def main() -> int:
         url, pid, status = args.url, args.pid, None
     else:
         log = Path(tempfile.mkdtemp(prefix="llm-lab-")) / "streamlit.log"
-        server = Server(log, {"LLM_LAB_SESSION_TTL_S": str(args.ttl), "LLM_LAB_REAP_INTERVAL_S": "2"})
+        env = {"LLM_LAB_SESSION_TTL_S": str(args.ttl), "LLM_LAB_REAP_INTERVAL_S": "2"}
+        server = Server(log, env, app=args.app)
         url, pid, status = server.url, server.pid, server.status
         print(f"server {url} pid {pid} (log {log})")
     try:

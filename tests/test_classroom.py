@@ -49,13 +49,15 @@ def make_registry(connected=None, **limits):
     clock = Clock()
     trims = []
     state = {"connected": connected or {}}
-    r = SessionRegistry(ClassroomLimits(**limits), is_connected=lambda sid: state["connected"].get(sid),
+    r = SessionRegistry(ClassroomLimits(**limits),
+                        is_connected=lambda sid: state["connected"].get(sid),
                         clock=clock, trim=lambda: trims.append(1))
     return r, clock, trims, state
 
 
 def test_engine_cap_refuses_with_figures_and_a_korean_message():
-    r, *_ = make_registry(max_engines=2, max_kv_bytes=1000 * MB, session_ttl_s=60, reap_interval_s=5)
+    r, *_ = make_registry(max_engines=2, max_kv_bytes=1000 * MB, session_ttl_s=60,
+                          reap_interval_s=5)
     r.admit("a", "main", FakeEngine(), 47 * MB)
     r.admit("b", "main", FakeEngine(), 47 * MB)
     with pytest.raises(ClassroomFull) as info:
@@ -206,8 +208,8 @@ def _engine(model_dir, num_kv_blocks=8, lazy=True):
     from engine.core import EngineConfig, EngineCore
     from engine.executor import UniProcExecutor
 
-    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=num_kv_blocks,
-                          max_model_len=128, block_size=16)
+    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32",
+                          num_kv_blocks=num_kv_blocks, max_model_len=128, block_size=16)
     if not lazy:
         return EngineCore(config)
     worker = LazyKVWorker(model_dir, torch.device("cpu"), torch.float32, 16)
@@ -217,7 +219,8 @@ def _engine(model_dir, num_kv_blocks=8, lazy=True):
 def _greedy(engine, prompt="The capital of France is", n=6):
     from engine.sampling_params import SamplingParams
 
-    request = engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    request = engine.add_request(prompt, params)
     while engine.has_unfinished_requests():
         engine.step()
     return list(request.output_token_ids)
@@ -271,7 +274,8 @@ def test_a_full_classroom_shows_the_message_not_a_traceback(default_model_dir, s
     assert "main" not in at.session_state["_engines"]
 
 
-def test_a_learner_gets_a_lazy_engine_admitted_and_released_on_reset(default_model_dir, small_registry):
+def test_a_learner_gets_a_lazy_engine_admitted_and_released_on_reset(default_model_dir,
+                                                                     small_registry):
     r = small_registry(max_engines=4, max_kv_bytes=1000 * MB)
     at = _open_ch00()
     assert not at.exception, [e.value for e in at.exception]

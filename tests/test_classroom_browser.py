@@ -48,3 +48,27 @@ def test_four_learners_isolated_and_reaped(default_model_dir, tmp_path):
     assert status["engines"] == 0 and status["kv_bytes"] == 0
     assert status["released_engines"] >= LEARNERS + 1  # the wave and the warm-up learner
     assert r["rss_after_mb"] <= r["rss_one_learner_mb"] + 150, report(r)
+
+
+def test_the_lab_in_a_fragment_needs_no_page_rerun(default_model_dir, tmp_path):
+    """Chapter 00's lab inside st.fragment (as issue 11 runs it): the engine is built, admitted,
+    stepped and its state drawn by fragment reruns alone; the page script ran once per learner."""
+    if find_chromium() is None:
+        pytest.skip("no Chromium found: install Debian's chromium to run the browser tests")
+    pytest.importorskip("playwright.async_api", reason="playwright is not installed")
+    server = Server(tmp_path / "streamlit.log", {"LLM_LAB_SESSION_TTL_S": str(TTL_S),
+                                                 "LLM_LAB_REAP_INTERVAL_S": "1"},
+                    app="tests/classroom_fragment_app.py")
+    try:
+        r = asyncio.run(classroom(server.url, server.pid, 2, STEPS, timeout_ms=300_000,
+                                  reap_wait_s=TTL_S + 90, status=server.status))
+    finally:
+        server.stop()
+    print("\n" + report(r))
+    assert not r["errors"], (r["errors"], server.log_path.read_text()[-3000:])
+    for i, body in r["learner_bodies"].items():
+        assert "페이지 실행 1회" in body, f"learner {i}: a click reran the whole page"
+        assert f"조각 안: 스텝 {STEPS}개 · KV 텐서 할당 예" in body, body[-1500:]
+        assert r["markers"][i] in body and r["isolation_ok"]
+    assert r["engines_released_after_s"] is not None, r["status_after"]
+    assert r["status_after"]["engines"] == 0

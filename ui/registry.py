@@ -10,8 +10,12 @@ No Streamlit import here except the runtime look-up in `streamlit_is_connected`,
 unit-tested without a browser (tests/test_classroom.py).
 
 Settings (environment variables, read when the registry is created):
-  LLM_LAB_MAX_ENGINES     most learner engines at once in this process      (default 32)
-  LLM_LAB_MAX_KV_MB       most KV-cache memory of all those engines, in MB  (default 2048)
+  LLM_LAB_MAX_ENGINES     most learner engines at once in this process      (default 64)
+  LLM_LAB_MAX_KV_MB       most KV-cache memory of all those engines, in MB  (default: a quarter
+                          of this machine's memory, at most 4096). A learner holds one engine per
+                          lab key it has opened (main, ch03, ...); each counts its full KV cache
+                          (64 blocks of the default model in float32 ≈ 47 MB) from the moment it
+                          is built, though the tensors are allocated only on its first step.
   LLM_LAB_SESSION_TTL_S   seconds after a tab closes before its engines go  (default 60)
   LLM_LAB_IDLE_TTL_S      where connection state is unknown (no Streamlit runtime, e.g. AppTest):
                           seconds without a script run before engines go    (default 3600)
@@ -52,10 +56,19 @@ def _env_number(name: str, default: float, cast=float):
     return value if value > 0 else default
 
 
+def _default_max_kv_bytes() -> int:
+    """A quarter of this machine's memory, at most 4 GiB."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 8192 * MB
+    return int(min(4096 * MB, total // 4))
+
+
 @dataclass(frozen=True)
 class ClassroomLimits:
-    max_engines: int = 32
-    max_kv_bytes: int = 2048 * MB
+    max_engines: int = 64
+    max_kv_bytes: int = field(default_factory=_default_max_kv_bytes)
     session_ttl_s: float = 60.0
     idle_ttl_s: float = 3600.0
     reap_interval_s: float = 10.0
@@ -65,7 +78,7 @@ class ClassroomLimits:
         ttl = _env_number("LLM_LAB_SESSION_TTL_S", cls.session_ttl_s)
         return cls(
             max_engines=_env_number("LLM_LAB_MAX_ENGINES", cls.max_engines, int),
-            max_kv_bytes=int(_env_number("LLM_LAB_MAX_KV_MB", cls.max_kv_bytes / MB) * MB),
+            max_kv_bytes=int(_env_number("LLM_LAB_MAX_KV_MB", _default_max_kv_bytes() / MB) * MB),
             session_ttl_s=ttl,
             idle_ttl_s=_env_number("LLM_LAB_IDLE_TTL_S", cls.idle_ttl_s),
             reap_interval_s=min(_env_number("LLM_LAB_REAP_INTERVAL_S", cls.reap_interval_s),
@@ -172,7 +185,15 @@ def release_engine(engine) -> None:
 
 
 def malloc_trim() -> bool:
-    """Ask glibc to return free heap pages to the OS. False where there is no glibc."""
+    """Give freed memory back: glibc's free heap pages to the OS, and on a GPU the CUDA caching
+    allocator's unused blocks to the driver. False where there is no glibc."""
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001 - giving memory back is best effort
+        _LOG.exception("torch.cuda.empty_cache failed")
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         return bool(libc.malloc_trim(0))
