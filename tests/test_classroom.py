@@ -134,6 +134,18 @@ def test_a_reconnect_within_the_ttl_keeps_the_engine():
     assert r.reap() == [] and not e.executor.worker.released
 
 
+def test_a_tab_closed_before_the_reapers_first_look_is_still_released():
+    r, clock, _, state = make_registry(session_ttl_s=60)
+    state["connected"] = {"a": True}
+    r.touch("a/1", runtime_id="a")  # the script run itself sees the live websocket
+    e = FakeEngine()
+    r.admit("a/1", "main", e, MB)
+    state["connected"] = {"a": False}  # closed at once, no reaper pass in between
+    assert r.reap() == []
+    clock.now += 61
+    assert r.reap() == ["a/1"] and e.executor.worker.released
+
+
 def test_unknown_connection_state_falls_back_to_the_idle_ttl():
     # AppTest and scripts have no Streamlit runtime: only a long silence releases the engine.
     r, clock, _, _ = make_registry(session_ttl_s=1, idle_ttl_s=600)

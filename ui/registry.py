@@ -273,6 +273,8 @@ class SessionRegistry:
             entry.runtime_id = runtime_id or entry.runtime_id
             entry.last_seen = self._clock()
             entry.disconnected_since = None
+            if not entry.seen_connected:  # so a tab closed before the reaper's first look counts
+                entry.seen_connected = bool(self._is_connected(entry.runtime_id or session_id))
             for d in state:
                 if not any(d is known for known in entry.state):
                     entry.state.append(d)
