@@ -176,6 +176,19 @@ async def run_learner(browser, url: str, learner: Learner, steps: int, start: as
         await context.close()  # the tab closes: its websocket goes, the reaper takes it from here
 
 
+async def _wait_engines_released(status, wait_s: float) -> float | None:
+    """Seconds until the server's status file reports no engines (None: not within wait_s)."""
+    t0 = time.perf_counter()
+    while status is not None and time.perf_counter() - t0 < wait_s:
+        s = status()
+        if s is not None and s["time"] > time.time() - 5 and s.get("engines") == 0:
+            elapsed = time.perf_counter() - t0
+            await asyncio.sleep(2)  # let malloc_trim's effect settle before reading RSS
+            return elapsed
+        await asyncio.sleep(1)
+    return None
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -207,6 +220,10 @@ async def classroom(url: str, pid: int, learners: int, steps: int, timeout_ms: i
         result["rss_one_learner_mb"] = rss_mb(pid)
         log(f"one learner: click p50 {result['one_learner_click_p50_s']:.2f} s, "
             f"RSS {result['rss_one_learner_mb']:.0f} MB, errors {warm.errors or 'none'}")
+        # Let the reaper release the warm-up engine first, so that its gc and malloc_trim are not
+        # counted in the wave's CPU seconds.
+        if status is not None:
+            await _wait_engines_released(status, reap_wait_s)
         # 2. The wave: N learners load, queue their own prompt, then click together.
         go = asyncio.Event()
         loaded = [Learner(i, f"학습자{i}표지{tag}") for i in range(learners)]
@@ -240,17 +257,7 @@ async def classroom(url: str, pid: int, learners: int, steps: int, timeout_ms: i
     result["learner_bodies"] = {lr.index: lr.body for lr in loaded}
     result["markers"] = {lr.index: lr.marker for lr in loaded}
     # 3. Everybody has left. Nobody else connects: only the reaper can give the memory back.
-    t_left = time.perf_counter()
-    released_at = None
-    while time.perf_counter() - t_left < reap_wait_s:
-        s = status() if status else None
-        fresh = s is not None and s["time"] > time.time() - 5
-        if fresh and s.get("engines") == 0:
-            released_at = time.perf_counter() - t_left
-            await asyncio.sleep(2)  # let malloc_trim's effect settle before reading RSS
-            break
-        await asyncio.sleep(1)
-    result["engines_released_after_s"] = released_at
+    result["engines_released_after_s"] = await _wait_engines_released(status, reap_wait_s)
     result["rss_after_mb"] = rss_mb(pid)
     result["status_after"] = status() if status else None
     return result

@@ -39,7 +39,8 @@ from typing import Any, Callable
 
 from engine.worker import Worker
 
-_LOG = logging.getLogger(__name__)
+# Under the "streamlit" logger, so the reaper's lines reach the console of `streamlit run`.
+_LOG = logging.getLogger("streamlit.llm_lab.registry")
 
 MB = 1 << 20
 
