@@ -39,8 +39,19 @@ from typing import Any, Callable
 
 from engine.worker import Worker
 
-# Under the "streamlit" logger, so the reaper's lines reach the console of `streamlit run`.
-_LOG = logging.getLogger("streamlit.llm_lab.registry")
+
+def _logger() -> logging.Logger:
+    """Streamlit's logger set-up where Streamlit is there, so the reaper's lines reach the
+    console of `streamlit run`; a plain logger elsewhere."""
+    try:
+        from streamlit.logger import get_logger
+
+        return get_logger("llm_lab.registry")
+    except ImportError:
+        return logging.getLogger("llm_lab.registry")
+
+
+_LOG = _logger()
 
 MB = 1 << 20
 _registry_lock = threading.Lock()  # creates the process-wide singletons below
@@ -450,8 +461,10 @@ class SessionRegistry:
             before = rss_bytes()
             self._give_back_memory()
             after = rss_bytes()
-            _LOG.info("reaped %d sessions (%d engines); RSS %s → %s MB", len(stale), released,
-                      before and before // MB, after and after // MB)
+            engines, kv = self.usage()
+            _LOG.info("released %d engines of %d closed tabs; RSS %s → %s MB; now %d engines, "
+                      "%.0f MB KV", released, len(stale), before and before // MB,
+                      after and after // MB, engines, kv / MB)
         return stale
 
     def start_reaper(self) -> None:
