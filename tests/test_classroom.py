@@ -207,23 +207,6 @@ def test_admission_is_atomic_under_concurrent_learners():
     assert len(admitted) == 5 and len(refused) == 15 and r.usage()[0] == 5
 
 
-def test_concurrent_steps_share_the_cores():
-    calls = []
-    threads = reg.StepThreads(cores=4, set_threads=calls.append)
-    with threads as alone:
-        with threads as second:
-            with threads as third:
-                assert threads.active == 3
-        assert threads.active == 1
-    assert (alone, second, third) == (4, 2, 1) and calls == [4, 2, 1] and threads.active == 0
-    with pytest.raises(ValueError):
-        with threads:
-            raise ValueError("a failing step gives its share back")
-    assert threads.active == 0
-    with threads as again:
-        assert again == 4
-
-
 def test_malloc_trim_is_callable_here():
     assert isinstance(reg.malloc_trim(), bool)
     assert reg.rss_bytes() is None or reg.rss_bytes() > 0

@@ -54,7 +54,6 @@ def _logger() -> logging.Logger:
 _LOG = _logger()
 
 MB = 1 << 20
-_registry_lock = threading.Lock()  # creates the process-wide singletons below
 
 
 def _env_number(name: str, default: float, cast=float):
@@ -123,56 +122,6 @@ class ClassroomFull(RuntimeError):
                 f"(KV {self.need_bytes / MB:,.0f} MB)를 더 만들 수 없습니다. 다른 학습자가 탭을 닫으면 "
                 f"약 {self.retry_s:.0f}초 안에 자리가 납니다. 잠시 뒤 ‘다시 시도’를 눌러 주세요. "
                 "(강사: 한도는 LLM_LAB_MAX_ENGINES / LLM_LAB_MAX_KV_MB 환경 변수로 정합니다.)")
-
-
-# -- threads per step: learners' steps share the cores ------------------------------------------
-
-class StepThreads:
-    """Intra-op threads for one engine step: every core while a learner steps alone, a share of
-    them while several learners' steps run at once. Without this each concurrent step asks for all
-    cores, and on a busy CPU the OpenMP threads spin against each other: measured here under load,
-    a decode step cost ~1.0 CPU-s with 2 threads against ~0.17 CPU-s with one.
-
-    torch.set_num_threads applies to the calling thread (Streamlit runs each session's script in
-    its own thread), so it is set before every step."""
-
-    def __init__(self, cores: int | None = None, set_threads: Callable[[int], None] | None = None):
-        if cores is None:
-            import torch
-
-            cores = torch.get_num_threads()  # honours OMP_NUM_THREADS / torch's own default
-        self.cores = max(1, int(cores))
-        self._set = set_threads
-        self._lock = threading.Lock()
-        self.active = 0
-
-    def __enter__(self) -> int:
-        with self._lock:
-            self.active += 1
-            threads = max(1, self.cores // self.active)
-        if self._set is None:
-            import torch
-
-            torch.set_num_threads(threads)
-        else:
-            self._set(threads)
-        return threads
-
-    def __exit__(self, *exc) -> None:
-        with self._lock:
-            self.active -= 1
-
-
-_step_threads: StepThreads | None = None
-
-
-def step_threads() -> StepThreads:
-    """The process's StepThreads (use as `with step_threads(): engine.step()`)."""
-    global _step_threads
-    with _registry_lock:
-        if _step_threads is None:
-            _step_threads = StepThreads()
-        return _step_threads
 
 
 # -- an engine whose KV tensors exist only once something uses them -------------------------------
@@ -508,6 +457,7 @@ class SessionRegistry:
 
 
 _registry: SessionRegistry | None = None
+_registry_lock = threading.Lock()
 
 
 def get_registry() -> SessionRegistry:

@@ -132,8 +132,7 @@ def engine_status(key: str = "main") -> None:
 
 
 def _signature(settings: EngineSettings, overrides: dict) -> tuple:
-    return (tuple(sorted(asdict(settings).items()))
-            + tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+    return tuple(sorted(asdict(settings).items())) + tuple(sorted((k, repr(v)) for k, v in overrides.items()))
 
 
 def build_engine(settings: EngineSettings | None = None, **overrides) -> EngineCore:
@@ -259,13 +258,10 @@ def record_step(key: str, record: StepRecord) -> None:
 
 def run_step(key: str = "main") -> StepRecord | None:
     """One EngineCore.step() if work remains; its record is appended to get_records(key)."""
-    from ui.registry import step_threads
-
     engine = current_engine(key)
     if not engine.has_unfinished_requests():
         return None
-    with step_threads():  # concurrent learners' steps share the cores instead of fighting
-        record = engine.step()
+    record = engine.step()
     record_step(key, record)
     return record
 
