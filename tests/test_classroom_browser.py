@@ -48,7 +48,7 @@ def test_four_learners_isolated_and_reaped(default_model_dir, tmp_path):
     assert status["engines"] == 0 and status["kv_bytes"] == 0
     assert status["released_engines"] >= LEARNERS + 1  # the wave and the warm-up learner
     assert r["rss_after_mb"] <= r["rss_one_learner_mb"] + 150, report(r)
-    assert "llm_lab.registry: released" in server.log_path.read_text()  # the reaper's console line
+    assert "closed tabs; RSS" in server.log_path.read_text()  # the reaper's line on the console
 
 
 def test_the_lab_in_a_fragment_needs_no_page_rerun(default_model_dir, tmp_path):
