@@ -30,7 +30,9 @@ shift || true
 case "$cmd" in
   app)
     setup
-    exec "$VENV/bin/python" -m streamlit run app.py --server.address 127.0.0.1 --server.headless true "$@"
+    # Serving settings (headless, 127.0.0.1, no file watcher, no usage statistics, session TTL)
+    # come from .streamlit/config.toml in this directory; flags in "$@" override them.
+    exec "$VENV/bin/python" -m streamlit run app.py "$@"
     ;;
   test)
     setup

@@ -1,8 +1,10 @@
 """Engine settings, one EngineCore per browser session, and the step records the plots draw.
 
-Weights are read-only, so they are loaded once per process (st.cache_resource around
-engine.worker.load_model). Everything that changes — queues, KV cache, requests, records —
-lives in st.session_state, so two learners never see each other's requests.
+Weights are read-only, so they are loaded once per process (engine/worker.py's load_model shares
+them). Everything that changes — queues, KV cache, requests, records — lives in st.session_state,
+so two learners never see each other's requests. A process-wide registry (ui/registry.py) knows
+every session's engines: it caps how many there are, allocates their KV tensors on first use and
+gives the memory back once the browser tab has gone.
 """
 
 from __future__ import annotations
@@ -101,29 +103,32 @@ def engine_settings_sidebar(show_status: bool = True) -> EngineSettings:
 
 def engine_status(key: str = "main") -> None:
     """Device, dtype, blocks used/total and running/waiting of the session's engine (sidebar)."""
+    from ui.registry import MB, get_registry, lazy_worker_of, planned_kv_bytes
+
+    track_session()
     st.subheader("📟 엔진 상태")
+    registry = get_registry()
+    engines, kv = registry.usage()
+    classroom = (f"이 서버: 학습자 엔진 {engines}/{registry.limits.max_engines}개 · KV "
+                 f"{kv / MB:,.0f}/{registry.limits.max_kv_bytes / MB:,.0f} MB")
     entry = st.session_state.get(_ENGINES, {}).get(key)
     if entry is None:
         st.caption("엔진이 아직 시작되지 않았습니다. 실험실에서 요청을 넣으면 시작됩니다.")
+        st.caption(classroom)
         return
     engine: EngineCore = entry["engine"]
     snap = engine.kv_cache_manager.snapshot()
+    worker = lazy_worker_of(engine)
+    kv_state = (f"KV 텐서 {planned_kv_bytes(engine) / MB:,.1f} MB "
+                + ("할당됨" if worker is None or worker.kv_allocated else "(첫 스텝에서 할당)"))
     st.markdown(
         f"- 장치 **{engine.device}** · dtype **{str(engine.dtype).replace('torch.', '')}**\n"
         f"- KV 블록 **{snap.num_used}/{snap.num_blocks}** 사용 (캐시 보관 {snap.num_cached_free})\n"
+        f"- {kv_state}\n"
         f"- 실행 중 **{len(engine.scheduler.running)}** · 대기 **{len(engine.scheduler.waiting)}**\n"
         f"- 스텝 **{engine.stats['steps']}**"
     )
-
-
-@st.cache_resource(show_spinner=False)
-def _weights(model_dir: str, device: str, dtype: str):
-    """Read-only weights, shared by every session of this process."""
-    import torch
-
-    from engine.worker import load_model
-
-    return load_model(model_dir, torch.device(device), getattr(torch, dtype))
+    st.caption(classroom)
 
 
 def _signature(settings: EngineSettings, overrides: dict) -> tuple:
@@ -131,47 +136,108 @@ def _signature(settings: EngineSettings, overrides: dict) -> tuple:
 
 
 def build_engine(settings: EngineSettings | None = None, **overrides) -> EngineCore:
-    """A fresh EngineCore for these settings; weights come from the per-process cache."""
+    """A fresh EngineCore for these settings. Weights are shared per process (engine/worker.py's
+    load_model); the KV tensors are allocated on the engine's first step (ui/registry.py)."""
     from engine.artifact import resolve_model_path
-    from engine.worker import resolve_device, resolve_dtype
+    from engine.executor import UniProcExecutor
+    from engine.worker import is_model_loaded, resolve_device, resolve_dtype
+
+    from ui.registry import LazyKVWorker
 
     config = (settings or current_settings()).to_config(**overrides)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     model_dir = resolve_model_path(config.model)
-    with st.spinner(f"가중치를 불러오는 중… ({model_dir.name}, {device}, {str(dtype).replace('torch.', '')})"):
-        _weights(str(model_dir), str(device), str(dtype).replace("torch.", ""))
-        return EngineCore(config)
+
+    def build() -> EngineCore:
+        worker = LazyKVWorker(model_dir, device, dtype, config.block_size)
+        return EngineCore(config, executor=UniProcExecutor(worker))
+
+    if is_model_loaded(model_dir, device, dtype):
+        return build()
+    dtype_name = str(dtype).replace("torch.", "")
+    with st.spinner(f"가중치를 불러오는 중… ({model_dir.name}, {device}, {dtype_name})"):
+        return build()
+
+
+def session_id() -> str:
+    """This browser session's id ("bare" outside a Streamlit script run)."""
+    from streamlit.runtime.scriptrunner import get_script_run_ctx
+
+    ctx = get_script_run_ctx(suppress_warning=True)
+    return ctx.session_id if ctx is not None else "bare"
+
+
+def _registry_key() -> str:
+    """The registry's name for this session: its id plus its engine table, since AppTest gives
+    every test app the same session id."""
+    return f"{session_id()}/{id(st.session_state.setdefault(_ENGINES, {})):x}"
+
+
+def track_session() -> None:
+    """Tell the process-wide registry this session is alive (every script or fragment run)."""
+    from ui.registry import get_registry
+
+    state = st.session_state
+    get_registry().touch(_registry_key(), state.setdefault(_ENGINES, {}),
+                         state.setdefault(_RECORDS, {}), state.setdefault(_TEXTS, {}),
+                         runtime_id=session_id())
+
+
+def _classroom_full(exc) -> None:
+    """The learner's message when a cap is reached: the figures, a retry button, no traceback."""
+    st.error(exc.message_ko())
+    st.button("다시 시도", key="_classroom_retry", icon=":material/refresh:")
+    st.stop()
 
 
 def get_engine(key: str = "main", **overrides) -> EngineCore:
-    """This session's engine under `key`; rebuilt (records cleared) when settings or overrides change."""
-    engines = st.session_state.setdefault(_ENGINES, {})
+    """This session's engine under `key`; rebuilt (records cleared) when settings or overrides
+    change.
+
+    A new engine is admitted by the process-wide registry (ui/registry.py): past the classroom's
+    caps the learner sees "교실이 가득 찼습니다" with the figures and this run stops there."""
+    from ui.registry import ClassroomFull, get_registry, planned_kv_bytes
+
+    track_session()
+    engines = st.session_state[_ENGINES]
     settings = current_settings()
     signature = _signature(settings, overrides)
     entry = engines.get(key)
     if entry is None or entry["signature"] != signature:
-        engine = build_engine(settings, **overrides)
+        registry = get_registry()
+        sid = _registry_key()
+        try:
+            registry.check_room(sid, key, 0)  # the engine count, before spending a build on it
+            engine = build_engine(settings, **overrides)  # no KV tensors yet: nothing to undo
+            registry.admit(sid, key, engine, planned_kv_bytes(engine))
+        except ClassroomFull as exc:
+            _classroom_full(exc)
         engines[key] = {"signature": signature, "engine": engine, "overrides": dict(overrides),
                         "created": time.perf_counter()}
-        st.session_state.setdefault(_RECORDS, {})[key] = []
-        st.session_state.setdefault(_TEXTS, {})[key] = {}
+        st.session_state[_RECORDS][key] = []
+        st.session_state[_TEXTS][key] = {}
     return engines[key]["engine"]
 
 
 def current_engine(key: str = "main") -> EngineCore:
     """The engine already built under `key` (whatever its overrides), else a default one."""
-    entry = st.session_state.get(_ENGINES, {}).get(key)
+    track_session()
+    entry = st.session_state[_ENGINES].get(key)
     if entry is not None:
         return entry["engine"]
     return get_engine(key)
 
 
 def reset_engine(key: str = "main") -> None:
-    """Throw away this session's engine under `key` (a new one is built on the next get_engine)."""
+    """Throw away this session's engine under `key` (a new one is built on the next get_engine);
+    its KV memory goes back at once."""
+    from ui.registry import get_registry
+
     st.session_state.get(_ENGINES, {}).pop(key, None)
     st.session_state.get(_RECORDS, {}).pop(key, None)
     st.session_state.get(_TEXTS, {}).pop(key, None)
+    get_registry().release(_registry_key(), key)
 
 
 def get_records(key: str = "main") -> list[StepRecord]:
