@@ -567,6 +567,10 @@ def simulate(
     return SimulationResult(records, requests, metrics, summary, conditions, list(executor.costs))
 
 
+def _flops(tflop_s: float) -> str:
+    return f"{tflop_s:,.1f} TFLOP/s" if tflop_s >= 1 else f"{1000 * tflop_s:,.1f} GFLOP/s"
+
+
 def format_result(result: SimulationResult) -> str:
     s, c = result.summary, result.conditions
     hw, kv, eff = c["hardware"], c["kv_cache"], c["efficiency"]
@@ -583,14 +587,14 @@ def format_result(result: SimulationResult) -> str:
         f"{'Poisson ' + format(rate, 'g') + '/s' if rate else 'all at once'}",
         f"  hardware ({hw['evidence']}): {hw['memory_gb']:.0f} GB, "
         f"{hw['memory_bandwidth_gb_s']:,.0f} GB/s, "
-        f"{hw['peak_tflop_s']:,.1f} TFLOP/s — {hw['source']}",
+        f"{_flops(hw['peak_tflop_s'])} — {hw['source']}",
         f"  efficiencies: linear memory {eff['linear_memory']:.2f}, "
         f"linear compute {eff['linear_compute']:.2f}, "
         f"attention {eff['attention']:.2f}, step overhead {1000 * eff['step_overhead_s']:.2f} ms "
         f"({eff['evidence']})",
         f"  KV cache (computed): {kv['num_blocks']:,} blocks of {kv['block_size']} tokens "
         f"= {kv['num_blocks'] * kv['block_size']:,} tokens; "
-        f"weights {kv['weight_bytes_per_gpu'] / GB:.1f} GB per GPU",
+        f"weights {kv['weight_bytes_per_gpu'] / GB:.1f} GB per device",
         "",
         "  latency (engine clock, ms)   p50 / p90 / p99",
         f"    TTFT                       {ms(s['ttft_s'])}",
