@@ -769,9 +769,9 @@ def simulator_fidelity(config: BenchConfig, calibration_path: str | Path | None 
     }
     rows = {}
     for name, (measured, simulated) in figures.items():
-        error = (simulated - measured) / measured if measured and simulated is not None else None
+        error = float((simulated - measured) / measured) if measured and simulated is not None else None
         rows[name] = {"real": measured, "simulated": simulated, "relative_error": error,
-                      "met": error is not None and abs(error) <= FIDELITY_TARGET}
+                      "met": bool(error is not None and abs(error) <= FIDELITY_TARGET)}
     return {
         "figures": rows,
         "target": FIDELITY_TARGET,

@@ -434,3 +434,4 @@ def test_fidelity_section_calibrates_and_compares(tiny_model_dir, tmp_path):
         assert row["real"] > 0 and row["simulated"] > 0 and row["relative_error"] is not None
     assert fidelity["steps"]["real"] == fidelity["steps"]["simulated"]  # same scheduler, same lengths
     assert "6. Simulator fidelity" in format_fidelity(fidelity)
+    json.dumps(fidelity)  # it goes into the benchmark's results file
