@@ -2,7 +2,7 @@
 
     python -m engine bench [--json PATH] [--quick] [--model PATH]
 
-Five measurements, all in one process run, on one artifact and one dtype:
+Six measurements, all in one process run, on one artifact and one dtype:
 
 1. Ceilings of the machine (measured): memory read bandwidth (sum of a large tensor, best of N)
    and matmul throughput per dtype (square matmul, the best kernel, best of N). From them two
@@ -21,6 +21,9 @@ Five measurements, all in one process run, on one artifact and one dtype:
    input preparation, sampling, output processing, bookkeeping), at batch 1 and at full batch.
 5. Latency under load: Poisson arrivals at a few rates through the in-process AsyncLLM; TTFT,
    TPOT and E2E percentiles and the throughput reached.
+6. Simulator fidelity (engine/simulator.py): calibrate the cost model on another workload, then
+   run the offline workload on the real and on the simulated engine and compare total time,
+   TTFT p50/p90, TPOT p50 and throughput (calibration cached in bench-results/calibration.json).
 
 The results go to `bench-results/latest.json` (or `--json PATH`) with the conditions they were
 measured under (device, threads, dtype, model, workload, seed, date): a number without its
@@ -924,9 +927,9 @@ def simulator_fidelity(config: BenchConfig, calibration_path: str | Path | None 
     }
     rows = {}
     for name, (measured, simulated) in figures.items():
-        error = (simulated - measured) / measured if measured and simulated is not None else None
+        error = float((simulated - measured) / measured) if measured and simulated is not None else None
         rows[name] = {"real": measured, "simulated": simulated, "relative_error": error,
-                      "met": error is not None and abs(error) <= FIDELITY_TARGET}
+                      "met": bool(error is not None and abs(error) <= FIDELITY_TARGET)}
     return {
         "figures": rows,
         "target": FIDELITY_TARGET,

@@ -114,8 +114,8 @@ def measure_this_machine(device, dtype, quick: bool = False) -> HardwarePreset:
         interconnect="none",
         dtype=dtype_name,
         evidence="measured",
-        source=f"engine/bench.py ceilings, {datetime.date.today().isoformat()}: "
-        f"{ceilings['method']}",
+        source=f"engine/bench.py measure_ceilings, {datetime.date.today().isoformat()}: read "
+        f"bandwidth of a {size >> 20} MiB tensor, {matmul}² matmul, best of {repeats} each",
     )
 
 
@@ -156,9 +156,9 @@ def fit_efficiency(
             now.append((layer_mem, head_mem))
         x = _nonnegative_lstsq(np.array(rows) / y[:, None], np.ones_like(y))  # relative residuals
         e = Efficiency(
-            linear_memory=1 / x[2] if x[2] > 0 else 1.0,
-            linear_compute=1 / x[3] if x[3] > 0 else 1.0,
-            attention=1 / x[4] if x[4] > 0 else 1.0,
+            linear_memory=float(1 / x[2]) if x[2] > 0 else 1.0,
+            linear_compute=float(1 / x[3]) if x[3] > 0 else 1.0,
+            attention=float(1 / x[4]) if x[4] > 0 else 1.0,
             step_overhead_s=float(x[0]),
             per_request_s=float(x[1]),
             interconnect=Efficiency.interconnect,

@@ -341,11 +341,15 @@ def make_simulated_engine(
     **engine_config,
 ):
     """An EngineCore whose executor is simulated: `step()`, `add_request()`, journeys and records
-    work as on the real engine. `engine_config`: EngineConfig fields (max_num_seqs, ...)."""
+    work as on the real engine. `engine_config`: EngineConfig fields (max_num_seqs, ...);
+    max_model_len defaults to min(8192, the model's)."""
     from engine.core import EngineCore
 
     preset, hw = _resolve(model_preset, hardware)
     engine_config.setdefault("dtype", hw.dtype)
+    # A long-context preset (128k) would need a KV cache for one 128k request to start; a course
+    # workload is far shorter, so the default context is 8192 (pass max_model_len to change it).
+    engine_config.setdefault("max_model_len", min(8192, preset.config.max_position_embeddings))
     engine_config.setdefault("device", "cpu")  # where the control path runs; no model is loaded
     config = EngineConfig(**engine_config)
     executor = SimulatedExecutor(
@@ -359,9 +363,7 @@ def make_simulated_engine(
     )
     tokenizer = SimTokenizer(preset.config.vocab_size, preset.bos_token_id, preset.eos_token_id)
     engine = EngineCore(config, executor=executor, model_config=preset.config, tokenizer=tokenizer)
-    engine.clock = (
-        executor.clock
-    )  # before any request exists: requests read the clock they are given
+    engine.clock = executor.clock  # before any request exists: each request keeps its engine's clock
     return engine
 
 
@@ -506,7 +508,6 @@ def simulate(
             {preset.bos_token_id, preset.eos_token_id} - {None},
         )
     targets = {f"sim-{i}": w.output_len for i, w in enumerate(workload)}
-    engine_config.setdefault("max_model_len", min(8192, preset.config.max_position_embeddings))
     wall_start = time.perf_counter()
     engine = make_simulated_engine(
         preset, hw, tensor_parallel_size, efficiency, targets.get, **engine_config
@@ -567,6 +568,10 @@ def simulate(
     return SimulationResult(records, requests, metrics, summary, conditions, list(executor.costs))
 
 
+def _flops(tflop_s: float) -> str:
+    return f"{tflop_s:,.1f} TFLOP/s" if tflop_s >= 1 else f"{1000 * tflop_s:,.1f} GFLOP/s"
+
+
 def format_result(result: SimulationResult) -> str:
     s, c = result.summary, result.conditions
     hw, kv, eff = c["hardware"], c["kv_cache"], c["efficiency"]
@@ -583,14 +588,14 @@ def format_result(result: SimulationResult) -> str:
         f"{'Poisson ' + format(rate, 'g') + '/s' if rate else 'all at once'}",
         f"  hardware ({hw['evidence']}): {hw['memory_gb']:.0f} GB, "
         f"{hw['memory_bandwidth_gb_s']:,.0f} GB/s, "
-        f"{hw['peak_tflop_s']:,.1f} TFLOP/s — {hw['source']}",
+        f"{_flops(hw['peak_tflop_s'])} — {hw['source']}",
         f"  efficiencies: linear memory {eff['linear_memory']:.2f}, "
         f"linear compute {eff['linear_compute']:.2f}, "
         f"attention {eff['attention']:.2f}, step overhead {1000 * eff['step_overhead_s']:.2f} ms "
         f"({eff['evidence']})",
         f"  KV cache (computed): {kv['num_blocks']:,} blocks of {kv['block_size']} tokens "
         f"= {kv['num_blocks'] * kv['block_size']:,} tokens; "
-        f"weights {kv['weight_bytes_per_gpu'] / GB:.1f} GB per GPU",
+        f"weights {kv['weight_bytes_per_gpu'] / GB:.1f} GB per device",
         "",
         "  latency (engine clock, ms)   p50 / p90 / p99",
         f"    TTFT                       {ms(s['ttft_s'])}",

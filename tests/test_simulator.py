@@ -408,3 +408,30 @@ def test_cli_bad_input_is_one_line(argv, message):
 def test_cli_lists_presets():
     rc, out, _ = run_cli("--list")
     assert rc == 0 and "llama-3.1-70b" in out and "this-machine" in out
+
+
+# -- calibration and the benchmark's fidelity section ----------------------------------------------
+
+
+def test_fidelity_section_calibrates_and_compares(tiny_model_dir, tmp_path):
+    """On the tiny model: a calibration is fitted and cached, then the benchmark's workload runs
+    on the real and on the simulated engine; every figure has both values and an error."""
+    from engine.bench import BenchConfig, format_fidelity, simulator_fidelity
+    from engine.calibration import load_calibration
+
+    config = BenchConfig.quick_config(
+        model=str(tiny_model_dir), num_requests=5, prompt_len=(8, 40), output_len=(3, 9), max_num_seqs=4
+    )
+    path = tmp_path / "calibration.json"
+    fidelity = simulator_fidelity(config, path, log=lambda message: None)
+    calibration = load_calibration(path)
+    assert calibration is not None and calibration.hardware.evidence == "measured"
+    assert calibration.efficiency.evidence.startswith("fitted")
+    assert set(fidelity["figures"]) == {
+        "total_time_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "output_tokens_per_s"
+    }
+    for row in fidelity["figures"].values():
+        assert row["real"] > 0 and row["simulated"] > 0 and row["relative_error"] is not None
+    assert fidelity["steps"]["real"] == fidelity["steps"]["simulated"]  # same scheduler, same lengths
+    assert "6. Simulator fidelity" in format_fidelity(fidelity)
+    json.dumps(fidelity)  # it goes into the benchmark's results file
