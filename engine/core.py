@@ -205,6 +205,7 @@ class EngineCore:
 
     def step(self) -> StepRecord:
         """One engine iteration: schedule → execute → update → record."""
+        engine_start = self.clock.now()
         self.clock.start_step()
         timer = StepTimer()
         scheduler_output = self.scheduler.schedule()
@@ -213,7 +214,6 @@ class EngineCore:
         timer.lap("execute")
         outputs = self._process_outputs(scheduler_output, runner_output)
         timer.lap("output_processing")
-        engine_start = self.clock.now() - timer.total
         duration = self.clock.end_step(runner_output.simulated_duration)
         return self._make_record(scheduler_output, runner_output, outputs, timer, engine_start, duration)
 
