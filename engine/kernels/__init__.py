@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import platform
 import threading
 from pathlib import Path
@@ -80,6 +81,7 @@ def load() -> ModuleType | None:
         try:
             from torch.utils import cpp_extension
 
+            _put_venv_tools_on_path()
             directory = build_dir()
             directory.mkdir(parents=True, exist_ok=True)
             flags = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
@@ -98,6 +100,14 @@ def load() -> ModuleType | None:
             logger.warning("kernels: the C++ extension did not build (%s); using the torch path",
                            _error)
         return _module
+
+
+def _put_venv_tools_on_path() -> None:
+    """pip's `ninja` lands next to this interpreter, which is not on PATH unless the venv is
+    activated (run.sh calls .venv/bin/python directly); cpp_extension looks for it on PATH."""
+    venv_bin = str(Path(sys.executable).parent)
+    if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
 
 
 def build_error() -> str | None:
