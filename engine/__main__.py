@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from engine.artifact import ArtifactError
+
+
+def speculative_config_arg(text: str) -> dict:
+    """--speculative-config '{"method": "ngram", "num_speculative_tokens": 3, ...}' (JSON, as vLLM)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def cmd_artifact(args: argparse.Namespace) -> int:
@@ -24,7 +36,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine.core import EngineConfig, EngineCore
     from engine.sampling_params import SamplingParams
 
-    engine = EngineCore(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
+    engine = EngineCore(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                                     speculative_config=args.speculative_config))
     prompt = args.prompt
     if not args.raw:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -47,7 +60,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks,
                           max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens)
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          speculative_config=args.speculative_config)
     engine = EngineCore(config)
     print(f"serving {engine.model_dir.name} ({engine.device.type}, {str(engine.dtype).removeprefix('torch.')}, "
           f"{engine.num_blocks} KV blocks of {config.block_size} tokens, context {engine.max_model_len}) "
@@ -61,6 +75,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from engine import bench
 
     return bench.main(args)
+
+
+SPEC_HELP = ('speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+             '"prompt_lookup_max": 3, "prompt_lookup_min": 1}\'')
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("--speculative-config", type=speculative_config_arg, default=None, help=SPEC_HELP)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)")
@@ -96,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--log-level", default="info")
+    p.add_argument("--speculative-config", type=speculative_config_arg, default=None, help=SPEC_HELP)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="measure the machine's ceilings, the engine against transformers, latency")
@@ -115,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rates", type=float, nargs="+", default=None, help="arrival rates in requests/s "
                    "(default: fractions of the measured offline request rate)")
     p.add_argument("--skip-transformers", action="store_true", help="do not run the transformers baseline")
+    p.add_argument("--speculative", choices=["ngram"], default=None,
+                   help="also measure speculative decoding (n-gram) against plain decoding")
+    p.add_argument("--speculative-config", type=speculative_config_arg, default=None,
+                   help=SPEC_HELP + " (for --speculative; default k=3, n-gram 1 to 3)")
     p.set_defaults(func=cmd_bench)
 
     args = parser.parse_args(argv)

@@ -30,3 +30,6 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # or "swap": a preempted request's K/V wait in host memory
     num_swap_blocks: int | None = None  # swap space in blocks; None = as many as the KV cache has
     keep_finished: int = 1000  # finished requests kept for the app's plots
+    # Speculative decoding, as vLLM takes it: {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_max": n, "prompt_lookup_min": m} (engine/spec_decode/). None: off.
+    speculative_config: dict | None = None

@@ -73,6 +73,13 @@ class EngineStateCollector:
                     "(a convenience; vLLM leaves this division to PromQL).", hits / queries if queries else 0.0)
         yield counter("vllm:num_preemptions", "Requests preempted (KV freed, to be recomputed).",
                       self.engine.stats["preemptions"])
+        stats = self.engine.stats
+        yield counter("vllm:spec_decode_num_drafts", "Speculative decoding: verifications of a "
+                      "request's drafts (one per request per step).", stats.get("spec_decode_num_drafts", 0))
+        yield counter("vllm:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed and "
+                      "verified.", stats.get("spec_decode_num_draft_tokens", 0))
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
+                      stats.get("spec_decode_num_accepted_tokens", 0))
         info = GaugeMetricFamily("vllm:cache_config_info", "KV-cache configuration (value is always 1).",
                                  labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"])
         info.add_metric([str(kv.block_size), str(kv.num_blocks), str(kv.enable_prefix_caching)], 1.0)
