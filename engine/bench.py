@@ -79,6 +79,11 @@ class BenchConfig:
     matmul_size: int = 2048
     ceiling_repeats: int = 10
     skip_transformers: bool = False
+    # speculative decoding (section 6, only with `--speculative ngram`)
+    speculative: str | None = None  # "ngram" to run section 6
+    speculative_config: dict | None = None  # None: DEFAULT_SPEC_CONFIG
+    spec_num_requests: int = 8
+    spec_output_len: int = 128
 
     @classmethod
     def quick_config(cls, **overrides) -> "BenchConfig":
@@ -570,9 +575,117 @@ def run_benchmark(config: BenchConfig, log=print) -> dict:
         "runs": run_latency(engine, latency_workload, rates, config.seed + 400),
     }
 
+    if config.speculative:
+        log(f"[6] speculative decoding ({config.speculative}): with and without, same workloads")
+        results["spec_decode"] = run_spec_decode(llm, config, specials)
+
     results["targets"] = evaluate_targets(results)
     results["conditions"]["bench_seconds"] = time.perf_counter() - started
     return results
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Speculative decoding (n-gram): the same requests with and without drafts
+
+DEFAULT_SPEC_CONFIG = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                       "prompt_lookup_min": 1}
+SPEC_WORDS = ["apple", "river", "stone", "cloud", "lamp", "tiger", "paper", "glass", "orange", "window",
+              "garden", "silver", "bridge", "candle", "forest", "rocket"]
+
+
+def repetitive_prompts(tokenizer, num_requests: int, seed: int) -> list[list[int]]:
+    """Chat prompts that ask the model to copy a numbered list: the answer repeats the prompt,
+    which is where prompt lookup pays off (editing code or quoting a document are alike)."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(num_requests):
+        lines = [f"{i + 1}. {rng.choice(SPEC_WORDS)} {rng.choice(SPEC_WORDS)} {rng.randint(10, 99)}"
+                 for i in range(12)]
+        text = "Repeat this list exactly, one item per line:\n" + "\n".join(lines)
+        prompts.append(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}])))
+    return prompts
+
+
+def spec_workloads(engine, config: "BenchConfig", specials) -> dict[str, list[WorkItem]]:
+    n, out = config.spec_num_requests, config.spec_output_len
+    return {
+        "repetitive": [WorkItem(p, out) for p in repetitive_prompts(engine.tokenizer, n, config.seed + 500)],
+        "random": make_workload(n, (config.probe_prompt_len, config.probe_prompt_len), (out, out),
+                                config.seed + 600, engine.model_config.vocab_size, specials),
+    }
+
+
+def decode_rate_batch1(engine, workload: list[WorkItem]) -> dict:
+    """One request at a time: tokens/s over the steps after its first token (decode only)."""
+    tokens, seconds = 0, 0.0
+    for item in workload:
+        for wall, record in run_steps(engine, [item])[1:]:  # the first step is the prefill
+            seconds += wall
+            tokens += sum(len(t) for t in record.new_tokens.values())
+    return {"tokens_per_s": tokens / seconds if seconds else None, "tokens": tokens, "seconds": seconds}
+
+
+def _spec_counts(engine, before: dict) -> dict:
+    after = engine.spec_decode_metrics()
+    proposed = after["num_draft_tokens"] - before["num_draft_tokens"]
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    drafts = after["num_drafts"] - before["num_drafts"]
+    return {"num_drafts": drafts, "num_draft_tokens": proposed, "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / proposed if proposed else None,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else None}
+
+
+def run_spec_decode(llm, config: "BenchConfig", specials) -> dict:
+    """Batch-1 decode tokens/s and offline throughput, without and with n-gram speculation, on a
+    repetitive workload and on the random-token one; the two engines share the weights."""
+    from engine.llm import LLM
+
+    spec_config = config.speculative_config or DEFAULT_SPEC_CONFIG
+    base = llm.engine.config
+    spec_llm = LLM(model=str(llm.engine.model_dir), device=base.device, dtype=base.dtype,
+                   max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                   num_kv_blocks=llm.engine.num_blocks, speculative_config=spec_config)
+    rows = {}
+    for name, workload in spec_workloads(llm.engine, config, specials).items():
+        row = {}
+        for label, runner in (("plain", llm), ("ngram", spec_llm)):
+            before = runner.engine.spec_decode_metrics()
+            batch1 = decode_rate_batch1(runner.engine, workload)
+            offline = run_engine_offline(runner, workload)
+            row[label] = {"decode_batch1_tokens_per_s": batch1["tokens_per_s"],
+                          "offline_output_tokens_per_s": offline["output_tokens_per_s"],
+                          "offline_steps": offline["steps"], "tokens": offline["tokens"],
+                          **({"spec": _spec_counts(runner.engine, before)} if label == "ngram" else {})}
+        row["identical_outputs"] = row["plain"].pop("tokens") == row["ngram"].pop("tokens")
+        row["speedup_decode_batch1"] = _ratio(row["ngram"]["decode_batch1_tokens_per_s"],
+                                              row["plain"]["decode_batch1_tokens_per_s"])
+        row["speedup_offline"] = _ratio(row["ngram"]["offline_output_tokens_per_s"],
+                                        row["plain"]["offline_output_tokens_per_s"])
+        rows[name] = row
+    return {"speculative_config": spec_config, "num_requests": config.spec_num_requests,
+            "output_len": config.spec_output_len, "sampling": "greedy, ignore_eos", "workloads": rows}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def format_spec_decode(r: dict) -> list[str]:
+    sc = r["speculative_config"]
+    lines = [f"6. Speculative decoding ({sc['method']}, k={sc['num_speculative_tokens']}, n-gram "
+             f"{sc['prompt_lookup_min']}..{sc['prompt_lookup_max']}; {r['num_requests']} requests × "
+             f"{r['output_len']} tokens, {r['sampling']})",
+             "  workload      batch-1 tok/s plain → ngram (×)     offline tok/s plain → ngram (×)   "
+             "accept  mean len  same"]
+    for name, w in r["workloads"].items():
+        p, n, spec = w["plain"], w["ngram"], w["ngram"]["spec"]
+        lines.append(
+            f"  {name:<12} {_fmt(p['decode_batch1_tokens_per_s']):>8} → {_fmt(n['decode_batch1_tokens_per_s']):>7} "
+            f"({_fmt(w['speedup_decode_batch1'], '.2f')}×)        {_fmt(p['offline_output_tokens_per_s']):>8} → "
+            f"{_fmt(n['offline_output_tokens_per_s']):>7} ({_fmt(w['speedup_offline'], '.2f')}×)   "
+            f"{_fmt(spec['acceptance_rate'] and 100 * spec['acceptance_rate'], '.0f'):>4}%  "
+            f"{_fmt(spec['mean_accepted_length'], '.2f'):>8}  {'yes' if w['identical_outputs'] else 'NO'}")
+    return lines
 
 
 def evaluate_targets(results: dict) -> list[dict]:
@@ -677,6 +790,8 @@ def format_results(r: dict) -> str:
     for t in r["targets"]:
         lines.append(f"  {'met    ' if t['met'] else 'NOT met'}  {t['name']}: {_fmt(t['value'], '.3f')} "
                      f"(target {t['target']})")
+    if "spec_decode" in r:
+        lines += ["", *format_spec_decode(r["spec_decode"])]
     lines.append(f"\n  bench took {c['bench_seconds']:.0f} s")
     return "\n".join(lines)
 
@@ -706,6 +821,8 @@ def main(args) -> int:
         latency_requests=args.latency_requests,
         latency_rates=tuple(args.rates) if args.rates else None,
         skip_transformers=args.skip_transformers or None,
+        speculative=getattr(args, "speculative", None),
+        speculative_config=getattr(args, "speculative_config", None),
     ).items() if v is not None}
     if args.prompt_len:
         overrides["prompt_len"] = tuple(args.prompt_len)

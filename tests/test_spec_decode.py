@@ -438,7 +438,7 @@ def test_sampling_with_speculation_keeps_the_target_distribution(make_engine, ti
     draft = int(next_token_probs(prompt + [likely_t1]).argmax())
     engine.proposer = FixedProposer([draft])
 
-    n = 1500
+    n = 500
     for seed in range(n):
         engine.add_request(prompt_token_ids=prompt, request_id=f"s{seed}",
                            sampling_params=SamplingParams(seed=seed, **params))
@@ -452,6 +452,7 @@ def test_sampling_with_speculation_keeps_the_target_distribution(make_engine, ti
     accepted = spec.num_accepted_tokens.sum()
     assert 0.05 * len(spec) < accepted < 0.95 * len(spec), "acceptance and rejection both happen"
     statistic, dof = chi_square(counts, {key: n * p for key, p in expected_joint.items()})
+    print(f"chi-square {statistic:.2f} with {dof} degrees of freedom, {accepted} of {len(spec)} accepted")
     assert statistic < CHI2_CRITICAL_0_001[dof], (statistic, dof, counts)
 
 
@@ -461,7 +462,7 @@ def test_rejection_sampler_alone_keeps_the_distribution():
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.2, -1.0, 0.5]] * 2)
     params = SamplingParams(temperature=0.9, seed=0)
     p = Sampler.probabilities(logits[0], params)
-    n = 4000
+    n = 2000
     for draft in (0, 4):
         verifier = RejectionSampler()
         counts: dict = {}
@@ -470,3 +471,22 @@ def test_rejection_sampler_alone_keeps_the_distribution():
             counts[token] = counts.get(token, 0) + 1
         statistic, dof = chi_square(counts, {t: n * p[t].item() for t in range(len(p))})
         assert statistic < CHI2_CRITICAL_0_001[dof], (draft, statistic, counts)
+
+
+# -- the bench section --------------------------------------------------------------------------------
+
+
+def test_bench_section_measures_both_workloads_with_and_without(tiny_model_dir):
+    from engine import bench
+    from engine.llm import LLM
+
+    config = bench.BenchConfig(model=str(tiny_model_dir), device="cpu", speculative="ngram", spec_num_requests=2,
+                               spec_output_len=12, probe_prompt_len=16, max_num_seqs=4)
+    llm = LLM(model=str(tiny_model_dir), device="cpu", num_kv_blocks=64, max_num_seqs=4)
+    result = bench.run_spec_decode(llm, config, specials=[0, 1, 2])
+    assert set(result["workloads"]) == {"repetitive", "random"}
+    for row in result["workloads"].values():
+        assert row["identical_outputs"]
+        assert row["plain"]["decode_batch1_tokens_per_s"] > 0 and row["ngram"]["offline_output_tokens_per_s"] > 0
+        assert row["ngram"]["spec"]["num_draft_tokens"] >= 0
+    assert "6. Speculative decoding" in "\n".join(bench.format_spec_decode(result))
