@@ -192,6 +192,26 @@ def test_vllm_counters_are_on_the_metrics_page(make_engine, prompts):
     assert engine.stats["spec_decode_num_draft_tokens"] > 0
 
 
+@pytest.mark.slow
+def test_real_model_copying_a_list_accepts_drafts_and_keeps_its_output(default_model_dir):
+    """SmolLM2 asked to repeat a list: the answer repeats the prompt, drafts are accepted, and
+    the greedy output is the one without speculation."""
+    from engine import LLM
+
+    words = ["apple orange", "river window", "stone garden", "cloud silver", "lamp bridge", "tiger candle"]
+    text = "Repeat this list exactly, one item per line:\n" + "\n".join(
+        f"{i}. {w} {10 + 3 * i}" for i, w in enumerate(words, 1))
+    outputs, metrics = [], None
+    for spec in (None, NGRAM):
+        llm = LLM(model=str(default_model_dir), device="cpu", num_kv_blocks=64, max_model_len=1024,
+                  speculative_config=spec)
+        prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": text}])
+        outputs.append(llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0), use_tqdm=False)[0])
+        metrics = llm.engine.spec_decode_metrics()
+    assert outputs[1].token_ids == outputs[0].token_ids and outputs[1].text == outputs[0].text
+    assert metrics["acceptance_rate"] > 0 and metrics["mean_accepted_length"] > 1
+
+
 # -- stops inside a run of accepted tokens ------------------------------------------------------------
 
 
