@@ -10,7 +10,8 @@ from engine.artifact import ArtifactError
 
 
 def speculative_config_arg(text: str) -> dict:
-    """--speculative-config '{"method": "ngram", "num_speculative_tokens": 3, ...}' (JSON, as vLLM)."""
+    """--speculative-config '{"method": "ngram", "num_speculative_tokens": 3, ...}' (JSON, like
+    vLLM's option)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -77,8 +78,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench.main(args)
 
 
-SPEC_HELP = ('speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
-             '"prompt_lookup_max": 3, "prompt_lookup_min": 1}\'')
+SPEC_HELP = ('speculative decoding as JSON, e.g. \'{"method": "ngram", '
+             '"num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}\'')
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    p.add_argument("--speculative-config", type=speculative_config_arg, default=None, help=SPEC_HELP)
+    p.add_argument("--speculative-config", type=speculative_config_arg, help=SPEC_HELP)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)")
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--log-level", default="info")
-    p.add_argument("--speculative-config", type=speculative_config_arg, default=None, help=SPEC_HELP)
+    p.add_argument("--speculative-config", type=speculative_config_arg, help=SPEC_HELP)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="measure the machine's ceilings, the engine against transformers, latency")

@@ -589,8 +589,8 @@ def run_benchmark(config: BenchConfig, log=print) -> dict:
 
 DEFAULT_SPEC_CONFIG = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
                        "prompt_lookup_min": 1}
-SPEC_WORDS = ["apple", "river", "stone", "cloud", "lamp", "tiger", "paper", "glass", "orange", "window",
-              "garden", "silver", "bridge", "candle", "forest", "rocket"]
+SPEC_WORDS = ["apple", "river", "stone", "cloud", "lamp", "tiger", "paper", "glass", "orange",
+              "window", "garden", "silver", "bridge", "candle", "forest", "rocket"]
 
 
 def repetitive_prompts(tokenizer, num_requests: int, seed: int) -> list[list[int]]:
@@ -602,14 +602,16 @@ def repetitive_prompts(tokenizer, num_requests: int, seed: int) -> list[list[int
         lines = [f"{i + 1}. {rng.choice(SPEC_WORDS)} {rng.choice(SPEC_WORDS)} {rng.randint(10, 99)}"
                  for i in range(12)]
         text = "Repeat this list exactly, one item per line:\n" + "\n".join(lines)
-        prompts.append(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}])))
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        prompts.append(tokenizer.encode(chat))
     return prompts
 
 
 def spec_workloads(engine, config: "BenchConfig", specials) -> dict[str, list[WorkItem]]:
     n, out = config.spec_num_requests, config.spec_output_len
+    copying = repetitive_prompts(engine.tokenizer, n, config.seed + 500)
     return {
-        "repetitive": [WorkItem(p, out) for p in repetitive_prompts(engine.tokenizer, n, config.seed + 500)],
+        "repetitive": [WorkItem(p, out) for p in copying],
         "random": make_workload(n, (config.probe_prompt_len, config.probe_prompt_len), (out, out),
                                 config.seed + 600, engine.model_config.vocab_size, specials),
     }
@@ -622,7 +624,8 @@ def decode_rate_batch1(engine, workload: list[WorkItem]) -> dict:
         for wall, record in run_steps(engine, [item])[1:]:  # the first step is the prefill
             seconds += wall
             tokens += sum(len(t) for t in record.new_tokens.values())
-    return {"tokens_per_s": tokens / seconds if seconds else None, "tokens": tokens, "seconds": seconds}
+    rate = tokens / seconds if seconds else None
+    return {"tokens_per_s": rate, "tokens": tokens, "seconds": seconds}
 
 
 def _spec_counts(engine, before: dict) -> dict:
@@ -643,8 +646,10 @@ def run_spec_decode(llm, config: "BenchConfig", specials) -> dict:
     spec_config = config.speculative_config or DEFAULT_SPEC_CONFIG
     base = llm.engine.config
     spec_llm = LLM(model=str(llm.engine.model_dir), device=base.device, dtype=base.dtype,
-                   max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                   num_kv_blocks=llm.engine.num_blocks, speculative_config=spec_config)
+                   max_num_seqs=config.max_num_seqs,
+                   max_num_batched_tokens=config.max_num_batched_tokens,
+                   num_kv_blocks=llm.engine.num_blocks, max_model_len=llm.engine.max_model_len,
+                   speculative_config=spec_config)
     rows = {}
     for name, workload in spec_workloads(llm.engine, config, specials).items():
         row = {}
@@ -654,8 +659,9 @@ def run_spec_decode(llm, config: "BenchConfig", specials) -> dict:
             offline = run_engine_offline(runner, workload)
             row[label] = {"decode_batch1_tokens_per_s": batch1["tokens_per_s"],
                           "offline_output_tokens_per_s": offline["output_tokens_per_s"],
-                          "offline_steps": offline["steps"], "tokens": offline["tokens"],
-                          **({"spec": _spec_counts(runner.engine, before)} if label == "ngram" else {})}
+                          "offline_steps": offline["steps"], "tokens": offline["tokens"]}
+            if label == "ngram":
+                row[label]["spec"] = _spec_counts(runner.engine, before)
         row["identical_outputs"] = row["plain"].pop("tokens") == row["ngram"].pop("tokens")
         row["speedup_decode_batch1"] = _ratio(row["ngram"]["decode_batch1_tokens_per_s"],
                                               row["plain"]["decode_batch1_tokens_per_s"])
@@ -663,7 +669,8 @@ def run_spec_decode(llm, config: "BenchConfig", specials) -> dict:
                                         row["plain"]["offline_output_tokens_per_s"])
         rows[name] = row
     return {"speculative_config": spec_config, "num_requests": config.spec_num_requests,
-            "output_len": config.spec_output_len, "sampling": "greedy, ignore_eos", "workloads": rows}
+            "output_len": config.spec_output_len, "sampling": "greedy, ignore_eos",
+            "workloads": rows}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -673,18 +680,21 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def format_spec_decode(r: dict) -> list[str]:
     sc = r["speculative_config"]
     lines = [f"6. Speculative decoding ({sc['method']}, k={sc['num_speculative_tokens']}, n-gram "
-             f"{sc['prompt_lookup_min']}..{sc['prompt_lookup_max']}; {r['num_requests']} requests × "
-             f"{r['output_len']} tokens, {r['sampling']})",
-             "  workload      batch-1 tok/s plain → ngram (×)     offline tok/s plain → ngram (×)   "
-             "accept  mean len  same"]
+             f"{sc['prompt_lookup_min']}..{sc['prompt_lookup_max']}; {r['num_requests']} requests "
+             f"× {r['output_len']} tokens, {r['sampling']})",
+             "  workload     batch-1 tok/s plain → ngram (×)   offline tok/s plain → ngram (×)  "
+             "accepted  mean len  same output"]
     for name, w in r["workloads"].items():
         p, n, spec = w["plain"], w["ngram"], w["ngram"]["spec"]
+        rate, mean_len = spec["acceptance_rate"], spec["mean_accepted_length"]
+        b1_x, off_x = w["speedup_decode_batch1"], w["speedup_offline"]
         lines.append(
-            f"  {name:<12} {_fmt(p['decode_batch1_tokens_per_s']):>8} → {_fmt(n['decode_batch1_tokens_per_s']):>7} "
-            f"({_fmt(w['speedup_decode_batch1'], '.2f')}×)        {_fmt(p['offline_output_tokens_per_s']):>8} → "
-            f"{_fmt(n['offline_output_tokens_per_s']):>7} ({_fmt(w['speedup_offline'], '.2f')}×)   "
-            f"{_fmt(spec['acceptance_rate'] and 100 * spec['acceptance_rate'], '.0f'):>4}%  "
-            f"{_fmt(spec['mean_accepted_length'], '.2f'):>8}  {'yes' if w['identical_outputs'] else 'NO'}")
+            f"  {name:<12} {_fmt(p['decode_batch1_tokens_per_s']):>8} → "
+            f"{_fmt(n['decode_batch1_tokens_per_s']):>7} ({_fmt(b1_x, '.2f')}×)"
+            f"      {_fmt(p['offline_output_tokens_per_s']):>8} → "
+            f"{_fmt(n['offline_output_tokens_per_s']):>7} ({_fmt(off_x, '.2f')}×)"
+            f"  {_fmt(rate and 100 * rate, '.0f'):>7}%  {_fmt(mean_len, '.2f'):>8}"
+            f"  {'yes' if w['identical_outputs'] else 'NO'}")
     return lines
 
 

@@ -57,7 +57,8 @@ class EngineCore:
         self.proposer = None
         if self.speculative_config is not None:
             sc = self.speculative_config
-            self.proposer = NgramProposer(sc.num_speculative_tokens, sc.prompt_lookup_max, sc.prompt_lookup_min)
+            self.proposer = NgramProposer(sc.num_speculative_tokens, sc.prompt_lookup_max,
+                                          sc.prompt_lookup_min)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             # Without chunking a request is prefilled (or, after preemption, recomputed) in one step,
             # so one step must be able to hold the longest request; vLLM refuses the same way.
@@ -92,7 +93,8 @@ class EngineCore:
         self.finished_requests: OrderedDict[str, Request] = OrderedDict()
         self.live_requests: dict[str, Request] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0,
-                      "recomputed_tokens": 0, "swapped_out_blocks": 0, "swapped_in_blocks": 0, "swap_seconds": 0.0,
+                      "recomputed_tokens": 0, "swapped_out_blocks": 0, "swapped_in_blocks": 0,
+                      "swap_seconds": 0.0,
                       # speculative decoding (vLLM's counters): steps in which a request verified
                       # drafts, draft tokens verified, and how many of those were accepted
                       "spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
@@ -202,7 +204,8 @@ class EngineCore:
     def spec_decode_metrics(self) -> dict:
         """The run's speculation so far: acceptance rate = accepted / proposed draft tokens; mean
         accepted length = tokens emitted per verifying step (accepted drafts + the model's own)."""
-        drafts, proposed = self.stats["spec_decode_num_drafts"], self.stats["spec_decode_num_draft_tokens"]
+        drafts = self.stats["spec_decode_num_drafts"]
+        proposed = self.stats["spec_decode_num_draft_tokens"]
         accepted = self.stats["spec_decode_num_accepted_tokens"]
         return {"num_drafts": drafts, "num_draft_tokens": proposed, "num_accepted_tokens": accepted,
                 "acceptance_rate": accepted / proposed if proposed else None,
@@ -245,7 +248,8 @@ class EngineCore:
             message = f"the model failed in step {scheduler_output.step} ({type(error).__name__})"
             return ModelRunnerOutput({}, failed={s.request_id: message for s in scheduler_output.scheduled})
 
-    def _process_outputs(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list:
+    def _process_outputs(self, scheduler_output: SchedulerOutput,
+                         runner_output: ModelRunnerOutput) -> list:
         """New tokens → stop checks (the scheduler decides), streamed text, journeys. A request
         may bring several tokens (speculative decoding): they are cut after the first that stops
         it (EOS, stop token, max_tokens, max_model_len, or a stop string in the text)."""
@@ -268,16 +272,17 @@ class EngineCore:
         self._fail_requests(failed, scheduler_output.step)
 
         new_tokens = {rid: tokens for rid, tokens in new_tokens.items() if rid not in failed}
-        finished = {r.request_id for r in self.scheduler.update_from_output(scheduler_output, new_tokens,
-                                                                             stop_strings)}
+        finished = self.scheduler.update_from_output(scheduler_output, new_tokens, stop_strings)
+        finished_ids = {r.request_id for r in finished}
         now = time.perf_counter()
         outputs = [self.output_processor.make_error_output(self.get_request(rid)) for rid in failed
                    if self.get_request(rid) is not None]
         for request_id, tokens in new_tokens.items():
             request = self.live_requests.get(request_id)
             if request is not None:
-                self._keep_logprobs(request, _as_list(runner_output.sampled[request_id])[: len(tokens)])
-                outputs.append(self._emit_tokens(request, tokens, request_id in finished,
+                results = _as_list(runner_output.sampled[request_id])
+                self._keep_logprobs(request, results[: len(tokens)])
+                outputs.append(self._emit_tokens(request, tokens, request_id in finished_ids,
                                                  scheduler_output.step, now))
         return outputs
 
@@ -289,7 +294,8 @@ class EngineCore:
                 return token_ids[: i + 1], stop
         return token_ids, None
 
-    def _emit_tokens(self, request: Request, tokens: list[int], is_finished: bool, step: int, now: float):
+    def _emit_tokens(self, request: Request, tokens: list[int], is_finished: bool, step: int,
+                     now: float):
         """Journey events (one per token) and the RequestOutput for this step's new tokens
         (retires a finished request). Tokens verified together arrive at the same time."""
         for token in tokens:
@@ -313,15 +319,17 @@ class EngineCore:
     def _keep_logprobs(request: Request, results: list[SampleResult]) -> None:
         if request.sampling_params.logprobs is not None:
             for result in results:
-                request.output_logprobs.append(
-                    {"token_id": result.token_id, "logprob": result.logprob, "top_logprobs": result.top_logprobs})
+                request.output_logprobs.append({"token_id": result.token_id,
+                                                "logprob": result.logprob,
+                                                "top_logprobs": result.top_logprobs})
 
     def _propose_drafts(self) -> None:
         """Speculative decoding: draft the next tokens of every running request about to decode
         (the scheduler decides next step how many of them fit)."""
         for request in self.scheduler.running:
             decoding = request.num_tokens - request.num_computed_tokens == 1
-            request.spec_token_ids = self.proposer.propose(request.all_token_ids) if decoding else []
+            drafts = self.proposer.propose(request.all_token_ids) if decoding else []
+            request.spec_token_ids = drafts
 
     def _fail_requests(self, errors: dict[str, str], step: int) -> None:
         """End requests the engine could not serve; their clients get the error, the loop goes on."""
@@ -383,7 +391,8 @@ class EngineCore:
             prefix_cache_hits=kv.prefix_cache_hits - hits,
         )
 
-    def _scheduled_record(self, s: ScheduledRequest, runner_output: ModelRunnerOutput) -> ScheduledRecord:
+    def _scheduled_record(self, s: ScheduledRequest,
+                          runner_output: ModelRunnerOutput) -> ScheduledRecord:
         """What one request did in the step; with drafts, also how many the model accepted and
         the token it added itself (the correction at the first rejection, or the bonus)."""
         record = ScheduledRecord(s.request_id, s.phase.value, s.num_tokens, s.num_computed_tokens,

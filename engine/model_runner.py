@@ -33,7 +33,7 @@ class ModelInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn_meta: AttentionMetadata
-    logits_indices: torch.Tensor  # per sampling request: its last row, or all its rows if it speculates
+    logits_indices: torch.Tensor  # per sampling request its last row (all if it speculates)
 
 
 @dataclass
@@ -96,7 +96,8 @@ class ModelRunner:
         )
         # Logits only for the requests that sample this step, in the scheduler's order. A prefill
         # chunk that stops before the end of the prompt has no next token: no lm_head row for it.
-        logits_rows = [row for s in sched.scheduled if s.produces_token for row in sample_rows[s.request_id]]
+        logits_rows = [row for s in sched.scheduled if s.produces_token
+                       for row in sample_rows[s.request_id]]
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         return ModelInputs(as_tensor(input_ids), as_tensor(positions), meta, as_tensor(logits_rows))
 
@@ -113,7 +114,8 @@ class ModelRunner:
         logits = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_meta, inputs.logits_indices)
         self._sync()
         t2 = time.perf_counter()
-        sampled, failed = self.sample_and_verify(logits, [s for s in sched.scheduled if s.produces_token])
+        producing = [s for s in sched.scheduled if s.produces_token]
+        sampled, failed = self.sample_and_verify(logits, producing)
         t3 = time.perf_counter()
         timings = {"prepare_inputs": t1 - t0, "forward": t2 - t1, "sample": t3 - t2, "swap": swap_seconds}
         return ModelRunnerOutput(sampled, timings, failed)
@@ -137,7 +139,8 @@ class ModelRunner:
         sampled = {request_id: [result] for request_id, result in results.items()}
         for s, rows in speculating:
             try:
-                tokens = self.rejection_sampler(rows, s.draft_token_ids, s.sampling_params, s.request_id)
+                tokens = self.rejection_sampler(rows, s.draft_token_ids, s.sampling_params,
+                                                s.request_id)
                 sampled[s.request_id] = with_logprobs(rows, tokens, s.sampling_params.logprobs)
             except Exception as error:  # noqa: BLE001 — fail this request only
                 logger.exception("request %s: verification failed", s.request_id)
@@ -164,7 +167,8 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
 
-def with_logprobs(rows: torch.Tensor, token_ids: list[int], num_logprobs: int | None) -> list[SampleResult]:
+def with_logprobs(rows: torch.Tensor, token_ids: list[int],
+                  num_logprobs: int | None) -> list[SampleResult]:
     """SampleResults for tokens verified from consecutive logits rows (token i from row i), with
     the logprobs the request asked for, under the unmodified distribution as the sampler does."""
     if num_logprobs is None:
@@ -173,6 +177,6 @@ def with_logprobs(rows: torch.Tensor, token_ids: list[int], num_logprobs: int | 
     results = []
     for row, token in zip(logprobs, token_ids):
         top = row.topk(num_logprobs) if num_logprobs > 0 else None
-        top_logprobs = dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {}
+        top_logprobs = {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist()))
         results.append(SampleResult(token, row[token].item(), top_logprobs))
     return results

@@ -418,7 +418,8 @@ class Scheduler:
         speculative decoding several tokens arrive in one step; none after a stop is emitted."""
         num_output, num_tokens = request.num_output_tokens, request.num_tokens
         for i, token in enumerate(token_ids):
-            if self._stop_status(request, token, num_output + i + 1, num_tokens + i + 1) is not None:
+            stop = self._stop_status(request, token, num_output + i + 1, num_tokens + i + 1)
+            if stop is not None:
                 return token_ids[: i + 1]
         return token_ids
 

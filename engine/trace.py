@@ -100,8 +100,8 @@ def spec_decode_dataframe(records: list[StepRecord]) -> pd.DataFrame:
         for s in r.scheduled
         if s.draft_token_ids
     ]
-    return pd.DataFrame(rows, columns=["step", "request_id", "num_draft_tokens", "num_accepted_tokens",
-                                       "bonus_token_id", "draft_token_ids"])
+    return pd.DataFrame(rows, columns=["step", "request_id", "num_draft_tokens",
+                                       "num_accepted_tokens", "bonus_token_id", "draft_token_ids"])
 
 
 def unscheduled_dataframe(records: list[StepRecord]) -> pd.DataFrame:

@@ -28,10 +28,15 @@ from engine.trace import spec_decode_dataframe
 from test_scheduler import EOS, VOCAB, check_kv, make_req, make_sched
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+}
 
 
-# -- the proposer and the verifier alone ------------------------------------------------------------
+# -- the proposer and the verifier alone -------------------------------------------------------
 
 
 def test_ngram_proposer_prefers_the_longest_then_the_most_recent_match():
@@ -53,14 +58,17 @@ def test_greedy_verification_accepts_the_matching_prefix_plus_one():
     assert verify_greedy([5, 6], [4]) == [5]
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
-    ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "must not exceed"),
-    ({"method": "ngram", "prompt_lookup_min": 0}, "prompt_lookup_min"),
-    ({"method": "eagle"}, "method"),
-    ({"num_speculative_tokens": 2}, "method"),
-    ({"method": "ngram", "num_speculative_token": 2}, "unknown keys"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "must not exceed"),
+        ({"method": "ngram", "prompt_lookup_min": 0}, "prompt_lookup_min"),
+        ({"method": "eagle"}, "method"),
+        ({"num_speculative_tokens": 2}, "method"),
+        ({"method": "ngram", "num_speculative_token": 2}, "unknown keys"),
+    ],
+)
 def test_bad_speculative_config_is_refused_at_start_up(make_engine, bad, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig.from_value(bad)
@@ -68,14 +76,19 @@ def test_bad_speculative_config_is_refused_at_start_up(make_engine, bad, message
         make_engine(speculative_config=bad)
 
 
-# -- the engine on the tiny model -------------------------------------------------------------------
+# -- the engine on the tiny model --------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def make_engine(tiny_model_dir):
     def make(**overrides) -> EngineCore:
-        config = dict(model=str(tiny_model_dir), device="cpu", num_kv_blocks=64, max_model_len=256,
-                      block_size=16)
+        config = dict(
+            model=str(tiny_model_dir),
+            device="cpu",
+            num_kv_blocks=64,
+            max_model_len=256,
+            block_size=16,
+        )
         config.update(overrides)
         return EngineCore(EngineConfig(**config))
 
@@ -164,16 +177,25 @@ def test_greedy_with_speculation_equals_greedy_without(make_engine, prompts, ref
 def test_speculation_mixes_with_prefills_in_one_step(make_engine, prompts):
     """A forward that verifies drafts also runs another request's prefill."""
     engine = make_engine(speculative_config=NGRAM)
-    engine.add_request(prompt_token_ids=prompts["repeat0"], request_id="early",
-                       sampling_params=SamplingParams(max_tokens=40, **GREEDY))
+    engine.add_request(
+        prompt_token_ids=prompts["repeat0"],
+        request_id="early",
+        sampling_params=SamplingParams(max_tokens=40, **GREEDY),
+    )
     mixed = False
     for i in range(40):
         if i == 3:
-            engine.add_request(prompt_token_ids=prompts["random2"], request_id="late",
-                               sampling_params=SamplingParams(max_tokens=4, **GREEDY))
+            engine.add_request(
+                prompt_token_ids=prompts["random2"],
+                request_id="late",
+                sampling_params=SamplingParams(max_tokens=4, **GREEDY),
+            )
         record = engine.step()
         phases = {s.phase for s in record.scheduled}
-        if any(s.draft_token_ids for s in record.scheduled) and phases & {"prefill", "chunked_prefill"}:
+        if any(s.draft_token_ids for s in record.scheduled) and phases & {
+            "prefill",
+            "chunked_prefill",
+        }:
             mixed = True
         if not engine.has_unfinished_requests():
             break
@@ -198,21 +220,38 @@ def test_real_model_copying_a_list_accepts_drafts_and_keeps_its_output(default_m
     the greedy output is the one without speculation."""
     from engine import LLM
 
-    words = ["apple orange", "river window", "stone garden", "cloud silver", "lamp bridge", "tiger candle"]
+    words = [
+        "apple orange",
+        "river window",
+        "stone garden",
+        "cloud silver",
+        "lamp bridge",
+        "tiger candle",
+    ]
     text = "Repeat this list exactly, one item per line:\n" + "\n".join(
-        f"{i}. {w} {10 + 3 * i}" for i, w in enumerate(words, 1))
+        f"{i}. {w} {10 + 3 * i}" for i, w in enumerate(words, 1)
+    )
     outputs, metrics = [], None
     for spec in (None, NGRAM):
-        llm = LLM(model=str(default_model_dir), device="cpu", num_kv_blocks=64, max_model_len=1024,
-                  speculative_config=spec)
+        llm = LLM(
+            model=str(default_model_dir),
+            device="cpu",
+            num_kv_blocks=64,
+            max_model_len=1024,
+            speculative_config=spec,
+        )
         prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": text}])
-        outputs.append(llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0), use_tqdm=False)[0])
+        outputs.append(
+            llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0), use_tqdm=False)[
+                0
+            ]
+        )
         metrics = llm.engine.spec_decode_metrics()
     assert outputs[1].token_ids == outputs[0].token_ids and outputs[1].text == outputs[0].text
     assert metrics["acceptance_rate"] > 0 and metrics["mean_accepted_length"] > 1
 
 
-# -- stops inside a run of accepted tokens ------------------------------------------------------------
+# -- stops inside a run of accepted tokens -----------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -246,8 +285,11 @@ def test_stop_token_inside_an_accepted_run(make_engine, spec_run):
     prompt, tokens, inside = spec_run
     engine = make_engine(speculative_config=NGRAM)
     index = next(i for i in inside if tokens.index(tokens[i]) == i)  # the token's first occurrence
-    _, final, _ = generate(engine, {"t": prompt},
-                           SamplingParams(max_tokens=40, stop_token_ids=[tokens[index]], **GREEDY))
+    _, final, _ = generate(
+        engine,
+        {"t": prompt},
+        SamplingParams(max_tokens=40, stop_token_ids=[tokens[index]], **GREEDY),
+    )
     assert final["t"].token_ids == tokens[: index + 1]
     assert final["t"].finish_reason == "stop" and final["t"].stop_reason == tokens[index]
 
@@ -259,7 +301,7 @@ def test_stop_string_inside_an_accepted_run(make_engine, spec_run):
     plain, spec = make_engine(), make_engine(speculative_config=NGRAM)
     tokenizer = spec.tokenizer
     for index in inside:
-        piece = tokenizer.decode(tokens[: index + 1])[len(tokenizer.decode(tokens[:index])):]
+        piece = tokenizer.decode(tokens[: index + 1])[len(tokenizer.decode(tokens[:index])) :]
         before = tokenizer.decode(tokens[:index])
         if piece.strip() and "\ufffd" not in piece and piece not in before:
             break
@@ -280,7 +322,10 @@ def test_max_model_len_is_never_crossed(make_engine, spec_run):
     spec = make_engine(max_model_len=max_model_len, speculative_config=NGRAM)
     _, want, _ = generate(plain, {"l": prompt}, SamplingParams(max_tokens=None, **GREEDY))
     _, got, _ = generate(spec, {"l": prompt}, SamplingParams(max_tokens=None, **GREEDY))
-    assert got["l"].token_ids == want["l"].token_ids and len(prompt) + len(got["l"].token_ids) == max_model_len
+    assert (
+        got["l"].token_ids == want["l"].token_ids
+        and len(prompt) + len(got["l"].token_ids) == max_model_len
+    )
     assert got["l"].finish_reason == "length" and spec.stats["spec_decode_num_accepted_tokens"] > 0
 
 
@@ -335,7 +380,7 @@ def test_drafts_never_cause_a_preemption():
     assert {s.request_id: s.draft_token_ids for s in out.scheduled}["b"] == []
 
 
-# -- block accounting over random accept/reject cycles (no model) -------------------------------------
+# -- block accounting over random accept/reject cycles (no model) ------------------------------
 
 
 @st.composite
@@ -343,10 +388,16 @@ def spec_scenarios(draw):
     block_size = draw(st.sampled_from([1, 2, 4]))
     max_model_len = draw(st.integers(8, 40))
     min_blocks = -(-max_model_len // block_size)
-    cfg = dict(num_blocks=draw(st.integers(min_blocks, min_blocks + 10)), block_size=block_size,
-               budget=draw(st.integers(4, 48)), max_model_len=max_model_len, max_seqs=draw(st.integers(1, 5)),
-               caching=draw(st.booleans()), preemption_mode=draw(st.sampled_from(["recompute", "swap"])),
-               num_swap_blocks=draw(st.integers(0, 8)))
+    cfg = dict(
+        num_blocks=draw(st.integers(min_blocks, min_blocks + 10)),
+        block_size=block_size,
+        budget=draw(st.integers(4, 48)),
+        max_model_len=max_model_len,
+        max_seqs=draw(st.integers(1, 5)),
+        caching=draw(st.booleans()),
+        preemption_mode=draw(st.sampled_from(["recompute", "swap"])),
+        num_swap_blocks=draw(st.integers(0, 8)),
+    )
     requests = []
     for _ in range(draw(st.integers(1, 6))):
         prompt = draw(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=max_model_len - 1))
@@ -389,7 +440,9 @@ def test_block_accounting_stays_exact_across_accept_reject_cycles(scenario):
             request = sched.requests.get(s.request_id)
             if request is not None and s.draft_token_ids:
                 assert request.num_computed_tokens == request.num_tokens - 1
-                assert len(kv.req_to_blocks[s.request_id]) == -(-request.num_computed_tokens // kv.block_size)
+                assert len(kv.req_to_blocks[s.request_id]) == -(
+                    -request.num_computed_tokens // kv.block_size
+                )
     assert not sched.has_unfinished_requests()
     for request in finished:
         assert request.num_output_tokens <= request.sampling_params.max_tokens
@@ -398,11 +451,25 @@ def test_block_accounting_stays_exact_across_accept_reject_cycles(scenario):
     assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
 
 
-# -- sampling: the output distribution is the target model's -------------------------------------------
+# -- sampling: the output distribution is the target model's -----------------------------------
 
 # Upper 0.001 critical values of the chi-square distribution, by degrees of freedom (scipy-free).
-CHI2_CRITICAL_0_001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322,
-                       8: 26.124, 9: 27.877, 10: 29.588, 11: 31.264, 12: 32.909, 13: 34.528, 14: 36.123}
+CHI2_CRITICAL_0_001 = {
+    1: 10.828,
+    2: 13.816,
+    3: 16.266,
+    4: 18.467,
+    5: 20.515,
+    6: 22.458,
+    7: 24.322,
+    8: 26.124,
+    9: 27.877,
+    10: 29.588,
+    11: 31.264,
+    12: 32.909,
+    13: 34.528,
+    14: 36.123,
+}
 
 
 def chi_square(counts: dict, expected: dict, min_expected: float = 5.0) -> tuple[float, int]:
@@ -420,7 +487,7 @@ def chi_square(counts: dict, expected: dict, min_expected: float = 5.0) -> tuple
 
 
 class FixedProposer:
-    """Always drafts the same tokens: rejection sampling must be exact for any deterministic draft."""
+    """Always drafts the same tokens: rejection sampling must be exact for any fixed draft."""
 
     def __init__(self, draft: list[int]):
         self.draft = draft
@@ -435,8 +502,9 @@ def test_sampling_with_speculation_keeps_the_target_distribution(make_engine, ti
     p(t1) · p(t2 | t1) of the target model, with acceptance and rejection both frequent."""
     params = dict(temperature=1.0, top_k=3, ignore_eos=True, max_tokens=3)
     prompt = [5 + (7 * i) % 50 for i in range(12)]
-    engine = make_engine(speculative_config=NGRAM, max_num_seqs=256, max_num_batched_tokens=4096,
-                         num_kv_blocks=600)
+    engine = make_engine(
+        speculative_config=NGRAM, max_num_seqs=256, max_num_batched_tokens=4096, num_kv_blocks=600
+    )
     runner = engine.executor.worker.runner
     exact = SamplingParams(**params)
 
@@ -444,8 +512,13 @@ def test_sampling_with_speculation_keeps_the_target_distribution(make_engine, ti
         from engine.attention import build_attention_metadata
 
         meta = build_attention_metadata([len(tokens)], [0], [[599]], 16, runner.device)
-        logits = runner.model.forward(torch.tensor(tokens), torch.arange(len(tokens)), runner.kv_caches, meta,
-                                      torch.tensor([len(tokens) - 1]))
+        logits = runner.model.forward(
+            torch.tensor(tokens),
+            torch.arange(len(tokens)),
+            runner.kv_caches,
+            meta,
+            torch.tensor([len(tokens) - 1]),
+        )
         return Sampler.probabilities(logits[0], exact)
 
     p1 = next_token_probs(prompt)
@@ -460,8 +533,11 @@ def test_sampling_with_speculation_keeps_the_target_distribution(make_engine, ti
 
     n = 500
     for seed in range(n):
-        engine.add_request(prompt_token_ids=prompt, request_id=f"s{seed}",
-                           sampling_params=SamplingParams(seed=seed, **params))
+        engine.add_request(
+            prompt_token_ids=prompt,
+            request_id=f"s{seed}",
+            sampling_params=SamplingParams(seed=seed, **params),
+        )
     records, final, _ = run(engine)
     counts: dict = {}
     for out in final.values():
@@ -472,7 +548,9 @@ def test_sampling_with_speculation_keeps_the_target_distribution(make_engine, ti
     accepted = spec.num_accepted_tokens.sum()
     assert 0.05 * len(spec) < accepted < 0.95 * len(spec), "acceptance and rejection both happen"
     statistic, dof = chi_square(counts, {key: n * p for key, p in expected_joint.items()})
-    print(f"chi-square {statistic:.2f} with {dof} degrees of freedom, {accepted} of {len(spec)} accepted")
+    print(
+        f"chi-square {statistic:.2f}, {dof} degrees of freedom, {accepted}/{len(spec)} accepted"
+    )
     assert statistic < CHI2_CRITICAL_0_001[dof], (statistic, dof, counts)
 
 
@@ -493,20 +571,30 @@ def test_rejection_sampler_alone_keeps_the_distribution():
         assert statistic < CHI2_CRITICAL_0_001[dof], (draft, statistic, counts)
 
 
-# -- the bench section --------------------------------------------------------------------------------
+# -- the bench section -------------------------------------------------------------------------
 
 
 def test_bench_section_measures_both_workloads_with_and_without(tiny_model_dir):
     from engine import bench
     from engine.llm import LLM
 
-    config = bench.BenchConfig(model=str(tiny_model_dir), device="cpu", speculative="ngram", spec_num_requests=2,
-                               spec_output_len=12, probe_prompt_len=16, max_num_seqs=4)
+    config = bench.BenchConfig(
+        model=str(tiny_model_dir),
+        device="cpu",
+        speculative="ngram",
+        spec_num_requests=2,
+        spec_output_len=12,
+        probe_prompt_len=16,
+        max_num_seqs=4,
+    )
     llm = LLM(model=str(tiny_model_dir), device="cpu", num_kv_blocks=64, max_num_seqs=4)
     result = bench.run_spec_decode(llm, config, specials=[0, 1, 2])
     assert set(result["workloads"]) == {"repetitive", "random"}
     for row in result["workloads"].values():
         assert row["identical_outputs"]
-        assert row["plain"]["decode_batch1_tokens_per_s"] > 0 and row["ngram"]["offline_output_tokens_per_s"] > 0
+        assert (
+            row["plain"]["decode_batch1_tokens_per_s"] > 0
+            and row["ngram"]["offline_output_tokens_per_s"] > 0
+        )
         assert row["ngram"]["spec"]["num_draft_tokens"] >= 0
     assert "6. Speculative decoding" in "\n".join(bench.format_spec_decode(result))

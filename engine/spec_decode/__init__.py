@@ -1,7 +1,7 @@
 """Speculative decoding (chapter 13): propose a few tokens cheaply, verify them all in one forward.
 
 - `config.py`: SpeculativeConfig, vLLM's `speculative_config` dict checked at start-up;
-- `ngram.py`: the n-gram proposer (prompt lookup decoding), which drafts from the request's own text;
+- `ngram.py`: the n-gram proposer (prompt lookup decoding): drafts from the request's own text;
 - `rejection_sampler.py`: which drafts the target model accepts, so that the output distribution
   is exactly the target model's (greedy: draft == argmax; sampling: rejection sampling).
 """

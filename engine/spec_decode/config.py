@@ -18,15 +18,20 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise ValueError(f"speculative_config: method must be one of {METHODS}, got {self.method!r}")
+            raise ValueError(
+                f"speculative_config: method must be one of {METHODS}, got {self.method!r}"
+            )
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {value!r}")
+                raise ValueError(
+                    f"speculative_config: {name} must be an integer >= 1, got {value!r}"
+                )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
-                f"prompt_lookup_max ({self.prompt_lookup_max})")
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
 
     @classmethod
     def from_value(cls, value: "dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":

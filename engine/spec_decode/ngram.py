@@ -28,7 +28,7 @@ class NgramProposer:
 
     @staticmethod
     def _last_earlier_match(token_ids: list[int], n: int) -> int | None:
-        """Where the last n tokens occurred most recently before (not counting the suffix itself)."""
+        """Where the last n tokens occurred most recently before (the suffix itself excluded)."""
         suffix = token_ids[-n:]
         last = suffix[-1]
         for end in range(len(token_ids) - 2, n - 2, -1):  # `end`: index of a match's last token

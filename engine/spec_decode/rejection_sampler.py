@@ -31,15 +31,25 @@ class RejectionSampler:
     def forget(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
 
-    def __call__(self, logits: torch.Tensor, draft_token_ids: list[int], params: SamplingParams,
-                 request_id: str) -> list[int]:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        draft_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+    ) -> list[int]:
         """logits: [len(draft_token_ids) + 1, vocab], one row per verified position."""
         if params.greedy:
             return verify_greedy(logits.argmax(dim=-1).tolist(), draft_token_ids)
         return self._verify_sampled(logits, draft_token_ids, params, request_id)
 
-    def _verify_sampled(self, logits: torch.Tensor, draft_token_ids: list[int], params: SamplingParams,
-                        request_id: str) -> list[int]:
+    def _verify_sampled(
+        self,
+        logits: torch.Tensor,
+        draft_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+    ) -> list[int]:
         generator = self._generator(request_id, params, logits.device)
         tokens = []
         for row, draft in enumerate(draft_token_ids):
