@@ -297,8 +297,10 @@ class Scheduler:
 
     def _finalize(self, plan: StepPlan) -> SchedulerOutput:
         for s in plan.scheduled.values():  # only now is the decision final (a victim may have lost its share)
+            drafts = {"num_draft_tokens": len(s.draft_token_ids)} if s.draft_token_ids else {}
             self.requests[s.request_id].record("scheduled", plan.step, phase=s.phase.value,
-                                               num_tokens=s.num_tokens, start=s.num_computed_tokens)
+                                               num_tokens=s.num_tokens, start=s.num_computed_tokens,
+                                               **drafts)
         finished_ids, self.finished_since_last_step = self.finished_since_last_step, []
         return SchedulerOutput(
             step=plan.step,
