@@ -4,12 +4,25 @@ from __future__ import annotations
 
 import argparse
 import os
+import json
 import sys
 
 from engine.artifact import ArtifactError
 
 # engine.server.API_KEY_ENV, spelled out: importing the server here would load torch for --help.
 SERVE_API_KEY_ENV = "LLM_LAB_API_KEY"
+
+
+def speculative_config_arg(text: str) -> dict:
+    """--speculative-config '{"method": "ngram", "num_speculative_tokens": 3, ...}' (JSON, like
+    vLLM's option)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def cmd_artifact(args: argparse.Namespace) -> int:
@@ -28,7 +41,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine.core import EngineConfig, EngineCore
     from engine.sampling_params import SamplingParams
 
-    engine = EngineCore(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
+    engine = EngineCore(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                                     speculative_config=args.speculative_config))
     prompt = args.prompt
     if not args.raw:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -53,7 +67,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                           num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
                           max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens)
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          speculative_config=args.speculative_config)
     engine = EngineCore(config)
     name = args.served_model_name or engine.model_dir.name
     print(f"serving {name} ({engine.device.type}, {str(engine.dtype).removeprefix('torch.')}, "
@@ -101,6 +116,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             json.dump(data, f, indent=2, ensure_ascii=False)
         print(f"results written to {args.json}")
     return 0
+SPEC_HELP = ('speculative decoding as JSON, e.g. \'{"method": "ngram", '
+             '"num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}\'')
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("--speculative-config", type=speculative_config_arg, help=SPEC_HELP)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)",
@@ -148,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--log-level", default="info")
+    p.add_argument("--speculative-config", type=speculative_config_arg, help=SPEC_HELP)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="measure the machine's ceilings, the engine against transformers, latency")
@@ -169,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-transformers", action="store_true", help="do not run the transformers baseline")
     p.add_argument("--kernels", choices=["auto", "torch"], default=None,
                    help="auto: our C++ CPU kernels when they build (default); torch: the reference")
+    p.add_argument("--speculative", choices=["ngram"], default=None,
+                   help="also measure speculative decoding (n-gram) against plain decoding")
+    p.add_argument("--speculative-config", type=speculative_config_arg, default=None,
+                   help=SPEC_HELP + " (for --speculative; default k=3, n-gram 1 to 3)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("simulate", help="what-if at scale: the real scheduler on a cost model (no model is run)")

@@ -21,7 +21,11 @@ Six measurements, all in one process run, on one artifact and one dtype:
    input preparation, sampling, output processing, bookkeeping), at batch 1 and at full batch.
 5. Latency under load: Poisson arrivals at a few rates through the in-process AsyncLLM; TTFT,
    TPOT and E2E percentiles and the throughput reached.
-6. Simulator fidelity (engine/simulator.py): calibrate the cost model on another workload, then
+6. Kernels (CPU, float32, full runs): our C++ kernels against torch's linear and attention, and
+   decode steps on both paths (`--kernels auto|torch` picks the engine's path everywhere).
+7. Speculative decoding (only with `--speculative ngram`): the same requests with and without
+   n-gram drafts, on a repetitive and on a random-token workload.
+8. Simulator fidelity (engine/simulator.py): calibrate the cost model on another workload, then
    run the offline workload on the real and on the simulated engine and compare total time,
    TTFT p50/p90, TPOT p50 and throughput (calibration cached in bench-results/calibration.json).
 
@@ -86,6 +90,11 @@ class BenchConfig:
     skip_transformers: bool = False
     kernels: str = "auto"  # "auto": our C++ CPU kernels when they build; "torch": the reference
     kernel_section: bool = True  # section 6: our kernels against torch's, and the step both ways
+    # speculative decoding (section 7, only with `--speculative ngram`)
+    speculative: str | None = None  # "ngram" to run section 7
+    speculative_config: dict | None = None  # None: DEFAULT_SPEC_CONFIG
+    spec_num_requests: int = 8
+    spec_output_len: int = 128
 
     @classmethod
     def quick_config(cls, **overrides) -> "BenchConfig":
@@ -687,17 +696,134 @@ def run_benchmark(config: BenchConfig, log=print) -> dict:
     }
 
     if config.kernel_section and device.type == "cpu" and dtype == torch.float32:
-        log("[6/6] kernels: linear kernels, attention alone, decode steps with torch and auto")
+        log("[6] kernels: linear kernels, attention alone, decode steps with torch and auto")
         results["kernels"] = {
             "linear": measure_linear_kernels(model, config.ceiling_repeats),
             "attention": measure_attention_kernel(model, config.max_num_seqs, (350, 450),
                                                   config.ceiling_repeats, config.seed + 700),
             "decode": measure_decode_both_paths(model_dir, config, vocab, specials),
         }
+    if config.speculative:
+        log(f"[7] speculative decoding ({config.speculative}): with and without, same workloads")
+        results["spec_decode"] = run_spec_decode(llm, config, specials)
 
     results["targets"] = evaluate_targets(results)
     results["conditions"]["bench_seconds"] = time.perf_counter() - started
     return results
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Speculative decoding (n-gram): the same requests with and without drafts
+
+DEFAULT_SPEC_CONFIG = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                       "prompt_lookup_min": 1}
+SPEC_WORDS = ["apple", "river", "stone", "cloud", "lamp", "tiger", "paper", "glass", "orange",
+              "window", "garden", "silver", "bridge", "candle", "forest", "rocket"]
+
+
+def repetitive_prompts(tokenizer, num_requests: int, seed: int) -> list[list[int]]:
+    """Chat prompts that ask the model to copy a numbered list: the answer repeats the prompt,
+    which is where prompt lookup pays off (editing code or quoting a document are alike)."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(num_requests):
+        lines = [f"{i + 1}. {rng.choice(SPEC_WORDS)} {rng.choice(SPEC_WORDS)} {rng.randint(10, 99)}"
+                 for i in range(12)]
+        text = "Repeat this list exactly, one item per line:\n" + "\n".join(lines)
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        prompts.append(tokenizer.encode(chat))
+    return prompts
+
+
+def spec_workloads(engine, config: "BenchConfig", specials) -> dict[str, list[WorkItem]]:
+    n, out = config.spec_num_requests, config.spec_output_len
+    copying = repetitive_prompts(engine.tokenizer, n, config.seed + 500)
+    return {
+        "repetitive": [WorkItem(p, out) for p in copying],
+        "random": make_workload(n, (config.probe_prompt_len, config.probe_prompt_len), (out, out),
+                                config.seed + 600, engine.model_config.vocab_size, specials),
+    }
+
+
+def decode_rate_batch1(engine, workload: list[WorkItem]) -> dict:
+    """One request at a time: tokens/s over the steps after its first token (decode only)."""
+    tokens, seconds = 0, 0.0
+    for item in workload:
+        for wall, record in run_steps(engine, [item])[1:]:  # the first step is the prefill
+            seconds += wall
+            tokens += sum(len(t) for t in record.new_tokens.values())
+    rate = tokens / seconds if seconds else None
+    return {"tokens_per_s": rate, "tokens": tokens, "seconds": seconds}
+
+
+def _spec_counts(engine, before: dict) -> dict:
+    after = engine.spec_decode_metrics()
+    proposed = after["num_draft_tokens"] - before["num_draft_tokens"]
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    drafts = after["num_drafts"] - before["num_drafts"]
+    return {"num_drafts": drafts, "num_draft_tokens": proposed, "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / proposed if proposed else None,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else None}
+
+
+def run_spec_decode(llm, config: "BenchConfig", specials) -> dict:
+    """Batch-1 decode tokens/s and offline throughput, without and with n-gram speculation, on a
+    repetitive workload and on the random-token one; the two engines share the weights."""
+    from engine.llm import LLM
+
+    spec_config = config.speculative_config or DEFAULT_SPEC_CONFIG
+    base = llm.engine.config
+    spec_llm = LLM(model=str(llm.engine.model_dir), device=base.device, dtype=base.dtype,
+                   max_num_seqs=config.max_num_seqs,
+                   max_num_batched_tokens=config.max_num_batched_tokens,
+                   num_kv_blocks=llm.engine.num_blocks, max_model_len=llm.engine.max_model_len,
+                   speculative_config=spec_config)
+    rows = {}
+    for name, workload in spec_workloads(llm.engine, config, specials).items():
+        row = {}
+        for label, runner in (("plain", llm), ("ngram", spec_llm)):
+            before = runner.engine.spec_decode_metrics()
+            batch1 = decode_rate_batch1(runner.engine, workload)
+            offline = run_engine_offline(runner, workload)
+            row[label] = {"decode_batch1_tokens_per_s": batch1["tokens_per_s"],
+                          "offline_output_tokens_per_s": offline["output_tokens_per_s"],
+                          "offline_steps": offline["steps"], "tokens": offline["tokens"]}
+            if label == "ngram":
+                row[label]["spec"] = _spec_counts(runner.engine, before)
+        row["identical_outputs"] = row["plain"].pop("tokens") == row["ngram"].pop("tokens")
+        row["speedup_decode_batch1"] = _ratio(row["ngram"]["decode_batch1_tokens_per_s"],
+                                              row["plain"]["decode_batch1_tokens_per_s"])
+        row["speedup_offline"] = _ratio(row["ngram"]["offline_output_tokens_per_s"],
+                                        row["plain"]["offline_output_tokens_per_s"])
+        rows[name] = row
+    return {"speculative_config": spec_config, "num_requests": config.spec_num_requests,
+            "output_len": config.spec_output_len, "sampling": "greedy, ignore_eos",
+            "workloads": rows}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def format_spec_decode(r: dict) -> list[str]:
+    sc = r["speculative_config"]
+    lines = [f"7. Speculative decoding ({sc['method']}, k={sc['num_speculative_tokens']}, n-gram "
+             f"{sc['prompt_lookup_min']}..{sc['prompt_lookup_max']}; {r['num_requests']} requests "
+             f"× {r['output_len']} tokens, {r['sampling']})",
+             "  workload     batch-1 tok/s plain → ngram (×)   offline tok/s plain → ngram (×)  "
+             "accepted  mean len  same output"]
+    for name, w in r["workloads"].items():
+        p, n, spec = w["plain"], w["ngram"], w["ngram"]["spec"]
+        rate, mean_len = spec["acceptance_rate"], spec["mean_accepted_length"]
+        b1_x, off_x = w["speedup_decode_batch1"], w["speedup_offline"]
+        lines.append(
+            f"  {name:<12} {_fmt(p['decode_batch1_tokens_per_s']):>8} → "
+            f"{_fmt(n['decode_batch1_tokens_per_s']):>7} ({_fmt(b1_x, '.2f')}×)"
+            f"      {_fmt(p['offline_output_tokens_per_s']):>8} → "
+            f"{_fmt(n['offline_output_tokens_per_s']):>7} ({_fmt(off_x, '.2f')}×)"
+            f"  {_fmt(rate and 100 * rate, '.0f'):>7}%  {_fmt(mean_len, '.2f'):>8}"
+            f"  {'yes' if w['identical_outputs'] else 'NO'}")
+    return lines
 
 
 def evaluate_targets(results: dict) -> list[dict]:
@@ -809,6 +935,8 @@ def format_results(r: dict) -> str:
     for t in r["targets"]:
         lines.append(f"  {'met    ' if t['met'] else 'NOT met'}  {t['name']}: {_fmt(t['value'], '.3f')} "
                      f"(target {t['target']})")
+    if "spec_decode" in r:
+        lines += ["", *format_spec_decode(r["spec_decode"])]
     lines.append(f"\n  bench took {c['bench_seconds']:.0f} s")
     return "\n".join(lines)
 
@@ -867,6 +995,8 @@ def main(args) -> int:
         latency_rates=tuple(args.rates) if args.rates else None,
         skip_transformers=args.skip_transformers or None,
         kernels=getattr(args, "kernels", None),
+        speculative=getattr(args, "speculative", None),
+        speculative_config=getattr(args, "speculative_config", None),
     ).items() if v is not None}
     if args.prompt_len:
         overrides["prompt_len"] = tuple(args.prompt_len)
@@ -876,7 +1006,7 @@ def main(args) -> int:
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     results = run_benchmark(config, log=log)
     calibration_path = (Path(args.json) if args.json else LATEST_RESULTS).parent / "calibration.json"
-    log("[6/6] simulator fidelity: calibrate on one workload, compare on the benchmark's")
+    log("[8] simulator fidelity: calibrate on one workload, compare on the benchmark's")
     results["simulator_fidelity"] = simulator_fidelity(config, calibration_path, log)
     path = save_results(results, args.json)
     print()
@@ -887,7 +1017,7 @@ def main(args) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# 6. Simulator fidelity (engine/simulator.py): the simulated engine against the real one
+# 8. Simulator fidelity (engine/simulator.py): the simulated engine against the real one
 
 
 FIDELITY_TARGET = 0.10  # the issue's goal: each figure within 10 % of the real engine's
@@ -947,7 +1077,7 @@ def simulator_fidelity(config: BenchConfig, calibration_path: str | Path | None 
 
 def format_fidelity(f: dict) -> str:
     fit = f["calibration"]["fit"]
-    lines = ["", f"6. Simulator fidelity (same workload, all at t=0; calibration fitted on "
+    lines = ["", f"8. Simulator fidelity (same workload, all at t=0; calibration fitted on "
                  f"{f['calibration']['workload']['num_requests']} other requests: {fit['steps']} steps, "
                  f"median step error {100 * fit['median_abs_relative_error']:.1f} %)",
              "  figure                 real (measured)   simulated (computed)   error"]

@@ -31,3 +31,6 @@ class EngineConfig:
     num_swap_blocks: int | None = None  # swap space in blocks; None = as many as the KV cache has
     kernels: str = "auto"  # "auto": our C++ CPU kernels if they build (CPU float32); "torch": never
     keep_finished: int = 1000  # finished requests kept for the app's plots
+    # Speculative decoding, as vLLM takes it: {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_max": n, "prompt_lookup_min": m} (engine/spec_decode/). None: off.
+    speculative_config: dict | None = None

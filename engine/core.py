@@ -1,6 +1,7 @@
 """EngineCore: the loop of an inference server, one step at a time.
 
     step():  schedule  →  execute (executor → worker → model runner → model, sampler)  →  update
+             (→ propose draft tokens for the next step, when speculative decoding is on)
 
 Each step returns a StepRecord saying what was decided, why, what it cost and what the KV cache
 looks like afterwards, so that a learner can replay the engine's life one decision at a time.
@@ -26,7 +27,8 @@ from engine.request import Request, RequestStatus
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.sampler import SampleResult
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.scheduler_output import Phase, SchedulerOutput
+from engine.scheduler_output import Phase, ScheduledRequest, SchedulerOutput
+from engine.spec_decode import NgramProposer, SpeculativeConfig
 from engine.tokenizer import Tokenizer
 from engine.trace import ScheduledRecord, StepRecord
 from engine.worker import Worker, resolve_device, resolve_dtype
@@ -54,6 +56,12 @@ class EngineCore:
             raise ValueError("block_size, max_num_batched_tokens and max_num_seqs must be positive")
         if config.num_swap_blocks is not None and config.num_swap_blocks < 0:
             raise ValueError(f"num_swap_blocks must be >= 0, got {config.num_swap_blocks}")
+        self.speculative_config = SpeculativeConfig.from_value(config.speculative_config)
+        self.proposer = None
+        if self.speculative_config is not None:
+            sc = self.speculative_config
+            self.proposer = NgramProposer(sc.num_speculative_tokens, sc.prompt_lookup_max,
+                                          sc.prompt_lookup_min)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             # Without chunking a request is prefilled (or, after preemption, recomputed) in one step,
             # so one step must be able to hold the longest request; vLLM refuses the same way.
@@ -89,7 +97,12 @@ class EngineCore:
         self.finished_requests: OrderedDict[str, Request] = OrderedDict()
         self.live_requests: dict[str, Request] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0,
-                      "recomputed_tokens": 0, "swapped_out_blocks": 0, "swapped_in_blocks": 0, "swap_seconds": 0.0}
+                      "recomputed_tokens": 0, "swapped_out_blocks": 0, "swapped_in_blocks": 0,
+                      "swap_seconds": 0.0,
+                      # speculative decoding (vLLM's counters): steps in which a request verified
+                      # drafts, draft tokens verified, and how many of those were accepted
+                      "spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
+                      "spec_decode_num_accepted_tokens": 0}
         self._ids = itertools.count()
         self.clock = EngineClock()
         self._prefix_cache_counts = (0, 0)  # (queries, hits) at the last step's end
@@ -192,6 +205,16 @@ class EngineCore:
         """Bytes of KV-cache memory allocated (all blocks, K and V, all layers)."""
         return self.executor.kv_cache_bytes()
 
+    def spec_decode_metrics(self) -> dict:
+        """The run's speculation so far: acceptance rate = accepted / proposed draft tokens; mean
+        accepted length = tokens emitted per verifying step (accepted drafts + the model's own)."""
+        drafts = self.stats["spec_decode_num_drafts"]
+        proposed = self.stats["spec_decode_num_draft_tokens"]
+        accepted = self.stats["spec_decode_num_accepted_tokens"]
+        return {"num_drafts": drafts, "num_draft_tokens": proposed, "num_accepted_tokens": accepted,
+                "acceptance_rate": accepted / proposed if proposed else None,
+                "mean_accepted_length": 1 + accepted / drafts if drafts else None}
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -214,6 +237,9 @@ class EngineCore:
         timer.lap("execute")
         outputs = self._process_outputs(scheduler_output, runner_output)
         timer.lap("output_processing")
+        if self.proposer is not None:
+            self._propose_drafts()
+            timer.lap("propose")
         duration = self.clock.end_step(runner_output.simulated_duration)
         return self._make_record(scheduler_output, runner_output, outputs, timer, engine_start, duration)
 
@@ -226,16 +252,21 @@ class EngineCore:
             message = f"the model failed in step {scheduler_output.step} ({type(error).__name__})"
             return ModelRunnerOutput({}, failed={s.request_id: message for s in scheduler_output.scheduled})
 
-    def _process_outputs(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list:
-        """Sampled tokens → stop checks (the scheduler decides), streamed text, journeys."""
+    def _process_outputs(self, scheduler_output: SchedulerOutput,
+                         runner_output: ModelRunnerOutput) -> list:
+        """New tokens → stop checks (the scheduler decides), streamed text, journeys. A request
+        may bring several tokens (speculative decoding): they are cut after the first that stops
+        it (EOS, stop token, max_tokens, max_model_len, or a stop string in the text)."""
         failed = dict(runner_output.failed)
+        new_tokens: dict[str, list[int]] = {}
         stop_strings: dict[str, str] = {}
-        for request_id, result in runner_output.sampled.items():
+        for request_id, results in runner_output.sampled.items():
             request = self.live_requests.get(request_id)
             if request is None:
                 continue
+            tokens = self.scheduler.cut_at_stop(request, [r.token_id for r in _as_list(results)])
             try:
-                stop = self.output_processor.process_tokens(request, [result.token_id])
+                new_tokens[request_id], stop = self._detokenize(request, tokens)
             except Exception as error:  # noqa: BLE001 — fail this request only
                 logger.exception("request %s: output processing failed", request_id)
                 failed[request_id] = f"output processing failed ({type(error).__name__})"
@@ -244,30 +275,44 @@ class EngineCore:
                 stop_strings[request_id] = stop
         self._fail_requests(failed, scheduler_output.step)
 
-        sampled = {rid: r.token_id for rid, r in runner_output.sampled.items() if rid not in failed}
-        finished = {r.request_id for r in self.scheduler.update_from_output(scheduler_output, sampled, stop_strings)}
+        new_tokens = {rid: tokens for rid, tokens in new_tokens.items() if rid not in failed}
+        finished = self.scheduler.update_from_output(scheduler_output, new_tokens, stop_strings)
+        finished_ids = {r.request_id for r in finished}
         now = time.perf_counter()
         outputs = [self.output_processor.make_error_output(self.get_request(rid)) for rid in failed
                    if self.get_request(rid) is not None]
-        for request_id, token in sampled.items():
+        for request_id, tokens in new_tokens.items():
             request = self.live_requests.get(request_id)
             if request is not None:
-                self._keep_logprobs(request, runner_output.sampled[request_id])
-                outputs.append(self._emit_token(request, token, request_id in finished, scheduler_output.step, now))
+                results = _as_list(runner_output.sampled[request_id])
+                self._keep_logprobs(request, results[: len(tokens)])
+                outputs.append(self._emit_tokens(request, tokens, request_id in finished_ids,
+                                                 scheduler_output.step, now))
         return outputs
 
-    def _emit_token(self, request: Request, token: int, is_finished: bool, step: int, now: float):
-        """Journey events and the RequestOutput for one new token (retires a finished request)."""
-        request.token_times.append(now)
-        if request.first_token_time is None:
-            request.first_token_time = now
-            request.record("first_token", step, token_id=token).time = now
-        else:
-            request.record("token", step, token_id=token).time = now
+    def _detokenize(self, request: Request, token_ids: list[int]) -> tuple[list[int], str | None]:
+        """Detokenize one token at a time; at a stop string, drop the tokens after it."""
+        for i, token in enumerate(token_ids):
+            stop = self.output_processor.process_tokens(request, [token])
+            if stop is not None:
+                return token_ids[: i + 1], stop
+        return token_ids, None
+
+    def _emit_tokens(self, request: Request, tokens: list[int], is_finished: bool, step: int,
+                     now: float):
+        """Journey events (one per token) and the RequestOutput for this step's new tokens
+        (retires a finished request). Tokens verified together arrive at the same time."""
+        for token in tokens:
+            request.token_times.append(now)
+            if request.first_token_time is None:
+                request.first_token_time = now
+                request.record("first_token", step, token_id=token).time = now
+            else:
+                request.record("token", step, token_id=token).time = now
         if is_finished:
             request.finish_time = now
             request.record("finished", step, reason=request.finish_reason)
-        output = self.output_processor.make_output(request, [token], is_finished)
+        output = self.output_processor.make_output(request, list(tokens), is_finished)
         if output.delta_text:
             request.record("streamed", step, chars=len(output.delta_text))
         if is_finished:
@@ -275,10 +320,20 @@ class EngineCore:
         return output
 
     @staticmethod
-    def _keep_logprobs(request: Request, result: SampleResult) -> None:
+    def _keep_logprobs(request: Request, results: list[SampleResult]) -> None:
         if request.sampling_params.logprobs is not None:
-            request.output_logprobs.append(
-                {"token_id": result.token_id, "logprob": result.logprob, "top_logprobs": result.top_logprobs})
+            for result in results:
+                request.output_logprobs.append({"token_id": result.token_id,
+                                                "logprob": result.logprob,
+                                                "top_logprobs": result.top_logprobs})
+
+    def _propose_drafts(self) -> None:
+        """Speculative decoding: draft the next tokens of every running request about to decode
+        (the scheduler decides next step how many of them fit)."""
+        for request in self.scheduler.running:
+            decoding = request.num_tokens - request.num_computed_tokens == 1
+            drafts = self.proposer.propose(request.all_token_ids) if decoding else []
+            request.spec_token_ids = drafts
 
     def _fail_requests(self, errors: dict[str, str], step: int) -> None:
         """End requests the engine could not serve; their clients get the error, the loop goes on."""
@@ -298,11 +353,13 @@ class EngineCore:
         self.stats["preemptions"] += len(scheduler_output.preempted)
         self.stats["prompt_tokens"] += sum(
             s.num_tokens for s in scheduler_output.scheduled if s.phase != Phase.DECODE)
-        self.stats["generation_tokens"] += len(runner_output.sampled)
+        self.stats["generation_tokens"] += sum(len(o.delta_token_ids) for o in outputs)
         self.stats["recomputed_tokens"] += sum(s.num_recomputed_tokens for s in scheduler_output.scheduled)
         self.stats["swapped_out_blocks"] += len(scheduler_output.blocks_to_swap_out)
         self.stats["swapped_in_blocks"] += len(scheduler_output.blocks_to_swap_in)
         self.stats["swap_seconds"] += runner_output.timings.get("swap", 0.0)
+        scheduled = [self._scheduled_record(s, runner_output) for s in scheduler_output.scheduled]
+        self._count_speculation(scheduled)
         finished = {o.request_id: o.finish_reason for o in outputs if o.finished}
         kv = self.kv_cache_manager.snapshot()
         queries, hits = self._prefix_cache_counts
@@ -316,13 +373,9 @@ class EngineCore:
                 "forward": runner_output.timings.get("forward", 0.0),
                 "sample": runner_output.timings.get("sample", 0.0),
                 "output_processing": timer.laps["output_processing"],
+                **({"propose": timer.laps["propose"]} if "propose" in timer.laps else {}),
             },
-            scheduled=[
-                ScheduledRecord(s.request_id, s.phase.value, s.num_tokens, s.num_computed_tokens,
-                                self._num_prompt_tokens(s.request_id), s.num_prefix_hit_tokens,
-                                s.num_recomputed_tokens)
-                for s in scheduler_output.scheduled
-            ],
+            scheduled=scheduled,
             unscheduled=scheduler_output.unscheduled,
             preempted=scheduler_output.preempted,
             token_budget=scheduler_output.token_budget,
@@ -342,6 +395,27 @@ class EngineCore:
             prefix_cache_hits=kv.prefix_cache_hits - hits,
         )
 
+    def _scheduled_record(self, s: ScheduledRequest,
+                          runner_output: ModelRunnerOutput) -> ScheduledRecord:
+        """What one request did in the step; with drafts, also how many the model accepted and
+        the token it added itself (the correction at the first rejection, or the bonus)."""
+        record = ScheduledRecord(s.request_id, s.phase.value, s.num_tokens, s.num_computed_tokens,
+                                 self._num_prompt_tokens(s.request_id), s.num_prefix_hit_tokens,
+                                 s.num_recomputed_tokens)
+        results = _as_list(runner_output.sampled.get(s.request_id, []))
+        if s.draft_token_ids and results:
+            record.draft_token_ids = list(s.draft_token_ids)
+            record.num_accepted_tokens = len(results) - 1
+            record.bonus_token_id = results[-1].token_id
+        return record
+
+    def _count_speculation(self, scheduled: list[ScheduledRecord]) -> None:
+        for record in scheduled:
+            if record.draft_token_ids:
+                self.stats["spec_decode_num_drafts"] += 1
+                self.stats["spec_decode_num_draft_tokens"] += len(record.draft_token_ids)
+                self.stats["spec_decode_num_accepted_tokens"] += record.num_accepted_tokens
+
     def _retire(self, request: Request) -> None:
         self.live_requests.pop(request.request_id, None)
         self.finished_requests[request.request_id] = request
@@ -351,6 +425,12 @@ class EngineCore:
     def _num_prompt_tokens(self, request_id: str) -> int:
         request = self.get_request(request_id)
         return request.num_prompt_tokens if request else 0
+
+
+def _as_list(results: list[SampleResult] | SampleResult) -> list[SampleResult]:
+    """A runner's new tokens for one request (a bare SampleResult, from an executor written for
+    one token per step, is a list of one)."""
+    return results if isinstance(results, list) else [results]
 
 
 class StepTimer:

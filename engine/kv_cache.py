@@ -292,6 +292,20 @@ class KVCacheManager:
                 blocks[i] = canonical
                 self.num_deduplicated_blocks += 1
 
+    def free_rejected_blocks(self, request: Request) -> int:
+        """Speculative decoding: after verification the request's `num_computed_tokens` went back
+        to what was accepted. Blocks past those that hold its computed tokens then hold only the
+        rejected drafts' K/V: give them back (tail first) and return how many. Rejected K/V in
+        the last kept block need no cleaning: those slots are simply overwritten later."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        num_needed = cdiv(request.num_computed_tokens, self.block_size)
+        if len(blocks) <= num_needed:
+            return 0
+        rejected = blocks[num_needed:]
+        del blocks[num_needed:]
+        self.block_pool.free_blocks(list(reversed(rejected)))
+        return len(rejected)
+
     def free(self, request: Request) -> None:
         """Release a request's blocks (finish, abort or preemption), tail first."""
         blocks = self.req_to_blocks.pop(request.request_id, [])

@@ -33,12 +33,16 @@ class LLM:
         max_num_seqs: int = 32,
         enable_prefix_caching: bool = True,
         scheduling_policy: str = "fcfs",
+        speculative_config: dict | None = None,
         **engine_kwargs,
     ):
+        """`speculative_config`: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 3,
+        "prompt_lookup_max": 3, "prompt_lookup_min": 1}; None: no speculative decoding."""
         config = EngineConfig(
             model=model, device=device, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-            enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy, **engine_kwargs,
+            enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
+            speculative_config=speculative_config, **engine_kwargs,
         )
         self.engine = EngineCore(config)
         self.step_records: list[StepRecord] = []  # of the last generate() call

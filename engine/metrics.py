@@ -34,6 +34,11 @@ E2E_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 1
 TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000]
 
 LABELS = ["model_name"]
+SPEC_DECODE_COUNTERS = {  # engine.stats key (and vLLM's name without "vllm:") → documentation
+    "spec_decode_num_drafts": "Speculative decoding: draft verifications (a request in a step).",
+    "spec_decode_num_draft_tokens": "Speculative decoding: draft tokens proposed and verified.",
+    "spec_decode_num_accepted_tokens": "Speculative decoding: draft tokens accepted.",
+}
 
 
 class EngineStateCollector:
@@ -73,6 +78,9 @@ class EngineStateCollector:
                     "(a convenience; vLLM leaves this division to PromQL).", hits / queries if queries else 0.0)
         yield counter("vllm:num_preemptions", "Requests preempted (KV freed, to be recomputed).",
                       self.engine.stats["preemptions"])
+        stats = self.engine.stats
+        for name, documentation in SPEC_DECODE_COUNTERS.items():
+            yield counter(f"vllm:{name}", documentation, stats.get(name, 0))
         info = GaugeMetricFamily("vllm:cache_config_info", "KV-cache configuration (value is always 1).",
                                  labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"])
         info.add_metric([str(kv.block_size), str(kv.num_blocks), str(kv.enable_prefix_caching)], 1.0)

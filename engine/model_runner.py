@@ -4,6 +4,11 @@ This is where the control path becomes the data path. The scheduler said "reques
 tokens from position 128, request B: 1 token"; the runner builds one flat batch of input ids and
 positions, the slot of every new token in the paged cache, each request's block table, and the
 row of each request's last token, then calls the model once and samples the next tokens.
+
+With speculative decoding a decoding request brings draft tokens: the runner asks the model for
+the logits of all its positions (its last token and each draft), and the rejection sampler
+decides how many drafts the model agrees with. One forward thus verifies every draft of every
+request, alongside the prefills and plain decodes of the others.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import torch
 from engine.attention import AttentionMetadata, build_attention_metadata
 from engine.models.llama import LlamaModel
 from engine.sampler import SampleResult, Sampler
-from engine.scheduler_output import SchedulerOutput
+from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.spec_decode.rejection_sampler import RejectionSampler
 
 logger = logging.getLogger(__name__)
 
@@ -27,12 +33,14 @@ class ModelInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn_meta: AttentionMetadata
-    logits_indices: torch.Tensor
+    logits_indices: torch.Tensor  # per sampling request its last row (all if it speculates)
 
 
 @dataclass
 class ModelRunnerOutput:
-    sampled: dict[str, SampleResult]  # only requests whose scheduled tokens reached their end
+    # Only requests whose scheduled tokens reached their end: the new tokens, in order. One for a
+    # plain decode or prefill; with drafts, the accepted drafts and then the model's own token.
+    sampled: dict[str, list[SampleResult]]
     timings: dict[str, float] = field(default_factory=dict)  # seconds: prepare_inputs, forward, sample
     failed: dict[str, str] = field(default_factory=dict)  # request_id → why it could not be sampled
     simulated_duration: float | None = None  # a simulated executor's computed step time (seconds)
@@ -46,6 +54,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = model.device
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()
 
     def swap_blocks(self, sched: SchedulerOutput) -> float:
         """Copy preempted requests' blocks out to the swap space, and resumed ones back in.
@@ -72,11 +81,12 @@ class ModelRunner:
         batch = sorted(sched.scheduled, key=lambda s: (s.phase != "decode", s.num_computed_tokens))
         input_ids: list[int] = []
         positions: list[int] = []
-        last_row: dict[str, int] = {}
+        sample_rows: dict[str, list[int]] = {}
         for s in batch:
             input_ids += s.token_ids
             positions += range(s.num_computed_tokens, s.num_computed_tokens + s.num_tokens)
-            last_row[s.request_id] = len(input_ids) - 1
+            num_rows = 1 + len(s.draft_token_ids)  # the last token, and each draft
+            sample_rows[s.request_id] = list(range(len(input_ids) - num_rows, len(input_ids)))
         meta = build_attention_metadata(
             query_lens=[s.num_tokens for s in batch],
             num_computed=[s.num_computed_tokens for s in batch],
@@ -86,13 +96,15 @@ class ModelRunner:
         )
         # Logits only for the requests that sample this step, in the scheduler's order. A prefill
         # chunk that stops before the end of the prompt has no next token: no lm_head row for it.
-        logits_rows = [last_row[s.request_id] for s in sched.scheduled if s.produces_token]
+        logits_rows = [row for s in sched.scheduled if s.produces_token
+                       for row in sample_rows[s.request_id]]
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         return ModelInputs(as_tensor(input_ids), as_tensor(positions), meta, as_tensor(logits_rows))
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in sched.finished_ids:
             self.sampler.forget(request_id)
+            self.rejection_sampler.forget(request_id)
         swap_seconds = self.swap_blocks(sched)
         if sched.is_empty:
             return ModelRunnerOutput({}, {"swap": swap_seconds})
@@ -102,11 +114,38 @@ class ModelRunner:
         logits = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_meta, inputs.logits_indices)
         self._sync()
         t2 = time.perf_counter()
-        producing = [s for s in sched.scheduled if s.produces_token]  # one logits row each, in order
-        sampled, failed = self.sample(logits, producing)
+        producing = [s for s in sched.scheduled if s.produces_token]
+        sampled, failed = self.sample_and_verify(logits, producing)
         t3 = time.perf_counter()
         timings = {"prepare_inputs": t1 - t0, "forward": t2 - t1, "sample": t3 - t2, "swap": swap_seconds}
         return ModelRunnerOutput(sampled, timings, failed)
+
+    def sample_and_verify(self, logits: torch.Tensor, producing: list[ScheduledRequest]
+                          ) -> tuple[dict[str, list[SampleResult]], dict[str, str]]:
+        """Split the logits rows (1 per plain request, 1 + d per speculating one, in order):
+        plain requests are sampled together, speculating ones verified one by one."""
+        plain_rows, plain, row = [], [], 0
+        speculating: list[tuple[ScheduledRequest, torch.Tensor]] = []
+        for s in producing:
+            num_rows = 1 + len(s.draft_token_ids)
+            if s.draft_token_ids:
+                speculating.append((s, logits[row : row + num_rows]))
+            else:
+                plain_rows.append(row)
+                plain.append(s)
+            row += num_rows
+        plain_logits = logits if not speculating else logits[plain_rows]
+        results, failed = self.sample(plain_logits, plain) if plain else ({}, {})
+        sampled = {request_id: [result] for request_id, result in results.items()}
+        for s, rows in speculating:
+            try:
+                tokens = self.rejection_sampler(rows, s.draft_token_ids, s.sampling_params,
+                                                s.request_id)
+                sampled[s.request_id] = with_logprobs(rows, tokens, s.sampling_params.logprobs)
+            except Exception as error:  # noqa: BLE001 — fail this request only
+                logger.exception("request %s: verification failed", s.request_id)
+                failed[s.request_id] = f"verification failed ({type(error).__name__})"
+        return sampled, failed
 
     def sample(self, logits: torch.Tensor, producing: list) -> tuple[dict[str, SampleResult], dict[str, str]]:
         """Sample the whole batch at once; if that fails, row by row, so only the bad request fails."""
@@ -126,3 +165,18 @@ class ModelRunner:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def with_logprobs(rows: torch.Tensor, token_ids: list[int],
+                  num_logprobs: int | None) -> list[SampleResult]:
+    """SampleResults for tokens verified from consecutive logits rows (token i from row i), with
+    the logprobs the request asked for, under the unmodified distribution as the sampler does."""
+    if num_logprobs is None:
+        return [SampleResult(token) for token in token_ids]
+    logprobs = torch.log_softmax(rows[: len(token_ids)].float(), dim=-1)
+    results = []
+    for row, token in zip(logprobs, token_ids):
+        top = row.topk(num_logprobs) if num_logprobs > 0 else None
+        top_logprobs = {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist()))
+        results.append(SampleResult(token, row[token].item(), top_logprobs))
+    return results

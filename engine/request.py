@@ -65,6 +65,7 @@ class Request:
     max_computed_tokens: int = 0  # the most tokens ever in the cache (a preemption may lose them)
     num_recomputed_tokens: int = 0  # tokens computed again after a recompute preemption
     is_swapped_out: bool = False  # preempted by swap: its K/V wait in the swap space
+    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens for its next decode step
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     journey: list[JourneyEvent] = field(default_factory=list)

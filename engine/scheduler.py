@@ -5,6 +5,12 @@ tokens are scheduled the same way: a request still reading its prompt gets a chu
 prefill), a generating request gets one token. The decision obeys two limits: a token budget per
 step (`max_num_batched_tokens`) and a cap on running requests (`max_num_seqs`).
 
+With speculative decoding a generating request also gets its draft tokens (`spec_token_ids`,
+proposed after the last step): 1 + d tokens, counted in the budget and given KV slots like any
+other, verified in the same forward. Drafts never cost anyone else their place: they are cut to
+the budget, to the request's remaining max_tokens and max_model_len, and dropped when their
+KV slots would need a preemption. After the step the request keeps only the accepted ones.
+
 Order: running requests first (so ongoing generations keep flowing), then waiting ones, FCFS or by
 priority. If a running request needs a KV block and none is free, the most recently admitted
 running request (the lowest-priority one, under the priority policy) is preempted: its blocks are
@@ -205,8 +211,26 @@ class Scheduler:
             num_new = plan.budget.fit(request.num_tokens - request.num_computed_tokens)
             if num_new == 0:
                 plan.unscheduled[request.request_id] = REASON_TOKEN_BUDGET
-            elif self._make_room(request, num_new, plan):
-                plan.add(self._make_scheduled(request, num_new))
+                continue
+            drafts = self._reserve_drafts(request, num_new, plan.budget)
+            if self._make_room(request, num_new + len(drafts), plan):
+                plan.add(self._make_scheduled(request, num_new, draft_token_ids=drafts))
+
+    def _reserve_drafts(self, request: Request, num_new: int, budget: TokenBudget) -> list[int]:
+        """The draft tokens a decoding request verifies this step, with KV slots allocated for
+        them; [] if it has none, or if the slots would need a preemption (drafts are optional)."""
+        drafts = request.spec_token_ids
+        if not drafts or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        # Every draft may be accepted, plus one token: the request must stay within its limits.
+        room = min(budget.remaining - 1, self.config.max_model_len - request.num_tokens - 1)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        drafts = drafts[: max(room, 0)]
+        if drafts and self.kv_cache_manager.allocate_slots(request, 1 + len(drafts)) is None:
+            return []
+        return drafts
 
     def _make_room(self, request: Request, num_new: int, plan: StepPlan) -> bool:
         """Allocate KV slots for `num_new` tokens, preempting running requests (the policy picks
@@ -273,8 +297,10 @@ class Scheduler:
 
     def _finalize(self, plan: StepPlan) -> SchedulerOutput:
         for s in plan.scheduled.values():  # only now is the decision final (a victim may have lost its share)
+            drafts = {"num_draft_tokens": len(s.draft_token_ids)} if s.draft_token_ids else {}
             self.requests[s.request_id].record("scheduled", plan.step, phase=s.phase.value,
-                                               num_tokens=s.num_tokens, start=s.num_computed_tokens)
+                                               num_tokens=s.num_tokens, start=s.num_computed_tokens,
+                                               **drafts)
         finished_ids, self.finished_since_last_step = self.finished_since_last_step, []
         return SchedulerOutput(
             step=plan.step,
@@ -287,7 +313,10 @@ class Scheduler:
             blocks_to_swap_in=plan.swap_in,
         )
 
-    def _make_scheduled(self, request: Request, num_new: int, num_prefix_hit_tokens: int = 0) -> ScheduledRequest:
+    def _make_scheduled(self, request: Request, num_new: int, num_prefix_hit_tokens: int = 0,
+                        draft_token_ids: list[int] | None = None) -> ScheduledRequest:
+        """`num_new` of the request's own tokens from its first uncomputed one, then its drafts."""
+        drafts = list(draft_token_ids or [])
         start = request.num_computed_tokens
         end = start + num_new
         if start >= request.num_prompt_tokens and num_new == 1:
@@ -299,14 +328,15 @@ class Scheduler:
         return ScheduledRequest(
             request_id=request.request_id,
             phase=phase,
-            num_tokens=num_new,
+            num_tokens=num_new + len(drafts),
             num_computed_tokens=start,
-            token_ids=request.all_token_ids[start:end],
+            token_ids=request.all_token_ids[start:end] + drafts,
             block_ids=self.kv_cache_manager.block_ids(request.request_id),
             sampling_params=request.sampling_params,
             produces_token=end == request.num_tokens,
             num_prefix_hit_tokens=num_prefix_hit_tokens,
             num_recomputed_tokens=max(0, min(end, request.max_computed_tokens) - start),
+            draft_token_ids=drafts,
         )
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
@@ -335,11 +365,14 @@ class Scheduler:
 
     # -- after the model ran -------------------------------------------------------------------
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int],
+    def update_from_output(self, output: SchedulerOutput, new_token_ids: dict[str, list[int]],
                            stop_strings: dict[str, str] | None = None) -> list[Request]:
-        """Advance each scheduled request, append its new token, stop it if it is done.
-        `stop_strings`: requests whose text now contains a stop string (the output processor
-        found it). Returns the requests that finished in this step."""
+        """Advance each scheduled request, append its new tokens, stop it if it is done.
+        `new_token_ids`: per request the tokens this step produced, in order (one, or with
+        speculative decoding the accepted drafts and the target's own token; a bare int is
+        taken as one token). Tokens after one that stops the request are dropped.
+        `stop_strings`: requests whose text now contains a stop string at their last new token
+        (the output processor found it). Returns the requests that finished in this step."""
         stop_strings = stop_strings or {}
         finished = []
         for s in output.scheduled:
@@ -348,35 +381,78 @@ class Scheduler:
                 continue
             request.num_computed_tokens += s.num_tokens
             request.num_recomputed_tokens += s.num_recomputed_tokens
+            tokens = new_token_ids.get(s.request_id, [])
+            status = self._append_tokens(request, [tokens] if isinstance(tokens, int) else tokens,
+                                         stop_strings.get(s.request_id))
+            if s.draft_token_ids:
+                self._keep_accepted(request)
             request.max_computed_tokens = max(request.max_computed_tokens, request.num_computed_tokens)
             self.kv_cache_manager.cache_full_blocks(request)
-            if s.request_id not in sampled:
-                continue
-            request.output_token_ids.append(sampled[s.request_id])
-            status = self._check_stop(request, stop_strings.get(s.request_id))
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
                 finished.append(request)
         return finished
 
+    def _append_tokens(self, request: Request, token_ids: list[int],
+                       stop_string: str | None) -> RequestStatus | None:
+        """Append tokens one at a time, checking after each; the stop string (if any) was found
+        at the last one."""
+        for i, token in enumerate(token_ids):
+            request.output_token_ids.append(token)
+            status = self._check_stop(request, stop_string if i == len(token_ids) - 1 else None)
+            if status is not None:
+                return status
+        return None
+
+    def _keep_accepted(self, request: Request) -> None:
+        """Roll a speculating request back to what was accepted. The forward wrote K/V for its
+        last token and every draft; those of the accepted drafts are valid (they were computed
+        from exactly the tokens now in the request), the rejected ones are not. The new last
+        token has no K/V yet, so: computed = all tokens but the last. Blocks that now hold only
+        rejected K/V go back to the pool."""
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+        self.kv_cache_manager.free_rejected_blocks(request)
+
+    def cut_at_stop(self, request: Request, token_ids: list[int]) -> list[int]:
+        """The tokens of `token_ids` that may still be appended: up to and including the first
+        that would stop the request (EOS, a stop token, max_tokens, max_model_len). With
+        speculative decoding several tokens arrive in one step; none after a stop is emitted."""
+        num_output, num_tokens = request.num_output_tokens, request.num_tokens
+        for i, token in enumerate(token_ids):
+            stop = self._stop_status(request, token, num_output + i + 1, num_tokens + i + 1)
+            if stop is not None:
+                return token_ids[: i + 1]
+        return token_ids
+
     def _check_stop(self, request: Request, stop_string: str | None = None) -> RequestStatus | None:
-        params = request.sampling_params
-        token = request.output_token_ids[-1]
+        """Whether the token just appended ends the request; sets its stop_reason if so."""
         if stop_string is not None:  # a stop string wins, even over the length limit
             request.stop_reason = stop_string
             return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.min_tokens:
+        stop = self._stop_status(request, request.output_token_ids[-1], request.num_output_tokens,
+                                 request.num_tokens)
+        if stop is None:
+            return None
+        status, reason = stop
+        if status == RequestStatus.FINISHED_STOPPED:
+            request.stop_reason = reason
+        return status
+
+    def _stop_status(self, request: Request, token: int, num_output_tokens: int,
+                     num_tokens: int) -> tuple[RequestStatus, int | None] | None:
+        """(status, stop reason) if a request with `num_output_tokens` output tokens, the last of
+        them `token`, and `num_tokens` tokens in all is done; else None."""
+        params = request.sampling_params
+        if num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token == request.eos_token_id:
-                request.stop_reason = None
-                return RequestStatus.FINISHED_STOPPED
+                return RequestStatus.FINISHED_STOPPED, None
             if token in params.stop_token_ids:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
+                return RequestStatus.FINISHED_STOPPED, token
+        if params.max_tokens is not None and num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH, None
+        if num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH, None
         return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:

@@ -21,6 +21,14 @@ class ScheduledRecord:
     num_prompt_tokens: int
     num_prefix_hit_tokens: int = 0  # admitted this step with this many tokens already cached
     num_recomputed_tokens: int = 0  # of num_tokens, computed before and lost to a preemption
+    # Speculative decoding (a decode that verified drafts; num_tokens = 1 + len(draft_token_ids)):
+    draft_token_ids: list[int] = field(default_factory=list)  # proposed
+    num_accepted_tokens: int = 0  # the drafts the model agreed with (a prefix of them)
+    bonus_token_id: int | None = None  # the model's own token after them (correction or bonus)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.draft_token_ids)
 
 
 @dataclass
@@ -80,6 +88,20 @@ def steps_dataframe(records: list[StepRecord]) -> pd.DataFrame:
     ]
     return pd.DataFrame(rows, columns=["step", "request_id", "phase", "num_tokens", "num_computed_tokens",
                                        "num_prefix_hit_tokens", "token_budget"])
+
+
+def spec_decode_dataframe(records: list[StepRecord]) -> pd.DataFrame:
+    """One row per (step, request that verified drafts): proposed, accepted, the model's token."""
+    rows = [
+        {"step": r.step, "request_id": s.request_id, "num_draft_tokens": s.num_draft_tokens,
+         "num_accepted_tokens": s.num_accepted_tokens, "bonus_token_id": s.bonus_token_id,
+         "draft_token_ids": list(s.draft_token_ids)}
+        for r in records
+        for s in r.scheduled
+        if s.draft_token_ids
+    ]
+    return pd.DataFrame(rows, columns=["step", "request_id", "num_draft_tokens",
+                                       "num_accepted_tokens", "bonus_token_id", "draft_token_ids"])
 
 
 def unscheduled_dataframe(records: list[StepRecord]) -> pd.DataFrame:

@@ -268,6 +268,8 @@ def stop_across_a_token_boundary(text, prefix_texts):
         b = len(prefix_texts[k])
         if not (text.startswith(prefix_texts[k + 1]) and len(prefix_texts[k + 1]) > b > 0):
             continue
+        if "\ufffd" in prefix_texts[k + 1]:  # token k+1 ends inside a character: the streamed
+            continue  # text (and so the stop string) only shows up with a later token
         stop = text[b - 1 : b + 1]
         if stop.strip() and "\ufffd" not in stop and text.find(stop) == b - 1:
             return stop, b - 1, k + 1
