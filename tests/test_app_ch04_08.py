@@ -24,10 +24,12 @@ PAGES = {
                                                                "ch04_dist"]),
     "05": ("pages/ch05_memory_dtype.py", ["ch05_run"], ["ch05_budget_fig", "ch05_requests_fig", "ch05_measure_fig"]),
     "06": ("pages/ch06_paged_kv.py", ["ch06_run"], ["ch06_compare_fig", "ch06_grid_mid"]),
-    "07": ("pages/ch07_batching.py", ["ch07_run"], ["ch07_journey_0", "ch07_journey_1", "ch07_journey_2", "ch07_e2e",
-                                                    "ch07_waste", "ch07_static_schedule"]),
-    "08": ("pages/ch08_continuous_batching.py", ["ch08_run"], ["ch08_schedule_0", "ch08_schedule_1",
-                                                               "ch08_step_times", "ch08_itl"]),
+    "07": ("pages/ch07_batching.py", ["ch07_run"], ["ch07_seq_journey", "ch07_static_journey",
+                                                    "ch07_cont_journey", "ch07_static_schedule",
+                                                    "ch07_e2e", "ch07_throughput", "ch07_waste"]),
+    "08": ("pages/ch08_continuous_batching.py", ["ch08_run"], ["ch08_on_schedule", "ch08_off_schedule",
+                                                               "ch08_on_kvgrid", "ch08_step_times",
+                                                               "ch08_itl"]),
 }
 
 

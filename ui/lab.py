@@ -231,7 +231,7 @@ def _request_panel(ctx: LabContext, default_max_tokens: int, show_custom: bool,
 
 # -- stepping controls -------------------------------------------------------------------------
 
-def _run_steps(ctx: LabContext, limit: int | None) -> int:
+def run_steps(ctx: LabContext, limit: int | None) -> int:
     """Step every engine in lockstep until done (limit None) or `limit` times, with a progress bar
     (steps done / expected, time left). Returns the number of lockstep steps."""
     expected = max(expected_steps(ctx.engines[s.key], ctx.feeders.get(s.key)) for s in ctx.sides)
@@ -262,9 +262,9 @@ def _controls(ctx: LabContext) -> None:
     if c1.button("다음 스텝", key=f"{key}_step", type="primary", width="stretch"):
         if not step_all(ctx):
             st.toast("처리할 요청이 없습니다. 먼저 요청을 추가하세요.")
-    n = c2.number_input("N", 1, 500, 5, key=f"{key}_n", help="N 스텝에서 한 번에 진행할 스텝 수")
+    n = c2.number_input("N", 1, 500, 5, key=f"{key}_step_count", help="N 스텝에서 한 번에 진행할 스텝 수")
     if c3.button("N 스텝", key=f"{key}_nsteps", width="stretch"):
-        if not _run_steps(ctx, int(n)):
+        if not run_steps(ctx, int(n)):
             st.toast("처리할 요청이 없습니다. 먼저 요청을 추가하세요.")
     playing = is_playing(key)
     if c4.button("일시정지" if playing else "재생", key=f"{key}_play", width="stretch"):
@@ -273,7 +273,7 @@ def _controls(ctx: LabContext) -> None:
     c5.select_slider("재생 속도 (초/스텝)", SPEEDS, value=0.5, key=f"{key}_speed")
     if c6.button("끝까지", key=f"{key}_to_end", width="stretch"):
         set_playing(key, False)
-        _run_steps(ctx, None)
+        run_steps(ctx, None)
     if c7.button("리셋", key=f"{key}_reset", width="stretch"):
         set_playing(key, False)
         reset_lab(ctx)
@@ -464,3 +464,36 @@ def first_finished(engine: EngineCore):
     """The earliest-arriving finished request of this engine, or None."""
     done = [r for r in engine.all_requests() if r.is_finished]
     return min(done, key=lambda r: r.arrival_time) if done else None
+
+
+def run_workload_button(ctx: LabContext, workload: Workload, label: str = "실행",
+                        help: str | None = None) -> bool:
+    """A button that puts the workload on every engine and runs them all to the end (with the
+    progress bar). True when it ran."""
+    if not st.button(label, key=f"{ctx.key}_run", type="primary",
+                     help=help or "워크로드를 넣고 끝까지 실행합니다 (한 스텝씩 보려면 워크로드 넣기 → 다음 스텝)"):
+        return False
+    set_playing(ctx.key, False)
+    reset_lab(ctx, workload)
+    run_steps(ctx, None)
+    return True
+
+
+def run_results(ctx: LabContext, cache_key: str, wrap: Callable[[dict], object] | None = None):
+    """{side label: RunResult} (or wrap(that)) once every engine has finished its workload, kept in
+    st.session_state[cache_key]: the same object on later reruns (recomputed only when the runs
+    changed). None before that."""
+    from ui.experiments.common import result_of
+
+    if not ctx.finished or any(ctx.feeders.get(s.key) is None for s in ctx.sides):
+        return None
+    signature = tuple((id(ctx.engines[s.key]), len(ctx.records(s))) for s in ctx.sides)
+    cached = st.session_state.get(f"_{cache_key}_signature")
+    if cached == signature and st.session_state.get(cache_key) is not None:
+        return st.session_state[cache_key]
+    results = {s.label or s.key: result_of(ctx.feeders[s.key], ctx.records(s), s.label)
+               for s in ctx.sides}
+    value = wrap(results) if wrap is not None else results
+    st.session_state[f"_{cache_key}_signature"] = signature
+    st.session_state[cache_key] = value
+    return value
