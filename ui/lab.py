@@ -345,11 +345,11 @@ def stream_texts(key: str, engine: EngineCore) -> None:
         prompt = getattr(r, "display_prompt", None) or r.prompt or ""
         text = texts.get(r.request_id, "")
         if r.is_finished:
-            state = f"완료 ({r.finish_reason})"
+            state = f"상태: 완료 ({r.finish_reason})"
         elif r.status.value in ("waiting", "preempted"):
-            state = "대기"
+            state = "상태: 대기 중"
         else:
-            state = "생성 중"
+            state = "상태: 생성 중"
         with st.container(border=True):
             st.markdown(f"**{names[r.request_id]}** · {state} · 프롬프트 {r.num_prompt_tokens} 토큰 → "
                         f"출력 {r.num_output_tokens} 토큰")
@@ -398,10 +398,12 @@ def lab(key: str, sides: list[Side] | None = None, *, presets: dict[str, str] | 
             if is_playing(key) and not step_all(ctx):
                 set_playing(key, False)  # everything finished: stop the timer with a full rerun
                 st.rerun(scope="app")
-            if before is not None:
-                before(ctx)
+            top = st.container()  # drawn after the controls ran, so it shows this run's state
             _request_panel(ctx, default_max_tokens, show_custom, presets, workload, workload_note)
             _controls(ctx)
+            if before is not None:
+                with top:
+                    before(ctx)
         except Exception as exc:  # noqa: BLE001 - an engine error must not end the page
             set_playing(key, False)
             show_error(exc, "스텝을 실행하지 못했습니다")
