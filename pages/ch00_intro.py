@@ -42,8 +42,8 @@ def lab() -> None:
     st.caption(f"모델: {engine.model_dir.name} · {cfg.num_layers}층 · hidden {cfg.hidden_size} · "
                f"KV head {cfg.num_kv_heads} (config.json에서 읽음)")
     st.subheader("첫 실험: 요청 하나를 한 스텝씩")
-    st.caption("예측을 적고, 예시 요청을 추가한 뒤 **[다음 스텝]**을 눌러 보세요. 세 그림이 스텝마다 "
-               "갱신됩니다. **[N 스텝]**, **[재생]**, **[끝까지]**, **[리셋]**도 같은 엔진을 움직입니다.")
+    st.caption("예측을 적고, 예시 요청을 추가한 뒤 **다음 스텝**을 눌러 보세요. 세 그림이 스텝마다 "
+               "갱신됩니다. **N 스텝**, **재생**, **끝까지**, **리셋**도 같은 엔진을 움직입니다.")
     engine_lab("main", default_max_tokens=24, before=_predict, chapter_view=_compare)
 
 

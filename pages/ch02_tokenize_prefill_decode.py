@@ -109,7 +109,7 @@ def timing_lab() -> None:
 
 def ttft_lab() -> None:
     st.subheader("③ 실제 요청의 TTFT와 TPOT")
-    st.caption("요청을 넣고 **[끝까지]**를 누르면, 끝난 요청마다 엔진이 기록한 시각으로 TTFT·TPOT을 "
+    st.caption("요청을 넣고 **끝까지**를 누르면, 끝난 요청마다 엔진이 기록한 시각으로 TTFT·TPOT을 "
                "계산합니다 (엔진 시계: 버튼 사이에 쉰 시간은 세지 않음).")
     engine_lab("ch02", default_max_tokens=24, chapter_view=_metrics_view, show_code_panel=False)
 

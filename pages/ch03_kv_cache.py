@@ -93,7 +93,7 @@ def kv_bytes_lab() -> None:
 
 def growth_lab() -> None:
     st.subheader("③ 캐시가 블록 단위로 자라는 모습")
-    st.caption("예시 요청을 넣고 **[다음 스텝]**을 여러 번 눌러 보세요. 블록 격자에서 요청의 칸이 16토큰마다 "
+    st.caption("예시 요청을 넣고 **다음 스텝**을 여러 번 눌러 보세요. 블록 격자에서 요청의 칸이 16토큰마다 "
                "하나씩 늘고, 요청이 끝나면 블록이 빈칸(또는 prefix 캐시 보관)으로 돌아갑니다.")
     engine_lab("ch03", default_max_tokens=40, show_code_panel=False)
     show_code(KVCacheManager.allocate_slots, "방금 실행된 코드 (블록 배정)")

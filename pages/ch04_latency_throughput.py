@@ -110,8 +110,8 @@ def _whole_run(ctx: LabContext, gap: int) -> None:
         if not any(r is res for r in runs):
             runs.append(res)
     if not runs:
-        st.info("설정을 고르고 **[실행]**을 누르면 실제 엔진이 워크로드를 끝까지 돌리고, 요청별 지연 시간과 "
-                "백분위수를 보여 줍니다. **[워크로드 넣기]** 뒤 **[다음 스텝]**으로 한 스텝씩 볼 수도 있습니다.")
+        st.info("설정을 고르고 **실행**을 누르면 실제 엔진이 워크로드를 끝까지 돌리고, 요청별 지연 시간과 "
+                "백분위수를 보여 줍니다. **워크로드 넣기** 뒤 **다음 스텝**으로 한 스텝씩 볼 수도 있습니다.")
         return
     res = runs[-1]
     cond = dict(res.conditions, 워크로드=Workload(res.specs).describe(), 도착간격=f"{gap} ms")

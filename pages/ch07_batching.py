@@ -22,16 +22,17 @@ def _sides(batch: int) -> list[Side]:
     sides = []
     for label, key in SIDE_KEYS.items():
         cfg = batching_config(base, label, batch)
-        sides.append(Side(key, label, dict(scheduling_policy=cfg.scheduling_policy,
-                                           max_num_seqs=cfg.max_num_seqs, enable_prefix_caching=False)))
+        overrides = dict(scheduling_policy=cfg.scheduling_policy, max_num_seqs=cfg.max_num_seqs,
+                         enable_prefix_caching=False)
+        sides.append(Side(key, label, overrides))
     return sides
 
 
 def _summary_view(ctx: LabContext) -> None:
     results = run_results(ctx, RESULTS)
     if results is None:
-        st.info("세 엔진이 워크로드를 모두 끝내면 여기에 전체 요약이 나옵니다. **[실행]**은 한 번에 끝까지, "
-                "**[워크로드 넣기]** 뒤 **[다음 스텝]**은 세 엔진을 한 스텝씩 나란히 움직입니다.")
+        st.info("세 엔진이 워크로드를 모두 끝내면 여기에 전체 요약이 나옵니다. **실행**은 한 번에 끝까지, "
+                "**워크로드 넣기** 뒤 **다음 스텝**은 세 엔진을 한 스텝씩 나란히 움직입니다.")
         return
     summary = batching_summary(results)
     st.markdown("**전체 실행 요약** (엔진 시계)")
@@ -57,7 +58,8 @@ def _summary_view(ctx: LabContext) -> None:
     best = summary.loc[summary["처리량 (토큰/s)"].idxmax(), "방식"]
     compare("ch07_best", best)
     for label, res in results.items():
-        evidence("측정값", f"{label}: 전체 {res.elapsed_s:.2f} s (엔진 시계), 처리량 {res.throughput:.1f} 토큰/s, "
+        evidence("측정값", f"{label}: 전체 {res.elapsed_s:.2f} s (엔진 시계), "
+                 f"처리량 {res.throughput:.1f} 토큰/s, "
                  f"스텝 {len(res.records)}개", **res.conditions)
     w = batch_waste(results["정적 배칭"])
     evidence("계산값", f"정적 배칭의 패딩 낭비 {w['padding_slot_steps']} 슬롯·스텝 (배치 {w['num_batches']}개)",
@@ -77,8 +79,9 @@ def lab() -> None:
     batch = c2.slider("배치 크기 (최대 동시 요청 수)", 2, 6, 4, key="ch07_batch")
     late = c3.slider("늦게 오는 요청의 도착 간격 (ms)", 0, 1000, 400, step=100, key="ch07_late")
     workload = batching_workload(n, late)
-    note = "워크로드: " + ", ".join(f"r{i}(프롬프트 {s.prompt_len}, 출력 {s.max_tokens}, 도착 {s.arrival_ms:.0f} ms)"
-                                 for i, s in enumerate(workload.requests))
+    note = "워크로드: " + ", ".join(
+        f"r{i}(프롬프트 {s.prompt_len}, 출력 {s.max_tokens}, 도착 {s.arrival_ms:.0f} ms)"
+        for i, s in enumerate(workload.requests))
 
     def before(ctx: LabContext) -> None:
         predict("ch07_best", "세 방식 중 처리량(토큰/s)이 가장 높은 것은?", options=list(BATCHING_MODES),

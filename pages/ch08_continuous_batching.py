@@ -17,14 +17,14 @@ from ui.widgets import decision_table, evidence, show_code
 RESULT = "ch08_result"
 SIDE_KEYS = {"chunked prefill 켬": "ch08_on", "chunked prefill 끔": "ch08_off"}
 CHOICES = ["줄어든다", "비슷하다", "늘어난다"]
-FIELDS = ("enable_chunked_prefill", "max_num_batched_tokens", "max_num_seqs", "enable_prefix_caching",
-          "max_model_len", "num_kv_blocks")
+FIELDS = ("enable_chunked_prefill", "max_num_batched_tokens", "max_num_seqs",
+          "enable_prefix_caching", "max_model_len", "num_kv_blocks")
 
 
 def _sides(labels: list[str], budget: int, seqs: int) -> list[Side]:
     settings = current_settings()
-    base = settings.to_config(max_model_len=1024,
-                              num_kv_blocks=max(settings.num_kv_blocks, 1024 // settings.block_size))
+    blocks = max(settings.num_kv_blocks, 1024 // settings.block_size)
+    base = settings.to_config(max_model_len=1024, num_kv_blocks=blocks)
     sides = []
     for label in labels:
         cfg = chunked_config(base, CHUNKED_MODES[label], budget, seqs)
@@ -53,9 +53,11 @@ def _summary_view(ctx: LabContext) -> None:
     for label, res in result.runs.items():
         steps = res.step_table()
         fig.add_trace(go.Scatter(
-            x=steps["start_ms"], y=steps["duration_ms"], mode="lines+markers", name=f"{label} 스텝 시간",
+            x=steps["start_ms"], y=steps["duration_ms"], mode="lines+markers",
+            name=f"{label} 스텝 시간",
             customdata=steps[["step", "num_tokens"]],
-            hovertemplate="스텝 %{customdata[0]} · 토큰 %{customdata[1]}<br>%{y:.1f} ms<extra></extra>"))
+            hovertemplate=("스텝 %{customdata[0]} · 토큰 %{customdata[1]}<br>%{y:.1f} ms"
+                           "<extra></extra>")))
     fig.update_layout(height=320, title="스텝 시간 (ms) — 긴 프롬프트가 든 스텝이 튀는지",
                       xaxis_title="시작 시각 (ms, 엔진 시계)", yaxis_title="ms",
                       margin=dict(l=10, r=10, t=40, b=10))
@@ -73,7 +75,8 @@ def _summary_view(ctx: LabContext) -> None:
     if len(s) == 2:
         on, off = s["다른 요청 ITL 최대 (ms)"]
         if on is not None and off is not None:
-            measured = CHOICES[0] if on < 0.8 * off else CHOICES[2] if on > 1.25 * off else CHOICES[1]
+            measured = (CHOICES[0] if on < 0.8 * off else
+                        CHOICES[2] if on > 1.25 * off else CHOICES[1])
             compare("ch08_itl", measured)
             st.caption(f"짧은 요청 ITL 최대: 켬 {on:.1f} ms, 끔 {off:.1f} ms")
     for label, res in result.runs.items():
@@ -104,7 +107,8 @@ def lab() -> None:
     chunked = c1.toggle("chunked prefill", value=True, key="ch08_chunked",
                         help="한 엔진만 돌릴 때 켤지 끌지 (나란히 비교를 끄면 쓰임)")
     both = c2.checkbox("켬·끔 나란히 비교 (한 스텝에 두 엔진)", value=True, key="ch08_both")
-    labels = list(CHUNKED_MODES) if both else [next(k for k, v in CHUNKED_MODES.items() if v == chunked)]
+    chosen = next(k for k, v in CHUNKED_MODES.items() if v == chunked)
+    labels = list(CHUNKED_MODES) if both else [chosen]
     workload = long_prompt_workload(long_len, long_arrival_ms=float(arrival))
     long_total = long_len + workload.requests[-1].max_tokens
     st.caption(f"워크로드: 짧은 요청 3개(프롬프트 16, 출력 40)가 먼저 오고, {arrival} ms 뒤(엔진 시계) "

@@ -13,14 +13,15 @@ ROOT = Path(__file__).resolve().parent.parent
 STAGE = re.compile(r"^\[(\d+)/(\d+)\]\s*(.*)")
 
 
-def run_quick_bench(on_progress: Callable[[float, str], None], timeout_s: float = 1800) -> tuple[int, str]:
+def run_quick_bench(on_progress: Callable[[float, str], None],
+                    timeout_s: float = 1800) -> tuple[int, str]:
     """Run the quick benchmark in a child process; on_progress(fraction, text) per stage line.
     Returns (exit code, the last lines of its output)."""
     cmd = [sys.executable, "-m", "engine", "bench", "--quick"]
     start = time.perf_counter()
     tail: list[str] = []
-    with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          bufsize=1) as proc:
+    with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, bufsize=1) as proc:
         for line in proc.stdout:
             line = line.rstrip()
             tail = (tail + [line])[-20:]
@@ -30,7 +31,9 @@ def run_quick_bench(on_progress: Callable[[float, str], None], timeout_s: float 
                 elapsed = time.perf_counter() - start
                 done = (k - 1) / n
                 left = elapsed / done * (1 - done) if done > 0 else None
-                text = f"단계 {k}/{n}: {m.group(3)[:60]}" + (f" · 남은 시간 약 {left:.0f} s" if left else "")
+                text = f"단계 {k}/{n}: {m.group(3)[:60]}"
+                if left:
+                    text += f" · 남은 시간 약 {left:.0f} s"
                 on_progress(done, text)
             if time.perf_counter() - start > timeout_s:
                 proc.kill()

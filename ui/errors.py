@@ -22,8 +22,8 @@ def korean_error(exc: BaseException) -> str:
                     f"{tokens} 이하로 낮추세요.")
         return "KV 캐시가 요청 하나도 담지 못합니다. KV 블록 수를 늘리거나 최대 길이를 낮추세요."
     if isinstance(exc, InvalidRequestError):
-        m = re.search(r"maximum context length is (\d+) tokens, but the request has (\d+) prompt tokens "
-                      r"and asks for (\d+) output", text)
+        m = re.search(r"maximum context length is (\d+) tokens, but the request has "
+                      r"(\d+) prompt tokens and asks for (\d+) output", text)
         if m:
             max_len, prompt, out = m.groups()
             return (f"요청이 너무 깁니다: 프롬프트 {prompt}토큰 + 출력 {out}토큰이 최대 길이 {max_len}토큰을 "

@@ -83,42 +83,46 @@ def journey_segments(requests: list[Request], t0: float | None = None,
         def ms(e, _times=times) -> float:
             return 1000.0 * (_times[id(e)] - t0)
 
-        lane = names[r.request_id]
+        lane, rid = names[r.request_id], r.request_id
+
+        def bar(start, end, kind, step, info="", _lane=lane, _rid=rid) -> None:
+            bars.append(dict(lane=_lane, rid=_rid, start=start, end=end, kind=kind, step=step,
+                             info=info))
+
+        def mark(t, kind, step, info="", _lane=lane, _rid=rid) -> None:
+            markers.append(dict(lane=_lane, rid=_rid, t=t, kind=kind, step=step, info=info))
+
         queued_since = None
         for i, e in enumerate(events):
             nxt = events[i + 1] if i + 1 < len(events) else None
             if e.kind == "arrival":
-                markers.append(dict(lane=lane, rid=r.request_id, t=ms(e), kind="API 수신", step=e.step))
+                mark(ms(e), "API 수신", e.step)
             elif e.kind == "tokenized":
                 start = next((x for x in events if x.kind == "arrival"), e)
-                bars.append(dict(lane=lane, rid=r.request_id, start=ms(start), end=ms(e), kind="tokenize", step=None,
-                                 info=f"{e.detail.get('num_prompt_tokens', '')} 토큰"))
+                bar(ms(start), ms(e), "tokenize", None, f"{e.detail.get('num_prompt_tokens', '')} 토큰")
                 queued_since = (e, "대기열")
             elif e.kind == "scheduled":
                 if queued_since is not None:
-                    bars.append(dict(lane=lane, rid=r.request_id, start=ms(queued_since[0]), end=ms(e), kind=queued_since[1],
-                                     step=e.step, info=""))
+                    bar(ms(queued_since[0]), ms(e), queued_since[1], e.step)
                     queued_since = None
                 phase = e.detail.get("phase", "decode")
-                end = next((x for x in events[i + 1:] if x.kind in ("first_token", "token", "scheduled",
-                                                                     "preempted", "finished")),
-                           nxt if nxt else e)
-                bars.append(dict(lane=lane, rid=r.request_id, start=ms(e), end=ms(end), kind=PHASE_LABELS.get(phase, phase),
-                                 step=e.step, info=f"{e.detail.get('num_tokens', '')} 토큰"))
+                ends = ("first_token", "token", "scheduled", "preempted", "finished")
+                end = next((x for x in events[i + 1:] if x.kind in ends), nxt if nxt else e)
+                bar(ms(e), ms(end), PHASE_LABELS.get(phase, phase), e.step,
+                    f"{e.detail.get('num_tokens', '')} 토큰")
             elif e.kind == "preempted":
-                markers.append(dict(lane=lane, rid=r.request_id, t=ms(e), kind="선점", step=e.step))
+                mark(ms(e), "선점", e.step)
                 queued_since = (e, "대기열(선점 후)")
             elif e.kind == "first_token":
-                markers.append(dict(lane=lane, rid=r.request_id, t=ms(e), kind="첫 토큰", step=e.step))
+                mark(ms(e), "첫 토큰", e.step)
             elif e.kind == "streamed":
-                markers.append(dict(lane=lane, rid=r.request_id, t=ms(e), kind="스트리밍", step=e.step))
+                mark(ms(e), "스트리밍", e.step)
             elif e.kind == "finished":
-                markers.append(dict(lane=lane, rid=r.request_id, t=ms(e), kind="완료", step=e.step,
-                                    info=str(e.detail.get("reason", ""))))
-        if queued_since is not None and not r.is_finished:  # still waiting: draw up to its last event
+                mark(ms(e), "완료", e.step, str(e.detail.get("reason", "")))
+        if queued_since is not None and not r.is_finished:  # still waiting: up to its last event
             last = events[-1] if events else queued_since[0]
-            bars.append(dict(lane=lane, rid=r.request_id, start=ms(queued_since[0]), end=max(ms(last), ms(queued_since[0]) + 0.5),
-                             kind=queued_since[1], step=None, info="대기 중"))
+            start = ms(queued_since[0])
+            bar(start, max(ms(last), start + 0.5), queued_since[1], None, "대기 중")
     return bars, markers
 
 
@@ -131,7 +135,8 @@ MARKER_STYLE = {
 }
 
 
-def journey_figure(requests: list[Request], t0: float | None = None, clock: str = "wall") -> go.Figure:
+def journey_figure(requests: list[Request], t0: float | None = None,
+                   clock: str = "wall") -> go.Figure:
     """Swimlanes: one row per request, segments on a real ms axis (horizontal bars with base=).
     Long request ids are drawn as short names (req-0 …); the full id is in the hover text."""
     bars, markers = journey_segments(requests, t0, clock)
@@ -146,9 +151,10 @@ def journey_figure(requests: list[Request], t0: float | None = None, clock: str 
             name=kind, orientation="h", y=[b["lane"] for b in rows],
             x=[max(b["end"] - b["start"], 0.05) for b in rows], base=[b["start"] for b in rows],
             marker=dict(color=color, line=dict(color="white", width=0.5)),
-            customdata=[[b["start"], b["end"], b["step"] if b["step"] is not None else "-", b["info"], b["rid"]]
-                        for b in rows],
-            hovertemplate=("%{customdata[4]} · " + kind + "<br>%{customdata[0]:.1f} → %{customdata[1]:.1f} ms"
+            customdata=[[b["start"], b["end"], b["step"] if b["step"] is not None else "-", b["info"],
+                         b["rid"]] for b in rows],
+            hovertemplate=("%{customdata[4]} · " + kind
+                           + "<br>%{customdata[0]:.1f} → %{customdata[1]:.1f} ms"
                            "<br>스텝 %{customdata[2]} · %{customdata[3]}<extra></extra>"),
         ))
     for kind, style in MARKER_STYLE.items():
@@ -159,7 +165,8 @@ def journey_figure(requests: list[Request], t0: float | None = None, clock: str 
             name=kind, mode="markers", y=[m["lane"] for m in rows], x=[m["t"] for m in rows],
             marker=dict(symbol=style["symbol"], color=style["color"], size=style["size"],
                         line=dict(width=1.5, color=style["color"])),
-            customdata=[[m["step"] if m["step"] is not None else "-", m.get("info", ""), m["rid"]] for m in rows],
+            customdata=[[m["step"] if m["step"] is not None else "-", m.get("info", ""), m["rid"]]
+                        for m in rows],
             hovertemplate=("%{customdata[2]} · " + kind
                            + "<br>%{x:.1f} ms · 스텝 %{customdata[0]} %{customdata[1]}<extra></extra>"),
         ))
@@ -181,7 +188,8 @@ def schedule_figure(records: list[StepRecord]) -> go.Figure:
             name=label, legendgroup=label, showlegend=label not in shown,
             x=rows["step"], y=rows["num_tokens"], marker=dict(color=PHASE_COLORS.get(phase, "#999"),
                                                               line=dict(color="white", width=1)),
-            text=[names.get(rid, rid)] * len(rows), textposition="inside", insidetextanchor="middle",
+            text=[names.get(rid, rid)] * len(rows), textposition="inside",
+            insidetextanchor="middle",
             customdata=rows[["num_computed_tokens", "num_prefix_hit_tokens"]].to_numpy(),
             hovertemplate=(f"스텝 %{{x}} · {rid} · {label}<br>%{{y}} 토큰 (이미 계산: %{{customdata[0]}},"
                            " prefix 히트: %{customdata[1]})<extra></extra>"),

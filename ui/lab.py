@@ -148,7 +148,8 @@ def _context(key: str, sides: list[Side]) -> LabContext | None:
     feeders = {}
     for side in sides:
         feeder = _feeders().get(side.key)
-        feeders[side.key] = feeder if feeder is not None and feeder.engine is engines[side.key] else None
+        fresh = feeder is not None and feeder.engine is engines[side.key]
+        feeders[side.key] = feeder if fresh else None
     return LabContext(key, sides, engines, feeders)
 
 
@@ -206,7 +207,8 @@ def _request_panel(ctx: LabContext, default_max_tokens: int, show_custom: bool,
         if not presets:
             return
         c1, c2, c3, c4 = st.columns(4)
-        max_tokens = c1.number_input("max_tokens", 1, 512, default_max_tokens, key=f"{key}_max_tokens")
+        max_tokens = c1.number_input("max_tokens", 1, 512, default_max_tokens,
+                                     key=f"{key}_max_tokens")
         temperature = c2.slider("temperature", 0.0, 2.0, 0.0, 0.1, key=f"{key}_temperature",
                                 help="0이면 greedy (결정적)")
         top_p = c3.slider("top_p", 0.05, 1.0, 1.0, 0.05, key=f"{key}_top_p")
@@ -288,7 +290,8 @@ def _counters(ctx: LabContext) -> None:
         pending = len(feeder.pending) if feeder else 0
         name = f"**{side.label}** · " if side.label else ""
         col.markdown(
-            f"{name}스텝 **{len(get_records(side.key))}** · KV 블록 **{snap.num_used}/{snap.num_blocks}**"
+            f"{name}스텝 **{len(get_records(side.key))}** · "
+            f"KV 블록 **{snap.num_used}/{snap.num_blocks}**"
             f" · 실행 {len(engine.scheduler.running)} · 대기 {len(engine.scheduler.waiting)}"
             + (f" · 도착 전 {pending}" if pending else "")
             + f" · 엔진 시계 {1000 * engine.clock.now():,.0f} ms")
@@ -368,7 +371,8 @@ def _last_step_evidence(ctx: LabContext) -> None:
         last = records[-1]
         name = f"{side.label}: " if side.label else ""
         evidence("측정값", f"{name}마지막 스텝 {last.step}: {1000 * last.engine_duration:.1f} ms "
-                 f"(forward {1000 * last.timings.get('forward', 0):.1f} ms), 토큰 {last.total_tokens}개",
+                 f"(forward {1000 * last.timings.get('forward', 0):.1f} ms), "
+                 f"토큰 {last.total_tokens}개",
                  **conditions_of(ctx.engines[side.key], 배치=f"{len(last.scheduled)}개 요청",
                                  시계="엔진 시계"))
 
@@ -445,7 +449,8 @@ def sidebar_status() -> None:
     refreshes at the play speed (a fragment of its own), so its counters follow each step."""
     key = st.session_state.get(ACTIVE_KEY) or "main"
     lab_key = next((k for k in list(st.session_state.keys())
-                    if isinstance(k, str) and k.startswith("_playing_") and st.session_state[k]), None)
+                    if isinstance(k, str) and k.startswith("_playing_") and st.session_state[k]),
+                   None)
     interval = None
     if lab_key is not None:
         interval = float(st.session_state.get(f"{lab_key.removeprefix('_playing_')}_speed", 0.5))

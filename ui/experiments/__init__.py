@@ -22,9 +22,11 @@ from ui.experiments.common import (REQUEST_COLUMNS_KO, RequestSpec, RunResult, W
                                    measurement_conditions, prompt_ids, result_of, run_workload)
 
 __all__ = [
-    "BATCHING_MODES", "CHUNKED_MODES", "ChunkedComparison", "DtypeMeasurement", "FragmentationResult",
+    "BATCHING_MODES", "CHUNKED_MODES", "ChunkedComparison", "DtypeMeasurement",
+    "FragmentationResult",
     "METRIC_DEFINITIONS", "REQUEST_COLUMNS_KO", "RequestSpec", "RunResult", "Workload",
-    "WorkloadFeeder", "batch_waste", "batching_config", "batching_summary", "batching_workload", "block_tables_frame",
+    "WorkloadFeeder", "batch_waste", "batching_config", "batching_summary", "batching_workload",
+    "block_tables_frame",
     "chunked_config", "chunked_summary", "compare_batching", "compare_chunked_prefill",
     "fragmentation", "korean_table", "latest_bench", "long_prompt_workload", "make_config",
     "measure_dtype", "measurement_conditions", "percentile_table", "prompt_ids", "result_of",

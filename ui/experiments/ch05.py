@@ -30,7 +30,7 @@ class DtypeMeasurement:
     param_count: int
     tensor_bytes: int  # engine.weight_bytes(): Σ numel × element_size of the weights (measured)
     computed_bytes: int  # params × bytes per element (계산값)
-    rss_delta_bytes: int | None  # process RSS after load − before (None: weights were already loaded)
+    rss_delta_bytes: int | None  # RSS after load − before (None: weights were already loaded)
     load_s: float | None
     tpot_ms: float
     decode_tokens_per_s: float
@@ -44,10 +44,12 @@ class DtypeMeasurement:
 
 
 def measure_dtype(config: ConfigLike | None, dtype: str, prompt: str = "The capital of France is",
-                  num_tokens: int = 16, reference: DtypeMeasurement | None = None) -> DtypeMeasurement:
+                  num_tokens: int = 16,
+                  reference: DtypeMeasurement | None = None) -> DtypeMeasurement:
     """Load the model in `dtype` (if not loaded yet in this process), then time a greedy decode.
 
-    Measured: tensor bytes of the loaded weights, RSS delta of the load, TTFT and TPOT of one request.
+    Measured: weight bytes (engine.weight_bytes()), RSS delta of the load, TTFT and TPOT of one
+    request (RequestMetrics, engine clock).
     Derived: decode tokens/s = 1000 / TPOT.
     """
     import torch

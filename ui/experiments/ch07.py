@@ -10,7 +10,8 @@ from ui.experiments.common import (ConfigLike, RequestSpec, RunResult, Workload,
 
 
 def batching_workload(num_requests: int = 6, late_ms: float = 400.0) -> Workload:
-    """Output lengths that differ a lot (so a static batch waits for its longest) and two late arrivals."""
+    """Output lengths that differ a lot (so a static batch waits for its longest) and two late
+    arrivals."""
     outs = [8, 40, 12, 32, 10, 24, 16, 36][:num_requests]
     prompts = [24, 16, 40, 20, 32, 28, 18, 36][:num_requests]
     specs = []
@@ -31,9 +32,11 @@ def batch_waste(result: RunResult) -> dict:
     """Slots held idle, from the step records (계산값).
 
     idle slots = max_num_seqs × steps − Σ scheduled requests per step
-    static padding = Σ over batches (batch size × batch steps) − Σ (request, step) pairs that did work,
+    static padding = Σ over batches (batch size × batch steps) − Σ (request, step) pairs that did
+      work,
       a batch being the steps between two moments with nothing running. Only static batching holds a
-      finished request's slot until its batch ends; sequential and continuous runs reuse it (padding 0).
+      finished request's slot until its batch ends; sequential and continuous runs reuse it
+      (padding 0).
     """
     slots = result.config.max_num_seqs
     worked = sum(len(r.scheduled) for r in result.records)
@@ -90,7 +93,8 @@ def batching_summary(results: dict[str, RunResult]) -> pd.DataFrame:
             "빈 자리 (슬롯·스텝)": waste["idle_slot_steps"],
             "패딩 낭비 (슬롯·스텝)": waste["padding_slot_steps"],
             "막힌 대기 (요청·스텝)": waste["blocked_request_steps"],
-            "평균 스텝 (ms)": _r(1000 * np.mean([r.engine_duration for r in res.records])) if res.records else None,
+            "평균 스텝 (ms)": (_r(1000 * np.mean([r.engine_duration for r in res.records]))
+                             if res.records else None),
         })
         rows.append(row)
     return pd.DataFrame(rows)

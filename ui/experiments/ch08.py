@@ -13,7 +13,8 @@ from ui.experiments.common import (ConfigLike, RequestSpec, RunResult, Workload,
 def long_prompt_workload(long_prompt_len: int = 420, num_short: int = 3, short_prompt_len: int = 16,
                          short_max_tokens: int = 40, long_arrival_ms: float = 250.0,
                          long_max_tokens: int = 8) -> Workload:
-    specs = [RequestSpec(short_prompt_len, short_max_tokens, 0.0, f"짧은-{i}") for i in range(num_short)]
+    specs = [RequestSpec(short_prompt_len, short_max_tokens, 0.0, f"짧은-{i}")
+             for i in range(num_short)]
     specs.append(RequestSpec(long_prompt_len, long_max_tokens, long_arrival_ms, "긴-프롬프트"))
     return Workload(specs)
 
@@ -74,7 +75,7 @@ def chunked_summary(runs: dict[str, RunResult], long_name: str = "긴-프롬프�
 def compare_chunked_prefill(config: ConfigLike | None, workload: Workload, budget: int,
                             max_num_seqs: int, engine_factory=None) -> ChunkedComparison:
     """Run the workload with chunked prefill on and off, both under the same token budget."""
-    runs = {label: run_workload(chunked_config(config, chunked, budget, max_num_seqs), workload, label,
-                                engine_factory=engine_factory)
+    runs = {label: run_workload(chunked_config(config, chunked, budget, max_num_seqs), workload,
+                                label, engine_factory=engine_factory)
             for label, chunked in CHUNKED_MODES.items()}
     return ChunkedComparison(runs, chunked_summary(runs))

@@ -252,7 +252,8 @@ REQUEST_COLUMNS_KO = {
 }
 
 
-def korean_table(df: pd.DataFrame, columns: list[str] | None = None, digits: int = 1) -> pd.DataFrame:
+def korean_table(df: pd.DataFrame, columns: list[str] | None = None,
+                 digits: int = 1) -> pd.DataFrame:
     """A request table for display: Korean headers, rounded numbers, "—" for missing values."""
     if columns is not None:
         df = df[columns]
@@ -288,12 +289,15 @@ def result_of(feeder: WorkloadFeeder, records: list[StepRecord], label: str) -> 
     finishes = [r.metrics("engine").finish_time for _, r in added]
     finishes = [f for f in finishes if f is not None]
     end = max(finishes) if finishes else feeder.start
-    wall = (records[-1].start_time + records[-1].duration - records[0].start_time) if records else 0.0
+    wall = 0.0
+    if records:
+        wall = records[-1].start_time + records[-1].duration - records[0].start_time
     cond = measurement_conditions(engine, 요청=len(feeder.specs), 최대동시요청=config.max_num_seqs,
                                   토큰예산=config.max_num_batched_tokens)
-    return RunResult(label or config.scheduling_policy, config, list(records), [r for _, r in added],
-                     [s for s, _ in added], feeder.start, end - feeder.start, cond, engine.num_blocks,
-                     config.block_size, engine.max_model_len, dict(feeder.rejected), wall)
+    return RunResult(label or config.scheduling_policy, config, list(records),
+                     [r for _, r in added], [s for s, _ in added], feeder.start, end - feeder.start,
+                     cond, engine.num_blocks, config.block_size, engine.max_model_len,
+                     dict(feeder.rejected), wall)
 
 
 def run_workload(config: ConfigLike | None, workload: Workload, label: str = "",
