@@ -8,7 +8,7 @@ import streamlit as st
 
 from engine.request import RequestMetrics
 from engine.tokenizer import Tokenizer
-from ui.lab import LabContext
+from ui.lab import LabContext, Progress
 from ui.lab import lab as engine_lab
 from ui.lesson import render_chapter
 from ui.measure import measure_prefill_decode
@@ -76,9 +76,11 @@ def timing_lab() -> None:
                             num_kv_blocks=max(current_settings().num_kv_blocks, 1024 // current_settings().block_size),
                             enable_prefix_caching=False)
         results = []
-        with st.spinner("실제 엔진으로 재는 중…"):
-            for n in sorted(sizes):
-                results.append(measure_prefill_decode(engine, n, num_decode))
+        progress = Progress(len(sizes), "프롬프트 길이")
+        for n in sorted(sizes):
+            results.append(measure_prefill_decode(engine, n, num_decode))
+            progress()
+        progress.close()
         st.session_state["ch02_results"] = (results, conditions_of(engine, 배치="요청 1개",
                                                                    토큰예산=1024, prefix캐시="끔"))
     if "ch02_results" not in st.session_state:

@@ -6,6 +6,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from engine.kv_cache import KVCacheManager
+from ui.lab import Progress
 from ui.lab import lab as engine_lab
 from ui.lesson import render_chapter
 from ui.measure import compare_kv_cache, kv_allocated_bytes, prompt_of_length, read_config
@@ -32,8 +33,10 @@ def cache_compare_lab() -> None:
             reset_engine(key)
         cached = get_engine("ch03_cached", **common)
         uncached = get_engine("ch03_uncached", enable_prefix_caching=False, **common)
-        with st.spinner("두 방식으로 생성하는 중…"):
-            result = compare_kv_cache(cached, uncached, prompt_of_length(cached, n_prompt), n_new)
+        progress = Progress(n_new, "캐시 없는 생성 토큰")
+        result = compare_kv_cache(cached, uncached, prompt_of_length(cached, n_prompt), n_new,
+                                  on_token=progress)
+        progress.close()
         st.session_state["ch03_result"] = (result, conditions_of(cached, 배치="요청 1개", 프롬프트=f"{n_prompt} 토큰",
                                                                   생성=f"{n_new} 토큰 (greedy)"))
     if "ch03_result" not in st.session_state:

@@ -7,6 +7,7 @@ import streamlit as st
 
 from ui.experiments.ch05 import DtypeMeasurement, measure_dtype
 from ui.hardware_data import GB, GPUS, MODELS, memory_budget
+from ui.lab import Progress
 from ui.lesson import render_chapter
 from ui.predict import compare, predict
 from ui.session import current_settings
@@ -119,9 +120,11 @@ def measurement() -> None:
         cfg = current_settings().to_config()
         results: dict[str, DtypeMeasurement] = {}
         order = ["float32"] + [d for d in dtypes if d != "float32"]  # fp32 first: the reference
-        with st.spinner("dtype별로 올리고 생성하는 중…"):
-            for dt in order:
-                results[dt] = measure_dtype(cfg, dt, num_tokens=n_tokens, reference=results.get("float32"))
+        progress = Progress(len(order), "dtype")
+        for dt in order:
+            results[dt] = measure_dtype(cfg, dt, num_tokens=n_tokens, reference=results.get("float32"))
+            progress()
+        progress.close()
         st.session_state[MEASURED] = results
     results = st.session_state.get(MEASURED)
     if not results:

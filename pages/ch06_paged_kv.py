@@ -8,7 +8,8 @@ from engine.kv_cache import KVCacheManager
 from engine.utils import cdiv
 from ui import figures
 from ui.experiments import RequestSpec, Workload, block_tables_frame, fragmentation, run_workload
-from ui.lab import LabContext
+from ui.experiments.common import expected_steps
+from ui.lab import LabContext, Progress
 from ui.lab import lab as engine_lab
 from ui.lesson import render_chapter
 from ui.predict import compare, predict
@@ -60,8 +61,10 @@ def compare_lab() -> None:
             unit="%", step=5.0)
     if st.button("실행", key="ch06_run", type="primary"):
         cfg = current_settings().to_config(max_model_len=max_len, num_kv_blocks=blocks, enable_prefix_caching=False)
-        with st.spinner("엔진에서 워크로드를 실행하는 중…"):
-            res = run_workload(cfg, _workload(n, max_out), "paged")
+        workload = _workload(n, max_out)
+        progress = Progress(expected_steps(workload, cfg))
+        res = run_workload(cfg, workload, "paged", on_step=progress)
+        progress.close()
         st.session_state[RESULT] = res
     res = st.session_state.get(RESULT)
     if res is None:

@@ -231,6 +231,31 @@ def _request_panel(ctx: LabContext, default_max_tokens: int, show_custom: bool,
                     st.warning("프롬프트를 입력하세요.")
 
 
+# -- progress ----------------------------------------------------------------------------------
+
+class Progress:
+    """A progress bar for a long run: items done / expected and the time left (never only a
+    spinner). Call it once per item (it fits run_workload's on_step); close() removes it."""
+
+    def __init__(self, total: int, what: str = "스텝"):
+        self.total = max(int(total), 1)
+        self.what = what
+        self.done = 0
+        self.start = time.perf_counter()
+        self.bar = st.progress(0.0, text=f"{what} 0/{self.total} (예상)")
+
+    def __call__(self, *_args) -> None:
+        self.done += 1
+        shown = max(self.total, self.done)
+        per_item = (time.perf_counter() - self.start) / self.done
+        left = per_item * (shown - self.done)
+        self.bar.progress(min(self.done / shown, 1.0),
+                          text=f"{self.what} {self.done}/{shown} (예상) · 남은 시간 약 {left:.1f} s")
+
+    def close(self) -> None:
+        self.bar.empty()
+
+
 # -- stepping controls -------------------------------------------------------------------------
 
 def run_steps(ctx: LabContext, limit: int | None) -> int:
@@ -238,22 +263,16 @@ def run_steps(ctx: LabContext, limit: int | None) -> int:
     (steps done / expected, time left). Returns the number of lockstep steps."""
     expected = max(expected_steps(ctx.engines[s.key], ctx.feeders.get(s.key)) for s in ctx.sides)
     total = min(limit, expected) if limit is not None else expected
-    total = max(total, 1)
-    bar = st.progress(0.0, text="스텝 실행 준비 중…") if total > 1 else None
-    start = time.perf_counter()
+    bar = Progress(total) if total > 1 else None
     done = 0
     for _ in range(limit if limit is not None else MAX_STEPS):
         if not step_all(ctx):
             break
         done += 1
         if bar is not None:
-            per_step = (time.perf_counter() - start) / done
-            shown_total = max(total, done)
-            left = per_step * max(shown_total - done, 0)
-            bar.progress(min(done / shown_total, 1.0),
-                         text=f"스텝 {done}/{shown_total} (예상) · 남은 시간 약 {left:.1f} s")
+            bar()
     if bar is not None:
-        bar.empty()
+        bar.close()
     return done
 
 
@@ -348,7 +367,9 @@ def stream_texts(key: str, engine: EngineCore) -> None:
         prompt = getattr(r, "display_prompt", None) or r.prompt or ""
         text = texts.get(r.request_id, "")
         if r.is_finished:
-            state = f"상태: 완료 ({r.finish_reason})"
+            from ui.widgets import FINISH_KO
+
+            state = f"상태: 완료 ({FINISH_KO.get(r.finish_reason, r.finish_reason)})"
         elif r.status.value in ("waiting", "preempted"):
             state = "상태: 대기 중"
         else:

@@ -84,7 +84,7 @@ class CacheComparison:
 
 
 def compare_kv_cache(cached_engine: EngineCore, uncached_engine: EngineCore, prompt_ids: list[int],
-                     num_new: int) -> CacheComparison:
+                     num_new: int, on_token=None) -> CacheComparison:
     """Greedy generation of num_new tokens two ways, on the real model:
 
     - with the KV cache: one request; prefill once, then each decode step feeds one token;
@@ -113,6 +113,8 @@ def compare_kv_cache(cached_engine: EngineCore, uncached_engine: EngineCore, pro
         result.step_ms_uncached.append(1000 * (time.perf_counter() - start))
         result.tokens_computed_uncached.append(sum(r.total_tokens for r in records))
         token = req.output_token_ids[0]
+        if on_token is not None:
+            on_token()
         result.tokens_uncached.append(token)
         sequence.append(token)
     return result

@@ -18,6 +18,7 @@ from ui.figures import REASON_KO
 
 LESSONS_DIR = Path(__file__).resolve().parent.parent / "lessons"
 
+FINISH_KO = {"stop": "정지 토큰", "length": "길이 한도", "abort": "중단", "error": "오류"}
 PHASE_KO = {"prefill": "prefill", "chunked_prefill": "chunked prefill (조각)", "decode": "decode"}
 
 EVIDENCE_KINDS = {
@@ -44,7 +45,8 @@ def decision_table(record: StepRecord | None) -> pd.DataFrame:
         for rid in record.finished:
             for row in rows:
                 if row["요청"] == rid:
-                    row["결정"] += f" → 완료({record.finished[rid]})"
+                    reason = FINISH_KO.get(record.finished[rid], record.finished[rid])
+                    row["결정"] += f" → 완료({reason})"
     return pd.DataFrame(rows, columns=["요청", "결정", "국면", "토큰 수", "이미 계산된 토큰", "prefix 히트", "이유"])
 
 

@@ -281,6 +281,18 @@ def measurement_conditions(engine: EngineCore, **extra) -> dict:
     return cond
 
 
+def expected_steps(workload: Workload, config: EngineConfig) -> int:
+    """About how many steps a workload takes (for a progress bar, not a measurement)."""
+    budget = max(config.max_num_batched_tokens, 1)
+    seqs = max(config.max_num_seqs, 1)
+    work = [(s.prompt_len, s.max_tokens) for s in workload.requests]
+    if not work:
+        return 0
+    longest = max(-(-p // budget) + o for p, o in work)
+    spread = -(-sum(p for p, _ in work) // budget) + -(-sum(o for _, o in work) // seqs)
+    return max(longest, spread, 1)
+
+
 def result_of(feeder: WorkloadFeeder, records: list[StepRecord], label: str) -> RunResult:
     """A RunResult from a feeder that was stepped (to the end, or as far as it went)."""
     engine = feeder.engine
