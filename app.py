@@ -18,7 +18,8 @@ if str(ROOT) not in sys.path:
 import streamlit as st  # noqa: E402
 
 from ui.lesson import CHAPTERS, PAGES, SECTIONS, coming_soon  # noqa: E402
-from ui.session import engine_settings_sidebar, engine_status  # noqa: E402
+from ui.lab import ACTIVE_KEY, sidebar_status  # noqa: E402
+from ui.session import engine_settings_sidebar  # noqa: E402
 
 st.set_page_config(page_title="LLM 추론 실험실", page_icon=":material/science:", layout="wide")
 
@@ -28,19 +29,20 @@ def build_pages() -> dict[str, list]:
     for ch in CHAPTERS:
         path = ch.page_file()
         if path is not None:
-            page = st.Page(str(path.relative_to(ROOT)), title=ch.title, icon=ch.icon, url_path=ch.url_path,
-                           default=ch.id == "00")
+            page = st.Page(str(path.relative_to(ROOT)), title=ch.title, icon=ch.icon,
+                           url_path=ch.url_path, default=ch.id == "00")
         else:
-            page = st.Page(coming_soon(ch), title=f"{ch.title} (준비 중)", icon=":material/construction:", url_path=ch.url_path,
-                           default=ch.id == "00")
+            page = st.Page(coming_soon(ch), title=f"{ch.title} (준비 중)", icon=":material/construction:",
+                           url_path=ch.url_path, default=ch.id == "00")
         PAGES[ch.id] = page
         sections[ch.section].append(page)
     return sections
 
 
-navigation = st.navigation(build_pages())
+navigation = st.navigation(build_pages(), expanded=True)  # every chapter listed, no "View more"
 st.sidebar.caption("LLM 추론 시스템의 원리 · 실제 엔진을 한 스텝씩")
 engine_settings_sidebar(show_status=False)
+st.session_state[ACTIVE_KEY] = None  # the page's lab names its engine; none → "main"
 navigation.run()
 with st.sidebar:
-    engine_status("main")  # after the page ran, so it shows this run's steps
+    sidebar_status()  # after the page ran, so it shows this run's steps (and follows 재생)

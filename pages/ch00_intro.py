@@ -3,9 +3,12 @@
 import pandas as pd
 import streamlit as st
 
+from ui.lab import LabContext, first_finished, steps_of
+from ui.lab import lab as engine_lab
 from ui.lesson import render_chapter
+from ui.predict import compare, predict
 from ui.session import get_engine
-from ui.widgets import evidence, lab_plots, request_controls
+from ui.widgets import evidence
 
 JOURNEY = [
     ("1", "API 서버", "HTTP 수신, 인증, SSE 스트리밍", "engine/server.py"),
@@ -39,9 +42,26 @@ def lab() -> None:
     st.caption(f"모델: {engine.model_dir.name} · {cfg.num_layers}층 · hidden {cfg.hidden_size} · "
                f"KV head {cfg.num_kv_heads} (config.json에서 읽음)")
     st.subheader("첫 실험: 요청 하나를 한 스텝씩")
-    st.caption("예시 요청을 추가하고 ‘다음 스텝’을 눌러 보세요. 세 그림이 스텝마다 갱신됩니다.")
-    request_controls("main", default_max_tokens=24)
-    lab_plots("main")
+    st.caption("예측을 적고, 예시 요청을 추가한 뒤 **다음 스텝**을 눌러 보세요. 세 그림이 스텝마다 "
+               "갱신됩니다. **N 스텝**, **재생**, **끝까지**, **리셋**도 같은 엔진을 움직입니다.")
+    engine_lab("main", default_max_tokens=24, before=_predict, chapter_view=_compare)
+
+
+def _predict(ctx: LabContext) -> None:
+    max_tokens = st.session_state.get("main_max_tokens", 24)
+    predict("ch00_steps", f"max_tokens={max_tokens}인 요청 하나가 혼자 끝나려면 엔진 스텝이 몇 번 필요할까요?",
+            unit="스텝", locked=ctx.started, step=1.0)
+
+
+def _compare(ctx: LabContext) -> None:
+    request = first_finished(ctx.engines["main"])
+    if request is None:
+        return
+    measured = steps_of(ctx.records("main"), request.request_id)
+    compare("ch00_steps", measured, "스텝", fmt="{:,.0f}")
+    evidence("측정값", f"첫 요청이 배정된 스텝 {measured}개 = prefill 스텝 + decode 스텝 "
+             f"(출력 {request.num_output_tokens} 토큰)", 모델=ctx.engines["main"].model_dir.name,
+             근거="StepRecord.scheduled")
 
 
 render_chapter("00", lab)

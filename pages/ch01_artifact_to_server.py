@@ -10,8 +10,10 @@ import streamlit as st
 from engine.artifact import DTYPE_BYTES, inspect_artifact
 from ui import figures
 from ui.lesson import render_chapter
+from ui.lab import show_decision
+from ui.predict import compare, predict
 from ui.session import build_engine, conditions_of, current_settings
-from ui.widgets import decision_table, evidence, show_code
+from ui.widgets import evidence, show_code
 
 STAGE_MODULE = {
     "arrival": ("API 수신", "engine/server.py"),
@@ -59,7 +61,7 @@ def artifact_inspector() -> None:
     cols[0].metric("어휘 크기", f"{info.vocab_size:,}")
     cols[1].metric("intermediate", c.get("intermediate_size"))
     cols[2].metric("최대 위치", c.get("max_position_embeddings"))
-    cols[3].metric("임베딩 공유(tied)", str(c.get("tie_word_embeddings", False)))
+    cols[3].metric("임베딩 공유(tied)", "예" if c.get("tie_word_embeddings") else "아니오")
     st.caption("위 숫자는 config.json에서 그대로 읽은 값입니다 (아티팩트의 선언).")
 
     from engine.tokenizer import Tokenizer
@@ -149,6 +151,7 @@ def http_lab() -> None:
     c1, c2 = st.columns([3, 1])
     prompt = c1.text_input("보낼 메시지", "안녕하세요! 한 문장으로 인사해 주세요.", key="ch01_prompt")
     max_tokens = c2.number_input("max_tokens", 1, 128, 16, key="ch01_max_tokens")
+    predict("ch01_ttft", "이 요청의 서버 안 TTFT(도착 → 첫 토큰)는 몇 ms일까요?", unit="ms", step=10.0)
     if st.button("HTTP 요청 보내기 (stream=True)", key="ch01_send", type="primary"):
         state = _server()
         if state is not None:
@@ -195,12 +198,15 @@ def http_lab() -> None:
                 "세부": ", ".join(f"{k}={v}" for k, v in e.detail.items())} for e in request.journey]
     st.markdown("**서버 엔진이 남긴 이 요청의 여정** (`engine/trace.py`의 여정 이벤트)")
     st.dataframe(pd.DataFrame(journey), hide_index=True, width="stretch", height=260)
-    m = request
-    ttft = 1000 * (m.first_token_time - m.arrival_time) if m.first_token_time else None
-    e2e = 1000 * (m.finish_time - m.arrival_time) if m.finish_time else None
-    evidence("측정값", f"서버 안 TTFT {ttft:.0f} ms, E2E {e2e:.0f} ms (도착 = HTTP 수신 시각부터), "
+    m = request.metrics(clock="wall")  # a server request: wall time is what its client waited
+    ttft = 1000 * m.ttft if m.ttft is not None else float("nan")
+    e2e = 1000 * m.e2e if m.e2e is not None else float("nan")
+    evidence("측정값", f"서버 안 TTFT {ttft:.0f} ms, E2E {e2e:.0f} ms (벽시계, 도착 = HTTP 수신 시각부터), "
              f"프롬프트 {m.num_prompt_tokens} 토큰 → 출력 {m.num_output_tokens} 토큰",
-             **conditions_of(engine, 배치="요청 1개", 경로="HTTP 127.0.0.1"))
+             **conditions_of(engine, 배치="요청 1개", 경로="HTTP 127.0.0.1", 시계="벽시계"))
+    compare("ch01_ttft", ttft, "ms", fmt="{:,.0f}")
+    st.caption(f"요청 id `{request_id}`는 그림과 표에서 짧은 이름(req-0)으로 보입니다. 전체 id는 그림의 "
+               "말풍선(hover)에 있습니다.")
     own = [r for r in records if request_id in r.num_scheduled_tokens or request_id in r.unscheduled]
     tab1, tab2, tab3 = st.tabs(["요청 여정", "스케줄러 결정", "KV 캐시"])
     with tab1:
@@ -208,7 +214,7 @@ def http_lab() -> None:
     with tab2:
         st.plotly_chart(figures.schedule_figure(own), key="ch01_schedule")
         if own:
-            st.dataframe(decision_table(own[0]), hide_index=True)
+            show_decision(own[0], figures.short_names([request_id]))
     with tab3:
         snap = own[-2].kv if len(own) >= 2 else engine.kv_cache_manager.snapshot()
         st.caption("마지막 스텝 직전의 KV 블록 (요청이 끝나면 블록은 반납됩니다)")

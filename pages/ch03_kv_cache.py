@@ -6,10 +6,13 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from engine.kv_cache import KVCacheManager
+from ui.lab import Progress
+from ui.lab import lab as engine_lab
 from ui.lesson import render_chapter
 from ui.measure import compare_kv_cache, kv_allocated_bytes, prompt_of_length, read_config
+from ui.predict import compare, predict
 from ui.session import conditions_of, current_settings, get_engine, reset_engine
-from ui.widgets import evidence, lab_plots, request_controls, show_code
+from ui.widgets import evidence, show_code
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -21,6 +24,7 @@ def cache_compare_lab() -> None:
     c1, c2 = st.columns(2)
     n_prompt = c1.select_slider("프롬프트 토큰 수", [16, 32, 64, 128, 256], value=64, key="ch03_prompt_len")
     n_new = c2.slider("생성할 토큰 수", 4, 48, 12, key="ch03_new_tokens")
+    predict("ch03_ratio", "캐시 없이 생성하면 캐시를 쓸 때보다 몇 배 오래 걸릴까요?", unit="배", step=0.5)
     if st.button("캐시 있음 / 없음 비교", key="ch03_compare", type="primary"):
         settings = current_settings()
         common = dict(max_num_batched_tokens=1024, max_model_len=1024,
@@ -29,8 +33,10 @@ def cache_compare_lab() -> None:
             reset_engine(key)
         cached = get_engine("ch03_cached", **common)
         uncached = get_engine("ch03_uncached", enable_prefix_caching=False, **common)
-        with st.spinner("두 방식으로 생성하는 중…"):
-            result = compare_kv_cache(cached, uncached, prompt_of_length(cached, n_prompt), n_new)
+        progress = Progress(n_new, "캐시 없는 생성 토큰")
+        result = compare_kv_cache(cached, uncached, prompt_of_length(cached, n_prompt), n_new,
+                                  on_token=progress)
+        progress.close()
         st.session_state["ch03_result"] = (result, conditions_of(cached, 배치="요청 1개", 프롬프트=f"{n_prompt} 토큰",
                                                                   생성=f"{n_new} 토큰 (greedy)"))
     if "ch03_result" not in st.session_state:
@@ -58,6 +64,7 @@ def cache_compare_lab() -> None:
              f"{r.total_ms_cached:.0f} ms)", **cond)
     evidence("계산값", f"모델에 넣은 토큰은 {ratio_tok:.1f}배 — 시간 비율이 이보다 작은 것은 긴 입력을 한 번에 처리할 때 "
              "토큰당 비용이 싸지기 때문", formula="캐시 없음: Σ_{k=0}^{n−1}(P+k), 캐시 있음: P + (n−1)")
+    compare("ch03_ratio", ratio_time, "배")
     if r.same_tokens:
         st.success(f"두 방식의 greedy 토큰 {len(r.tokens_cached)}개가 모두 같습니다: 캐시는 계산을 아낄 뿐 답을 바꾸지 않습니다.")
     else:
@@ -89,10 +96,9 @@ def kv_bytes_lab() -> None:
 
 def growth_lab() -> None:
     st.subheader("③ 캐시가 블록 단위로 자라는 모습")
-    st.caption("예시 요청을 넣고 ‘다음 스텝’을 여러 번 눌러 보세요. 블록 격자에서 요청의 칸이 16토큰마다 하나씩 "
-               "늘고, 요청이 끝나면 블록이 빈칸(또는 prefix 캐시 보관)으로 돌아갑니다.")
-    request_controls("ch03", default_max_tokens=40)
-    lab_plots("ch03", show_code_panel=False)
+    st.caption("예시 요청을 넣고 **다음 스텝**을 여러 번 눌러 보세요. 블록 격자에서 요청의 칸이 16토큰마다 "
+               "하나씩 늘고, 요청이 끝나면 블록이 빈칸(또는 prefix 캐시 보관)으로 돌아갑니다.")
+    engine_lab("ch03", default_max_tokens=40, show_code_panel=False)
     show_code(KVCacheManager.allocate_slots, "방금 실행된 코드 (블록 배정)")
 
 

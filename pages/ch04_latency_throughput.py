@@ -5,9 +5,13 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from ui import figures
-from ui.experiments import METRIC_DEFINITIONS, RunResult, Workload, latest_bench, percentile_table, run_workload
+from ui.bench_runner import run_quick_bench
+from ui.experiments.ch04 import METRIC_DEFINITIONS, latest_bench, percentile_table
+from ui.experiments.common import RunResult, Workload, korean_table, run_workload
+from ui.lab import LabContext, Side, run_results, run_workload_button
+from ui.lab import lab as engine_lab
 from ui.lesson import render_chapter
+from ui.predict import compare, predict
 from ui.session import current_settings
 from ui.widgets import evidence, show_code
 
@@ -19,7 +23,8 @@ def _per_request_figure(res: RunResult) -> go.Figure:
     fig = go.Figure()
     for col, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "E2E")):
         fig.add_trace(go.Bar(name=name, x=t["request_id"], y=t[col]))
-    fig.update_layout(barmode="group", height=300, title="요청별 TTFT · TPOT · E2E (ms)", yaxis_title="ms",
+    fig.update_layout(barmode="group", height=300, title="요청별 TTFT · TPOT · E2E (ms, 엔진 시계)",
+                      yaxis_title="ms",
                       margin=dict(l=10, r=10, t=40, b=10))
     return fig
 
@@ -52,11 +57,24 @@ def _history_figure(runs: list[RunResult]) -> go.Figure:
 
 def _bench_section(runs: list[RunResult]) -> None:
     st.subheader("② 벤치마크 JSON (`python -m engine bench`)")
+    if st.button("빠른 벤치마크 실행 (python -m engine bench --quick)", key="ch04_bench",
+                 help="이 기계의 대역폭·행렬곱 속도와 decode 루프라인을 잽니다 (수 분 걸릴 수 있음)"):
+        bar = st.progress(0.0, text="벤치마크를 시작하는 중…")
+        code, tail = run_quick_bench(lambda f, text: bar.progress(min(max(f, 0.0), 1.0), text=text))
+        bar.empty()
+        if code != 0:
+            st.error("벤치마크가 끝나지 못했습니다. 터미널에서 `python -m engine bench --quick`를 실행해 보세요.")
+            with st.expander("벤치마크 출력의 끝부분"):
+                st.code(tail, language=None)
     bench = latest_bench()
     if not bench:
-        st.info("아직 벤치마크 결과가 없습니다. 터미널에서 `python -m engine bench` (빠르게: `--quick`)를 실행하면 "
-                "`bench-results/latest.json`이 생기고, 여기에 이 기계의 대역폭·행렬곱 속도와 decode 루프라인이 나타납니다.")
+        st.info("아직 벤치마크 결과가 없습니다. 위 버튼(또는 터미널에서 `python -m engine bench --quick`)을 "
+                "실행하면 `bench-results/latest.json`이 생기고, 여기에 이 기계의 대역폭·행렬곱 속도와 decode "
+                "루프라인이 나타납니다.")
         return
+    c0 = bench.get("conditions", {})
+    st.caption(f"마지막 측정: {c0.get('date', '날짜 모름')} · {c0.get('device_name') or c0.get('device', '?')}"
+               f" · 스레드 {c0.get('threads', '?')}")
     c = bench.get("conditions", {})
     cond = {"장치": c.get("device_name") or c.get("device"), "스레드": c.get("threads"), "dtype": c.get("dtype"),
             "모델": c.get("model_name"), "날짜": c.get("date")}
@@ -84,6 +102,52 @@ def _bench_section(runs: list[RunResult]) -> None:
         st.json(bench, expanded=False)
 
 
+def _whole_run(ctx: LabContext, gap: int) -> None:
+    last = run_results(ctx, "_ch04_last")
+    runs: list[RunResult] = st.session_state.setdefault(RUNS, [])
+    if last is not None:
+        res = next(iter(last.values()))
+        if not any(r is res for r in runs):
+            runs.append(res)
+    if not runs:
+        st.info("설정을 고르고 **실행**을 누르면 실제 엔진이 워크로드를 끝까지 돌리고, 요청별 지연 시간과 "
+                "백분위수를 보여 줍니다. **워크로드 넣기** 뒤 **다음 스텝**으로 한 스텝씩 볼 수도 있습니다.")
+        return
+    res = runs[-1]
+    cond = dict(res.conditions, 워크로드=Workload(res.specs).describe(), 도착간격=f"{gap} ms")
+    st.markdown("**요청별 측정값** (엔진 시계)")
+    table = res.request_table()
+    st.dataframe(korean_table(table, ["request_id", "prompt_tokens", "output_tokens", "arrival_ms", "queue_ms",
+                                      "ttft_ms", "tpot_ms", "mean_itl_ms", "max_itl_ms", "e2e_ms"]),
+                 hide_index=True)
+    row = table.iloc[-1]
+    if row["output_tokens"] >= 2:
+        evidence("계산값", f"{row['request_id']}의 TPOT = ({row['e2e_ms']:.1f} − {row['ttft_ms']:.1f}) / "
+                 f"({int(row['output_tokens'])} − 1) ≈ "
+                 f"{(row['e2e_ms'] - row['ttft_ms']) / (row['output_tokens'] - 1):.1f} ms "
+                 f"(표의 값 {row['tpot_ms']:.1f} ms)", formula="TPOT = (E2E − TTFT) / (N − 1)")
+    st.plotly_chart(_per_request_figure(res), key="ch04_per_request")
+    left, right = st.columns([3, 2])
+    with left:
+        st.plotly_chart(_percentile_figure(res), key="ch04_dist")
+    with right:
+        st.markdown("**정의**")
+        for name, text in METRIC_DEFINITIONS.items():
+            st.markdown(f"- **{name}**: {text}")
+    st.markdown("**평균과 백분위수** (numpy 선형 보간; n이 작으면 p99는 사실상 최댓값)")
+    pct = percentile_table(res)
+    st.dataframe(pct.astype(object).where(pct.notna(), "—"), hide_index=True)
+    evidence("측정값", f"출력 토큰 처리량 {res.throughput:.1f} 토큰/s ({res.output_tokens}토큰 / "
+             f"{res.elapsed_s:.2f} s, 엔진 시계), 스텝 {len(res.records)}개", **cond)
+    compare("ch04_tput", res.throughput, "토큰/s")
+    if len(runs) > 1:
+        st.markdown("**실행 기록** — 동시 요청 수만 바꿔 다시 실행하며 비교해 보세요.")
+        history = pd.DataFrame([dict(r.summary(), 실행=f"#{i + 1}", 최대동시요청=r.config.max_num_seqs)
+                                for i, r in enumerate(runs)])
+        st.dataframe(history.astype(object).where(history.notna(), "—"), hide_index=True)
+        st.plotly_chart(_history_figure(runs), key="ch04_history")
+
+
 def lab() -> None:
     st.subheader("① 워크로드를 실행하고 지연 시간을 재기")
     settings = current_settings()
@@ -94,54 +158,22 @@ def lab() -> None:
     c1, c2 = st.columns(2)
     seqs = c1.slider("최대 동시 요청 수", 1, 8, min(settings.max_num_seqs, 8), key="ch04_seqs")
     gap = c2.slider("요청 사이 도착 간격 (ms)", 0, 500, 0, step=50, key="ch04_gap")
-    b1, b2 = st.columns([1, 1])
-    if b1.button("실행", key="ch04_run", type="primary"):
-        cfg = settings.to_config(max_num_seqs=seqs, enable_prefix_caching=False)
-        with st.spinner("엔진에서 워크로드를 실행하는 중…"):
-            res = run_workload(cfg, Workload.uniform(n, prompt_len, out_len, gap), label=f"동시 {seqs}")
-        st.session_state.setdefault(RUNS, []).append(res)
-    if b2.button("기록 지우기", key="ch04_clear"):
-        st.session_state[RUNS] = []
-    runs: list[RunResult] = st.session_state.get(RUNS, [])
-    if not runs:
-        st.info("설정을 고르고 **실행**을 누르면 실제 엔진이 워크로드를 끝까지 돌리고, 요청별 지연 시간과 백분위수를 보여 줍니다.")
-        _bench_section(runs)
-        return
-    res = runs[-1]
-    cond = dict(res.conditions, 워크로드=Workload(res.specs).describe(), 도착간격=f"{gap} ms")
-    st.plotly_chart(figures.journey_figure(res.requests, t0=res.t0), key="ch04_journey")
-    st.plotly_chart(figures.schedule_figure(res.records), key="ch04_schedule")
+    workload = Workload.uniform(n, prompt_len, out_len, gap)
+    side = Side("ch04", f"동시 {seqs}", dict(max_num_seqs=seqs, enable_prefix_caching=False))
 
-    st.markdown("**요청별 측정값**")
-    table = res.request_table()
-    st.dataframe(table[["request_id", "prompt_tokens", "output_tokens", "arrival_ms", "queue_ms", "ttft_ms",
-                        "tpot_ms", "mean_itl_ms", "max_itl_ms", "e2e_ms"]].round(1), hide_index=True)
-    row = table.iloc[-1]
-    if row["output_tokens"] >= 2:
-        evidence("계산값", f"{row['request_id']}의 TPOT = ({row['e2e_ms']:.1f} − {row['ttft_ms']:.1f}) / "
-                 f"({int(row['output_tokens'])} − 1) ≈ {(row['e2e_ms'] - row['ttft_ms']) / (row['output_tokens'] - 1):.1f} ms "
-                 f"(표의 값 {row['tpot_ms']:.1f} ms)", formula="TPOT = (E2E − TTFT) / (N − 1)")
-    st.plotly_chart(_per_request_figure(res), key="ch04_per_request")
+    def before(ctx: LabContext) -> None:
+        predict("ch04_tput", "이 설정의 출력 토큰 처리량은 몇 토큰/s일까요?", unit="토큰/s",
+                locked=ctx.started and not ctx.finished, step=10.0)
+        b1, b2 = st.columns([1, 1])
+        with b1:
+            run_workload_button(ctx, workload)
+        if b2.button("기록 지우기", key="ch04_clear"):
+            st.session_state[RUNS] = []
 
-    left, right = st.columns([3, 2])
-    with left:
-        st.plotly_chart(_percentile_figure(res), key="ch04_dist")
-    with right:
-        st.markdown("**정의**")
-        for name, text in METRIC_DEFINITIONS.items():
-            st.markdown(f"- **{name}**: {text}")
-    st.markdown("**평균과 백분위수** (numpy 선형 보간; n이 작으면 p99는 사실상 최댓값)")
-    st.dataframe(percentile_table(res), hide_index=True)
-    evidence("측정값", f"출력 토큰 처리량 {res.throughput:.1f} 토큰/s ({res.output_tokens}토큰 / {res.wall_s:.2f} s), "
-             f"스텝 {len(res.records)}개", **cond)
-
-    if len(runs) > 1:
-        st.markdown("**실행 기록** — 동시 요청 수만 바꿔 다시 실행하며 비교해 보세요.")
-        st.dataframe(pd.DataFrame([dict(r.summary(), 실행=f"#{i + 1}", 최대동시요청=r.config.max_num_seqs)
-                                   for i, r in enumerate(runs)]), hide_index=True)
-        st.plotly_chart(_history_figure(runs), key="ch04_history")
+    engine_lab("ch04", [side], presets=None, workload=workload,
+               before=before, chapter_view=lambda ctx: _whole_run(ctx, gap), show_code_panel=False)
     show_code(run_workload, "방금 실행된 코드 (워크로드 실행)")
-    _bench_section(runs)
+    _bench_section(st.session_state.get(RUNS, []))
 
 
 render_chapter("04", lab)

@@ -5,13 +5,16 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from ui.experiments import DtypeMeasurement, measure_dtype
+from ui.experiments.ch05 import DtypeMeasurement, measure_dtype
 from ui.hardware_data import GB, GPUS, MODELS, memory_budget
+from ui.lab import Progress
 from ui.lesson import render_chapter
+from ui.predict import compare, predict
 from ui.session import current_settings
 from ui.widgets import evidence, show_code
 
 MEASURED = "ch05_measured"  # dtype → DtypeMeasurement
+SPEED_CHOICES = ["bf16이 더 빠르다", "비슷하다", "bf16이 더 느리다"]
 
 
 def _budget_figure(b) -> go.Figure:
@@ -93,7 +96,7 @@ def _measure_table(results: dict[str, DtypeMeasurement]) -> pd.DataFrame:
             "계산 가중치 (MB)": round(r.computed_bytes / 1e6, 1),
             "측정 텐서 바이트 (MB)": round(r.tensor_bytes / 1e6, 1),
             "RSS 증가 (MB)": round(r.rss_delta_bytes / 1e6, 1) if r.rss_delta_bytes is not None else "이미 로드됨",
-            "로드 (s)": round(r.load_s, 2) if r.load_s is not None else "-",
+            "로드 (s)": round(r.load_s, 2) if r.load_s is not None else "—",
             "TTFT (ms)": round(r.ttft_ms, 1),
             "TPOT (ms)": round(r.tpot_ms, 1),
             "decode (토큰/s)": round(r.decode_tokens_per_s, 1),
@@ -112,13 +115,16 @@ def measurement() -> None:
     dtypes = c1.multiselect("dtype", ["float32", "bfloat16", "float16"], default=["float32", "bfloat16", "float16"],
                             key="ch05_dtypes")
     n_tokens = c2.slider("생성 토큰 수", 4, 32, 12, key="ch05_ntok")
+    predict("ch05_bf16", "이 기계에서 bf16 decode는 fp32에 비해 어떨까요?", options=SPEED_CHOICES)
     if st.button("실행", key="ch05_run", type="primary"):
         cfg = current_settings().to_config()
         results: dict[str, DtypeMeasurement] = {}
         order = ["float32"] + [d for d in dtypes if d != "float32"]  # fp32 first: the reference
-        with st.spinner("dtype별로 올리고 생성하는 중…"):
-            for dt in order:
-                results[dt] = measure_dtype(cfg, dt, num_tokens=n_tokens, reference=results.get("float32"))
+        progress = Progress(len(order), "dtype")
+        for dt in order:
+            results[dt] = measure_dtype(cfg, dt, num_tokens=n_tokens, reference=results.get("float32"))
+            progress()
+        progress.close()
         st.session_state[MEASURED] = results
     results = st.session_state.get(MEASURED)
     if not results:
@@ -138,6 +144,11 @@ def measurement() -> None:
     for dt, r in results.items():
         evidence("측정값", f"{dt}: 로드된 텐서 {r.tensor_bytes / 1e6:.1f} MB, TPOT {r.tpot_ms:.1f} ms "
                  f"({r.decode_tokens_per_s:.1f} 토큰/s)", **r.conditions)
+    if "float32" in results and "bfloat16" in results:
+        ratio = results["bfloat16"].decode_tokens_per_s / max(results["float32"].decode_tokens_per_s, 1e-9)
+        measured = SPEED_CHOICES[0] if ratio > 1.15 else SPEED_CHOICES[2] if ratio < 0.87 else SPEED_CHOICES[1]
+        compare("ch05_bf16", measured)
+        st.caption(f"bf16 decode 속도 / fp32 decode 속도 = {ratio:.2f}")
     first = next(iter(results.values()))
     evidence("계산값", f"가중치 = {first.param_count:,} × 4 B (fp32) 또는 × 2 B (bf16/fp16)",
              formula="측정 텐서 바이트와 비교: 파라미터 수 × dtype 바이트")

@@ -8,9 +8,13 @@ from engine.kv_cache import KVCacheManager
 from engine.utils import cdiv
 from ui import figures
 from ui.experiments import RequestSpec, Workload, block_tables_frame, fragmentation, run_workload
+from ui.experiments.common import expected_steps
+from ui.lab import LabContext, Progress
+from ui.lab import lab as engine_lab
 from ui.lesson import render_chapter
-from ui.session import current_settings, get_records
-from ui.widgets import evidence, lab_plots, request_controls, show_code
+from ui.predict import compare, predict
+from ui.session import current_settings
+from ui.widgets import evidence, show_code
 
 RESULT = "ch06_result"
 
@@ -18,17 +22,23 @@ RESULT = "ch06_result"
 def live_lab() -> None:
     st.subheader("① 블록 격자와 블록 테이블 (한 스텝씩)")
     st.caption("예시 요청을 몇 개 넣고 **다음 스텝**을 눌러 보세요. 'KV 캐시' 탭의 격자에서 색은 주인 요청입니다.")
-    request_controls("ch06", default_max_tokens=40)
-    lab_plots("ch06", show_code_panel=False)
-    records = get_records("ch06")
-    if records:
-        table = block_tables_frame(records[-1])
-        st.markdown(f"**스텝 {records[-1].step}의 블록 테이블** (논리 블록 번호 → 물리 블록 번호)")
-        if table.empty:
-            st.caption("지금 블록을 가진 요청이 없습니다.")
-        else:
-            st.dataframe(table.pivot(index="request_id", columns="logical", values="physical"))
+    engine_lab("ch06", default_max_tokens=40, chapter_view=_block_tables, show_code_panel=False)
     show_code(KVCacheManager.allocate_slots, "방금 실행된 코드 (블록 배정)")
+
+
+def _block_tables(ctx: LabContext) -> None:
+    records = ctx.records("ch06")
+    if not records:
+        return
+    table = block_tables_frame(records[-1])
+    st.markdown(f"**스텝 {records[-1].step}의 블록 테이블** (논리 블록 번호 → 물리 블록 번호)")
+    if table.empty:
+        st.caption("지금 블록을 가진 요청이 없습니다.")
+        return
+    pivot = table.pivot(index="request_id", columns="logical", values="physical")
+    pivot.index.name = "요청"
+    pivot.columns = [f"논리 {c}" for c in pivot.columns]
+    st.dataframe(pivot.astype(object).where(pivot.notna(), "—"))
 
 
 def _workload(n: int, max_out: int) -> Workload:
@@ -47,10 +57,14 @@ def compare_lab() -> None:
     mode = c4.radio("연속 예약 크기 R", ["max_model_len", "prompt+max_tokens"], key="ch06_mode")
     bs = current_settings().block_size
     blocks = max(48, cdiv(max_len, bs))
+    predict("ch06_util", "블록 방식의 사용률(사용량/예약량)은 몇 %일까요? (연속 예약과 비교해 보세요)",
+            unit="%", step=5.0)
     if st.button("실행", key="ch06_run", type="primary"):
         cfg = current_settings().to_config(max_model_len=max_len, num_kv_blocks=blocks, enable_prefix_caching=False)
-        with st.spinner("엔진에서 워크로드를 실행하는 중…"):
-            res = run_workload(cfg, _workload(n, max_out), "paged")
+        workload = _workload(n, max_out)
+        progress = Progress(expected_steps(workload, cfg))
+        res = run_workload(cfg, workload, "paged", on_step=progress)
+        progress.close()
         st.session_state[RESULT] = res
     res = st.session_state.get(RESULT)
     if res is None:
@@ -78,6 +92,7 @@ def compare_lab() -> None:
              f"같은 풀({fr.pool_slots}칸)에 R={fr.largest_reservation}칸 요청은 "
              f"최대 {fr.contiguous_capacity}개", formula="예약량 = Σ R, 내부 단편화 = 예약량 − 사용량, "
              "쓸 수 없는 칸 = R_max보다 작은 빈 구멍의 합 (first-fit 재현)")
+    compare("ch06_util", float(fr.summary.iloc[1]["사용률 = 사용량/예약량 (%)"] or 0), "%")
     if fr.contiguous_rejected:
         st.warning(f"연속 예약이었다면 도착 시 자리가 없어 기다려야 했을 요청: {', '.join(fr.contiguous_rejected)} "
                    "(블록 방식에서는 바로 실행됨)")

@@ -1,74 +1,96 @@
-"""07 · 배칭 기초: one workload run sequentially, in static batches and with continuous batching on
-the real engine; latency, padding waste, idle slots, head-of-line blocking, throughput side by side."""
+"""07 · 배칭 기초: one workload on three engines in lockstep (sequential, static batches,
+continuous batching); latency, padding waste, idle slots, head-of-line blocking, throughput."""
 
 import plotly.graph_objects as go
 import streamlit as st
 
-from ui import figures
-from ui.experiments import batch_waste, batching_summary, batching_workload, compare_batching
+from ui.experiments.ch07 import (BATCHING_MODES, batch_waste, batching_config, batching_summary,
+                                 batching_workload, compare_batching)
+from ui.lab import LabContext, Side, run_results, run_workload_button
+from ui.lab import lab as engine_lab
 from ui.lesson import render_chapter
+from ui.predict import compare, predict
 from ui.session import current_settings
 from ui.widgets import evidence, show_code
 
 RESULTS = "ch07_results"
+SIDE_KEYS = {"순차 실행": "ch07_seq", "정적 배칭": "ch07_static", "continuous batching": "ch07_cont"}
 
 
-def lab() -> None:
-    st.subheader("같은 워크로드, 세 가지 방식")
-    c1, c2, c3 = st.columns(3)
-    n = c1.slider("요청 수", 3, 8, 6, key="ch07_n")
-    batch = c2.slider("배치 크기 (최대 동시 요청 수)", 2, 6, 4, key="ch07_batch")
-    late = c3.slider("늦게 오는 요청의 도착 간격 (ms)", 0, 1000, 400, step=100, key="ch07_late")
-    workload = batching_workload(n, late)
-    st.caption("워크로드: " + ", ".join(f"r{i}(프롬프트 {s.prompt_len}, 출력 {s.max_tokens}, 도착 {s.arrival_ms:.0f} ms)"
-                                     for i, s in enumerate(workload.requests)))
-    if st.button("실행", key="ch07_run", type="primary"):
-        cfg = current_settings().to_config(enable_prefix_caching=False)
-        with st.spinner("세 방식으로 실행하는 중…"):
-            st.session_state[RESULTS] = compare_batching(cfg, workload, batch)
-    results = st.session_state.get(RESULTS)
-    if not results:
-        st.info("**실행**을 누르면 같은 요청들을 순차 실행, 정적 배칭, continuous batching으로 실제 엔진에서 돌립니다.")
+def _sides(batch: int) -> list[Side]:
+    base = current_settings().to_config(enable_prefix_caching=False)
+    sides = []
+    for label, key in SIDE_KEYS.items():
+        cfg = batching_config(base, label, batch)
+        overrides = dict(scheduling_policy=cfg.scheduling_policy, max_num_seqs=cfg.max_num_seqs,
+                         enable_prefix_caching=False)
+        sides.append(Side(key, label, overrides))
+    return sides
+
+
+def _summary_view(ctx: LabContext) -> None:
+    results = run_results(ctx, RESULTS)
+    if results is None:
+        st.info("세 엔진이 워크로드를 모두 끝내면 여기에 전체 요약이 나옵니다. **실행**은 한 번에 끝까지, "
+                "**워크로드 넣기** 뒤 **다음 스텝**은 세 엔진을 한 스텝씩 나란히 움직입니다.")
         return
-    for i, (label, res) in enumerate(results.items()):
-        fig = figures.journey_figure(res.requests, t0=res.t0)
-        fig.update_layout(title=f"{label} — 요청 여정")
-        st.plotly_chart(fig, key=f"ch07_journey_{i}")
     summary = batching_summary(results)
-    st.dataframe(summary, hide_index=True)
-
+    st.markdown("**전체 실행 요약** (엔진 시계)")
+    st.dataframe(summary.astype(object).where(summary.notna(), "—"), hide_index=True)
     fig = go.Figure()
     for label, res in results.items():
         t = res.request_table()
         fig.add_trace(go.Bar(name=f"{label} E2E", x=t["request_id"], y=t["e2e_ms"]))
-    fig.update_layout(barmode="group", height=320, title="요청별 E2E (ms)", yaxis_title="ms",
+    fig.update_layout(barmode="group", height=320, title="요청별 E2E (ms, 엔진 시계)", yaxis_title="ms",
                       margin=dict(l=10, r=10, t=40, b=10))
     st.plotly_chart(fig, key="ch07_e2e")
-    fig = go.Figure()
-    fig.add_trace(go.Bar(name="처리량 (토큰/s)", x=summary["방식"], y=summary["처리량 (토큰/s)"]))
-    fig.add_trace(go.Bar(name="빈 자리 (슬롯·스텝)", x=summary["방식"], y=summary["빈 자리 (슬롯·스텝)"], yaxis="y2"))
-    fig.add_trace(go.Bar(name="패딩 낭비 (슬롯·스텝)", x=summary["방식"], y=summary["패딩 낭비 (슬롯·스텝)"], yaxis="y2"))
-    fig.update_layout(barmode="group", height=320, title="처리량과 낭비된 자리",
-                      yaxis=dict(title="토큰/s"), yaxis2=dict(title="슬롯·스텝", overlaying="y", side="right"),
+    c1, c2 = st.columns(2)
+    fig = go.Figure(go.Bar(x=summary["방식"], y=summary["처리량 (토큰/s)"], marker_color="#1f77b4"))
+    fig.update_layout(height=300, title="처리량 (토큰/s)", yaxis_title="토큰/s",
                       margin=dict(l=10, r=10, t=40, b=10))
-    st.plotly_chart(fig, key="ch07_waste")
-    static = results["정적 배칭"]
-    st.plotly_chart(figures.schedule_figure(static.records), key="ch07_static_schedule")
-    st.caption("정적 배칭의 스케줄러 결정: 먼저 끝난 요청의 자리가 배치가 끝날 때까지 비고, 대기 요청에는 "
-               "'정적 배치 진행 중' 이유가 붙습니다 (스케줄러 결정 표는 06장·08장 실험실에서 한 스텝씩 볼 수 있음).")
+    c1.plotly_chart(fig, key="ch07_throughput")
+    fig = go.Figure()
+    fig.add_trace(go.Bar(name="빈 자리", x=summary["방식"], y=summary["빈 자리 (슬롯·스텝)"]))
+    fig.add_trace(go.Bar(name="패딩 낭비", x=summary["방식"], y=summary["패딩 낭비 (슬롯·스텝)"]))
+    fig.update_layout(barmode="group", height=300, title="낭비된 자리 (슬롯·스텝)", yaxis_title="슬롯·스텝",
+                      margin=dict(l=10, r=10, t=40, b=10))
+    c2.plotly_chart(fig, key="ch07_waste")
+    best = summary.loc[summary["처리량 (토큰/s)"].idxmax(), "방식"]
+    compare("ch07_best", best)
     for label, res in results.items():
-        w = batch_waste(res)
-        evidence("측정값", f"{label}: 전체 {res.wall_s:.2f} s, 처리량 {res.throughput:.1f} 토큰/s, 스텝 {len(res.records)}개",
-                 **res.conditions)
-    w = batch_waste(static)
+        evidence("측정값", f"{label}: 전체 {res.elapsed_s:.2f} s (엔진 시계), "
+                 f"처리량 {res.throughput:.1f} 토큰/s, "
+                 f"스텝 {len(res.records)}개", **res.conditions)
+    w = batch_waste(results["정적 배칭"])
     evidence("계산값", f"정적 배칭의 패딩 낭비 {w['padding_slot_steps']} 슬롯·스텝 (배치 {w['num_batches']}개)",
              formula="Σ 배치마다 (배치 크기 × 배치 스텝 수) − 실제로 일한 (요청, 스텝) 수")
     evidence("계산값", "빈 자리 = 최대 동시 요청 수 × 스텝 수 − Σ 스텝마다 배정된 요청 수; "
              "막힌 대기 = 대기 이유가 '정적 배치 진행 중' 또는 '최대 동시 요청 수'인 (요청, 스텝) 수",
              formula="스텝 기록(StepRecord)에서 셈")
-    st.caption("주의: 우리 엔진의 정적 배칭은 끝난 요청을 실제로 계산하지는 않습니다. 패딩 낭비는 '패딩으로 채워 함께 "
-               "계산하는 구현이었다면 헛돌았을 자리'이고, 자리가 비어 있어 다른 요청을 받지 못한 것은 실제입니다.")
-    show_code(compare_batching, "방금 실행된 코드 (세 방식 비교)")
+    st.caption("주의: 우리 엔진의 정적 배칭은 끝난 요청을 실제로 계산하지는 않습니다. 패딩 낭비는 '패딩으로 채워 "
+               "함께 계산하는 구현이었다면 헛돌았을 자리'이고, 자리가 비어 있어 다른 요청을 받지 못한 것은 "
+               "실제입니다.")
+
+
+def lab() -> None:
+    st.subheader("같은 워크로드, 세 가지 방식을 나란히")
+    c1, c2, c3 = st.columns(3)
+    n = c1.slider("요청 수", 3, 8, 6, key="ch07_n")
+    batch = c2.slider("배치 크기 (최대 동시 요청 수)", 2, 6, 4, key="ch07_batch")
+    late = c3.slider("늦게 오는 요청의 도착 간격 (ms)", 0, 1000, 400, step=100, key="ch07_late")
+    workload = batching_workload(n, late)
+    note = "워크로드: " + ", ".join(
+        f"r{i}(프롬프트 {s.prompt_len}, 출력 {s.max_tokens}, 도착 {s.arrival_ms:.0f} ms)"
+        for i, s in enumerate(workload.requests))
+
+    def before(ctx: LabContext) -> None:
+        predict("ch07_best", "세 방식 중 처리량(토큰/s)이 가장 높은 것은?", options=list(BATCHING_MODES),
+                locked=ctx.started)
+        run_workload_button(ctx, workload)
+
+    engine_lab("ch07", _sides(batch), presets=None, workload=workload, workload_note=note,
+               before=before, chapter_view=_summary_view, show_code_panel=False)
+    show_code(compare_batching, "방금 실행된 코드 (세 방식 비교, 한 번에 돌리는 판)")
 
 
 render_chapter("07", lab)

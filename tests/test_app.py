@@ -135,6 +135,65 @@ def test_play_and_reset(app):
     assert len(records(at, "main")) == 0 and not engine_of(at, "main").all_requests()
 
 
+def test_n_steps_progress_and_reset_with_the_lab_component(app):
+    """The shared lab (ui/lab.py): N 스텝 advances N steps, counters follow, 리셋 clears; the
+    prediction box is locked once the run started and compared after the request finished."""
+    at = open_chapter(app, "00")
+    at.button(key="main_reset").click().run()
+    at.number_input(key="predict_ch00_steps").set_value(4.0).run()
+    at.number_input(key="main_max_tokens").set_value(4).run()
+    at.button(key="main_add_preset").click().run()
+    at.number_input(key="main_step_count").set_value(2).run()
+    at.button(key="main_nsteps").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert len(records(at, "main")) == 2
+    assert any("스텝 **2**" in m.value for m in at.markdown)  # the lab's own counter
+    assert at.number_input(key="predict_ch00_steps").disabled
+    at.button(key="main_to_end").click().run()
+    assert not engine_of(at, "main").has_unfinished_requests()
+    assert any(m.label == "측정값" for m in at.metric)  # prediction ↔ measurement side by side
+    assert at.session_state["_predictions"]["ch00_steps"]["value"] == 4.0
+    at.button(key="main_reset").click().run()
+    assert len(records(at, "main")) == 0 and not at.number_input(key="predict_ch00_steps").disabled
+
+
+def test_small_kv_cache_is_fixed_in_the_form_not_a_traceback(app):
+    at = open_chapter(app, "00")
+    at.number_input(key="cfg_num_kv_blocks").set_value(10)
+    at.button(key="cfg_apply").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert any("160토큰으로 낮춰" in w.value for w in at.sidebar.warning)
+    assert at.session_state["_engine_settings"].max_model_len == 160
+    assert engine_of(at, "main").num_blocks == 10
+    at.number_input(key="cfg_num_kv_blocks").set_value(1)
+    at.number_input(key="cfg_block_size").set_value(8)
+    at.button(key="cfg_apply").click().run()  # 8 tokens: refused, the old settings stay
+    assert not at.exception and any("설정은 바꾸지 않았습니다" in e.value for e in at.sidebar.error)
+    assert at.session_state["_engine_settings"].num_kv_blocks == 10
+    at.number_input(key="cfg_num_kv_blocks").set_value(64)
+    at.number_input(key="cfg_block_size").set_value(16)
+    at.number_input(key="cfg_max_len").set_value(1024)
+    at.button(key="cfg_apply").click().run()
+    assert at.session_state["_engine_settings"].max_model_len == 1024
+    assert engine_of(at, "main").num_blocks == 64
+
+
+def test_engine_errors_become_korean_messages():
+    from engine.sampling_params import InvalidRequestError
+    from engine.worker import CacheTooSmallError
+    from ui.errors import korean_error
+
+    msg = korean_error(CacheTooSmallError(
+        "KV cache of 10 blocks (160 tokens) cannot hold one request of max_model_len=1024 tokens "
+        "(64 blocks); add KV memory or lower max_model_len"))
+    assert "블록 10개" in msg and "160" in msg and "1024" in msg
+    msg = korean_error(InvalidRequestError(
+        "this model's maximum context length is 160 tokens, but the request has 150 prompt tokens and "
+        "asks for 32 output tokens (182 in total)", "max_tokens"))
+    assert "150" in msg and "max_tokens" in msg
+    assert korean_error(RuntimeError("boom")).startswith("엔진이")
+
+
 def test_custom_prompt_and_sampling(app):
     at = open_chapter(app, "00")
     at.button(key="main_reset").click().run()

@@ -24,10 +24,12 @@ PAGES = {
                                                                "ch04_dist"]),
     "05": ("pages/ch05_memory_dtype.py", ["ch05_run"], ["ch05_budget_fig", "ch05_requests_fig", "ch05_measure_fig"]),
     "06": ("pages/ch06_paged_kv.py", ["ch06_run"], ["ch06_compare_fig", "ch06_grid_mid"]),
-    "07": ("pages/ch07_batching.py", ["ch07_run"], ["ch07_journey_0", "ch07_journey_1", "ch07_journey_2", "ch07_e2e",
-                                                    "ch07_waste", "ch07_static_schedule"]),
-    "08": ("pages/ch08_continuous_batching.py", ["ch08_run"], ["ch08_schedule_0", "ch08_schedule_1",
-                                                               "ch08_step_times", "ch08_itl"]),
+    "07": ("pages/ch07_batching.py", ["ch07_run"], ["ch07_seq_journey", "ch07_static_journey",
+                                                    "ch07_cont_journey", "ch07_static_schedule",
+                                                    "ch07_e2e", "ch07_throughput", "ch07_waste"]),
+    "08": ("pages/ch08_continuous_batching.py", ["ch08_run"], ["ch08_on_schedule", "ch08_off_schedule",
+                                                               "ch08_on_kvgrid", "ch08_step_times",
+                                                               "ch08_itl"]),
 }
 
 
@@ -114,3 +116,36 @@ def test_ch04_shows_bench_json_with_its_conditions(app, monkeypatch):
     assert not app.exception, [e.value for e in app.exception]
     text = " ".join(m.value for m in app.markdown)
     assert "20.0 GB/s" in text and "test-cpu" in text and "26.9 ms" in text
+
+
+def test_ch07_engines_step_in_lockstep(app):
+    """One 다음 스텝 advances each of the three engines; 리셋 clears all three."""
+    app.switch_page(PAGES["07"][0])
+    app.run()
+    app.button(key="ch07_load").click().run()
+    assert not app.exception, [e.value for e in app.exception]
+    keys = ("ch07_seq", "ch07_static", "ch07_cont")
+    assert all(len(app.session_state["_records"][k]) == 0 for k in keys)
+    app.button(key="ch07_step").click().run()
+    assert all(len(app.session_state["_records"][k]) == 1 for k in keys)
+    app.number_input(key="ch07_step_count").set_value(3).run()
+    app.button(key="ch07_nsteps").click().run()
+    assert all(len(app.session_state["_records"][k]) == 4 for k in keys)
+    seq = app.session_state["_records"]["ch07_seq"]
+    assert all(len(r.scheduled) <= 1 for r in seq)  # sequential: one request at a time
+    app.button(key="ch07_reset").click().run()
+    assert all(len(app.session_state["_records"][k]) == 0 for k in keys)
+
+
+def test_ch08_chunking_off_keeps_the_budget(app):
+    app.switch_page(PAGES["08"][0])
+    app.run()
+    app.slider(key="ch08_budget").set_value(208).run()
+    app.slider(key="ch08_long").set_value(200).run()
+    app.slider(key="ch08_arrival").set_value(0).run()
+    app.button(key="ch08_run").click().run()
+    assert not app.exception, [e.value for e in app.exception]
+    off = app.session_state["ch08_result"].runs["chunked prefill 끔"]
+    assert off.config.max_num_batched_tokens == 208 == off.max_model_len
+    assert any("token_budget" in r.unscheduled.values() for r in off.records)
+    assert any("최대 길이(max_model_len)를 208토큰으로 낮췄습니다" in i.value for i in app.info)

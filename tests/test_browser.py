@@ -70,11 +70,11 @@ def click(page, name: str) -> None:
 
 
 def finish_lab(page) -> None:
-    """Press 끝까지 and wait until every request of the lab shows ✅ 완료 and the run is over."""
+    """Press 끝까지 and wait until every request of the lab shows 상태: 완료 and the run is over."""
     click(page, "끝까지")
     page.wait_for_function(
-        "() => document.body.innerText.includes('✅ 완료') && !document.body.innerText.includes('▶️ 생성 중')"
-        " && !document.body.innerText.includes('⏳ 대기')", timeout=STEP_TIMEOUT_MS)
+        "() => document.body.innerText.includes('상태: 완료') && !document.body.innerText.includes('상태: 생성 중')"
+        " && !document.body.innerText.includes('상태: 대기 중')", timeout=STEP_TIMEOUT_MS)
     wait_idle(page)
 
 
@@ -129,6 +129,32 @@ def test_chapter02_lab_to_the_end(browser_page, app_url):
     page.wait_for_timeout(500)
     assert visible_plots(page) >= 1
     page.screenshot(path=str(SHOTS / "ch02_lab_done.png"))
+
+
+def test_small_kv_cache_setting_shows_no_traceback(browser_page, app_url):
+    """KV 블록 수 = 10 in the sidebar: the form lowers max_model_len to what the blocks hold and says
+    so in Korean; the lab still steps; no traceback anywhere. The settings are restored after."""
+    page = browser_page
+    open_page(page, f"{app_url}/{url_of('00')}")
+    sidebar = page.locator("[data-testid='stSidebar']")
+    blocks = sidebar.get_by_label("KV 블록 수")
+    blocks.fill("10")
+    blocks.press("Tab")
+    click(page, "설정 적용 (엔진 재시작)")
+    body = page.inner_text("body")
+    assert "160토큰으로 낮춰 적용했습니다" in body, body[:2000]
+    assert "Traceback" not in body and "CacheTooSmallError" not in body
+    click(page, "예시 요청 추가")
+    click(page, "다음 스텝")
+    body = page.inner_text("body")
+    assert "Traceback" not in body and "KV 블록 **" not in body
+    assert "마지막 스텝 1" in body
+    assert "/10" in sidebar.inner_text()  # the sidebar status shows the 10-block engine
+    page.screenshot(path=str(SHOTS / "small_kv_cache.png"))
+    blocks.fill("64")
+    blocks.press("Tab")
+    sidebar.get_by_label("최대 길이 (max_model_len)").fill("1024")
+    click(page, "설정 적용 (엔진 재시작)")
 
 
 def test_chapter03_cache_grows(browser_page, app_url):

@@ -1,7 +1,7 @@
 """Chapter layout and the chapter list.
 
 render_chapter("03", lab): lessons/ch03.md up to `<!-- LAB -->` → lab() → the rest of the lesson
-→ ✍️ 확인 문제 (the quiz) → 다음 장 with a link to the next chapter's page.
+→ 확인 문제 (the quiz) → 다음 장 with a link to the next chapter's page.
 
 The quiz (lessons/chNN_quiz.json) is a list of questions of two kinds:
 
@@ -248,11 +248,16 @@ def render_chapter(chapter_id: str, lab: Callable[[], None]) -> None:
     before, rest, next_part = lesson_parts(chapter_id)
     st.markdown(before)
     st.divider()
-    st.header("🧪 실험실")
-    lab()
+    st.header("실험실")
+    try:
+        lab()
+    except Exception as exc:  # noqa: BLE001 - a learner sees a Korean message, never a traceback
+        from ui.errors import show_error
+
+        show_error(exc, "실험실을 그리지 못했습니다")
     st.divider()
     st.markdown(rest)
-    st.markdown("## ✍️ 확인 문제")
+    st.markdown("## 확인 문제")
     quiz(chapter_id)
     if next_part:
         st.markdown(next_part)
@@ -266,7 +271,7 @@ def coming_soon(ch: Chapter) -> Callable[[], None]:
 
     def page() -> None:
         st.title(ch.title)
-        st.info("🚧 준비 중인 장입니다. 본문과 실험실이 곧 추가됩니다.")
+        st.info("준비 중인 장입니다. 본문과 실험실이 곧 추가됩니다.", icon=":material/construction:")
         path = LESSONS_DIR / f"ch{ch.id}.md"
         if path.is_file():
             st.caption("아래는 미리 써 둔 본문입니다 (실험실 없이).")

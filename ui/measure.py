@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass, field
 
 from engine.core import EngineCore
-from engine.output import metrics_of
 from engine.sampling_params import SamplingParams
 from engine.trace import StepRecord
 
@@ -50,7 +49,7 @@ def measure_prefill_decode(engine: EngineCore, num_prompt_tokens: int, num_decod
     records = run_until_done(engine)
     prefill = [r for r in records if any(s.phase != "decode" for s in r.scheduled)]
     decode = [r for r in records if r.scheduled and all(s.phase == "decode" for s in r.scheduled)]
-    m = metrics_of(request)
+    m = request.metrics(clock="engine")
     return PrefillDecodeResult(
         num_prompt_tokens=num_prompt_tokens,
         prefill_ms=1000 * sum(r.duration for r in prefill),
@@ -85,7 +84,7 @@ class CacheComparison:
 
 
 def compare_kv_cache(cached_engine: EngineCore, uncached_engine: EngineCore, prompt_ids: list[int],
-                     num_new: int) -> CacheComparison:
+                     num_new: int, on_token=None) -> CacheComparison:
     """Greedy generation of num_new tokens two ways, on the real model:
 
     - with the KV cache: one request; prefill once, then each decode step feeds one token;
@@ -114,19 +113,19 @@ def compare_kv_cache(cached_engine: EngineCore, uncached_engine: EngineCore, pro
         result.step_ms_uncached.append(1000 * (time.perf_counter() - start))
         result.tokens_computed_uncached.append(sum(r.total_tokens for r in records))
         token = req.output_token_ids[0]
+        if on_token is not None:
+            on_token()
         result.tokens_uncached.append(token)
         sequence.append(token)
     return result
 
 
 def kv_allocated_bytes(engine: EngineCore) -> int | None:
-    """Bytes of the K/V tensors the worker really allocated (measured from the tensors)."""
-    worker = getattr(engine.executor, "worker", None)
-    runner = getattr(worker, "runner", None)
-    caches = getattr(runner, "kv_caches", None)
-    if not caches:
+    """Bytes of the K/V tensors the worker really allocated (measured by the engine)."""
+    try:
+        return engine.kv_cache_bytes() or None
+    except (AttributeError, NotImplementedError):  # an executor without a real cache
         return None
-    return sum(t.numel() * t.element_size() for layer in caches for t in layer)
 
 
 def read_config(engine: EngineCore) -> dict:

@@ -72,7 +72,7 @@ def engine_settings_sidebar(show_status: bool = True) -> EngineSettings:
     app.py passes show_status=False and draws the status after the page ran, so it is current."""
     defaults = current_settings()
     with st.sidebar:
-        st.subheader("⚙️ 엔진 설정")
+        st.subheader("엔진 설정")
         with st.form("engine_settings_form", border=False):
             model = st.text_input("모델 경로 (비우면 기본 SmolLM2-135M-Instruct)", value=defaults.model, key="cfg_model")
             c1, c2 = st.columns(2)
@@ -92,13 +92,43 @@ def engine_settings_sidebar(show_status: bool = True) -> EngineSettings:
         if submitted:
             new = EngineSettings(model.strip(), device, dtype, int(block_size), int(num_kv_blocks), int(max_len),
                                  int(budget), int(max_seqs), bool(prefix), policy)
-            if new != defaults:
+            new, note, ok = validate_settings(new)
+            st.session_state[_SETTINGS_NOTE] = (note, ok)
+            if ok and new != defaults:
                 st.session_state[SETTINGS_KEY] = new
                 defaults = new
+        note = st.session_state.get(_SETTINGS_NOTE)
+        if note and note[0]:
+            (st.warning if note[1] else st.error)(note[0], icon=":material/info:")
         st.session_state.setdefault(SETTINGS_KEY, defaults)
         if show_status:
             engine_status()
     return defaults
+
+
+_SETTINGS_NOTE = "_settings_note"  # (Korean note on the last 설정 적용, whether it was applied)
+MIN_MAX_MODEL_LEN = 16
+
+
+def validate_settings(settings: EngineSettings) -> tuple[EngineSettings, str, bool]:
+    """Check what the sidebar form asks for before an engine is built from it.
+
+    Returns (settings to apply, a Korean note or "", whether to apply). A KV cache that cannot hold
+    one request of max_model_len gets max_model_len lowered to what its blocks hold (with a note);
+    a cache too small for even a short request is refused with the fix named."""
+    slots = settings.num_kv_blocks * settings.block_size
+    if slots < MIN_MAX_MODEL_LEN:
+        need = -(-MIN_MAX_MODEL_LEN // settings.block_size)
+        return settings, (f"KV 블록 {settings.num_kv_blocks}개 × 블록 {settings.block_size}토큰 = {slots}토큰으로는 "
+                          f"짧은 요청 하나({MIN_MAX_MODEL_LEN}토큰)도 담을 수 없습니다. KV 블록 수를 {need}개 "
+                          "이상으로 올리세요. 설정은 바꾸지 않았습니다."), False
+    if settings.max_model_len > slots:
+        fixed = replace(settings, max_model_len=slots)
+        return fixed, (f"KV 블록 {settings.num_kv_blocks}개 × {settings.block_size}토큰 = {slots}토큰은 최대 길이 "
+                       f"{settings.max_model_len}토큰 요청 하나를 담지 못해서, 최대 길이(max_model_len)를 "
+                       f"{slots}토큰으로 낮춰 적용했습니다. 더 긴 요청이 필요하면 KV 블록 수를 "
+                       f"{-(-settings.max_model_len // settings.block_size)}개 이상으로 올리세요."), True
+    return settings, "", True
 
 
 def engine_status(key: str = "main") -> None:
@@ -106,7 +136,7 @@ def engine_status(key: str = "main") -> None:
     from ui.registry import MB, get_registry, lazy_worker_of, planned_kv_bytes
 
     track_session()
-    st.subheader("📟 엔진 상태")
+    st.subheader("엔진 상태")
     registry = get_registry()
     engines, kv = registry.usage()
     classroom = (f"이 서버: 학습자 엔진 {engines}/{registry.limits.max_engines}개 · KV "

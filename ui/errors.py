@@ -1,0 +1,49 @@
+"""Engine errors as Korean messages that say what to change (no traceback reaches a learner)."""
+
+from __future__ import annotations
+
+import re
+
+import streamlit as st
+
+
+def korean_error(exc: BaseException) -> str:
+    """One Korean sentence (or two) for an engine error: what happened and what to change."""
+    from engine.sampling_params import InvalidRequestError
+    from engine.worker import CacheTooSmallError
+
+    text = str(exc)
+    if isinstance(exc, CacheTooSmallError):
+        m = re.search(r"(\d+) blocks \((\d+) tokens\).*max_model_len=(\d+)", text)
+        if m:
+            blocks, tokens, max_len = m.groups()
+            return (f"KV 캐시가 너무 작습니다: 블록 {blocks}개는 {tokens}토큰을 담는데, 요청 하나의 최대 길이는 "
+                    f"{max_len}토큰입니다. 사이드바에서 KV 블록 수를 늘리거나 최대 길이(max_model_len)를 "
+                    f"{tokens} 이하로 낮추세요.")
+        return "KV 캐시가 요청 하나도 담지 못합니다. KV 블록 수를 늘리거나 최대 길이를 낮추세요."
+    if isinstance(exc, InvalidRequestError):
+        m = re.search(r"maximum context length is (\d+) tokens, but the request has "
+                      r"(\d+) prompt tokens and asks for (\d+) output", text)
+        if m:
+            max_len, prompt, out = m.groups()
+            return (f"요청이 너무 깁니다: 프롬프트 {prompt}토큰 + 출력 {out}토큰이 최대 길이 {max_len}토큰을 "
+                    "넘습니다. max_tokens를 줄이거나, 사이드바에서 최대 길이(와 KV 블록 수)를 늘리세요.")
+        return f"요청이 거절되었습니다 ({getattr(exc, 'param', '') or '입력'}): 입력값을 확인하세요."
+    if "max_num_batched_tokens" in text and "max_model_len" in text:
+        return ("chunked prefill을 끄면 한 스텝의 토큰 예산이 최대 길이 이상이어야 합니다. 토큰 예산을 "
+                "늘리거나 최대 길이를 낮추세요.")
+    if "must be positive" in text:
+        return "블록 크기, 토큰 예산, 최대 동시 요청 수는 1 이상이어야 합니다."
+    if isinstance(exc, FileNotFoundError) or "artifact" in text.lower():
+        return ("모델 파일을 찾지 못했습니다. 사이드바의 모델 경로를 비우면 기본 모델을 씁니다 "
+                "(처음이면 터미널에서 `python -m engine artifact build`).")
+    if isinstance(exc, MemoryError) or "out of memory" in text.lower():
+        return "메모리가 부족합니다. KV 블록 수나 최대 동시 요청 수를 줄이세요."
+    return "엔진이 이 작업을 끝내지 못했습니다. 리셋하거나 사이드바 설정을 기본값으로 되돌려 보세요."
+
+
+def show_error(exc: BaseException, where: str = "") -> None:
+    """The Korean message, with the engine's own words folded away (never a traceback)."""
+    st.error((f"{where}: " if where else "") + korean_error(exc), icon=":material/error:")
+    with st.expander("엔진이 남긴 원문 메시지"):
+        st.code(f"{type(exc).__name__}: {exc}", language=None)

@@ -1,0 +1,99 @@
+"""Chapter 05 · 메모리 예산과 dtype: our model loaded in each dtype, bytes and decode speed measured."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from engine.core import EngineCore
+from engine.sampling_params import SamplingParams
+from engine.utils import cdiv
+from ui.experiments.common import ConfigLike, make_config, measurement_conditions
+
+def _rss_bytes() -> int | None:
+    try:
+        import psutil
+
+        return psutil.Process(os.getpid()).memory_info().rss
+    except Exception:  # pragma: no cover - psutil missing
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:
+            return None
+
+
+@dataclass
+class DtypeMeasurement:
+    dtype: str
+    param_count: int
+    tensor_bytes: int  # engine.weight_bytes(): Σ numel × element_size of the weights (measured)
+    computed_bytes: int  # params × bytes per element (계산값)
+    rss_delta_bytes: int | None  # RSS after load − before (None: weights were already loaded)
+    load_s: float | None
+    tpot_ms: float
+    decode_tokens_per_s: float
+    ttft_ms: float
+    num_tokens: int
+    token_ids: list[int]
+    text: str
+    agree_with: str | None = None
+    first_divergence: int | None = None  # index of the first token that differs from the reference
+    conditions: dict = field(default_factory=dict)
+
+
+def measure_dtype(config: ConfigLike | None, dtype: str, prompt: str = "The capital of France is",
+                  num_tokens: int = 16,
+                  reference: DtypeMeasurement | None = None) -> DtypeMeasurement:
+    """Load the model in `dtype` (if not loaded yet in this process), then time a greedy decode.
+
+    Measured: weight bytes (engine.weight_bytes()), RSS delta of the load, TTFT and TPOT of one
+    request (RequestMetrics, engine clock).
+    Derived: decode tokens/s = 1000 / TPOT.
+    """
+    import torch
+
+    from engine.artifact import inspect_artifact, resolve_model_path
+    from engine.worker import is_model_loaded, resolve_device, resolve_dtype
+
+    config = make_config(config, dtype=dtype, num_kv_blocks=None, kv_cache_memory=None,
+                         max_model_len=256, enable_prefix_caching=False)
+    device = resolve_device(config.device)
+    torch_dtype = resolve_dtype(dtype, device)
+    model_dir = resolve_model_path(config.model)
+    already = is_model_loaded(model_dir, device, torch_dtype)
+    config = make_config(config, num_kv_blocks=cdiv(256, config.block_size))
+    rss0 = _rss_bytes()
+    t = time.perf_counter()
+    engine = EngineCore(config)  # loads the weights (once per process) and allocates the KV cache
+    load_s = None if already else time.perf_counter() - t
+    rss1 = _rss_bytes()
+    rss_delta = None if already or rss0 is None or rss1 is None else rss1 - rss0
+    nbytes = engine.weight_bytes()
+    element = torch.tensor([], dtype=torch_dtype).element_size()
+    params = inspect_artifact(model_dir).num_params  # counted from the safetensors header
+    params_s = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    request = engine.add_request(prompt, params_s)
+    while engine.has_unfinished_requests():
+        engine.step()
+    m = request.metrics(clock="engine")
+    n = m.num_output_tokens
+    tpot = m.tpot if m.tpot is not None else 0.0
+    text = engine.tokenizer.decode(request.output_token_ids)
+    divergence = None
+    if reference is not None:
+        pairs = zip(reference.token_ids, request.output_token_ids)
+        divergence = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+    return DtypeMeasurement(
+        dtype=str(torch_dtype).replace("torch.", ""), param_count=params, tensor_bytes=nbytes,
+        computed_bytes=params * element, rss_delta_bytes=rss_delta, load_s=load_s,
+        tpot_ms=1000 * tpot, decode_tokens_per_s=1.0 / tpot if tpot > 0 else 0.0,
+        ttft_ms=1000 * (m.ttft or 0.0), num_tokens=n,
+        token_ids=list(request.output_token_ids), text=text,
+        agree_with=reference.dtype if reference else None, first_divergence=divergence,
+        conditions=measurement_conditions(engine, 배치=1, 프롬프트=f"{request.num_prompt_tokens} 토큰",
+                                          출력=f"{n} 토큰 (greedy)"),
+    )
+
+
