@@ -2,7 +2,8 @@
 
 A tiny model needs a tokenizer. Borrowing the real artifact's would make every fast test depend
 on the 135M model being built, so a small byte-level BPE tokenizer (SmolLM2's special tokens
-and ChatML template, like the real one) is trained on the repository's own text instead.
+and ChatML template, like the real one) is trained on a snapshot of the repository's own text
+(tests/data/tiny_tokenizer_corpus.txt) instead.
 Byte-level BPE covers every string, Korean and emoji included, and every id decodes to bytes.
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY_VOCAB_SIZE = 2048
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 as in SmolLM2
 CHAT_TEMPLATE = (
@@ -21,11 +21,13 @@ CHAT_TEMPLATE = (
 )
 
 
+CORPUS = Path(__file__).resolve().parent / "data" / "tiny_tokenizer_corpus.txt"
+
+
 def training_text() -> list[str]:
-    """Korean lessons, English code and docs: the mix the tests tokenize."""
-    files = sorted(REPO_ROOT.glob("lessons/*.md")) + sorted(REPO_ROOT.glob("engine/*.py"))
-    files.append(REPO_ROOT / "README.md")
-    return [f.read_text(encoding="utf-8") for f in files if f.is_file()]
+    """Korean lessons, English code and docs (a frozen snapshot, so that editing the lessons or
+    the engine never changes the tiny tokenizer and with it the tiny model's greedy text)."""
+    return CORPUS.read_text(encoding="utf-8").split("\n\n")
 
 
 def write_tiny_tokenizer(path: Path) -> int:
