@@ -183,6 +183,8 @@ class EngineCore:
                 f"this model's maximum context length is {self.max_model_len} tokens, but the request has "
                 f"{num_prompt_tokens} prompt tokens and asks for {max_tokens or 0} output tokens ({total} in total)",
                 "max_tokens" if num_prompt_tokens < self.max_model_len else "prompt",
+                max_model_len=self.max_model_len, num_prompt_tokens=num_prompt_tokens,
+                max_tokens=max_tokens or 0,
             )
 
     def abort_request(self, request_id: str) -> bool:

@@ -25,9 +25,10 @@ class InvalidRequestError(ValueError):
     """A request the engine refuses up front; `param` names the offending field (as in the API's
     error shape)."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, **details: int):
         super().__init__(message)
         self.param = param
+        self.details = details  # the numbers in the message, for callers that explain it their way
 
 
 def _is_int(value) -> bool:

@@ -263,11 +263,7 @@ class SimulatedExecutor(Executor):
                 num_kv_blocks = self.memory.num_blocks
         needed = cdiv(max_model_len, self.block_size)
         if num_kv_blocks < needed:
-            raise CacheTooSmallError(
-                f"KV cache of {num_kv_blocks} blocks ({num_kv_blocks * self.block_size} tokens) "
-                f"cannot hold one request of max_model_len={max_model_len} tokens ({needed} "
-                "blocks); lower max_model_len"
-            )
+            raise CacheTooSmallError(num_kv_blocks, self.block_size, max_model_len)
         self.num_blocks = num_kv_blocks
         return num_kv_blocks
 

@@ -67,7 +67,15 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 
 class CacheTooSmallError(ValueError):
-    pass
+    """The KV cache cannot hold one request of max_model_len; the numbers travel with it."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int):
+        self.num_blocks, self.block_size, self.max_model_len = num_blocks, block_size, max_model_len
+        self.blocks_needed = cdiv(max_model_len, block_size)
+        super().__init__(
+            f"KV cache of {num_blocks} blocks ({num_blocks * block_size} tokens) cannot hold one "
+            f"request of max_model_len={max_model_len} tokens ({self.blocks_needed} blocks); "
+            "add KV memory or lower max_model_len")
 
 
 class Worker:
@@ -108,11 +116,7 @@ class Worker:
             num_kv_blocks = kv_cache_memory // self.bytes_per_block
         blocks_needed = cdiv(max_model_len, self.block_size)
         if num_kv_blocks < blocks_needed:
-            raise CacheTooSmallError(
-                f"KV cache of {num_kv_blocks} blocks ({num_kv_blocks * self.block_size} tokens) cannot hold one "
-                f"request of max_model_len={max_model_len} tokens ({blocks_needed} blocks); "
-                "add KV memory or lower max_model_len"
-            )
+            raise CacheTooSmallError(num_kv_blocks, self.block_size, max_model_len)
         return num_kv_blocks
 
     def _profile_free_gpu_memory(self, utilization: float, num_tokens: int) -> int:

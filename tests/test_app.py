@@ -183,13 +183,12 @@ def test_engine_errors_become_korean_messages():
     from engine.worker import CacheTooSmallError
     from ui.errors import korean_error
 
-    msg = korean_error(CacheTooSmallError(
-        "KV cache of 10 blocks (160 tokens) cannot hold one request of max_model_len=1024 tokens "
-        "(64 blocks); add KV memory or lower max_model_len"))
+    msg = korean_error(CacheTooSmallError(10, 16, 1024))
     assert "블록 10개" in msg and "160" in msg and "1024" in msg
     msg = korean_error(InvalidRequestError(
         "this model's maximum context length is 160 tokens, but the request has 150 prompt tokens and "
-        "asks for 32 output tokens (182 in total)", "max_tokens"))
+        "asks for 32 output tokens (182 in total)", "max_tokens",
+        max_model_len=160, num_prompt_tokens=150, max_tokens=32))
     assert "150" in msg and "max_tokens" in msg
     assert korean_error(RuntimeError("boom")).startswith("엔진이")
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 import streamlit as st
 
 
@@ -14,20 +12,16 @@ def korean_error(exc: BaseException) -> str:
 
     text = str(exc)
     if isinstance(exc, CacheTooSmallError):
-        m = re.search(r"(\d+) blocks \((\d+) tokens\).*max_model_len=(\d+)", text)
-        if m:
-            blocks, tokens, max_len = m.groups()
-            return (f"KV 캐시가 너무 작습니다: 블록 {blocks}개는 {tokens}토큰을 담는데, 요청 하나의 최대 길이는 "
-                    f"{max_len}토큰입니다. 사이드바에서 KV 블록 수를 늘리거나 최대 길이(max_model_len)를 "
-                    f"{tokens} 이하로 낮추세요.")
-        return "KV 캐시가 요청 하나도 담지 못합니다. KV 블록 수를 늘리거나 최대 길이를 낮추세요."
+        tokens = exc.num_blocks * exc.block_size
+        return (f"KV 캐시가 너무 작습니다: 블록 {exc.num_blocks}개는 {tokens}토큰을 담는데, 요청 하나의 "
+                f"최대 길이는 {exc.max_model_len}토큰입니다. 사이드바에서 KV 블록 수를 늘리거나 "
+                f"최대 길이(max_model_len)를 {tokens} 이하로 낮추세요.")
     if isinstance(exc, InvalidRequestError):
-        m = re.search(r"maximum context length is (\d+) tokens, but the request has "
-                      r"(\d+) prompt tokens and asks for (\d+) output", text)
-        if m:
-            max_len, prompt, out = m.groups()
-            return (f"요청이 너무 깁니다: 프롬프트 {prompt}토큰 + 출력 {out}토큰이 최대 길이 {max_len}토큰을 "
-                    "넘습니다. max_tokens를 줄이거나, 사이드바에서 최대 길이(와 KV 블록 수)를 늘리세요.")
+        d = getattr(exc, "details", {})
+        if "max_model_len" in d:
+            return (f"요청이 너무 깁니다: 프롬프트 {d['num_prompt_tokens']}토큰 + 출력 {d['max_tokens']}토큰이 "
+                    f"최대 길이 {d['max_model_len']}토큰을 넘습니다. max_tokens를 줄이거나, 사이드바에서 "
+                    "최대 길이(와 KV 블록 수)를 늘리세요.")
         return f"요청이 거절되었습니다 ({getattr(exc, 'param', '') or '입력'}): 입력값을 확인하세요."
     if "max_num_batched_tokens" in text and "max_model_len" in text:
         return ("chunked prefill을 끄면 한 스텝의 토큰 예산이 최대 길이 이상이어야 합니다. 토큰 예산을 "
