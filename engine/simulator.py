@@ -27,7 +27,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from engine.clock import EngineClock
-from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
+from engine.config import (
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    EngineConfig,
+)
 from engine.cost_model import CostModel, Efficiency, StepCost
 from engine.executor import Executor
 from engine.model_runner import ModelRunnerOutput
@@ -241,8 +246,11 @@ class SimulatedExecutor(Executor):
         num_kv_blocks: int | None = None,
         kv_cache_memory: int | None = None,
         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
-        max_num_batched_tokens: int = 512,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        num_swap_blocks: int | None = 0,
     ) -> int:
+        """The KV capacity from the memory budget. A swap space only counts blocks here: the
+        cost model has no term for the copies (swap preemption is simulated as free)."""
         from engine.worker import CacheTooSmallError
 
         self.memory = plan_memory(
@@ -265,6 +273,7 @@ class SimulatedExecutor(Executor):
         if num_kv_blocks < needed:
             raise CacheTooSmallError(num_kv_blocks, self.block_size, max_model_len)
         self.num_blocks = num_kv_blocks
+        self.num_swap_blocks = num_kv_blocks if num_swap_blocks is None else num_swap_blocks
         return num_kv_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from _tiny import TINY_VOCAB_SIZE
 from engine.calibration import fit_efficiency
 from engine.cost_model import CostModel, Efficiency
 from engine.presets import (
@@ -314,7 +315,7 @@ def decisions(records):
 def test_simulated_decisions_equal_the_real_engines(tiny_model_dir, config):
     from engine.core import EngineCore
 
-    vocab = 49152
+    vocab = TINY_VOCAB_SIZE
     workload = poisson_workload(8, None, (5, 60), (10, 40), vocab, seed=7, special_ids={0, 1, 2})
     shared = workload[0].prompt_token_ids[:20]
     workload[3].prompt_token_ids = shared + workload[3].prompt_token_ids[:10]  # a prefix-cache hit
@@ -433,5 +434,5 @@ def test_fidelity_section_calibrates_and_compares(tiny_model_dir, tmp_path):
     for row in fidelity["figures"].values():
         assert row["real"] > 0 and row["simulated"] > 0 and row["relative_error"] is not None
     assert fidelity["steps"]["real"] == fidelity["steps"]["simulated"]  # same scheduler, same lengths
-    assert "6. Simulator fidelity" in format_fidelity(fidelity)
+    assert "8. Simulator fidelity" in format_fidelity(fidelity)
     json.dumps(fidelity)  # it goes into the benchmark's results file

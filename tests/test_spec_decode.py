@@ -597,4 +597,4 @@ def test_bench_section_measures_both_workloads_with_and_without(tiny_model_dir):
             and row["ngram"]["offline_output_tokens_per_s"] > 0
         )
         assert row["ngram"]["spec"]["num_draft_tokens"] >= 0
-    assert "6. Speculative decoding" in "\n".join(bench.format_spec_decode(result))
+    assert "7. Speculative decoding" in "\n".join(bench.format_spec_decode(result))
