@@ -136,12 +136,14 @@ class LazyKVWorker(Worker):
     def __init__(self, *args, **kwargs):
         self._runner = None
         self._allocate_on_use = False
+        self.num_swap_blocks = 0
         super().__init__(*args, **kwargs)
 
     @property
     def runner(self):
         if self._runner is None and self._allocate_on_use:
-            super().initialize_cache(self.num_blocks)  # sets self.runner through the setter below
+            # sets self.runner through the setter below
+            super().initialize_cache(self.num_blocks, self.num_swap_blocks)
         return self._runner
 
     @runner.setter
@@ -152,8 +154,9 @@ class LazyKVWorker(Worker):
     def kv_allocated(self) -> bool:
         return self._runner is not None
 
-    def initialize_cache(self, num_blocks: int) -> None:
+    def initialize_cache(self, num_blocks: int, num_swap_blocks: int = 0) -> None:
         self.num_blocks = num_blocks
+        self.num_swap_blocks = num_swap_blocks
         self._allocate_on_use = True
 
     def kv_cache_bytes(self) -> int:
