@@ -29,4 +29,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     preemption_mode: str = "recompute"  # or "swap": a preempted request's K/V wait in host memory
     num_swap_blocks: int | None = None  # swap space in blocks; None = as many as the KV cache has
+    # vLLM's name: True runs every step eagerly; False lets decode-only steps on CUDA replay
+    # captured CUDA graphs (engine/cuda_graphs.py). No effect on a CPU.
+    enforce_eager: bool = False
     keep_finished: int = 1000  # finished requests kept for the app's plots
