@@ -1,4 +1,4 @@
-"""Command line: python -m engine {artifact,generate,serve,bench}."""
+"""Command line: python -m engine {artifact,generate,serve,bench,selfcheck}."""
 
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine.core import EngineConfig, EngineCore
     from engine.sampling_params import SamplingParams
 
-    engine = EngineCore(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
+    engine = EngineCore(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                                     enforce_eager=args.enforce_eager))
+    _configure_cuda_graphs(engine)
     prompt = args.prompt
     if not args.raw:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -47,14 +49,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks,
                           max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens)
+                          max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager)
     engine = EngineCore(config)
+    _configure_cuda_graphs(engine)
     print(f"serving {engine.model_dir.name} ({engine.device.type}, {str(engine.dtype).removeprefix('torch.')}, "
           f"{engine.num_blocks} KV blocks of {config.block_size} tokens, context {engine.max_model_len}) "
           f"on http://{args.host}:{args.port}/v1" + (" (API key required)" if args.api_key else ""),
           file=sys.stderr, flush=True)
     serve(engine, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level)
     return 0
+
+
+def _configure_cuda_graphs(engine) -> None:
+    """CUDA graphs for decode steps on a GPU unless --enforce-eager (engine/cuda_graphs.py)."""
+    from engine.cuda_graphs import configure_engine
+
+    decision = configure_engine(engine)
+    if engine.device.type == "cuda":
+        print(f"CUDA graphs: {decision}", file=sys.stderr)
+
+
+def cmd_selfcheck(args: argparse.Namespace) -> int:
+    from engine import selfcheck
+
+    return selfcheck.main(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -82,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)")
@@ -96,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--log-level", default="info")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="measure the machine's ceilings, the engine against transformers, latency")
@@ -116,6 +136,14 @@ def main(argv: list[str] | None = None) -> int:
                    "(default: fractions of the measured offline request rate)")
     p.add_argument("--skip-transformers", action="store_true", help="do not run the transformers baseline")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("selfcheck", help="prove this device works: oracle, features, KV sizing, graphs, bench")
+    p.add_argument("--device", default="auto", help="cuda, cpu or auto (default: CUDA if available)")
+    p.add_argument("--model", default=None, help="model directory (default: the embedded artifact)")
+    p.add_argument("--json", default=None, help="also write every result to this JSON file")
+    p.add_argument("--quick", action="store_true", help="a much smaller bench (seconds on a tiny model)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")
+    p.set_defaults(func=cmd_selfcheck)
 
     args = parser.parse_args(argv)
     try:
