@@ -305,20 +305,26 @@ class SelfCheck:
     # -- 5. KV-cache sizing ---------------------------------------------------------------------
 
     def check_kv_sizing(self):
-        from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_GPU_MEMORY_UTILIZATION
+        """The cache the default engine would get here: the device's default dtype, the model's
+        full context, `gpu_memory_utilization` on CUDA (sized only: nothing is allocated)."""
+        from engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_GPU_MEMORY_UTILIZATION
+        from engine.worker import Worker, resolve_dtype
 
-        engine = self.llm.engine
-        worker = engine.executor.worker
-        max_len = engine.model_config.max_position_embeddings
+        dtype = resolve_dtype(None, self.device)
+        worker = Worker(self.model_dir, self.device, dtype, DEFAULT_BLOCK_SIZE)
+        worker.load_model()  # shared with the engines of this process (engine.worker.load_model)
+        max_len = worker.model.cfg.max_position_embeddings
         blocks = worker.determine_num_blocks(max_len, gpu_memory_utilization=DEFAULT_GPU_MEMORY_UTILIZATION)
         bytes_ = blocks * worker.bytes_per_block
-        tokens = blocks * engine.config.block_size
+        tokens = blocks * DEFAULT_BLOCK_SIZE
         source = (f"free GPU memory at gpu_memory_utilization={DEFAULT_GPU_MEMORY_UTILIZATION} after a "
                   "profiling forward" if self.device.type == "cuda"
                   else f"the configured {DEFAULT_CPU_KV_CACHE_BYTES / 2**30:.0f} GiB (CPU default)")
+        dtype_name = str(dtype).removeprefix("torch.")
         data = {"num_blocks": blocks, "bytes": bytes_, "tokens": tokens, "bytes_per_block": worker.bytes_per_block,
-                "max_model_len": max_len, "requests_at_max_len": tokens // max_len, "source": source}
-        return "PASS", (f"{blocks} blocks = {bytes_ / 2**30:.2f} GiB = {tokens} tokens "
+                "dtype": dtype_name, "max_model_len": max_len, "requests_at_max_len": tokens // max_len,
+                "source": source}
+        return "PASS", (f"{blocks} blocks = {bytes_ / 2**30:.2f} GiB = {tokens} tokens in {dtype_name} "
                         f"({tokens // max_len} requests of {max_len}); from {source}"), data
 
     # -- 6. CUDA graphs -------------------------------------------------------------------------
@@ -330,24 +336,32 @@ class SelfCheck:
             return "SKIP", "--enforce-eager: graphs are off", {}
         from engine import bench
 
-        engine = self.llm.engine
+        # A cache for a full batch of probes (32 × (64 + 32) tokens), so that no step is preempted.
+        engine = self.make_llm(num_kv_blocks=256, max_model_len=256).engine
         runner = engine.executor.worker.runner
         vocab, specials = engine.model_config.vocab_size, sorted(engine.tokenizer.special_token_ids)
-        data, tokens = {}, {}
-        for batch in (1, 8 if self.config.quick else 32):
+        batches = (1, 8 if self.config.quick else 32)
+        data: dict = {}
+        for batch in batches:
+            tokens = {}
             for mode in ("eager", "graphs"):
                 runner.enable_cuda_graphs(mode == "graphs", max_model_len=engine.max_model_len)
                 work = bench.probe_workload(batch, 64, 32, 7 + batch, vocab, specials)
                 steps = bench.run_steps(engine, work)
                 data[f"batch_{batch}_{mode}"] = bench.step_breakdown(steps, batch)
                 tokens[mode] = tokens_by_request(steps)
-            if tokens["eager"] != tokens["graphs"]:
-                raise CheckFailed(f"batch {batch}: greedy tokens differ with graphs", data)
-        runner.enable_cuda_graphs(True, max_model_len=engine.max_model_len)
+            same = sum(a == b for a, b in zip(tokens["eager"], tokens["graphs"]))
+            data[f"batch_{batch}_identical"] = same
+            # float32 either way; the graph's attention sums over padded keys in another order, so
+            # a random-token prompt at a near tie may flip (the oracle check above is the strict one)
+            if same < 0.9 * batch:
+                raise CheckFailed(f"batch {batch}: only {same}/{batch} requests identical with graphs", data)
+        graphs = runner.cuda_graphs
         parts = [f"batch {b}: {data[f'batch_{b}_eager']['step_ms']:.2f} → "
-                 f"{data[f'batch_{b}_graphs']['step_ms']:.2f} ms/step"
-                 for b in (1, 8 if self.config.quick else 32)]
-        return "PASS", "decode, eager → graphs, same tokens; " + "; ".join(parts), data
+                 f"{data[f'batch_{b}_graphs']['step_ms']:.2f} ms/step, {data[f'batch_{b}_identical']}/{b} "
+                 "identical" for b in batches]
+        data["captured"] = graphs.stats.captures
+        return "PASS", "decode eager → graphs: " + "; ".join(parts), data
 
     # -- 7. bench ---------------------------------------------------------------------------------
 
