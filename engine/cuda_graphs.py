@@ -55,7 +55,8 @@ class GraphEntry:
 
     batch_size: int
     blocks_per_seq: int
-    packed: torch.Tensor  # [4 * batch + batch * blocks]: ids, positions, slots, context lens, tables
+    # [4 * batch + batch * blocks]: ids, positions, slots, context lengths, then block tables
+    packed: torch.Tensor
     mask: torch.Tensor  # [batch, 1, 1, blocks * block_size] True = attend
     key_positions: torch.Tensor  # [blocks * block_size] 0, 1, 2, ... (to build the mask on device)
     logits_indices: torch.Tensor  # [batch] 0..batch-1: every row (padding rows are ignored later)
@@ -79,11 +80,15 @@ class GraphStats:
 
     graph_steps: int = 0
     eager_steps: int = 0
-    captures: list[tuple[int, int]] = field(default_factory=list)  # (batch, blocks) in capture order
+    captures: list[tuple[int, int]] = field(
+        default_factory=list
+    )  # (batch, blocks) in capture order
     padded_rows: int = 0
 
 
-def cuda_capture(forward: Callable[[], torch.Tensor], pool=None) -> tuple[Callable[[], None], torch.Tensor]:
+def cuda_capture(
+    forward: Callable[[], torch.Tensor], pool=None
+) -> tuple[Callable[[], None], torch.Tensor]:
     """Record `forward` into a CUDA graph. It runs twice first on a side stream (warm-up: lazy
     initialisation and allocator state must not happen during capture), then once under capture,
     which records the kernels without running them."""
@@ -112,11 +117,18 @@ def eager_capture(forward: Callable[[], torch.Tensor]) -> tuple[Callable[[], Non
 
 
 class CudaGraphRunner:
-    """Decode steps through captured graphs; `prepare()` says None for steps that must run eagerly."""
+    """Decode steps through captured graphs; `prepare()` returns None for steps that run eagerly."""
 
-    def __init__(self, model, kv_caches: list, block_size: int, max_model_len: int | None = None,
-                 capture_sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES,
-                 capture_fn: CaptureFn | None = None, pad_slot: int | None = None):
+    def __init__(
+        self,
+        model,
+        kv_caches: list,
+        block_size: int,
+        max_model_len: int | None = None,
+        capture_sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES,
+        capture_fn: CaptureFn | None = None,
+        pad_slot: int | None = None,
+    ):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -139,8 +151,9 @@ class CudaGraphRunner:
         """(batch size, blocks per request) of the graph for this step, or None for eager:
         only steps in which every request decodes exactly one token."""
         reqs = sched.scheduled
-        if not reqs or any(s.phase != Phase.DECODE or s.num_tokens != 1 or s.num_computed_tokens == 0
-                           for s in reqs):
+        if not reqs or any(
+            s.phase != Phase.DECODE or s.num_tokens != 1 or s.num_computed_tokens == 0 for s in reqs
+        ):
             return None
         batch = next_bucket(len(reqs), self.capture_sizes)
         longest = max(s.num_computed_tokens + 1 for s in reqs)
@@ -152,7 +165,7 @@ class CudaGraphRunner:
     # -- static buffers ------------------------------------------------------------------------
 
     def host_inputs(self, sched: SchedulerOutput, batch: int, blocks: int) -> list[int]:
-        """The packed buffer's contents for this step, in the scheduler's order, padded to `batch`."""
+        """The packed buffer's contents for this step (scheduler's order), padded to `batch`."""
         bs = self.block_size
         ids, pos, slots, ctx, tables = [], [], [], [], []
         for s in sched.scheduled:
@@ -178,22 +191,43 @@ class CudaGraphRunner:
         dev, keys = self.device, blocks * self.block_size
         packed = torch.zeros(4 * batch + batch * blocks, dtype=torch.long, device=dev)
         mask = torch.zeros(batch, 1, 1, keys, dtype=torch.bool, device=dev)
-        entry = GraphEntry(batch, blocks, packed, mask, torch.arange(keys, device=dev),
-                           torch.arange(batch, device=dev), meta=None)  # type: ignore[arg-type]
+        entry = GraphEntry(
+            batch,
+            blocks,
+            packed,
+            mask,
+            torch.arange(keys, device=dev),
+            torch.arange(batch, device=dev),
+            meta=None,
+        )  # type: ignore[arg-type]
         # One decode group over all rows with fixed shapes: gather `blocks` blocks per request,
         # keep all `keys` keys, and let the mask hide those past each request's end.
-        group = DecodeGroup(rows=slice(0, batch), num_seqs=batch, block_ids=entry.block_ids,
-                            padded_len=keys, context_len=keys, mask=mask)
-        entry.meta = AttentionMetadata(slot_mapping=entry.view(2), block_size=self.block_size,
-                                       decode_groups=[group], prefills=[])
+        group = DecodeGroup(
+            rows=slice(0, batch),
+            num_seqs=batch,
+            block_ids=entry.block_ids,
+            padded_len=keys,
+            context_len=keys,
+            mask=mask,
+        )
+        entry.meta = AttentionMetadata(
+            slot_mapping=entry.view(2),
+            block_size=self.block_size,
+            decode_groups=[group],
+            prefills=[],
+        )
         return entry
 
     def forward(self, entry: GraphEntry) -> torch.Tensor:
         """What the graph records: the mask from the context lengths, then the model forward."""
-        torch.lt(entry.key_positions.unsqueeze(0), entry.view(3).unsqueeze(1),
-                 out=entry.mask.view(entry.batch_size, -1))
-        return self.model.forward(entry.view(0), entry.view(1), self.kv_caches, entry.meta,
-                                  entry.logits_indices)
+        torch.lt(
+            entry.key_positions.unsqueeze(0),
+            entry.view(3).unsqueeze(1),
+            out=entry.mask.view(entry.batch_size, -1),
+        )
+        return self.model.forward(
+            entry.view(0), entry.view(1), self.kv_caches, entry.meta, entry.logits_indices
+        )
 
     # -- one step ------------------------------------------------------------------------------
 

@@ -23,7 +23,13 @@ from engine.scheduler_output import Phase, ScheduledRequest, SchedulerOutput
 
 BLOCK = 4
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-PROMPTS = ["The KV cache keeps", "블록 테이블은", "def step(self):", "Hello there, how are", "1, 2, 3,"]
+PROMPTS = [
+    "The KV cache keeps",
+    "블록 테이블은",
+    "def step(self):",
+    "Hello there, how are",
+    "1, 2, 3,",
+]
 
 
 def decode(rid: str, computed: int, blocks: list[int], token: int = 7) -> ScheduledRequest:
@@ -31,7 +37,9 @@ def decode(rid: str, computed: int, blocks: list[int], token: int = 7) -> Schedu
 
 
 def step(*reqs: ScheduledRequest) -> SchedulerOutput:
-    return SchedulerOutput(step=0, scheduled=list(reqs), unscheduled={}, preempted=[], token_budget=64)
+    return SchedulerOutput(
+        step=0, scheduled=list(reqs), unscheduled={}, preempted=[], token_budget=64
+    )
 
 
 class FakeModel:
@@ -60,8 +68,9 @@ class RecordingCapture:
 def graph_runner():
     caches = [(torch.zeros(16, BLOCK, 1, 1), torch.zeros(16, BLOCK, 1, 1))]
     capture = RecordingCapture()
-    runner = CudaGraphRunner(FakeModel(), caches, BLOCK, max_model_len=64, capture_sizes=(1, 2, 4, 8),
-                             capture_fn=capture)
+    runner = CudaGraphRunner(
+        FakeModel(), caches, BLOCK, max_model_len=64, capture_sizes=(1, 2, 4, 8), capture_fn=capture
+    )
     return runner, capture
 
 
@@ -87,7 +96,11 @@ def test_only_decode_only_steps_take_the_graph_path(graph_runner):
 
 def test_padding_mirrors_row_zero_and_fills_the_static_buffers(graph_runner):
     runner, capture = graph_runner
-    sched = step(decode("a", 5, [3, 4], token=11), decode("b", 1, [9], token=22), decode("c", 2, [6], token=33))
+    sched = step(
+        decode("a", 5, [3, 4], token=11),
+        decode("b", 1, [9], token=22),
+        decode("c", 2, [6], token=33),
+    )
     entry = runner.prepare(sched)
     assert (entry.batch_size, entry.blocks_per_seq) == (4, 2) and capture.captured == 1
     assert entry.view(0).tolist() == [11, 22, 33, 11]  # ids; the padding row copies row 0
@@ -111,14 +124,24 @@ def test_a_bucket_is_captured_once_and_replays_the_new_inputs(graph_runner):
     assert runner.run(again, 1)[0, 0].item() == 12 and again.view(1).tolist() == [6]
     assert runner.prepare(step(decode("a", 8, [3, 4, 5], token=13))).blocks_per_seq == 4
     assert capture.captured == 2 and runner.stats.captures == [(1, 2), (1, 4)]
-    assert runner.prepare(step(ScheduledRequest("p", Phase.PREFILL, 2, 0, [1, 2], [5], SP(), True))) is None
+    assert (
+        runner.prepare(step(ScheduledRequest("p", Phase.PREFILL, 2, 0, [1, 2], [5], SP(), True)))
+        is None
+    )
     assert runner.stats.eager_steps == 1 and runner.stats.graph_steps == 3
 
 
 def test_a_reserved_pad_slot_is_used_when_given():
     caches = [(torch.zeros(16, BLOCK, 1, 1), torch.zeros(16, BLOCK, 1, 1))]
-    runner = CudaGraphRunner(FakeModel(), caches, BLOCK, 64, capture_sizes=(4,), capture_fn=eager_capture,
-                             pad_slot=15 * BLOCK)
+    runner = CudaGraphRunner(
+        FakeModel(),
+        caches,
+        BLOCK,
+        64,
+        capture_sizes=(4,),
+        capture_fn=eager_capture,
+        pad_slot=15 * BLOCK,
+    )
     entry = runner.prepare(step(decode("a", 5, [3, 4], token=11)))
     assert entry.view(2).tolist() == [17] + [60] * 3 and entry.view(3).tolist() == [6, 1, 1, 1]
     assert entry.block_ids.view(4, 2).tolist()[1:] == [[15, 0]] * 3
@@ -134,8 +157,14 @@ def test_graphs_need_cuda_unless_a_capture_is_injected(tiny_model_dir):
 
 
 def run_engine(model_dir, device: str, capture_fn=None, enforce_eager: bool = False):
-    llm = LLM(model=str(model_dir), device=device, dtype="float32", num_kv_blocks=40, max_model_len=160,
-              max_num_batched_tokens=32)
+    llm = LLM(
+        model=str(model_dir),
+        device=device,
+        dtype="float32",
+        num_kv_blocks=40,
+        max_model_len=160,
+        max_num_batched_tokens=32,
+    )
     if capture_fn is not None or device == "cuda":
         args = {"capture_fn": capture_fn} if capture_fn else {}
         configure_engine(llm.engine, enforce_eager=enforce_eager, **args)
@@ -149,11 +178,17 @@ def test_greedy_outputs_are_unchanged_by_the_graph_path_on_cpu(tiny_model_dir):
     graphed, graphs = run_engine(tiny_model_dir, "cpu", capture_fn=capture)
     assert graphed == eager
     # 5 prompts: batches of 5 pad to 8, later fewer; prefill chunks (budget 32) stay eager
-    assert graphs.stats.graph_steps > 0 and graphs.stats.eager_steps > 0 and graphs.stats.padded_rows > 0
+    assert (
+        graphs.stats.graph_steps > 0
+        and graphs.stats.eager_steps > 0
+        and graphs.stats.padded_rows > 0
+    )
     assert capture.captured == len(graphs.graphs) == len(set(graphs.stats.captures))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: real graph capture and replay")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU: real graph capture and replay"
+)
 def test_real_cuda_graphs_keep_greedy_outputs(tiny_model_dir):
     eager, _ = run_engine(tiny_model_dir, "cuda", enforce_eager=True)
     graphed, graphs = run_engine(tiny_model_dir, "cuda")

@@ -15,8 +15,19 @@ from engine import selfcheck
 from engine.__main__ import main
 from engine.models.llama import LlamaModel
 
-CHECKS = ["device", "load", "oracle float32", "prefix caching", "oracle bfloat16", "chunked prefill",
-          "preemption recompute", "preemption swap", "kv cache sizing", "cuda graphs", "bench"]
+CHECKS = [
+    "device",
+    "load",
+    "oracle float32",
+    "prefix caching",
+    "oracle bfloat16",
+    "chunked prefill",
+    "preemption recompute",
+    "preemption swap",
+    "kv cache sizing",
+    "cuda graphs",
+    "bench",
+]
 CPU_SKIPS = {"oracle bfloat16", "cuda graphs"}  # CUDA only
 
 
@@ -30,8 +41,10 @@ def run_selfcheck(args: list[str], tmp_path) -> tuple[int, dict, str]:
 
 @pytest.fixture(scope="module")
 def tiny_run(tiny_model_dir, tmp_path_factory):
-    return run_selfcheck(["--device", "cpu", "--model", str(tiny_model_dir), "--quick"],
-                         tmp_path_factory.mktemp("selfcheck"))
+    return run_selfcheck(
+        ["--device", "cpu", "--model", str(tiny_model_dir), "--quick"],
+        tmp_path_factory.mktemp("selfcheck"),
+    )
 
 
 def test_selfcheck_passes_on_the_cpu_and_reports_every_check(tiny_run):
@@ -42,7 +55,9 @@ def test_selfcheck_passes_on_the_cpu_and_reports_every_check(tiny_run):
     for name, check in checks.items():
         assert check["status"] == ("SKIP" if name in CPU_SKIPS else "PASS"), (name, check["detail"])
         assert check["detail"] and name in printed
-    assert "CUDA" in checks["cuda graphs"]["detail"] and "CUDA" in checks["oracle bfloat16"]["detail"]
+    assert (
+        "CUDA" in checks["cuda graphs"]["detail"] and "CUDA" in checks["oracle bfloat16"]["detail"]
+    )
     assert "ALL PASSED" in printed
 
 
@@ -57,7 +72,10 @@ def test_each_feature_check_saw_its_feature_happen(tiny_run):
         comparisons = checks[name]["data"]["comparisons"]
         assert len(comparisons) == 7 and all(c["equal"] or c["near_tie"] for c in comparisons)
     kv = checks["kv cache sizing"]["data"]
-    assert kv["tokens"] == kv["num_blocks"] * 16 and kv["bytes"] == kv["num_blocks"] * kv["bytes_per_block"]
+    assert (
+        kv["tokens"] == kv["num_blocks"] * 16
+        and kv["bytes"] == kv["num_blocks"] * kv["bytes_per_block"]
+    )
     assert checks["bench"]["data"]["bench"]["offline"]["engine"]["output_tokens_per_s"] > 0
 
 
@@ -71,18 +89,27 @@ def test_a_wrong_token_fails_the_selfcheck(tiny_model_dir, tmp_path, monkeypatch
         return logits
 
     monkeypatch.setattr(LlamaModel, "forward", broken)
-    monkeypatch.setattr(selfcheck.SelfCheck, "check_bench", lambda self: ("SKIP", "not in this test", {}))
-    rc, results, printed = run_selfcheck(["--device", "cpu", "--model", str(tiny_model_dir), "--quick"], tmp_path)
+    monkeypatch.setattr(
+        selfcheck.SelfCheck, "check_bench", lambda self: ("SKIP", "not in this test", {})
+    )
+    rc, results, printed = run_selfcheck(
+        ["--device", "cpu", "--model", str(tiny_model_dir), "--quick"], tmp_path
+    )
     checks = {c["name"]: c for c in results["checks"]}
     assert rc == 1 and results["passed"] is False
-    assert checks["oracle float32"]["status"] == "FAIL" and "MISMATCH" in checks["oracle float32"]["detail"]
+    assert (
+        checks["oracle float32"]["status"] == "FAIL"
+        and "MISMATCH" in checks["oracle float32"]["detail"]
+    )
     assert "prefix caching" not in checks  # it compares against the oracle's references: not run
     assert checks["preemption swap"]["status"] == "FAIL"
     assert "FAILED: oracle float32" in printed
 
 
 def test_a_crashing_check_is_a_failure_and_the_others_still_run(tiny_model_dir):
-    check = selfcheck.SelfCheck(selfcheck.SelfCheckConfig(model=str(tiny_model_dir), device="cpu"), log=lambda m: None)
+    check = selfcheck.SelfCheck(
+        selfcheck.SelfCheckConfig(model=str(tiny_model_dir), device="cpu"), log=lambda m: None
+    )
 
     def boom():
         raise RuntimeError("no luck")
@@ -105,15 +132,22 @@ class FakeHF:
         return SimpleNamespace(logits=self.logits.view(1, 1, -1).expand(1, ids.shape[1], -1))
 
 
-@pytest.mark.parametrize("logits, ours, ok", [
-    ([0.0, 5.0, 5.0005, 1.0], 1, True),  # top-2 0.0005 apart and ours is the runner-up: excused
-    ([0.0, 4.0, 5.0, 1.0], 1, False),  # a clear winner: a real mismatch
-    ([0.0, 5.0, 5.0005, 1.0], 3, False),  # a near tie, but ours is not one of the two
-])
+@pytest.mark.parametrize(
+    "logits, ours, ok",
+    [
+        ([0.0, 5.0, 5.0005, 1.0], 1, True),  # top-2 0.0005 apart and ours is the runner-up: excused
+        ([0.0, 4.0, 5.0, 1.0], 1, False),  # a clear winner: a real mismatch
+        ([0.0, 5.0, 5.0005, 1.0], 3, False),  # a near tie, but ours is not one of the two
+    ],
+)
 def test_near_tie_rule(logits, ours, ok):
     c = selfcheck.compare_greedy(FakeHF(logits), "p", [1, 2], [7, ours], [7, 2], tie_margin=1e-3)
-    assert c.ok is ok and c.diverge_at == 1 and c.reference == 2 and c.margin == pytest.approx(
-        logits[2] - logits[1], rel=1e-3)
+    assert (
+        c.ok is ok
+        and c.diverge_at == 1
+        and c.reference == 2
+        and c.margin == pytest.approx(logits[2] - logits[1], rel=1e-3)
+    )
 
 
 def test_equal_and_length_mismatch():
@@ -127,5 +161,7 @@ def test_equal_and_length_mismatch():
 
 @pytest.mark.slow
 def test_selfcheck_on_the_default_model(default_model_dir, tmp_path):
-    rc, results, _ = run_selfcheck(["--device", "cpu", "--model", str(default_model_dir), "--quick"], tmp_path)
+    rc, results, _ = run_selfcheck(
+        ["--device", "cpu", "--model", str(default_model_dir), "--quick"], tmp_path
+    )
     assert rc == 0, [(c["name"], c["detail"]) for c in results["checks"] if c["status"] == "FAIL"]
