@@ -49,7 +49,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks,
                           max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager)
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          enforce_eager=args.enforce_eager)
     engine = EngineCore(config)
     _configure_cuda_graphs(engine)
     print(f"serving {engine.model_dir.name} ({engine.device.type}, {str(engine.dtype).removeprefix('torch.')}, "
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)")
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--log-level", default="info")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="measure the machine's ceilings, the engine against transformers, latency")
@@ -137,12 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-transformers", action="store_true", help="do not run the transformers baseline")
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("selfcheck", help="prove this device works: oracle, features, KV sizing, graphs, bench")
-    p.add_argument("--device", default="auto", help="cuda, cpu or auto (default: CUDA if available)")
+    p = sub.add_parser("selfcheck", help="prove this device works: oracle, features, KV sizing, "
+                       "CUDA graphs, a quick bench")
+    p.add_argument("--device", default="auto", help="cuda, cpu or auto (CUDA if available)")
     p.add_argument("--model", default=None, help="model directory (default: the embedded artifact)")
     p.add_argument("--json", default=None, help="also write every result to this JSON file")
-    p.add_argument("--quick", action="store_true", help="a much smaller bench (seconds on a tiny model)")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")
+    p.add_argument("--quick", action="store_true", help="a much smaller bench")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.set_defaults(func=cmd_selfcheck)
 
     args = parser.parse_args(argv)

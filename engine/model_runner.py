@@ -48,17 +48,18 @@ class ModelRunner:
         self.sampler = Sampler()
         self.cuda_graphs = None  # a CudaGraphRunner once enable_cuda_graphs() is called
 
-    def enable_cuda_graphs(self, enabled: bool = True, max_model_len: int | None = None, **graph_args) -> None:
-        """Decode-only steps replay captured CUDA graphs (engine/cuda_graphs.py); others stay eager.
-        `graph_args` go to CudaGraphRunner (tests pass an eager `capture_fn` to run this on a CPU)."""
+    def enable_cuda_graphs(self, enabled: bool = True, max_model_len: int | None = None,
+                           **graph_args) -> None:
+        """Decode-only steps replay captured CUDA graphs (engine/cuda_graphs.py); others stay
+        eager. `graph_args` go to CudaGraphRunner (tests pass an eager `capture_fn` on a CPU)."""
         from engine.cuda_graphs import CudaGraphRunner
 
         self.cuda_graphs = None
         if enabled:
             if self.device.type != "cuda" and "capture_fn" not in graph_args:
                 raise ValueError("CUDA graphs need a CUDA device")
-            self.cuda_graphs = CudaGraphRunner(self.model, self.kv_caches, self.block_size, max_model_len,
-                                               **graph_args)
+            self.cuda_graphs = CudaGraphRunner(self.model, self.kv_caches, self.block_size,
+                                               max_model_len, **graph_args)
 
     def swap_blocks(self, sched: SchedulerOutput) -> float:
         """Copy preempted requests' blocks out to the swap space, and resumed ones back in.
@@ -100,8 +101,8 @@ class ModelRunner:
         # Logits only for the requests that sample this step, in the scheduler's order. A prefill
         # chunk that stops before the end of the prompt has no next token: no lm_head row for it.
         logits_rows = [last_row[s.request_id] for s in sched.scheduled if s.produces_token]
-        as_tensor = self._to_device
-        return ModelInputs(as_tensor(input_ids), as_tensor(positions), meta, as_tensor(logits_rows))
+        to_device = self._to_device
+        return ModelInputs(to_device(input_ids), to_device(positions), meta, to_device(logits_rows))
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in sched.finished_ids:
@@ -116,8 +117,8 @@ class ModelRunner:
         if graph is not None:  # decode-only step: one graph replay, rows in the scheduler's order
             logits = self.cuda_graphs.run(graph, len(sched.scheduled))
         else:
-            logits = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_meta,
-                                        inputs.logits_indices)
+            logits = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches,
+                                        inputs.attn_meta, inputs.logits_indices)
         self._sync()
         t2 = time.perf_counter()
         producing = [s for s in sched.scheduled if s.produces_token]  # one logits row each, in order
