@@ -157,11 +157,3 @@ def test_equal_and_length_mismatch():
     assert not short.ok and short.diverge_at == 1
     ok, line, _ = selfcheck.summarize([short])
     assert not ok and "MISMATCH" in line
-
-
-@pytest.mark.slow
-def test_selfcheck_on_the_default_model(default_model_dir, tmp_path):
-    rc, results, _ = run_selfcheck(
-        ["--device", "cpu", "--model", str(default_model_dir), "--quick"], tmp_path
-    )
-    assert rc == 0, [(c["name"], c["detail"]) for c in results["checks"] if c["status"] == "FAIL"]
