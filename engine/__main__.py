@@ -1,4 +1,4 @@
-"""Command line: python -m engine {artifact,generate,serve,bench,simulate}."""
+"""Command line: python -m engine {artifact,generate,serve,bench,simulate,selfcheck}."""
 
 from __future__ import annotations
 
@@ -42,7 +42,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine.sampling_params import SamplingParams
 
     engine = EngineCore(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                                     speculative_config=args.speculative_config))
+                                     speculative_config=args.speculative_config,
+                                     enforce_eager=args.enforce_eager))
+    _report_cuda_graphs(engine)
     prompt = args.prompt
     if not args.raw:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -68,8 +70,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
                           max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,
-                          speculative_config=args.speculative_config)
+                          speculative_config=args.speculative_config,
+                          enforce_eager=args.enforce_eager)
     engine = EngineCore(config)
+    _report_cuda_graphs(engine)
     name = args.served_model_name or engine.model_dir.name
     print(f"serving {name} ({engine.device.type}, {str(engine.dtype).removeprefix('torch.')}, "
           f"{engine.num_blocks} KV blocks of {config.block_size} tokens, context "
@@ -79,6 +83,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  log_level=args.log_level, served_model_name=args.served_model_name,
                  public_docs_and_metrics=args.public_docs_and_metrics,
                  max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+
+
+def _report_cuda_graphs(engine) -> None:
+    """What the engine decided about CUDA graphs (engine/cuda_graphs.py), on a GPU."""
+    if engine.device.type == "cuda":
+        print(f"CUDA graphs: {engine.cuda_graphs}", file=sys.stderr)
+
+
+def cmd_selfcheck(args: argparse.Namespace) -> int:
+    from engine import selfcheck
+
+    return selfcheck.main(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -140,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--speculative-config", type=speculative_config_arg, help=SPEC_HELP)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)",
@@ -167,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--log-level", default="info")
     p.add_argument("--speculative-config", type=speculative_config_arg, help=SPEC_HELP)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="measure the machine's ceilings, the engine against transformers, latency")
@@ -213,6 +231,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calibrate", action="store_true", help="re-fit this machine's calibration first")
     p.add_argument("--quick-calibration", action="store_true", help="with --calibrate: a smaller run")
     p.set_defaults(func=cmd_simulate)
+    p = sub.add_parser("selfcheck", help="prove this device works: oracle, features, KV sizing, "
+                       "CUDA graphs, a quick bench")
+    p.add_argument("--device", default="auto", help="cuda, cpu or auto (CUDA if available)")
+    p.add_argument("--model", default=None, help="model directory (default: the embedded artifact)")
+    p.add_argument("--json", default=None, help="also write every result to this JSON file")
+    p.add_argument("--quick", action="store_true", help="a much smaller bench")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.set_defaults(func=cmd_selfcheck)
 
     args = parser.parse_args(argv)
     try:

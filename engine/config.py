@@ -30,6 +30,9 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # or "swap": a preempted request's K/V wait in host memory
     num_swap_blocks: int | None = None  # swap space in blocks; None = as many as the KV cache has
     kernels: str = "auto"  # "auto": our C++ CPU kernels if they build (CPU float32); "torch": never
+    # vLLM's name: True runs every step eagerly; False lets decode-only steps on CUDA replay
+    # captured CUDA graphs (engine/cuda_graphs.py). No effect on a CPU.
+    enforce_eager: bool = False
     keep_finished: int = 1000  # finished requests kept for the app's plots
     # Speculative decoding, as vLLM takes it: {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_max": n, "prompt_lookup_min": m} (engine/spec_decode/). None: off.

@@ -80,6 +80,7 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             num_swap_blocks=config.num_swap_blocks if config.preemption_mode == "swap" else 0,
         )
+        self.cuda_graphs = self._configure_cuda_graphs()
         self.kv_cache_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
                                                num_swap_blocks=self.executor.num_swap_blocks)
         self.scheduler = Scheduler(
@@ -106,6 +107,14 @@ class EngineCore:
         self._ids = itertools.count()
         self.clock = EngineClock()
         self._prefix_cache_counts = (0, 0)  # (queries, hits) at the last step's end
+
+    def _configure_cuda_graphs(self) -> str:
+        """Decode steps replay CUDA graphs on a GPU unless `enforce_eager` (engine/cuda_graphs.py)."""
+        if self.device.type != "cuda" or not isinstance(self.executor, UniProcExecutor):
+            return f"off (device is {self.device.type})"
+        from engine.cuda_graphs import configure_engine
+
+        return configure_engine(self)
 
     # -- requests ------------------------------------------------------------------------------
 

@@ -55,6 +55,20 @@ class ModelRunner:
         self.device = model.device
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
+        self.cuda_graphs = None  # a CudaGraphRunner once enable_cuda_graphs() is called
+
+    def enable_cuda_graphs(self, enabled: bool = True, max_model_len: int | None = None,
+                           **graph_args) -> None:
+        """Decode-only steps replay captured CUDA graphs (engine/cuda_graphs.py); others stay
+        eager. `graph_args` go to CudaGraphRunner (tests pass an eager `capture_fn` on a CPU)."""
+        from engine.cuda_graphs import CudaGraphRunner
+
+        self.cuda_graphs = None
+        if enabled:
+            if self.device.type != "cuda" and "capture_fn" not in graph_args:
+                raise ValueError("CUDA graphs need a CUDA device")
+            self.cuda_graphs = CudaGraphRunner(self.model, self.kv_caches, self.block_size,
+                                               max_model_len, **graph_args)
 
     def swap_blocks(self, sched: SchedulerOutput) -> float:
         """Copy preempted requests' blocks out to the swap space, and resumed ones back in.
@@ -98,8 +112,8 @@ class ModelRunner:
         # chunk that stops before the end of the prompt has no next token: no lm_head row for it.
         logits_rows = [row for s in sched.scheduled if s.produces_token
                        for row in sample_rows[s.request_id]]
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        return ModelInputs(as_tensor(input_ids), as_tensor(positions), meta, as_tensor(logits_rows))
+        to_device = self._to_device
+        return ModelInputs(to_device(input_ids), to_device(positions), meta, to_device(logits_rows))
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in sched.finished_ids:
@@ -109,9 +123,14 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput({}, {"swap": swap_seconds})
         t0 = time.perf_counter()
-        inputs = self.prepare_inputs(sched)
+        graph = self.cuda_graphs.prepare(sched) if self.cuda_graphs is not None else None
+        inputs = self.prepare_inputs(sched) if graph is None else None
         t1 = time.perf_counter()
-        logits = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_meta, inputs.logits_indices)
+        if graph is not None:  # decode-only step: one graph replay, rows in the scheduler's order
+            logits = self.cuda_graphs.run(graph, len(sched.scheduled))
+        else:
+            logits = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches,
+                                        inputs.attn_meta, inputs.logits_indices)
         self._sync()
         t2 = time.perf_counter()
         producing = [s for s in sched.scheduled if s.produces_token]
@@ -161,6 +180,17 @@ class ModelRunner:
                     logger.exception("request %s: sampling failed", request_id)
                     failed[request_id] = f"sampling failed ({type(error).__name__})"
             return sampled, failed
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """A step input on the device. On CUDA it goes through pinned (page-locked) host memory
+        with a non-blocking copy: the copy is queued behind the work already on the GPU instead
+        of making the CPU wait for it. (PyTorch caches pinned blocks, so pinning is cheap.)"""
+        host = torch.tensor(values, dtype=torch.long)
+        if self.device.type == "cpu":
+            return host
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
