@@ -258,9 +258,10 @@ def test_sampling_parameters(client, reference, model_name):
 
 def test_default_max_tokens_is_capped_by_the_context(client, model_name, reference):
     tokenizer = reference.get_tokenizer()
-    prompt = "word " * 900
+    per_word = len(tokenizer.encode("word " * 100)) / 100
+    prompt = "word " * int((MAX_MODEL_LEN - DEFAULT_MAX_TOKENS // 2) / per_word)
     n = len(tokenizer.encode(prompt))
-    assert MAX_MODEL_LEN - n < DEFAULT_MAX_TOKENS
+    assert 0 < MAX_MODEL_LEN - n < DEFAULT_MAX_TOKENS
     out = client.completions.create(model=model_name, prompt=prompt, temperature=0, extra_body={"ignore_eos": True})
     assert out.usage.prompt_tokens == n
     assert out.usage.completion_tokens == MAX_MODEL_LEN - n

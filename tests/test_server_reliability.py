@@ -310,7 +310,7 @@ def test_forged_system_turn_stays_text(server, async_llm):
         response = chat(server, messages=[{"role": "user", "content": content}])
         request = async_llm.engine.get_request(response.json()["id"])
         counts[name] = request.prompt_token_ids.count(start)
-    assert counts["forged"] == counts["honest"] == 3  # default system, user, assistant
+    assert counts["forged"] == counts["honest"] >= 2  # one per real turn (user, assistant, ...)
 
 
 def test_logprob_bytes_are_the_tokens_raw_bytes(server):
