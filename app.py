@@ -29,11 +29,21 @@ def build_pages() -> dict[str, list]:
     for ch in CHAPTERS:
         path = ch.page_file()
         if path is not None:
-            page = st.Page(str(path.relative_to(ROOT)), title=ch.title, icon=ch.icon,
-                           url_path=ch.url_path, default=ch.id == "00")
+            page = st.Page(
+                str(path.relative_to(ROOT)),
+                title=ch.title,
+                icon=ch.icon,
+                url_path=ch.url_path,
+                default=ch.id == "00",
+            )
         else:
-            page = st.Page(coming_soon(ch), title=f"{ch.title} (준비 중)", icon=":material/construction:",
-                           url_path=ch.url_path, default=ch.id == "00")
+            page = st.Page(
+                coming_soon(ch),
+                title=f"{ch.title} (준비 중)",
+                icon=":material/construction:",
+                url_path=ch.url_path,
+                default=ch.id == "00",
+            )
         PAGES[ch.id] = page
         sections[ch.section].append(page)
     return sections

@@ -41,23 +41,34 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine.core import EngineConfig, EngineCore
     from engine.sampling_params import SamplingParams
 
-    engine = EngineCore(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                                     speculative_config=args.speculative_config,
-                                     enforce_eager=args.enforce_eager))
+    engine = EngineCore(
+        EngineConfig(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            speculative_config=args.speculative_config,
+            enforce_eager=args.enforce_eager,
+        )
+    )
     _report_cuda_graphs(engine)
     prompt = args.prompt
     if not args.raw:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
     request = engine.add_request(prompt, params)
     while engine.has_unfinished_requests():
         for output in engine.step().outputs:
             print(output.delta_text, end="", flush=True)
             if output.finished:
                 m = output.metrics
-                print(f"\n[{output.finish_reason}] {m.num_prompt_tokens} prompt + {m.num_output_tokens} output tokens; "
-                      f"TTFT {1000 * m.ttft:.0f} ms, TPOT {1000 * (m.tpot or 0):.1f} ms, E2E {1000 * m.e2e:.0f} ms "
-                      f"(measured, {engine.device.type}, {str(engine.dtype).removeprefix('torch.')})", file=sys.stderr)
+                print(
+                    f"\n[{output.finish_reason}] {m.num_prompt_tokens} prompt + {m.num_output_tokens} output tokens; "
+                    f"TTFT {1000 * m.ttft:.0f} ms, TPOT {1000 * (m.tpot or 0):.1f} ms, E2E {1000 * m.e2e:.0f} ms "
+                    f"(measured, {engine.device.type}, {str(engine.dtype).removeprefix('torch.')})",
+                    file=sys.stderr,
+                )
     return 0 if request.finish_reason != "abort" else 1
 
 
@@ -66,23 +77,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from engine.core import EngineConfig, EngineCore
     from engine.server import DEFAULT_MAX_BODY_BYTES, serve
 
-    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                          num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
-                          max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens,
-                          speculative_config=args.speculative_config,
-                          enforce_eager=args.enforce_eager)
+    config = EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        num_kv_blocks=args.num_kv_blocks,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        speculative_config=args.speculative_config,
+        enforce_eager=args.enforce_eager,
+    )
     engine = EngineCore(config)
     _report_cuda_graphs(engine)
     name = args.served_model_name or engine.model_dir.name
-    print(f"serving {name} ({engine.device.type}, {str(engine.dtype).removeprefix('torch.')}, "
-          f"{engine.num_blocks} KV blocks of {config.block_size} tokens, context "
-          f"{engine.max_model_len}) on http://{args.host}:{args.port}/v1"
-          + (" (API key required)" if args.api_key else ""), file=sys.stderr, flush=True)
-    return serve(engine, host=args.host, port=args.port, api_key=args.api_key or None,
-                 log_level=args.log_level, served_model_name=args.served_model_name,
-                 public_docs_and_metrics=args.public_docs_and_metrics,
-                 max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+    print(
+        f"serving {name} ({engine.device.type}, {str(engine.dtype).removeprefix('torch.')}, "
+        f"{engine.num_blocks} KV blocks of {config.block_size} tokens, context "
+        f"{engine.max_model_len}) on http://{args.host}:{args.port}/v1"
+        + (" (API key required)" if args.api_key else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+    return serve(
+        engine,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or None,
+        log_level=args.log_level,
+        served_model_name=args.served_model_name,
+        public_docs_and_metrics=args.public_docs_and_metrics,
+        max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+    )
 
 
 def _report_cuda_graphs(engine) -> None:
@@ -116,28 +142,50 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         from engine.calibration import calibrate
 
         calibrate(quick=args.quick_calibration)
-    engine_config = {k: v for k, v in dict(
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-    ).items() if v is not None}
+    engine_config = {
+        k: v
+        for k, v in dict(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        ).items()
+        if v is not None
+    }
     result = simulator.simulate(
-        args.model_preset, args.hardware, rate=args.rate, num_requests=args.num_requests,
-        prompt_len=tuple(args.prompt_len), output_len=tuple(args.output_len), seed=args.seed,
-        tensor_parallel_size=args.tensor_parallel_size, **engine_config)
+        args.model_preset,
+        args.hardware,
+        rate=args.rate,
+        num_requests=args.num_requests,
+        prompt_len=tuple(args.prompt_len),
+        output_len=tuple(args.output_len),
+        seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
+        **engine_config,
+    )
     print(simulator.format_result(result))
     if args.json:
-        data = {"summary": result.summary, "conditions": result.conditions,
-                "requests": [m.as_dict() for m in result.metrics]}
+        data = {
+            "summary": result.summary,
+            "conditions": result.conditions,
+            "requests": [m.as_dict() for m in result.metrics],
+        }
         with open(args.json, "w") as f:
             json.dump(data, f, indent=2, ensure_ascii=False)
         print(f"results written to {args.json}")
     return 0
-SPEC_HELP = ('speculative decoding as JSON, e.g. \'{"method": "ngram", '
-             '"num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}\'')
+
+
+SPEC_HELP = (
+    'speculative decoding as JSON, e.g. \'{"method": "ngram", '
+    '"num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}\''
+)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine", description="A small vLLM-shaped inference engine.")
+    parser = argparse.ArgumentParser(
+        prog="python -m engine", description="A small vLLM-shaped inference engine."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("artifact", help="build, locate or inspect the model artifact")
@@ -154,28 +202,49 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument(
+        "--raw", action="store_true", help="send the prompt as is, without the chat template"
+    )
     p.add_argument("--speculative-config", type=speculative_config_arg, help=SPEC_HELP)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)",
-                       description="OpenAI-compatible HTTP server. Exits with status 1 if the "
-                       "engine loop dies, so that a supervisor can restart it.")
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (FastAPI + uvicorn)",
+        description="OpenAI-compatible HTTP server. Exits with status 1 if the "
+        "engine loop dies, so that a supervisor can restart it.",
+    )
     p.add_argument("--model", default=None, help="model directory (default: the embedded artifact)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model's name in the API (default: the model directory's name)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default: 127.0.0.1, this machine only)")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's name in the API (default: the model directory's name)",
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default: 127.0.0.1, this machine only)",
+    )
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get(SERVE_API_KEY_ENV),
-                   help="if set, clients must send 'Authorization: Bearer KEY' (everything but "
-                   f"/health); default: the environment variable {SERVE_API_KEY_ENV}, which keeps "
-                   "the key out of the process list")
-    p.add_argument("--public-docs-and-metrics", action="store_true",
-                   help="serve /metrics, /docs and /openapi.json without the API key")
-    p.add_argument("--max-body-bytes", type=int, default=None,
-                   help="larger request bodies get a 413 (default 2 MiB)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(SERVE_API_KEY_ENV),
+        help="if set, clients must send 'Authorization: Bearer KEY' (everything but "
+        f"/health); default: the environment variable {SERVE_API_KEY_ENV}, which keeps "
+        "the key out of the process list",
+    )
+    p.add_argument(
+        "--public-docs-and-metrics",
+        action="store_true",
+        help="serve /metrics, /docs and /openapi.json without the API key",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        help="larger request bodies get a 413 (default 2 MiB)",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)
@@ -187,52 +256,133 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("bench", help="measure the machine's ceilings, the engine against transformers, latency")
-    p.add_argument("--json", default=None, help="where to write the results (default: bench-results/latest.json)")
-    p.add_argument("--quick", action="store_true", help="a smaller workload (about a minute on a laptop CPU)")
+    p = sub.add_parser(
+        "bench", help="measure the machine's ceilings, the engine against transformers, latency"
+    )
+    p.add_argument(
+        "--json",
+        default=None,
+        help="where to write the results (default: bench-results/latest.json)",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="a smaller workload (about a minute on a laptop CPU)"
+    )
     p.add_argument("--model", default=None, help="model directory (default: the embedded artifact)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default=None)
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)"
+    )
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--num-requests", type=int, default=None, help="offline workload size (default 64, quick 16)")
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="offline workload size (default 64, quick 16)",
+    )
     p.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=None)
     p.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None, help="engine batch and transformers static batch (32)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine token budget per step (512)")
-    p.add_argument("--latency-requests", type=int, default=None, help="requests per arrival rate (default 32, quick 8)")
-    p.add_argument("--rates", type=float, nargs="+", default=None, help="arrival rates in requests/s "
-                   "(default: fractions of the measured offline request rate)")
-    p.add_argument("--skip-transformers", action="store_true", help="do not run the transformers baseline")
-    p.add_argument("--kernels", choices=["auto", "torch"], default=None,
-                   help="auto: our C++ CPU kernels when they build (default); torch: the reference")
-    p.add_argument("--speculative", choices=["ngram"], default=None,
-                   help="also measure speculative decoding (n-gram) against plain decoding")
-    p.add_argument("--speculative-config", type=speculative_config_arg, default=None,
-                   help=SPEC_HELP + " (for --speculative; default k=3, n-gram 1 to 3)")
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="engine batch and transformers static batch (32)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="engine token budget per step (512)",
+    )
+    p.add_argument(
+        "--latency-requests",
+        type=int,
+        default=None,
+        help="requests per arrival rate (default 32, quick 8)",
+    )
+    p.add_argument(
+        "--rates",
+        type=float,
+        nargs="+",
+        default=None,
+        help="arrival rates in requests/s "
+        "(default: fractions of the measured offline request rate)",
+    )
+    p.add_argument(
+        "--skip-transformers", action="store_true", help="do not run the transformers baseline"
+    )
+    p.add_argument(
+        "--kernels",
+        choices=["auto", "torch"],
+        default=None,
+        help="auto: our C++ CPU kernels when they build (default); torch: the reference",
+    )
+    p.add_argument(
+        "--speculative",
+        choices=["ngram"],
+        default=None,
+        help="also measure speculative decoding (n-gram) against plain decoding",
+    )
+    p.add_argument(
+        "--speculative-config",
+        type=speculative_config_arg,
+        default=None,
+        help=SPEC_HELP + " (for --speculative; default k=3, n-gram 1 to 3)",
+    )
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("simulate", help="what-if at scale: the real scheduler on a cost model (no model is run)")
+    p = sub.add_parser(
+        "simulate", help="what-if at scale: the real scheduler on a cost model (no model is run)"
+    )
     p.add_argument("--model-preset", default="llama-3.1-8b", help="a model preset (see --list)")
-    p.add_argument("--hardware", default="h100-sxm", help="a hardware preset, or this-machine (see --list)")
-    p.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals, requests/s (default 4)")
+    p.add_argument(
+        "--hardware", default="h100-sxm", help="a hardware preset, or this-machine (see --list)"
+    )
+    p.add_argument(
+        "--rate", type=float, default=4.0, help="Poisson arrivals, requests/s (default 4)"
+    )
     p.add_argument("--num-requests", type=int, default=1000)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (512)")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="token budget per step (512)"
+    )
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests running at once (32)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: min(8192, the model's))")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None, help="share of GPU memory used (0.9)")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context limit (default: min(8192, the model's))",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization", type=float, default=None, help="share of GPU memory used (0.9)"
+    )
     p.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=[32, 1024])
-    p.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=[32, 512],
-                   help="each request's target output length is drawn uniformly from this range")
+    p.add_argument(
+        "--output-len",
+        type=int,
+        nargs=2,
+        metavar=("MIN", "MAX"),
+        default=[32, 512],
+        help="each request's target output length is drawn uniformly from this range",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="also write the summary, conditions and per-request metrics here")
+    p.add_argument(
+        "--json",
+        default=None,
+        help="also write the summary, conditions and per-request metrics here",
+    )
     p.add_argument("--list", action="store_true", help="list the presets and exit")
-    p.add_argument("--calibrate", action="store_true", help="re-fit this machine's calibration first")
-    p.add_argument("--quick-calibration", action="store_true", help="with --calibrate: a smaller run")
+    p.add_argument(
+        "--calibrate", action="store_true", help="re-fit this machine's calibration first"
+    )
+    p.add_argument(
+        "--quick-calibration", action="store_true", help="with --calibrate: a smaller run"
+    )
     p.set_defaults(func=cmd_simulate)
-    p = sub.add_parser("selfcheck", help="prove this device works: oracle, features, KV sizing, "
-                       "CUDA graphs, a quick bench")
+    p = sub.add_parser(
+        "selfcheck",
+        help="prove this device works: oracle, features, KV sizing, CUDA graphs, a quick bench",
+    )
     p.add_argument("--device", default="auto", help="cuda, cpu or auto (CUDA if available)")
     p.add_argument("--model", default=None, help="model directory (default: the embedded artifact)")
     p.add_argument("--json", default=None, help="also write every result to this JSON file")

@@ -70,7 +70,13 @@ def validate_model_dir(path: str | os.PathLike) -> dict:
             f"unsupported architecture {architectures or config.get('model_type')!r} in {path}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "vocab_size",
+    ):
         if key not in config:
             raise ArtifactError(f"{path / 'config.json'} has no {key!r}")
     try:
@@ -108,8 +114,13 @@ def read_safetensors_header(path: Path) -> dict:
     header.pop("__metadata__", None)
     data_size = size - 8 - header_len
     for name, meta in header.items():
-        if not (isinstance(meta, dict) and isinstance(meta.get("shape"), list) and "dtype" in meta
-                and isinstance(meta.get("data_offsets"), list) and len(meta["data_offsets"]) == 2):
+        if not (
+            isinstance(meta, dict)
+            and isinstance(meta.get("shape"), list)
+            and "dtype" in meta
+            and isinstance(meta.get("data_offsets"), list)
+            and len(meta["data_offsets"]) == 2
+        ):
             raise ValueError(f"tensor {name!r} has no valid dtype/shape/data_offsets")
         if meta["data_offsets"][1] > data_size:
             raise ValueError(f"tensor {name!r} ends past the end of the file (truncated?)")
@@ -172,7 +183,9 @@ def build_default_artifact(dest: Path | None = None, log=print) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
         log("[2/4] dequantizing weights to float32")
-        model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_dir, gguf_file=gguf_name, dtype=torch.float32
+        )
         state = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
@@ -251,7 +264,10 @@ class ArtifactInfo:
 
     @property
     def head_dim(self) -> int:
-        return self.config.get("head_dim") or self.config["hidden_size"] // self.config["num_attention_heads"]
+        return (
+            self.config.get("head_dim")
+            or self.config["hidden_size"] // self.config["num_attention_heads"]
+        )
 
 
 def param_kind(name: str) -> str:
@@ -321,7 +337,9 @@ def format_info(info: ArtifactInfo) -> str:
     lines.append(f"  {'total':<10} {info.num_params:>14,}")
     lines += ["", "weight bytes by dtype (computed: parameters x bytes per parameter):"]
     for dtype, nbytes in DTYPE_BYTES.items():
-        lines.append(f"  {dtype:<9} {info.bytes_at(dtype):>14,} B  ({info.bytes_at(dtype) / 2**20:8.1f} MiB)")
+        lines.append(
+            f"  {dtype:<9} {info.bytes_at(dtype):>14,} B  ({info.bytes_at(dtype) / 2**20:8.1f} MiB)"
+        )
     lines += [
         "",
         f"bytes on disk (measured, stored as {'/'.join(info.stored_dtypes)}): {info.bytes_on_disk:,} B",

@@ -34,7 +34,9 @@ from engine.utils import cdiv
 
 
 DECODE_GROUP_SIZE = 4  # decodes per padded attention call (4 to 8 measured best on a 2-core CPU)
-KERNEL_TILE_ROWS = 16  # prefill queries per work item of the C++ kernel (each key read serves them all)
+KERNEL_TILE_ROWS = (
+    16  # prefill queries per work item of the C++ kernel (each key read serves them all)
+)
 
 
 @dataclass
@@ -57,7 +59,9 @@ class DecodeGroup:
     block_ids: torch.Tensor  # [num_seqs * max_blocks] each request's blocks in order, padded with 0
     padded_len: int  # max_blocks * block_size keys per request after the gather
     context_len: int  # the longest request's context; the keys beyond it are cut off
-    mask: torch.Tensor | None  # [num_seqs, 1, 1, context_len] True = attend (False: padding past the
+    mask: (
+        torch.Tensor | None
+    )  # [num_seqs, 1, 1, context_len] True = attend (False: padding past the
     #                            request's end); None for a single request, which is cut to its length
 
 
@@ -90,8 +94,9 @@ def build_attention_metadata(
     num_blocks = [cdiv(n, block_size) for n in context_lens]
     max_blocks = max(num_blocks, default=0)
     # One padded block table for the whole batch: row i = request i's blocks, then zeros.
-    tables = torch.tensor([t[:n] + [0] * (max_blocks - n) for t, n in zip(block_tables, num_blocks)],
-                          dtype=torch.long).view(num_reqs, max_blocks)
+    tables = torch.tensor(
+        [t[:n] + [0] * (max_blocks - n) for t, n in zip(block_tables, num_blocks)], dtype=torch.long
+    ).view(num_reqs, max_blocks)
     token_starts = [0]
     for q_len in query_lens:
         token_starts.append(token_starts[-1] + q_len)
@@ -99,7 +104,9 @@ def build_attention_metadata(
     # Slot of every new token: its request's block for its position, then the offset in the block.
     q_lens = torch.tensor(query_lens, dtype=torch.long)
     request_of_token = torch.repeat_interleave(torch.arange(num_reqs), q_lens)
-    first_position = torch.tensor(num_computed, dtype=torch.long) - torch.tensor(token_starts[:-1], dtype=torch.long)
+    first_position = torch.tensor(num_computed, dtype=torch.long) - torch.tensor(
+        token_starts[:-1], dtype=torch.long
+    )
     positions = torch.arange(token_starts[-1]) + first_position[request_of_token]
     slots = tables[request_of_token, positions // block_size] * block_size + positions % block_size
 
@@ -111,19 +118,25 @@ def build_attention_metadata(
         decode_tables = tables[decodes].to(device)  # [num_decodes, max_blocks]
         decode_lens = torch.tensor([context_lens[i] for i in decodes], device=device)
         longest = context_lens[decodes[-1]]
-        attend = torch.arange(longest, device=device).unsqueeze(0) < decode_lens.unsqueeze(1)  # [num_decodes, longest]
+        attend = torch.arange(longest, device=device).unsqueeze(0) < decode_lens.unsqueeze(
+            1
+        )  # [num_decodes, longest]
         for g in range(0, len(decodes), DECODE_GROUP_SIZE):
             group = decodes[g : g + DECODE_GROUP_SIZE]
             n, last = len(group), group[-1]  # the last one has the group's longest context
             context_len = context_lens[last]
-            decode_groups.append(DecodeGroup(
-                rows=_as_rows([token_starts[i] for i in group], device),
-                num_seqs=n,
-                block_ids=decode_tables[g : g + n, : num_blocks[last]].reshape(-1),
-                padded_len=num_blocks[last] * block_size,
-                context_len=context_len,
-                mask=attend[g : g + n, :context_len].view(n, 1, 1, context_len) if n > 1 else None,
-            ))
+            decode_groups.append(
+                DecodeGroup(
+                    rows=_as_rows([token_starts[i] for i in group], device),
+                    num_seqs=n,
+                    block_ids=decode_tables[g : g + n, : num_blocks[last]].reshape(-1),
+                    padded_len=num_blocks[last] * block_size,
+                    context_len=context_len,
+                    mask=attend[g : g + n, :context_len].view(n, 1, 1, context_len)
+                    if n > 1
+                    else None,
+                )
+            )
 
     prefills = []
     is_decode = set(decodes)
@@ -135,8 +148,15 @@ def build_attention_metadata(
         if start > 0:  # chunk i-th query (position start+i) sees keys 0..start+i
             q_pos = torch.arange(start, context_len, device=device).unsqueeze(1)
             mask = torch.arange(context_len, device=device).unsqueeze(0) <= q_pos
-        prefills.append(PrefillSpan(token_starts[i], query_lens[i], context_len,
-                                    tables[i, : num_blocks[i]].to(device), mask))
+        prefills.append(
+            PrefillSpan(
+                token_starts[i],
+                query_lens[i],
+                context_len,
+                tables[i, : num_blocks[i]].to(device),
+                mask,
+            )
+        )
     kernel_tables = kernel_tiles = None
     if torch.device(device).type == "cpu":
         tiles = []
@@ -148,8 +168,14 @@ def build_attention_metadata(
                 tiles.append((token_starts[i] + a, rows, i, num_computed[i] + a))
         kernel_tables = tables.to(torch.int32)
         kernel_tiles = torch.tensor(tiles, dtype=torch.int32).view(-1, 4)
-    return AttentionMetadata(slot_mapping=slots.to(device), block_size=block_size, decode_groups=decode_groups,
-                             prefills=prefills, kernel_block_tables=kernel_tables, kernel_tiles=kernel_tiles)
+    return AttentionMetadata(
+        slot_mapping=slots.to(device),
+        block_size=block_size,
+        decode_groups=decode_groups,
+        prefills=prefills,
+        kernel_block_tables=kernel_tables,
+        kernel_tiles=kernel_tiles,
+    )
 
 
 def _as_rows(rows: list[int], device) -> slice | torch.Tensor:
@@ -159,7 +185,13 @@ def _as_rows(rows: list[int], device) -> slice | torch.Tensor:
     return torch.tensor(rows, device=device)
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+):
     """Store this step's K/V ([num_tokens, kv_heads, head_dim]) into their cache slots."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
@@ -195,8 +227,12 @@ def paged_attention(
     for group in meta.decode_groups:
         n = group.num_seqs
         # [n, padded_len, kv_heads, d] → [n, kv_heads, context_len, d]
-        k_ctx = gather_context(k_cache, group.block_ids).view(n, group.padded_len, kv_heads, head_dim)
-        v_ctx = gather_context(v_cache, group.block_ids).view(n, group.padded_len, kv_heads, head_dim)
+        k_ctx = gather_context(k_cache, group.block_ids).view(
+            n, group.padded_len, kv_heads, head_dim
+        )
+        v_ctx = gather_context(v_cache, group.block_ids).view(
+            n, group.padded_len, kv_heads, head_dim
+        )
         k_ctx = k_ctx[:, : group.context_len].transpose(1, 2)
         v_ctx = v_ctx[:, : group.context_len].transpose(1, 2)
         # The query heads that share a KV head become that head's queries: [n, kv_heads, group_size, d].
@@ -208,11 +244,21 @@ def paged_attention(
     for span in meta.prefills:
         rows = slice(span.token_start, span.token_start + span.num_tokens)
         q_chunk = q[rows].transpose(0, 1)  # [heads, n, head_dim]
-        if span.num_tokens == span.context_len:  # a first chunk sees only itself: its K/V are at hand
+        if (
+            span.num_tokens == span.context_len
+        ):  # a first chunk sees only itself: its K/V are at hand
             k_ctx, v_ctx = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
         else:
-            k_ctx = gather_context(k_cache, span.block_ids).flatten(0, 1)[: span.context_len].transpose(0, 1)
-            v_ctx = gather_context(v_cache, span.block_ids).flatten(0, 1)[: span.context_len].transpose(0, 1)
+            k_ctx = (
+                gather_context(k_cache, span.block_ids)
+                .flatten(0, 1)[: span.context_len]
+                .transpose(0, 1)
+            )
+            v_ctx = (
+                gather_context(v_cache, span.block_ids)
+                .flatten(0, 1)[: span.context_len]
+                .transpose(0, 1)
+            )
         o = F.scaled_dot_product_attention(
             q_chunk,
             k_ctx,
@@ -226,8 +272,9 @@ def paged_attention(
     return out
 
 
-def paged_attention_kernel(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                           kernels) -> torch.Tensor:
+def paged_attention_kernel(
+    q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, kernels
+) -> torch.Tensor:
     """The same attention with our C++ kernel for every query that reads the cache: decode tokens
     and prefill chunks after a cached prefix read their K/V blocks in place (no gather). First
     prefill chunks attend to their own fresh K/V with SDPA, exactly as the torch path does."""
@@ -235,14 +282,20 @@ def paged_attention_kernel(q, k, v, k_cache, v_cache, meta: AttentionMetadata, s
     q = q.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if meta.kernel_tiles.shape[0] > 0:
-        kernels.paged_attention(q, k_cache, v_cache, meta.kernel_block_tables, meta.kernel_tiles,
-                                scale, out)
+        kernels.paged_attention(
+            q, k_cache, v_cache, meta.kernel_block_tables, meta.kernel_tiles, scale, out
+        )
     for span in meta.prefills:
         if span.num_tokens != span.context_len:  # has a cached prefix: done by the kernel
             continue
         rows = slice(span.token_start, span.token_start + span.num_tokens)
-        o = F.scaled_dot_product_attention(q[rows].transpose(0, 1), k[rows].transpose(0, 1),
-                                           v[rows].transpose(0, 1), is_causal=True, scale=scale,
-                                           enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1),
+            k[rows].transpose(0, 1),
+            v[rows].transpose(0, 1),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=True,
+        )
         out[rows] = o.transpose(0, 1)
     return out

@@ -100,9 +100,19 @@ class BenchConfig:
     def quick_config(cls, **overrides) -> "BenchConfig":
         """A smaller run (under a minute on a 2-core CPU) with the same structure."""
         values = dict(
-            quick=True, num_requests=16, prompt_len=(16, 128), output_len=(16, 64), probe_prompt_len=64,
-            probe_output_len=32, probe_repeats=2, latency_requests=8, latency_rate_fractions=(0.5, 1.0),
-            bandwidth_bytes=128 << 20, matmul_size=1024, ceiling_repeats=5, kernel_section=False,
+            quick=True,
+            num_requests=16,
+            prompt_len=(16, 128),
+            output_len=(16, 64),
+            probe_prompt_len=64,
+            probe_output_len=32,
+            probe_repeats=2,
+            latency_requests=8,
+            latency_rate_fractions=(0.5, 1.0),
+            bandwidth_bytes=128 << 20,
+            matmul_size=1024,
+            ceiling_repeats=5,
+            kernel_section=False,
         )
         values.update(overrides)
         return cls(**values)
@@ -183,14 +193,18 @@ def measure_ceilings(device: torch.device, num_bytes: int, matmul_size: int, rep
         matmul[name] = max(by_kernel[name].values())
     return {
         "memory_read_gb_s": read,
-        "memory_read_gb_s_samples": [read],  # a second sample is taken later in the run (see run_benchmark)
+        "memory_read_gb_s_samples": [
+            read
+        ],  # a second sample is taken later in the run (see run_benchmark)
         "memory_copy_gb_s": copy,
         "matmul_gflop_s": matmul,
         "matmul_gflop_s_by_kernel": by_kernel,
-        "method": (f"read: sum of a {num_bytes >> 20} MiB float32 tensor (sampled at the start and again "
-                   f"before the batch-1 decode, the best kept); copy: copy_ of it (read + write "
-                   f"counted); matmul: {n}×{n} @ {n}×{n} per dtype (2n³ FLOP), the best kernel; "
-                   f"best of {repeats} each"),
+        "method": (
+            f"read: sum of a {num_bytes >> 20} MiB float32 tensor (sampled at the start and again "
+            f"before the batch-1 decode, the best kept); copy: copy_ of it (read + write "
+            f"counted); matmul: {n}×{n} @ {n}×{n} per dtype (2n³ FLOP), the best kernel; "
+            f"best of {repeats} each"
+        ),
         "kind": "measured",
     }
 
@@ -203,11 +217,17 @@ def measure_matvec(model, device: torch.device, repeats: int) -> dict:
     w = model.w
     names = [k for k, t in w.items() if t.dim() == 2 and k != "embed"]  # the embedding is looked up
     matrices = [w[k] for k in names]
-    inputs = {m.shape[1]: torch.randn(1, m.shape[1], device=device, dtype=m.dtype) for m in matrices}
+    inputs = {
+        m.shape[1]: torch.randn(1, m.shape[1], device=device, dtype=m.dtype) for m in matrices
+    }
     nbytes = sum(m.numel() * m.element_size() for m in matrices)
     seconds = _best_time(lambda: [linear(inputs[m.shape[1]], m) for m in matrices], device, repeats)
-    return {"matvec_gb_s": nbytes / seconds / 1e9, "matvec_ms": seconds * 1e3, "kind": "measured",
-            "method": f"the engine's linear, 1 token × each of the {len(matrices)} weight matrices, best of {repeats}"}
+    return {
+        "matvec_gb_s": nbytes / seconds / 1e9,
+        "matvec_ms": seconds * 1e3,
+        "kind": "measured",
+        "method": f"the engine's linear, 1 token × each of the {len(matrices)} weight matrices, best of {repeats}",
+    }
 
 
 def model_numbers(model) -> dict:
@@ -235,13 +255,17 @@ def rooflines(ceilings: dict, numbers: dict, dtype: torch.dtype) -> dict:
         "decode_tokens_per_s": bandwidth / numbers["weight_bytes_per_step"],
         "decode_formula": "memory read bandwidth ÷ weight bytes read per step (batch 1: one token per step)",
         # What the matmul kernel itself allows at batch 1, before attention and everything else.
-        "decode_matvec_tokens_per_s": matvec * 1e9 / numbers["weight_bytes_per_step"] if matvec else None,
+        "decode_matvec_tokens_per_s": matvec * 1e9 / numbers["weight_bytes_per_step"]
+        if matvec
+        else None,
         "decode_matvec_formula": "matrix-vector GB/s of the engine's linear ÷ weight bytes per step",
         "compute_tokens_per_s": flops * 1e9 / numbers["flop_per_token"] if flops else None,
         "compute_formula": "matmul FLOP/s ÷ (2 × matmul parameters) FLOP per token (attention not counted)",
         # Below this batch, a decode step is limited by reading the weights; above it, by the matmuls.
-        "balance_batch": (flops * 1e9 / numbers["flop_per_token"]) / (bandwidth / numbers["weight_bytes_per_step"])
-        if flops else None,
+        "balance_batch": (flops * 1e9 / numbers["flop_per_token"])
+        / (bandwidth / numbers["weight_bytes_per_step"])
+        if flops
+        else None,
         "kind": "derived",
     }
 
@@ -256,15 +280,23 @@ class WorkItem:
     output_len: int
 
 
-def make_workload(num_requests: int, prompt_len: tuple[int, int], output_len: tuple[int, int], seed: int,
-                  vocab_size: int, special_ids=()) -> list[WorkItem]:
+def make_workload(
+    num_requests: int,
+    prompt_len: tuple[int, int],
+    output_len: tuple[int, int],
+    seed: int,
+    vocab_size: int,
+    special_ids=(),
+) -> list[WorkItem]:
     """Seeded random prompts (token ids drawn uniformly, specials excluded) with mixed lengths."""
     rng = random.Random(seed)
     low = max(special_ids, default=-1) + 1
     items = []
     for _ in range(num_requests):
         n = rng.randint(*prompt_len)
-        items.append(WorkItem([rng.randrange(low, vocab_size) for _ in range(n)], rng.randint(*output_len)))
+        items.append(
+            WorkItem([rng.randrange(low, vocab_size) for _ in range(n)], rng.randint(*output_len))
+        )
     return items
 
 
@@ -277,8 +309,11 @@ def _params(item: WorkItem):
 def run_engine_offline(llm, workload: list[WorkItem]) -> dict:
     """All requests at once through LLM.generate; output tokens/s over the whole run."""
     start = time.perf_counter()
-    outputs = llm.generate(prompt_token_ids=[w.prompt_token_ids for w in workload],
-                           sampling_params=[_params(w) for w in workload], use_tqdm=False)
+    outputs = llm.generate(
+        prompt_token_ids=[w.prompt_token_ids for w in workload],
+        sampling_params=[_params(w) for w in workload],
+        use_tqdm=False,
+    )
     seconds = time.perf_counter() - start
     records = llm.step_records
     output_tokens = sum(len(o.token_ids) for o in outputs)
@@ -296,8 +331,14 @@ def run_engine_offline(llm, workload: list[WorkItem]) -> dict:
     }
 
 
-def run_transformers_static(model_dir, workload: list[WorkItem], batch_size: int, device: torch.device,
-                            dtype: torch.dtype, pad_token_id: int) -> dict:
+def run_transformers_static(
+    model_dir,
+    workload: list[WorkItem],
+    batch_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    pad_token_id: int,
+) -> dict:
     """transformers `generate` over padded static batches of `batch_size`, in workload order.
 
     Each batch is left-padded to its longest prompt (with an attention mask) and runs greedy for
@@ -312,18 +353,26 @@ def run_transformers_static(model_dir, workload: list[WorkItem], batch_size: int
         ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for row, w in enumerate(batch):
-            ids[row, width - len(w.prompt_token_ids):] = torch.tensor(w.prompt_token_ids)
-            mask[row, width - len(w.prompt_token_ids):] = 1
+            ids[row, width - len(w.prompt_token_ids) :] = torch.tensor(w.prompt_token_ids)
+            mask[row, width - len(w.prompt_token_ids) :] = 1
         new = max(w.output_len for w in batch)
         with torch.inference_mode():
-            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
-                                 max_new_tokens=new, min_new_tokens=new, pad_token_id=pad_token_id,
-                                 temperature=None, top_p=None, top_k=None)
+            out = model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                do_sample=False,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                pad_token_id=pad_token_id,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+            )
         _sync(device)
-        return [out[row, width:width + w.output_len].tolist() for row, w in enumerate(batch)]
+        return [out[row, width : width + w.output_len].tolist() for row, w in enumerate(batch)]
 
     generate([WorkItem(workload[0].prompt_token_ids[:8], 2)])  # warm-up
-    batches = [workload[i:i + batch_size] for i in range(0, len(workload), batch_size)]
+    batches = [workload[i : i + batch_size] for i in range(0, len(workload), batch_size)]
     tokens: list[list[int]] = []
     start = time.perf_counter()
     for batch in batches:
@@ -385,11 +434,16 @@ def step_breakdown(steps: list[tuple[float, object]], batch: int) -> dict:
     share of wall time outside the forward. 'untimed' is wall time the record's phases miss."""
     from engine.trace import PHASES
 
-    decode_steps = [(wall, r) for wall, r in steps
-                    if len(r.scheduled) == batch and all(s.phase == "decode" for s in r.scheduled)]
+    decode_steps = [
+        (wall, r)
+        for wall, r in steps
+        if len(r.scheduled) == batch and all(s.phase == "decode" for s in r.scheduled)
+    ]
     if not decode_steps:
         return {"batch": batch, "steps": 0}
-    phases = {p: statistics.median(r.timings.get(p, 0.0) for _, r in decode_steps) * 1e3 for p in PHASES}
+    phases = {
+        p: statistics.median(r.timings.get(p, 0.0) for _, r in decode_steps) * 1e3 for p in PHASES
+    }
     phases["untimed"] = statistics.median(wall - r.duration for wall, r in decode_steps) * 1e3
     wall = statistics.median(w for w, _ in decode_steps)
     return {
@@ -402,8 +456,12 @@ def step_breakdown(steps: list[tuple[float, object]], batch: int) -> dict:
     }
 
 
-def probe_workload(batch: int, prompt_len: int, output_len: int, seed: int, vocab_size: int, special_ids):
-    return make_workload(batch, (prompt_len, prompt_len), (output_len, output_len), seed, vocab_size, special_ids)
+def probe_workload(
+    batch: int, prompt_len: int, output_len: int, seed: int, vocab_size: int, special_ids
+):
+    return make_workload(
+        batch, (prompt_len, prompt_len), (output_len, output_len), seed, vocab_size, special_ids
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -421,7 +479,9 @@ async def _poisson_run(async_llm, workload: list[WorkItem], rate: float, seed: i
     async def one(item: WorkItem, offset: float):
         await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
         final = None
-        async for output in async_llm.generate(None, _params(item), prompt_token_ids=item.prompt_token_ids):
+        async for output in async_llm.generate(
+            None, _params(item), prompt_token_ids=item.prompt_token_ids
+        ):
             final = output
         return final
 
@@ -474,10 +534,16 @@ def measure_linear_kernels(model, repeats: int) -> dict:
     variants = {  # name: (one call per matrix, activation dtype, weight bytes)
         "float32 F.linear (MKL)": (lambda x, i: F.linear(x, mats[i]), torch.float32, 4 * params),
         "bfloat16 F.linear": (lambda x, i: F.linear(x, bf16[i]), torch.bfloat16, 2 * params),
-        "int8 ours": (lambda x, i: quantized_linear(x, q8[i]), torch.float32,
-                      sum(q.nbytes() for q in q8)),
-        "int4 ours (group 32)": (lambda x, i: quantized_linear(x, q4[i]), torch.float32,
-                                 sum(q.nbytes() for q in q4)),
+        "int8 ours": (
+            lambda x, i: quantized_linear(x, q8[i]),
+            torch.float32,
+            sum(q.nbytes() for q in q8),
+        ),
+        "int4 ours (group 32)": (
+            lambda x, i: quantized_linear(x, q4[i]),
+            torch.float32,
+            sum(q.nbytes() for q in q4),
+        ),
     }
     if ONEDNN_LINEAR:
         variants["float32 oneDNN"] = (lambda x, i: linear(x, mats[i]), torch.float32, 4 * params)
@@ -486,23 +552,29 @@ def measure_linear_kernels(model, repeats: int) -> dict:
         entry = {"weight_bytes": nbytes}
         for batch in (1, 32):
             xs = {k: torch.randn(batch, k).to(dtype) for k in {m.shape[1] for m in mats}}
-            seconds = _best_time(lambda: [fn(xs[m.shape[1]], i) for i, m in enumerate(mats)],
-                                 torch.device("cpu"), repeats)
+            seconds = _best_time(
+                lambda: [fn(xs[m.shape[1]], i) for i, m in enumerate(mats)],
+                torch.device("cpu"),
+                repeats,
+            )
             entry[f"ms_{batch}"] = seconds * 1e3
         entry["gb_s_1"] = nbytes / entry["ms_1"] / 1e6
         entry["gflop_s_32"] = 2 * params * 32 / entry["ms_32"] / 1e6
         rows[name] = entry
     best_f32 = min(v["ms_1"] for k, v in rows.items() if k.startswith("float32"))
-    return {"params": params, "kernels": rows,
-            "int8_speedup_vs_float32_1row": best_f32 / rows["int8 ours"]["ms_1"],
-            "int4_speedup_vs_float32_1row": best_f32 / rows["int4 ours (group 32)"]["ms_1"],
-            "method": f"{len(mats)} layer matrices, {params / 1e6:.1f} M weights; "
-                      f"best of {repeats}",
-            "kind": "measured"}
+    return {
+        "params": params,
+        "kernels": rows,
+        "int8_speedup_vs_float32_1row": best_f32 / rows["int8 ours"]["ms_1"],
+        "int4_speedup_vs_float32_1row": best_f32 / rows["int4 ours (group 32)"]["ms_1"],
+        "method": f"{len(mats)} layer matrices, {params / 1e6:.1f} M weights; best of {repeats}",
+        "kind": "measured",
+    }
 
 
-def measure_attention_kernel(model, batch: int, context: tuple[int, int], repeats: int,
-                             seed: int) -> dict:
+def measure_attention_kernel(
+    model, batch: int, context: tuple[int, int], repeats: int, seed: int
+) -> dict:
     """One decode step's attention alone (all layers) at `batch` requests of random context
     lengths, blocks shuffled: the torch path (gather + SDPA) against our kernel (in place)."""
     from engine import kernels
@@ -530,8 +602,11 @@ def measure_attention_kernel(model, batch: int, context: tuple[int, int], repeat
         for kc, vc in caches:
             paged_attention(q, k, v, kc, vc, meta, model.scale, ext_or_none)
 
-    out = {"batch": batch, "mean_context": sum(lens) / batch,
-           "torch_ms": _best_time(lambda: step(None), torch.device("cpu"), repeats) * 1e3}
+    out = {
+        "batch": batch,
+        "mean_context": sum(lens) / batch,
+        "torch_ms": _best_time(lambda: step(None), torch.device("cpu"), repeats) * 1e3,
+    }
     if ext is not None:
         out["kernel_ms"] = _best_time(lambda: step(ext), torch.device("cpu"), repeats) * 1e3
     out["kv_bytes_read"] = sum(lens) * cfg.kv_elements_per_token * 4
@@ -545,17 +620,26 @@ def measure_decode_both_paths(model_dir, config: "BenchConfig", vocab: int, spec
 
     out = {}
     for mode in ("torch", "auto"):
-        llm = LLM(model=str(model_dir), device="cpu", dtype="float32",
-                  max_num_seqs=config.max_num_seqs,
-                  max_num_batched_tokens=config.max_num_batched_tokens, kernels=mode,
-                  enable_prefix_caching=False)
+        llm = LLM(
+            model=str(model_dir),
+            device="cpu",
+            dtype="float32",
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            kernels=mode,
+            enable_prefix_caching=False,
+        )
         engine = llm.engine
         path = engine.executor.worker.model.kernel_path
-        b1 = probe_workload(1, config.probe_prompt_len, config.probe_output_len,
-                            config.seed + 500, vocab, specials)
+        b1 = probe_workload(
+            1, config.probe_prompt_len, config.probe_output_len, config.seed + 500, vocab, specials
+        )
         full = probe_workload(config.max_num_seqs, 384, 24, config.seed + 600, vocab, specials)
-        out[mode] = {"path": path, "batch_1": step_breakdown(run_steps(engine, b1), 1),
-                     "full_batch": step_breakdown(run_steps(engine, full), config.max_num_seqs)}
+        out[mode] = {
+            "path": path,
+            "batch_1": step_breakdown(run_steps(engine, b1), 1),
+            "full_batch": step_breakdown(run_steps(engine, full), config.max_num_seqs),
+        }
     return out
 
 
@@ -590,8 +674,14 @@ def run_benchmark(config: BenchConfig, log=print) -> dict:
     model_dir = resolve_model_path(config.model)
     started = time.perf_counter()
 
-    llm = LLM(model=str(model_dir), device=config.device, dtype=config.dtype, max_num_seqs=config.max_num_seqs,
-              max_num_batched_tokens=config.max_num_batched_tokens, kernels=config.kernels)
+    llm = LLM(
+        model=str(model_dir),
+        device=config.device,
+        dtype=config.dtype,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        kernels=config.kernels,
+    )
     engine = llm.engine
     device, dtype = engine.device, engine.dtype
     model = engine.executor.worker.model
@@ -622,28 +712,47 @@ def run_benchmark(config: BenchConfig, log=print) -> dict:
             "quick": config.quick,
             "seed": config.seed,
             "kernels": kernels_line,
-            "engine": {"max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
-                       "block_size": engine.config.block_size, "num_kv_blocks": engine.num_blocks,
-                       "enable_prefix_caching": engine.config.enable_prefix_caching},
-            "workload": {"num_requests": config.num_requests, "prompt_len": list(config.prompt_len),
-                         "output_len": list(config.output_len), "prompt_tokens": "uniform random ids, seeded",
-                         "sampling": "greedy, ignore_eos"},
+            "engine": {
+                "max_num_seqs": config.max_num_seqs,
+                "max_num_batched_tokens": config.max_num_batched_tokens,
+                "block_size": engine.config.block_size,
+                "num_kv_blocks": engine.num_blocks,
+                "enable_prefix_caching": engine.config.enable_prefix_caching,
+            },
+            "workload": {
+                "num_requests": config.num_requests,
+                "prompt_len": list(config.prompt_len),
+                "output_len": list(config.output_len),
+                "prompt_tokens": "uniform random ids, seeded",
+                "sampling": "greedy, ignore_eos",
+            },
         },
     }
 
-    log(f"[1/5] ceilings of {results['conditions']['device_name']} ({device.type}, {torch.get_num_threads()} threads)")
-    ceilings = measure_ceilings(device, config.bandwidth_bytes, config.matmul_size, config.ceiling_repeats)
+    log(
+        f"[1/5] ceilings of {results['conditions']['device_name']} ({device.type}, {torch.get_num_threads()} threads)"
+    )
+    ceilings = measure_ceilings(
+        device, config.bandwidth_bytes, config.matmul_size, config.ceiling_repeats
+    )
     ceilings.update(measure_matvec(model, device, config.ceiling_repeats))
     results["ceilings"] = ceilings
 
-    workload = make_workload(config.num_requests, config.prompt_len, config.output_len, config.seed, vocab, specials)
+    workload = make_workload(
+        config.num_requests, config.prompt_len, config.output_len, config.seed, vocab, specials
+    )
     log(f"[2/5] offline: {len(workload)} requests through the engine")
-    llm.generate(prompt_token_ids=[w.prompt_token_ids[:16] for w in workload[:2]],  # warm-up
-                 sampling_params=[_params(WorkItem([], 4))] * 2, use_tqdm=False)
+    llm.generate(
+        prompt_token_ids=[w.prompt_token_ids[:16] for w in workload[:2]],  # warm-up
+        sampling_params=[_params(WorkItem([], 4))] * 2,
+        use_tqdm=False,
+    )
     engine_run = run_engine_offline(llm, workload)
     offline = {"engine": {k: v for k, v in engine_run.items() if k != "tokens"}}
     if not config.skip_transformers:
-        log(f"      offline: the same requests through transformers, static batches of {config.max_num_seqs}")
+        log(
+            f"      offline: the same requests through transformers, static batches of {config.max_num_seqs}"
+        )
         pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
         hf = run_transformers_static(model_dir, workload, config.max_num_seqs, device, dtype, pad)
         offline["transformers"] = {k: v for k, v in hf.items() if k != "tokens"}
@@ -661,8 +770,14 @@ def run_benchmark(config: BenchConfig, log=print) -> dict:
     log("[3/5] decode at batch 1")
     b1_steps = []
     for i in range(config.probe_repeats):
-        probe = probe_workload(1, config.probe_prompt_len, config.probe_output_len, config.seed + 100 + i, vocab,
-                               specials)
+        probe = probe_workload(
+            1,
+            config.probe_prompt_len,
+            config.probe_output_len,
+            config.seed + 100 + i,
+            vocab,
+            specials,
+        )
         b1_steps += run_steps(engine, probe)
     batch1 = step_breakdown(b1_steps, 1)
     roof = results["rooflines"]["decode_tokens_per_s"]
@@ -672,26 +787,43 @@ def run_benchmark(config: BenchConfig, log=print) -> dict:
         "roofline_tokens_per_s": roof,
         "fraction_of_roofline": batch1["tokens_per_s"] / roof if batch1.get("steps") else None,
         "context": f"prompt {config.probe_prompt_len} + up to {config.probe_output_len} tokens; "
-                   f"median over {batch1.get('steps', 0)} decode steps",
+        f"median over {batch1.get('steps', 0)} decode steps",
     }
 
     log(f"[4/5] engine overhead at batch 1 and batch {config.max_num_seqs}")
-    full = probe_workload(config.max_num_seqs, config.probe_prompt_len, max(8, config.probe_output_len // 2),
-                          config.seed + 200, vocab, specials)
-    results["overhead"] = {"batch_1": batch1,
-                           "full_batch": step_breakdown(run_steps(engine, full), config.max_num_seqs)}
+    full = probe_workload(
+        config.max_num_seqs,
+        config.probe_prompt_len,
+        max(8, config.probe_output_len // 2),
+        config.seed + 200,
+        vocab,
+        specials,
+    )
+    results["overhead"] = {
+        "batch_1": batch1,
+        "full_batch": step_breakdown(run_steps(engine, full), config.max_num_seqs),
+    }
 
     rates = list(config.latency_rates or [])
     if not rates:
         capacity = engine_run["requests_per_s"]
         rates = [round(f * capacity, 4) for f in config.latency_rate_fractions]
-    log(f"[5/5] latency under load: Poisson arrivals at {', '.join(f'{r:.3g}' for r in rates)} requests/s")
-    latency_workload = make_workload(config.latency_requests, config.prompt_len, config.output_len, config.seed + 300,
-                                     vocab, specials)
+    log(
+        f"[5/5] latency under load: Poisson arrivals at {', '.join(f'{r:.3g}' for r in rates)} requests/s"
+    )
+    latency_workload = make_workload(
+        config.latency_requests,
+        config.prompt_len,
+        config.output_len,
+        config.seed + 300,
+        vocab,
+        specials,
+    )
     results["latency"] = {
         "requests_per_rate": config.latency_requests,
-        "rates_from": "given" if config.latency_rates else
-        f"fractions {list(config.latency_rate_fractions)} of the offline request rate",
+        "rates_from": "given"
+        if config.latency_rates
+        else f"fractions {list(config.latency_rate_fractions)} of the offline request rate",
         "runs": run_latency(engine, latency_workload, rates, config.seed + 400),
     }
 
@@ -699,8 +831,9 @@ def run_benchmark(config: BenchConfig, log=print) -> dict:
         log("[6] kernels: linear kernels, attention alone, decode steps with torch and auto")
         results["kernels"] = {
             "linear": measure_linear_kernels(model, config.ceiling_repeats),
-            "attention": measure_attention_kernel(model, config.max_num_seqs, (350, 450),
-                                                  config.ceiling_repeats, config.seed + 700),
+            "attention": measure_attention_kernel(
+                model, config.max_num_seqs, (350, 450), config.ceiling_repeats, config.seed + 700
+            ),
             "decode": measure_decode_both_paths(model_dir, config, vocab, specials),
         }
     if config.speculative:
@@ -715,10 +848,30 @@ def run_benchmark(config: BenchConfig, log=print) -> dict:
 # ---------------------------------------------------------------------------------------------
 # 7. Speculative decoding (n-gram): the same requests with and without drafts
 
-DEFAULT_SPEC_CONFIG = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
-                       "prompt_lookup_min": 1}
-SPEC_WORDS = ["apple", "river", "stone", "cloud", "lamp", "tiger", "paper", "glass", "orange",
-              "window", "garden", "silver", "bridge", "candle", "forest", "rocket"]
+DEFAULT_SPEC_CONFIG = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+}
+SPEC_WORDS = [
+    "apple",
+    "river",
+    "stone",
+    "cloud",
+    "lamp",
+    "tiger",
+    "paper",
+    "glass",
+    "orange",
+    "window",
+    "garden",
+    "silver",
+    "bridge",
+    "candle",
+    "forest",
+    "rocket",
+]
 
 
 def repetitive_prompts(tokenizer, num_requests: int, seed: int) -> list[list[int]]:
@@ -727,8 +880,10 @@ def repetitive_prompts(tokenizer, num_requests: int, seed: int) -> list[list[int
     rng = random.Random(seed)
     prompts = []
     for _ in range(num_requests):
-        lines = [f"{i + 1}. {rng.choice(SPEC_WORDS)} {rng.choice(SPEC_WORDS)} {rng.randint(10, 99)}"
-                 for i in range(12)]
+        lines = [
+            f"{i + 1}. {rng.choice(SPEC_WORDS)} {rng.choice(SPEC_WORDS)} {rng.randint(10, 99)}"
+            for i in range(12)
+        ]
         text = "Repeat this list exactly, one item per line:\n" + "\n".join(lines)
         chat = tokenizer.apply_chat_template([{"role": "user", "content": text}])
         prompts.append(tokenizer.encode(chat))
@@ -740,8 +895,14 @@ def spec_workloads(engine, config: "BenchConfig", specials) -> dict[str, list[Wo
     copying = repetitive_prompts(engine.tokenizer, n, config.seed + 500)
     return {
         "repetitive": [WorkItem(p, out) for p in copying],
-        "random": make_workload(n, (config.probe_prompt_len, config.probe_prompt_len), (out, out),
-                                config.seed + 600, engine.model_config.vocab_size, specials),
+        "random": make_workload(
+            n,
+            (config.probe_prompt_len, config.probe_prompt_len),
+            (out, out),
+            config.seed + 600,
+            engine.model_config.vocab_size,
+            specials,
+        ),
     }
 
 
@@ -761,9 +922,13 @@ def _spec_counts(engine, before: dict) -> dict:
     proposed = after["num_draft_tokens"] - before["num_draft_tokens"]
     accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
     drafts = after["num_drafts"] - before["num_drafts"]
-    return {"num_drafts": drafts, "num_draft_tokens": proposed, "num_accepted_tokens": accepted,
-            "acceptance_rate": accepted / proposed if proposed else None,
-            "mean_accepted_length": 1 + accepted / drafts if drafts else None}
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": proposed,
+        "num_accepted_tokens": accepted,
+        "acceptance_rate": accepted / proposed if proposed else None,
+        "mean_accepted_length": 1 + accepted / drafts if drafts else None,
+    }
 
 
 def run_spec_decode(llm, config: "BenchConfig", specials) -> dict:
@@ -773,11 +938,16 @@ def run_spec_decode(llm, config: "BenchConfig", specials) -> dict:
 
     spec_config = config.speculative_config or DEFAULT_SPEC_CONFIG
     base = llm.engine.config
-    spec_llm = LLM(model=str(llm.engine.model_dir), device=base.device, dtype=base.dtype,
-                   max_num_seqs=config.max_num_seqs,
-                   max_num_batched_tokens=config.max_num_batched_tokens,
-                   num_kv_blocks=llm.engine.num_blocks, max_model_len=llm.engine.max_model_len,
-                   speculative_config=spec_config)
+    spec_llm = LLM(
+        model=str(llm.engine.model_dir),
+        device=base.device,
+        dtype=base.dtype,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        num_kv_blocks=llm.engine.num_blocks,
+        max_model_len=llm.engine.max_model_len,
+        speculative_config=spec_config,
+    )
     rows = {}
     for name, workload in spec_workloads(llm.engine, config, specials).items():
         row = {}
@@ -785,20 +955,29 @@ def run_spec_decode(llm, config: "BenchConfig", specials) -> dict:
             before = runner.engine.spec_decode_metrics()
             batch1 = decode_rate_batch1(runner.engine, workload)
             offline = run_engine_offline(runner, workload)
-            row[label] = {"decode_batch1_tokens_per_s": batch1["tokens_per_s"],
-                          "offline_output_tokens_per_s": offline["output_tokens_per_s"],
-                          "offline_steps": offline["steps"], "tokens": offline["tokens"]}
+            row[label] = {
+                "decode_batch1_tokens_per_s": batch1["tokens_per_s"],
+                "offline_output_tokens_per_s": offline["output_tokens_per_s"],
+                "offline_steps": offline["steps"],
+                "tokens": offline["tokens"],
+            }
             if label == "ngram":
                 row[label]["spec"] = _spec_counts(runner.engine, before)
         row["identical_outputs"] = row["plain"].pop("tokens") == row["ngram"].pop("tokens")
-        row["speedup_decode_batch1"] = _ratio(row["ngram"]["decode_batch1_tokens_per_s"],
-                                              row["plain"]["decode_batch1_tokens_per_s"])
-        row["speedup_offline"] = _ratio(row["ngram"]["offline_output_tokens_per_s"],
-                                        row["plain"]["offline_output_tokens_per_s"])
+        row["speedup_decode_batch1"] = _ratio(
+            row["ngram"]["decode_batch1_tokens_per_s"], row["plain"]["decode_batch1_tokens_per_s"]
+        )
+        row["speedup_offline"] = _ratio(
+            row["ngram"]["offline_output_tokens_per_s"], row["plain"]["offline_output_tokens_per_s"]
+        )
         rows[name] = row
-    return {"speculative_config": spec_config, "num_requests": config.spec_num_requests,
-            "output_len": config.spec_output_len, "sampling": "greedy, ignore_eos",
-            "workloads": rows}
+    return {
+        "speculative_config": spec_config,
+        "num_requests": config.spec_num_requests,
+        "output_len": config.spec_output_len,
+        "sampling": "greedy, ignore_eos",
+        "workloads": rows,
+    }
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -807,11 +986,13 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def format_spec_decode(r: dict) -> list[str]:
     sc = r["speculative_config"]
-    lines = [f"7. Speculative decoding ({sc['method']}, k={sc['num_speculative_tokens']}, n-gram "
-             f"{sc['prompt_lookup_min']}..{sc['prompt_lookup_max']}; {r['num_requests']} requests "
-             f"× {r['output_len']} tokens, {r['sampling']})",
-             "  workload     batch-1 tok/s plain → ngram (×)   offline tok/s plain → ngram (×)  "
-             "accepted  mean len  same output"]
+    lines = [
+        f"7. Speculative decoding ({sc['method']}, k={sc['num_speculative_tokens']}, n-gram "
+        f"{sc['prompt_lookup_min']}..{sc['prompt_lookup_max']}; {r['num_requests']} requests "
+        f"× {r['output_len']} tokens, {r['sampling']})",
+        "  workload     batch-1 tok/s plain → ngram (×)   offline tok/s plain → ngram (×)  "
+        "accepted  mean len  same output",
+    ]
     for name, w in r["workloads"].items():
         p, n, spec = w["plain"], w["ngram"], w["ngram"]["spec"]
         rate, mean_len = spec["acceptance_rate"], spec["mean_accepted_length"]
@@ -822,7 +1003,8 @@ def format_spec_decode(r: dict) -> list[str]:
             f"      {_fmt(p['offline_output_tokens_per_s']):>8} → "
             f"{_fmt(n['offline_output_tokens_per_s']):>7} ({_fmt(off_x, '.2f')}×)"
             f"  {_fmt(rate and 100 * rate, '.0f'):>7}%  {_fmt(mean_len, '.2f'):>8}"
-            f"  {'yes' if w['identical_outputs'] else 'NO'}")
+            f"  {'yes' if w['identical_outputs'] else 'NO'}"
+        )
     return lines
 
 
@@ -834,16 +1016,34 @@ def evaluate_targets(results: dict) -> list[dict]:
     lin = results.get("kernels", {}).get("linear")
     int8 = lin and lin["int8_speedup_vs_float32_1row"]
     rows = [
-        ("offline throughput ÷ transformers static batching", ratio, TARGETS["offline_ratio"], ratio is not None
-         and ratio >= TARGETS["offline_ratio"]),
-        ("batch-1 decode ÷ decode roofline", fraction, TARGETS["decode_roofline_fraction"], fraction is not None
-         and fraction >= TARGETS["decode_roofline_fraction"]),
-        ("overhead share at full batch", share, TARGETS["overhead_share_full_batch"], share is not None
-         and share < TARGETS["overhead_share_full_batch"]),
+        (
+            "offline throughput ÷ transformers static batching",
+            ratio,
+            TARGETS["offline_ratio"],
+            ratio is not None and ratio >= TARGETS["offline_ratio"],
+        ),
+        (
+            "batch-1 decode ÷ decode roofline",
+            fraction,
+            TARGETS["decode_roofline_fraction"],
+            fraction is not None and fraction >= TARGETS["decode_roofline_fraction"],
+        ),
+        (
+            "overhead share at full batch",
+            share,
+            TARGETS["overhead_share_full_batch"],
+            share is not None and share < TARGETS["overhead_share_full_batch"],
+        ),
     ]
     if int8:
-        rows.append(("int8 matvec tokens/s ÷ float32's (1 row, best float32 kernel)", int8,
-                     TARGETS["int8_matvec_speedup"], int8 >= TARGETS["int8_matvec_speedup"]))
+        rows.append(
+            (
+                "int8 matvec tokens/s ÷ float32's (1 row, best float32 kernel)",
+                int8,
+                TARGETS["int8_matvec_speedup"],
+                int8 >= TARGETS["int8_matvec_speedup"],
+            )
+        )
     return [{"name": n, "value": v, "target": t, "met": bool(m)} for n, v, t, m in rows]
 
 
@@ -868,8 +1068,10 @@ def format_results(r: dict) -> str:
         "1. Ceilings (measured, best of N) and rooflines (derived)",
     ]
     ce, ro = r["ceilings"], r["rooflines"]
-    mm = "; ".join(f"{dt} {max(ks.values()):.0f} (" + ", ".join(f"{k} {v:.0f}" for k, v in ks.items()) + ")"
-                   for dt, ks in ce["matmul_gflop_s_by_kernel"].items())
+    mm = "; ".join(
+        f"{dt} {max(ks.values()):.0f} (" + ", ".join(f"{k} {v:.0f}" for k, v in ks.items()) + ")"
+        for dt, ks in ce["matmul_gflop_s_by_kernel"].items()
+    )
     lines += [
         f"  memory read bandwidth   {ce['memory_read_gb_s']:8.1f} GB/s   (samples "
         f"{', '.join(f'{x:.1f}' for x in ce['memory_read_gb_s_samples'])}; copy {ce['memory_copy_gb_s']:.1f} GB/s)",
@@ -888,17 +1090,24 @@ def format_results(r: dict) -> str:
     ]
     off = r["offline"]
     e = off["engine"]
-    lines.append(f"  engine (continuous)     {e['output_tokens_per_s']:8.1f}   {e['seconds']:.1f} s, "
-                 f"{e['steps']} steps, {e['preemptions']} preemptions")
+    lines.append(
+        f"  engine (continuous)     {e['output_tokens_per_s']:8.1f}   {e['seconds']:.1f} s, "
+        f"{e['steps']} steps, {e['preemptions']} preemptions"
+    )
     if "transformers" in off:
         h = off["transformers"]
         waste = 1 - (h["prompt_tokens_useful"] + h["output_slots_useful"]) / (
-            h["prompt_tokens_computed"] + h["output_slots_computed"])
-        lines.append(f"  transformers (static)   {h['output_tokens_per_s']:8.1f}   {h['seconds']:.1f} s, "
-                     f"{h['batches']} batches of {h['batch_size']}, {100 * waste:.0f}% of computed tokens are padding")
+            h["prompt_tokens_computed"] + h["output_slots_computed"]
+        )
+        lines.append(
+            f"  transformers (static)   {h['output_tokens_per_s']:8.1f}   {h['seconds']:.1f} s, "
+            f"{h['batches']} batches of {h['batch_size']}, {100 * waste:.0f}% of computed tokens are padding"
+        )
         agree = off["greedy_agreement"]
-        lines.append(f"  ratio                   {off['ratio']:8.2f}×  (greedy outputs identical for "
-                     f"{agree['identical_requests']}/{agree['requests']} requests)")
+        lines.append(
+            f"  ratio                   {off['ratio']:8.2f}×  (greedy outputs identical for "
+            f"{agree['identical_requests']}/{agree['requests']} requests)"
+        )
     d = r["decode_batch1"]
     lines += [
         "",
@@ -912,29 +1121,45 @@ def format_results(r: dict) -> str:
     from engine.trace import PHASES
 
     names = list(PHASES) + ["untimed"]
-    lines.append("  batch " + "".join(f"{n[:12]:>13}" for n in names) + f"{'step':>9}{'overhead':>10}")
+    lines.append(
+        "  batch " + "".join(f"{n[:12]:>13}" for n in names) + f"{'step':>9}{'overhead':>10}"
+    )
     for key in ("batch_1", "full_batch"):
         o = r["overhead"][key]
         if not o.get("steps"):
             lines.append(f"  {o['batch']:>5}  (no pure decode steps)")
             continue
-        lines.append(f"  {o['batch']:>5} " + "".join(f"{o['phase_ms'][n]:13.2f}" for n in names)
-                     + f"{o['step_ms']:9.1f}{100 * o['overhead_share']:9.1f}%")
+        lines.append(
+            f"  {o['batch']:>5} "
+            + "".join(f"{o['phase_ms'][n]:13.2f}" for n in names)
+            + f"{o['step_ms']:9.1f}{100 * o['overhead_share']:9.1f}%"
+        )
     lat = r["latency"]
-    lines += ["", f"5. Latency under load (Poisson arrivals, {lat['requests_per_rate']} requests per rate, seconds)",
-              "  rate/s   TTFT p50/p90/p99        TPOT p50/p90/p99        E2E p50/p90/p99         tok/s"]
+    lines += [
+        "",
+        f"5. Latency under load (Poisson arrivals, {lat['requests_per_rate']} requests per rate, seconds)",
+        "  rate/s   TTFT p50/p90/p99        TPOT p50/p90/p99        E2E p50/p90/p99         tok/s",
+    ]
     for run in lat["runs"]:
         cols = []
         for key in ("ttft_s", "tpot_s", "e2e_s"):
             p = run[key]
-            cols.append("/".join(_fmt(p[k], ".3f" if key == "tpot_s" else ".2f") for k in ("p50", "p90", "p99")))
-        lines.append(f"  {run['rate_req_s']:6.3f}   {cols[0]:<23} {cols[1]:<23} {cols[2]:<23} "
-                     f"{run['output_tokens_per_s']:6.1f}")
+            cols.append(
+                "/".join(
+                    _fmt(p[k], ".3f" if key == "tpot_s" else ".2f") for k in ("p50", "p90", "p99")
+                )
+            )
+        lines.append(
+            f"  {run['rate_req_s']:6.3f}   {cols[0]:<23} {cols[1]:<23} {cols[2]:<23} "
+            f"{run['output_tokens_per_s']:6.1f}"
+        )
     lines += format_kernels(r.get("kernels"))
     lines += ["", "Targets (CPU, float32)"]
     for t in r["targets"]:
-        lines.append(f"  {'met    ' if t['met'] else 'NOT met'}  {t['name']}: {_fmt(t['value'], '.3f')} "
-                     f"(target {t['target']})")
+        lines.append(
+            f"  {'met    ' if t['met'] else 'NOT met'}  {t['name']}: {_fmt(t['value'], '.3f')} "
+            f"(target {t['target']})"
+        )
     if "spec_decode" in r:
         lines += ["", *format_spec_decode(r["spec_decode"])]
     lines.append(f"\n  bench took {c['bench_seconds']:.0f} s")
@@ -945,27 +1170,38 @@ def format_kernels(k: dict | None) -> list[str]:
     if not k:
         return []
     lin = k["linear"]
-    lines = ["", f"6. Kernels ({lin['method']})",
-             f"  {'kernel':<24}{'weights MB':>11}{'1 row ms':>10}{'GB/s':>8}"
-             f"{'32 rows ms':>12}{'GFLOP/s':>9}"]
+    lines = [
+        "",
+        f"6. Kernels ({lin['method']})",
+        f"  {'kernel':<24}{'weights MB':>11}{'1 row ms':>10}{'GB/s':>8}"
+        f"{'32 rows ms':>12}{'GFLOP/s':>9}",
+    ]
     for name, e in lin["kernels"].items():
-        lines.append(f"  {name:<24}{e['weight_bytes'] / 1e6:11.1f}{e['ms_1']:10.1f}"
-                     f"{e['gb_s_1']:8.1f}{e['ms_32']:12.1f}{e['gflop_s_32']:9.1f}")
-    lines.append(f"  1 row, vs the best float32: int8 {lin['int8_speedup_vs_float32_1row']:.2f}×, "
-                 f"int4 {lin['int4_speedup_vs_float32_1row']:.2f}×")
+        lines.append(
+            f"  {name:<24}{e['weight_bytes'] / 1e6:11.1f}{e['ms_1']:10.1f}"
+            f"{e['gb_s_1']:8.1f}{e['ms_32']:12.1f}{e['gflop_s_32']:9.1f}"
+        )
+    lines.append(
+        f"  1 row, vs the best float32: int8 {lin['int8_speedup_vs_float32_1row']:.2f}×, "
+        f"int4 {lin['int4_speedup_vs_float32_1row']:.2f}×"
+    )
     a = k["attention"]
     kernel = f"our kernel {a['kernel_ms']:.1f} ms" if "kernel_ms" in a else "kernel unavailable"
-    lines.append(f"  attention alone, one decode step (all layers), batch {a['batch']}, "
-                 f"mean context {a['mean_context']:.0f}: torch (gather + SDPA) "
-                 f"{a['torch_ms']:.1f} ms, {kernel} "
-                 f"(K/V to read {a['kv_bytes_read'] / 1e6:.0f} MB)")
+    lines.append(
+        f"  attention alone, one decode step (all layers), batch {a['batch']}, "
+        f"mean context {a['mean_context']:.0f}: torch (gather + SDPA) "
+        f"{a['torch_ms']:.1f} ms, {kernel} "
+        f"(K/V to read {a['kv_bytes_read'] / 1e6:.0f} MB)"
+    )
     lines.append("  decode step (median ms)   kernels=torch   kernels=auto")
     d = k["decode"]
     for key, label in (("batch_1", "batch 1"), ("full_batch", "full batch, prompts 384")):
         t, a2 = d["torch"][key], d["auto"][key]
-        lines.append(f"  {label:<26}{_fmt(t.get('step_ms'), '13.1f')}"
-                     f"{_fmt(a2.get('step_ms'), '15.1f')}   ({_fmt(t.get('tokens_per_s'))} → "
-                     f"{_fmt(a2.get('tokens_per_s'))} tokens/s; auto ran {d['auto']['path']})")
+        lines.append(
+            f"  {label:<26}{_fmt(t.get('step_ms'), '13.1f')}"
+            f"{_fmt(a2.get('step_ms'), '15.1f')}   ({_fmt(t.get('tokens_per_s'))} → "
+            f"{_fmt(a2.get('tokens_per_s'))} tokens/s; auto ran {d['auto']['path']})"
+        )
     return lines
 
 
@@ -987,17 +1223,26 @@ def load_latest_results(path: str | Path | None = None) -> dict | None:
 
 def main(args) -> int:
     """Entry point for `python -m engine bench` (args from engine/__main__.py)."""
-    overrides = {k: v for k, v in dict(
-        model=args.model, device=args.device, dtype=args.dtype, threads=args.threads, seed=args.seed,
-        num_requests=args.num_requests, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        latency_requests=args.latency_requests,
-        latency_rates=tuple(args.rates) if args.rates else None,
-        skip_transformers=args.skip_transformers or None,
-        kernels=getattr(args, "kernels", None),
-        speculative=getattr(args, "speculative", None),
-        speculative_config=getattr(args, "speculative_config", None),
-    ).items() if v is not None}
+    overrides = {
+        k: v
+        for k, v in dict(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            threads=args.threads,
+            seed=args.seed,
+            num_requests=args.num_requests,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            latency_requests=args.latency_requests,
+            latency_rates=tuple(args.rates) if args.rates else None,
+            skip_transformers=args.skip_transformers or None,
+            kernels=getattr(args, "kernels", None),
+            speculative=getattr(args, "speculative", None),
+            speculative_config=getattr(args, "speculative_config", None),
+        ).items()
+        if v is not None
+    }
     if args.prompt_len:
         overrides["prompt_len"] = tuple(args.prompt_len)
     if args.output_len:
@@ -1005,7 +1250,9 @@ def main(args) -> int:
     config = BenchConfig.quick_config(**overrides) if args.quick else BenchConfig(**overrides)
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     results = run_benchmark(config, log=log)
-    calibration_path = (Path(args.json) if args.json else LATEST_RESULTS).parent / "calibration.json"
+    calibration_path = (
+        Path(args.json) if args.json else LATEST_RESULTS
+    ).parent / "calibration.json"
     log("[8] simulator fidelity: calibrate on one workload, compare on the benchmark's")
     results["simulator_fidelity"] = simulator_fidelity(config, calibration_path, log)
     path = save_results(results, args.json)
@@ -1023,7 +1270,9 @@ def main(args) -> int:
 FIDELITY_TARGET = 0.10  # the issue's goal: each figure within 10 % of the real engine's
 
 
-def simulator_fidelity(config: BenchConfig, calibration_path: str | Path | None = None, log=print) -> dict:
+def simulator_fidelity(
+    config: BenchConfig, calibration_path: str | Path | None = None, log=print
+) -> dict:
     """Calibrate on one workload, then run the benchmark's offline workload (all requests at
     t = 0) on the real engine and on the simulated one, and compare on the engine clock."""
     from engine.calibration import CalibrationWorkload, calibrate, run_real_steps
@@ -1033,21 +1282,45 @@ def simulator_fidelity(config: BenchConfig, calibration_path: str | Path | None 
 
     cw = CalibrationWorkload.quick() if config.quick else CalibrationWorkload()
     cw.max_num_seqs, cw.max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens
-    calibration = calibrate(config.model, config.device, config.dtype, cw, calibration_path, config.quick, log)
+    calibration = calibrate(
+        config.model, config.device, config.dtype, cw, calibration_path, config.quick, log
+    )
 
-    engine = EngineCore(model=config.model, device=config.device, dtype=config.dtype,
-                        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
+    engine = EngineCore(
+        model=config.model,
+        device=config.device,
+        dtype=config.dtype,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+    )
     specials = sorted(engine.tokenizer.special_token_ids)
-    items = make_workload(config.num_requests, config.prompt_len, config.output_len, config.seed,
-                          engine.model_config.vocab_size, specials)
-    workload = [SimRequest(w.prompt_token_ids, w.output_len, 0.0, w.output_len, ignore_eos=True) for w in items]
+    items = make_workload(
+        config.num_requests,
+        config.prompt_len,
+        config.output_len,
+        config.seed,
+        engine.model_config.vocab_size,
+        specials,
+    )
+    workload = [
+        SimRequest(w.prompt_token_ids, w.output_len, 0.0, w.output_len, ignore_eos=True)
+        for w in items
+    ]
     log(f"      fidelity: {len(workload)} requests on the real engine, then on the simulated one")
     records, requests = run_real_steps(engine, workload)
     real = summarize([r.metrics(clock="engine") for r in requests], records)
-    sim = simulate(model_preset_from_dir(engine.model_dir), calibration.hardware, rate=None, workload=workload,
-                   efficiency=calibration.efficiency, num_kv_blocks=engine.num_blocks,
-                   max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                   max_model_len=engine.max_model_len, block_size=engine.config.block_size).summary
+    sim = simulate(
+        model_preset_from_dir(engine.model_dir),
+        calibration.hardware,
+        rate=None,
+        workload=workload,
+        efficiency=calibration.efficiency,
+        num_kv_blocks=engine.num_blocks,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=engine.max_model_len,
+        block_size=engine.config.block_size,
+    ).summary
     figures = {
         "total_time_s": (real["duration_s"], sim["duration_s"]),
         "ttft_p50_s": (real["ttft_s"]["p50"], sim["ttft_s"]["p50"]),
@@ -1057,36 +1330,54 @@ def simulator_fidelity(config: BenchConfig, calibration_path: str | Path | None 
     }
     rows = {}
     for name, (measured, simulated) in figures.items():
-        error = float((simulated - measured) / measured) if measured and simulated is not None else None
-        rows[name] = {"real": measured, "simulated": simulated, "relative_error": error,
-                      "met": bool(error is not None and abs(error) <= FIDELITY_TARGET)}
+        error = (
+            float((simulated - measured) / measured) if measured and simulated is not None else None
+        )
+        rows[name] = {
+            "real": measured,
+            "simulated": simulated,
+            "relative_error": error,
+            "met": bool(error is not None and abs(error) <= FIDELITY_TARGET),
+        }
     return {
         "figures": rows,
         "target": FIDELITY_TARGET,
         "steps": {"real": real["steps"], "simulated": sim["steps"]},
         "preemptions": {"real": real["preemptions"], "simulated": sim["preemptions"]},
-        "calibration": {"path": str(calibration_path) if calibration_path else None, "fit": calibration.fit,
-                        "efficiency": calibration.efficiency.as_dict(),
-                        "workload": calibration.conditions["workload"]},
+        "calibration": {
+            "path": str(calibration_path) if calibration_path else None,
+            "fit": calibration.fit,
+            "efficiency": calibration.efficiency.as_dict(),
+            "workload": calibration.conditions["workload"],
+        },
         "simulated_wall_s": sim["wall_s"],
-        "evidence": ("real: measured on the engine clock (sum of measured step times); simulated: computed by "
-                     "the cost model with efficiencies fitted on a different workload; on a shared machine "
-                     "step times are noisy, so the errors move from run to run"),
+        "evidence": (
+            "real: measured on the engine clock (sum of measured step times); simulated: computed by "
+            "the cost model with efficiencies fitted on a different workload; on a shared machine "
+            "step times are noisy, so the errors move from run to run"
+        ),
     }
 
 
 def format_fidelity(f: dict) -> str:
     fit = f["calibration"]["fit"]
-    lines = ["", f"8. Simulator fidelity (same workload, all at t=0; calibration fitted on "
-                 f"{f['calibration']['workload']['num_requests']} other requests: {fit['steps']} steps, "
-                 f"median step error {100 * fit['median_abs_relative_error']:.1f} %)",
-             "  figure                 real (measured)   simulated (computed)   error"]
+    lines = [
+        "",
+        f"8. Simulator fidelity (same workload, all at t=0; calibration fitted on "
+        f"{f['calibration']['workload']['num_requests']} other requests: {fit['steps']} steps, "
+        f"median step error {100 * fit['median_abs_relative_error']:.1f} %)",
+        "  figure                 real (measured)   simulated (computed)   error",
+    ]
     for name, row in f["figures"].items():
         err = "—" if row["relative_error"] is None else f"{100 * row['relative_error']:+.1f} %"
-        lines.append(f"  {name:<22} {_fmt(row['real'], '12.3f')}       {_fmt(row['simulated'], '12.3f')}"
-                     f"          {err:>8}  {'within' if row['met'] else 'NOT within'} {100 * f['target']:.0f} %")
-    lines.append(f"  steps real {f['steps']['real']} / simulated {f['steps']['simulated']}; preemptions "
-                 f"{f['preemptions']['real']} / {f['preemptions']['simulated']}; the simulation took "
-                 f"{f['simulated_wall_s']:.2f} s")
+        lines.append(
+            f"  {name:<22} {_fmt(row['real'], '12.3f')}       {_fmt(row['simulated'], '12.3f')}"
+            f"          {err:>8}  {'within' if row['met'] else 'NOT within'} {100 * f['target']:.0f} %"
+        )
+    lines.append(
+        f"  steps real {f['steps']['real']} / simulated {f['steps']['simulated']}; preemptions "
+        f"{f['preemptions']['real']} / {f['preemptions']['simulated']}; the simulation took "
+        f"{f['simulated_wall_s']:.2f} s"
+    )
     lines.append(f"  ({f['evidence']})")
     return "\n".join(lines)

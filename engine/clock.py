@@ -28,7 +28,11 @@ class EngineClock:
 
     def end_step(self, duration: float | None = None) -> float:
         """Close the step: advance by `duration` (simulated) or by the wall time it took. Returns it."""
-        measured = time.perf_counter() - self._step_wall_start if self._step_wall_start is not None else 0.0
+        measured = (
+            time.perf_counter() - self._step_wall_start
+            if self._step_wall_start is not None
+            else 0.0
+        )
         step_time = measured if duration is None else duration
         self._elapsed += step_time
         self._step_wall_start = None

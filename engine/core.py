@@ -37,8 +37,14 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig | None = None, executor: Executor | None = None,
-                 model_config: LlamaConfig | None = None, tokenizer: Tokenizer | None = None, **overrides):
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        executor: Executor | None = None,
+        model_config: LlamaConfig | None = None,
+        tokenizer: Tokenizer | None = None,
+        **overrides,
+    ):
         # A copy with the overrides: the caller's config is never changed; unknown names raise TypeError.
         config = dataclasses.replace(config or EngineConfig(), **overrides)
         self.config = config
@@ -50,7 +56,9 @@ class EngineCore:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        if self.model_config.sliding_window:  # full attention equals sliding-window attention only up to the window
+        if (
+            self.model_config.sliding_window
+        ):  # full attention equals sliding-window attention only up to the window
             self.max_model_len = min(self.max_model_len, self.model_config.sliding_window)
         if config.block_size < 1 or config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
             raise ValueError("block_size, max_num_batched_tokens and max_num_seqs must be positive")
@@ -60,8 +68,9 @@ class EngineCore:
         self.proposer = None
         if self.speculative_config is not None:
             sc = self.speculative_config
-            self.proposer = NgramProposer(sc.num_speculative_tokens, sc.prompt_lookup_max,
-                                          sc.prompt_lookup_min)
+            self.proposer = NgramProposer(
+                sc.num_speculative_tokens, sc.prompt_lookup_max, sc.prompt_lookup_min
+            )
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             # Without chunking a request is prefilled (or, after preemption, recomputed) in one step,
             # so one step must be able to hold the longest request; vLLM refuses the same way.
@@ -71,7 +80,8 @@ class EngineCore:
             )
 
         self.executor = executor or UniProcExecutor(
-            Worker(self.model_dir, self.device, self.dtype, config.block_size, config.kernels))
+            Worker(self.model_dir, self.device, self.dtype, config.block_size, config.kernels)
+        )
         self.num_blocks = self.executor.initialize(
             self.max_model_len,
             num_kv_blocks=config.num_kv_blocks,
@@ -81,8 +91,12 @@ class EngineCore:
             num_swap_blocks=config.num_swap_blocks if config.preemption_mode == "swap" else 0,
         )
         self.cuda_graphs = self._configure_cuda_graphs()
-        self.kv_cache_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
-                                               num_swap_blocks=self.executor.num_swap_blocks)
+        self.kv_cache_manager = KVCacheManager(
+            self.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            num_swap_blocks=self.executor.num_swap_blocks,
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,
@@ -97,13 +111,21 @@ class EngineCore:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.finished_requests: OrderedDict[str, Request] = OrderedDict()
         self.live_requests: dict[str, Request] = {}
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0,
-                      "recomputed_tokens": 0, "swapped_out_blocks": 0, "swapped_in_blocks": 0,
-                      "swap_seconds": 0.0,
-                      # speculative decoding (vLLM's counters): steps in which a request verified
-                      # drafts, draft tokens verified, and how many of those were accepted
-                      "spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
-                      "spec_decode_num_accepted_tokens": 0}
+        self.stats = {
+            "prompt_tokens": 0,
+            "generation_tokens": 0,
+            "preemptions": 0,
+            "steps": 0,
+            "recomputed_tokens": 0,
+            "swapped_out_blocks": 0,
+            "swapped_in_blocks": 0,
+            "swap_seconds": 0.0,
+            # speculative decoding (vLLM's counters): steps in which a request verified
+            # drafts, draft tokens verified, and how many of those were accepted
+            "spec_decode_num_drafts": 0,
+            "spec_decode_num_draft_tokens": 0,
+            "spec_decode_num_accepted_tokens": 0,
+        }
         self._ids = itertools.count()
         self.clock = EngineClock()
         self._prefix_cache_counts = (0, 0)  # (queries, hits) at the last step's end
@@ -133,8 +155,16 @@ class EngineCore:
         `arrival_time` is wall time (perf_counter); `engine_arrival_time` is on the engine clock
         (default: now), for a workload whose arrivals are scheduled in engine time. Requests share
         prefix-cache blocks only when their `cache_salt` is equal (None is a salt too)."""
-        request = self.make_request(prompt, sampling_params, request_id, prompt_token_ids, priority, arrival_time,
-                                    engine_arrival_time, cache_salt)
+        request = self.make_request(
+            prompt,
+            sampling_params,
+            request_id,
+            prompt_token_ids,
+            priority,
+            arrival_time,
+            engine_arrival_time,
+            cache_salt,
+        )
         self.queue_request(request)
         return request
 
@@ -165,11 +195,21 @@ class EngineCore:
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
         if any(not 0 <= t < self.model_config.vocab_size for t in prompt_token_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.model_config.vocab_size})", "prompt")
+            raise InvalidRequestError(
+                f"prompt token ids must be in [0, {self.model_config.vocab_size})", "prompt"
+            )
         self.check_length(len(prompt_token_ids), params.max_tokens)
-        request = Request(request_id, list(prompt_token_ids), params, self.tokenizer.eos_token_id, prompt,
-                          priority=priority, cache_salt=cache_salt, arrival_time=arrival,
-                          engine_clock=self.clock.now)
+        request = Request(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            self.tokenizer.eos_token_id,
+            prompt,
+            priority=priority,
+            cache_salt=cache_salt,
+            arrival_time=arrival,
+            engine_clock=self.clock.now,
+        )
         event = request.record("arrival")
         event.time = arrival
         if engine_arrival_time is not None:
@@ -179,7 +219,9 @@ class EngineCore:
 
     def queue_request(self, request: Request) -> None:
         if request.request_id in self.live_requests:
-            raise InvalidRequestError(f"request id {request.request_id!r} is already in use", "request_id")
+            raise InvalidRequestError(
+                f"request id {request.request_id!r} is already in use", "request_id"
+            )
         self.live_requests[request.request_id] = request
         self.output_processor.add_request(request)
         self.scheduler.add_request(request)
@@ -192,7 +234,8 @@ class EngineCore:
                 f"this model's maximum context length is {self.max_model_len} tokens, but the request has "
                 f"{num_prompt_tokens} prompt tokens and asks for {max_tokens or 0} output tokens ({total} in total)",
                 "max_tokens" if num_prompt_tokens < self.max_model_len else "prompt",
-                max_model_len=self.max_model_len, num_prompt_tokens=num_prompt_tokens,
+                max_model_len=self.max_model_len,
+                num_prompt_tokens=num_prompt_tokens,
                 max_tokens=max_tokens or 0,
             )
 
@@ -222,9 +265,13 @@ class EngineCore:
         drafts = self.stats["spec_decode_num_drafts"]
         proposed = self.stats["spec_decode_num_draft_tokens"]
         accepted = self.stats["spec_decode_num_accepted_tokens"]
-        return {"num_drafts": drafts, "num_draft_tokens": proposed, "num_accepted_tokens": accepted,
-                "acceptance_rate": accepted / proposed if proposed else None,
-                "mean_accepted_length": 1 + accepted / drafts if drafts else None}
+        return {
+            "num_drafts": drafts,
+            "num_draft_tokens": proposed,
+            "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / proposed if proposed else None,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else None,
+        }
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -252,7 +299,9 @@ class EngineCore:
             self._propose_drafts()
             timer.lap("propose")
         duration = self.clock.end_step(runner_output.simulated_duration)
-        return self._make_record(scheduler_output, runner_output, outputs, timer, engine_start, duration)
+        return self._make_record(
+            scheduler_output, runner_output, outputs, timer, engine_start, duration
+        )
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run the model. If the forward itself fails, only the step's requests fail."""
@@ -261,10 +310,13 @@ class EngineCore:
         except Exception as error:  # noqa: BLE001 — one bad step must not stop the engine loop
             logger.exception("step %d: the forward pass failed", scheduler_output.step)
             message = f"the model failed in step {scheduler_output.step} ({type(error).__name__})"
-            return ModelRunnerOutput({}, failed={s.request_id: message for s in scheduler_output.scheduled})
+            return ModelRunnerOutput(
+                {}, failed={s.request_id: message for s in scheduler_output.scheduled}
+            )
 
-    def _process_outputs(self, scheduler_output: SchedulerOutput,
-                         runner_output: ModelRunnerOutput) -> list:
+    def _process_outputs(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list:
         """New tokens → stop checks (the scheduler decides), streamed text, journeys. A request
         may bring several tokens (speculative decoding): they are cut after the first that stops
         it (EOS, stop token, max_tokens, max_model_len, or a stop string in the text)."""
@@ -290,15 +342,21 @@ class EngineCore:
         finished = self.scheduler.update_from_output(scheduler_output, new_tokens, stop_strings)
         finished_ids = {r.request_id for r in finished}
         now = time.perf_counter()
-        outputs = [self.output_processor.make_error_output(self.get_request(rid)) for rid in failed
-                   if self.get_request(rid) is not None]
+        outputs = [
+            self.output_processor.make_error_output(self.get_request(rid))
+            for rid in failed
+            if self.get_request(rid) is not None
+        ]
         for request_id, tokens in new_tokens.items():
             request = self.live_requests.get(request_id)
             if request is not None:
                 results = _as_list(runner_output.sampled[request_id])
                 self._keep_logprobs(request, results[: len(tokens)])
-                outputs.append(self._emit_tokens(request, tokens, request_id in finished_ids,
-                                                 scheduler_output.step, now))
+                outputs.append(
+                    self._emit_tokens(
+                        request, tokens, request_id in finished_ids, scheduler_output.step, now
+                    )
+                )
         return outputs
 
     def _detokenize(self, request: Request, token_ids: list[int]) -> tuple[list[int], str | None]:
@@ -309,8 +367,9 @@ class EngineCore:
                 return token_ids[: i + 1], stop
         return token_ids, None
 
-    def _emit_tokens(self, request: Request, tokens: list[int], is_finished: bool, step: int,
-                     now: float):
+    def _emit_tokens(
+        self, request: Request, tokens: list[int], is_finished: bool, step: int, now: float
+    ):
         """Journey events (one per token) and the RequestOutput for this step's new tokens
         (retires a finished request). Tokens verified together arrive at the same time."""
         for token in tokens:
@@ -334,9 +393,13 @@ class EngineCore:
     def _keep_logprobs(request: Request, results: list[SampleResult]) -> None:
         if request.sampling_params.logprobs is not None:
             for result in results:
-                request.output_logprobs.append({"token_id": result.token_id,
-                                                "logprob": result.logprob,
-                                                "top_logprobs": result.top_logprobs})
+                request.output_logprobs.append(
+                    {
+                        "token_id": result.token_id,
+                        "logprob": result.logprob,
+                        "top_logprobs": result.top_logprobs,
+                    }
+                )
 
     def _propose_drafts(self) -> None:
         """Speculative decoding: draft the next tokens of every running request about to decode
@@ -358,14 +421,24 @@ class EngineCore:
             request.record("finished", step, reason=request.finish_reason, error=message)
             self._retire(request)
 
-    def _make_record(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, outputs: list,
-                     timer: "StepTimer", engine_start: float, engine_duration: float) -> StepRecord:
+    def _make_record(
+        self,
+        scheduler_output: SchedulerOutput,
+        runner_output: ModelRunnerOutput,
+        outputs: list,
+        timer: "StepTimer",
+        engine_start: float,
+        engine_duration: float,
+    ) -> StepRecord:
         self.stats["steps"] += 1
         self.stats["preemptions"] += len(scheduler_output.preempted)
         self.stats["prompt_tokens"] += sum(
-            s.num_tokens for s in scheduler_output.scheduled if s.phase != Phase.DECODE)
+            s.num_tokens for s in scheduler_output.scheduled if s.phase != Phase.DECODE
+        )
         self.stats["generation_tokens"] += sum(len(o.delta_token_ids) for o in outputs)
-        self.stats["recomputed_tokens"] += sum(s.num_recomputed_tokens for s in scheduler_output.scheduled)
+        self.stats["recomputed_tokens"] += sum(
+            s.num_recomputed_tokens for s in scheduler_output.scheduled
+        )
         self.stats["swapped_out_blocks"] += len(scheduler_output.blocks_to_swap_out)
         self.stats["swapped_in_blocks"] += len(scheduler_output.blocks_to_swap_in)
         self.stats["swap_seconds"] += runner_output.timings.get("swap", 0.0)
@@ -406,13 +479,20 @@ class EngineCore:
             prefix_cache_hits=kv.prefix_cache_hits - hits,
         )
 
-    def _scheduled_record(self, s: ScheduledRequest,
-                          runner_output: ModelRunnerOutput) -> ScheduledRecord:
+    def _scheduled_record(
+        self, s: ScheduledRequest, runner_output: ModelRunnerOutput
+    ) -> ScheduledRecord:
         """What one request did in the step; with drafts, also how many the model accepted and
         the token it added itself (the correction at the first rejection, or the bonus)."""
-        record = ScheduledRecord(s.request_id, s.phase.value, s.num_tokens, s.num_computed_tokens,
-                                 self._num_prompt_tokens(s.request_id), s.num_prefix_hit_tokens,
-                                 s.num_recomputed_tokens)
+        record = ScheduledRecord(
+            s.request_id,
+            s.phase.value,
+            s.num_tokens,
+            s.num_computed_tokens,
+            self._num_prompt_tokens(s.request_id),
+            s.num_prefix_hit_tokens,
+            s.num_recomputed_tokens,
+        )
         results = _as_list(runner_output.sampled.get(s.request_id, []))
         if s.draft_token_ids and results:
             record.draft_token_ids = list(s.draft_token_ids)

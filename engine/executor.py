@@ -24,8 +24,7 @@ class Executor(ABC):
         blocks in host memory (None: as many as the device has); return the device blocks."""
 
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        ...
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
     @abstractmethod
     def weight_bytes(self) -> int:

@@ -19,7 +19,7 @@ user probe another's prompt by timing.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable
 
@@ -72,7 +72,9 @@ class KVSnapshot:
 
     @property
     def hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
 
     @cached_property
     def blocks(self) -> list[BlockState]:
@@ -94,9 +96,13 @@ class KVSnapshot:
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True):
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks
+        )
         self.cached: dict[int, list[KVCacheBlock]] = {}  # block hash → blocks with that hash
-        self.cached_free: set[int] = set()  # ids of free blocks still holding cached K/V (for snapshots)
+        self.cached_free: set[int] = (
+            set()
+        )  # ids of free blocks still holding cached K/V (for snapshots)
         self.enable_caching = enable_caching
 
     @property
@@ -136,8 +142,13 @@ class BlockPool:
                 if block.block_hash is not None:
                     self.cached_free.add(block.block_id)
 
-    def lookup(self, block_hash: int, token_ids: tuple[int, ...], parent: KVCacheBlock | None,
-               salt: str | None = None) -> KVCacheBlock | None:
+    def lookup(
+        self,
+        block_hash: int,
+        token_ids: tuple[int, ...],
+        parent: KVCacheBlock | None,
+        salt: str | None = None,
+    ) -> KVCacheBlock | None:
         """The cached block holding exactly `token_ids` after `parent`, verified, else None."""
         parent_key = _parent_key(parent, salt)
         for block in self.cached.get(block_hash, ()):
@@ -145,8 +156,14 @@ class BlockPool:
                 return block
         return None
 
-    def cache_block(self, block: KVCacheBlock, block_hash: int, token_ids: tuple[int, ...],
-                    parent: KVCacheBlock | None, salt: str | None = None) -> KVCacheBlock:
+    def cache_block(
+        self,
+        block: KVCacheBlock,
+        block_hash: int,
+        token_ids: tuple[int, ...],
+        parent: KVCacheBlock | None,
+        salt: str | None = None,
+    ) -> KVCacheBlock:
         """Register a full block in the prefix cache. Returns the canonical block for this prefix:
         `block` itself, or an identical block cached before it (two requests computed the same
         prefix in the same step); the caller then uses that one and frees its duplicate."""
@@ -253,7 +270,10 @@ class KVCacheManager:
     # -- allocation --------------------------------------------------------------------------
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
     ) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens; None (and no change) if blocks run out."""
         new_computed_blocks = new_computed_blocks or []
@@ -265,7 +285,9 @@ class KVCacheManager:
         if num_to_allocate > self.block_pool.num_free_blocks - evictable_hits:
             return None
         self.block_pool.touch(new_computed_blocks)
-        blocks = blocks + new_computed_blocks + self.block_pool.get_new_blocks(max(num_to_allocate, 0))
+        blocks = (
+            blocks + new_computed_blocks + self.block_pool.get_new_blocks(max(num_to_allocate, 0))
+        )
         self.req_to_blocks[request.request_id] = blocks
         return blocks
 
@@ -285,7 +307,9 @@ class KVCacheManager:
             block_hash = self.hash_fn(parent_hash, chunk)
             hashes.append(block_hash)
             parent = blocks[i - 1] if i else None
-            canonical = self.block_pool.cache_block(blocks[i], block_hash, chunk, parent, request.cache_salt)
+            canonical = self.block_pool.cache_block(
+                blocks[i], block_hash, chunk, parent, request.cache_salt
+            )
             if canonical is not blocks[i]:  # same K/V already cached: keep one copy
                 self.block_pool.touch([canonical])
                 self.block_pool.free_blocks([blocks[i]])
@@ -360,7 +384,9 @@ class KVCacheManager:
         return 1.0 - self.block_pool.num_free_blocks / self.num_blocks
 
     def snapshot(self) -> KVSnapshot:
-        block_tables = {rid: [b.block_id for b in blocks] for rid, blocks in self.req_to_blocks.items()}
+        block_tables = {
+            rid: [b.block_id for b in blocks] for rid, blocks in self.req_to_blocks.items()
+        }
         cached_free = list(self.block_pool.cached_free)
         num_used = self.num_blocks - self.block_pool.num_free_blocks
         return KVSnapshot(

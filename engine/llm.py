@@ -39,10 +39,17 @@ class LLM:
         """`speculative_config`: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 3,
         "prompt_lookup_max": 3, "prompt_lookup_min": 1}; None: no speculative decoding."""
         config = EngineConfig(
-            model=model, device=device, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
-            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-            enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
-            speculative_config=speculative_config, **engine_kwargs,
+            model=model,
+            device=device,
+            dtype=dtype,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            enable_prefix_caching=enable_prefix_caching,
+            scheduling_policy=scheduling_policy,
+            speculative_config=speculative_config,
+            **engine_kwargs,
         )
         self.engine = EngineCore(config)
         self.step_records: list[StepRecord] = []  # of the last generate() call
@@ -86,7 +93,12 @@ class LLM:
                         bar.update(1)
         return [finished[r.request_id] for r in requests]
 
-    def chat(self, conversations: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True):
+    def chat(
+        self,
+        conversations: list[dict] | list[list[dict]],
+        sampling_params=None,
+        use_tqdm: bool = True,
+    ):
         """Apply the chat template to each conversation, then generate."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
@@ -134,8 +146,15 @@ class AsyncLLM:
         request_id = request_id or f"req-{uuid.uuid4().hex[:12]}"
         if request_id in self._streams or request_id in self.engine.live_requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        request = self.engine.make_request(prompt, sampling_params, request_id, prompt_token_ids, priority,
-                                           arrival_time, cache_salt=cache_salt)
+        request = self.engine.make_request(
+            prompt,
+            sampling_params,
+            request_id,
+            prompt_token_ids,
+            priority,
+            arrival_time,
+            cache_salt=cache_salt,
+        )
         return self._stream(request)
 
     async def _stream(self, request) -> AsyncIterator[RequestOutput]:

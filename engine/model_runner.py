@@ -41,13 +41,17 @@ class ModelRunnerOutput:
     # Only requests whose scheduled tokens reached their end: the new tokens, in order. One for a
     # plain decode or prefill; with drafts, the accepted drafts and then the model's own token.
     sampled: dict[str, list[SampleResult]]
-    timings: dict[str, float] = field(default_factory=dict)  # seconds: prepare_inputs, forward, sample
+    timings: dict[str, float] = field(
+        default_factory=dict
+    )  # seconds: prepare_inputs, forward, sample
     failed: dict[str, str] = field(default_factory=dict)  # request_id → why it could not be sampled
     simulated_duration: float | None = None  # a simulated executor's computed step time (seconds)
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_caches: list, block_size: int, swap_caches: list | None = None):
+    def __init__(
+        self, model: LlamaModel, kv_caches: list, block_size: int, swap_caches: list | None = None
+    ):
         self.model = model
         self.kv_caches = kv_caches
         self.swap_caches = swap_caches or []  # per layer (K, V) blocks in host memory
@@ -57,8 +61,9 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler()
         self.cuda_graphs = None  # a CudaGraphRunner once enable_cuda_graphs() is called
 
-    def enable_cuda_graphs(self, enabled: bool = True, max_model_len: int | None = None,
-                           **graph_args) -> None:
+    def enable_cuda_graphs(
+        self, enabled: bool = True, max_model_len: int | None = None, **graph_args
+    ) -> None:
         """Decode-only steps replay captured CUDA graphs (engine/cuda_graphs.py); others stay
         eager. `graph_args` go to CudaGraphRunner (tests pass an eager `capture_fn` on a CPU)."""
         from engine.cuda_graphs import CudaGraphRunner
@@ -67,8 +72,9 @@ class ModelRunner:
         if enabled:
             if self.device.type != "cuda" and "capture_fn" not in graph_args:
                 raise ValueError("CUDA graphs need a CUDA device")
-            self.cuda_graphs = CudaGraphRunner(self.model, self.kv_caches, self.block_size,
-                                               max_model_len, **graph_args)
+            self.cuda_graphs = CudaGraphRunner(
+                self.model, self.kv_caches, self.block_size, max_model_len, **graph_args
+            )
 
     def swap_blocks(self, sched: SchedulerOutput) -> float:
         """Copy preempted requests' blocks out to the swap space, and resumed ones back in.
@@ -76,7 +82,10 @@ class ModelRunner:
         if not sched.blocks_to_swap_out and not sched.blocks_to_swap_in:
             return 0.0
         start = time.perf_counter()
-        for pairs, src_of, dst_of in ((sched.blocks_to_swap_out, 0, 1), (sched.blocks_to_swap_in, 1, 0)):
+        for pairs, src_of, dst_of in (
+            (sched.blocks_to_swap_out, 0, 1),
+            (sched.blocks_to_swap_in, 1, 0),
+        ):
             if not pairs:
                 continue
             src_ids = torch.tensor([p[0] for p in pairs])
@@ -85,7 +94,9 @@ class ModelRunner:
                 caches = (device_kv, swap_kv)
                 for k_or_v in (0, 1):
                     src, dst = caches[src_of][k_or_v], caches[dst_of][k_or_v]
-                    dst[dst_ids.to(dst.device)] = src[src_ids.to(src.device)].to(dst.device, non_blocking=True)
+                    dst[dst_ids.to(dst.device)] = src[src_ids.to(src.device)].to(
+                        dst.device, non_blocking=True
+                    )
         self._sync()
         return time.perf_counter() - start
 
@@ -110,8 +121,9 @@ class ModelRunner:
         )
         # Logits only for the requests that sample this step, in the scheduler's order. A prefill
         # chunk that stops before the end of the prompt has no next token: no lm_head row for it.
-        logits_rows = [row for s in sched.scheduled if s.produces_token
-                       for row in sample_rows[s.request_id]]
+        logits_rows = [
+            row for s in sched.scheduled if s.produces_token for row in sample_rows[s.request_id]
+        ]
         to_device = self._to_device
         return ModelInputs(to_device(input_ids), to_device(positions), meta, to_device(logits_rows))
 
@@ -129,18 +141,29 @@ class ModelRunner:
         if graph is not None:  # decode-only step: one graph replay, rows in the scheduler's order
             logits = self.cuda_graphs.run(graph, len(sched.scheduled))
         else:
-            logits = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches,
-                                        inputs.attn_meta, inputs.logits_indices)
+            logits = self.model.forward(
+                inputs.input_ids,
+                inputs.positions,
+                self.kv_caches,
+                inputs.attn_meta,
+                inputs.logits_indices,
+            )
         self._sync()
         t2 = time.perf_counter()
         producing = [s for s in sched.scheduled if s.produces_token]
         sampled, failed = self.sample_and_verify(logits, producing)
         t3 = time.perf_counter()
-        timings = {"prepare_inputs": t1 - t0, "forward": t2 - t1, "sample": t3 - t2, "swap": swap_seconds}
+        timings = {
+            "prepare_inputs": t1 - t0,
+            "forward": t2 - t1,
+            "sample": t3 - t2,
+            "swap": swap_seconds,
+        }
         return ModelRunnerOutput(sampled, timings, failed)
 
-    def sample_and_verify(self, logits: torch.Tensor, producing: list[ScheduledRequest]
-                          ) -> tuple[dict[str, list[SampleResult]], dict[str, str]]:
+    def sample_and_verify(
+        self, logits: torch.Tensor, producing: list[ScheduledRequest]
+    ) -> tuple[dict[str, list[SampleResult]], dict[str, str]]:
         """Split the logits rows (1 per plain request, 1 + d per speculating one, in order):
         plain requests are sampled together, speculating ones verified one by one."""
         plain_rows, plain, row = [], [], 0
@@ -158,15 +181,18 @@ class ModelRunner:
         sampled = {request_id: [result] for request_id, result in results.items()}
         for s, rows in speculating:
             try:
-                tokens = self.rejection_sampler(rows, s.draft_token_ids, s.sampling_params,
-                                                s.request_id)
+                tokens = self.rejection_sampler(
+                    rows, s.draft_token_ids, s.sampling_params, s.request_id
+                )
                 sampled[s.request_id] = with_logprobs(rows, tokens, s.sampling_params.logprobs)
             except Exception as error:  # noqa: BLE001 — fail this request only
                 logger.exception("request %s: verification failed", s.request_id)
                 failed[s.request_id] = f"verification failed ({type(error).__name__})"
         return sampled, failed
 
-    def sample(self, logits: torch.Tensor, producing: list) -> tuple[dict[str, SampleResult], dict[str, str]]:
+    def sample(
+        self, logits: torch.Tensor, producing: list
+    ) -> tuple[dict[str, SampleResult], dict[str, str]]:
         """Sample the whole batch at once; if that fails, row by row, so only the bad request fails."""
         ids, params = [s.request_id for s in producing], [s.sampling_params for s in producing]
         try:
@@ -197,8 +223,9 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
 
-def with_logprobs(rows: torch.Tensor, token_ids: list[int],
-                  num_logprobs: int | None) -> list[SampleResult]:
+def with_logprobs(
+    rows: torch.Tensor, token_ids: list[int], num_logprobs: int | None
+) -> list[SampleResult]:
     """SampleResults for tokens verified from consecutive logits rows (token i from row i), with
     the logprobs the request asked for, under the unmodified distribution as the sampler does."""
     if num_logprobs is None:

@@ -40,7 +40,9 @@ class RequestTextState:
 
     def __init__(self, tokenizer: Tokenizer, request: Request):
         params = request.sampling_params
-        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self.detok = IncrementalDetokenizer(
+            tokenizer, skip_special_tokens=params.skip_special_tokens
+        )
         self.stops = params.stop
         self.include_stop = params.include_stop_str_in_output
         self.hold_back = max((len(s) for s in self.stops), default=1) - 1
@@ -94,11 +96,19 @@ class OutputProcessor:
             error=request.error,
         )
 
-    def make_output(self, request: Request, new_token_ids: list[int], finished: bool) -> RequestOutput:
+    def make_output(
+        self, request: Request, new_token_ids: list[int], finished: bool
+    ) -> RequestOutput:
         state = self.states[request.request_id]
-        if finished and not isinstance(request.stop_reason, str):  # a stop string already cut the text
+        if finished and not isinstance(
+            request.stop_reason, str
+        ):  # a stop string already cut the text
             state.text += state.detok.flush()
-        streamable = len(state.text) if finished else max(len(state.text) - state.hold_back, state.num_streamed_chars)
+        streamable = (
+            len(state.text)
+            if finished
+            else max(len(state.text) - state.hold_back, state.num_streamed_chars)
+        )
         delta = state.text[state.num_streamed_chars : streamable]
         state.num_streamed_chars = streamable
         if finished:
@@ -115,6 +125,8 @@ class OutputProcessor:
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
             metrics=metrics_of(request),
-            logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None else None,
+            logprobs=list(request.output_logprobs)
+            if request.sampling_params.logprobs is not None
+            else None,
             error=request.error,
         )

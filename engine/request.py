@@ -25,8 +25,12 @@ class RequestStatus(enum.Enum):
         return self in _FINISHED
 
 
-_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
-             RequestStatus.FINISHED_ERROR}
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
+}
 
 Clock = Literal["wall", "engine"]
 
@@ -39,7 +43,9 @@ class JourneyEvent:
     kind: str  # arrival, tokenized, queued, scheduled, first_token, token, preempted, resumed, streamed, finished
     step: int | None = None
     detail: dict = field(default_factory=dict)
-    engine_time: float | None = None  # engine clock (engine/clock.py) seconds, None outside an engine
+    engine_time: float | None = (
+        None  # engine clock (engine/clock.py) seconds, None outside an engine
+    )
 
     def at(self, clock: Clock) -> float | None:
         return self.time if clock == "wall" else self.engine_time
@@ -53,7 +59,9 @@ class Request:
     eos_token_id: int | None = None
     prompt: str | None = None
     priority: int = 0  # lower value = more important (used by the priority policy)
-    cache_salt: str | None = None  # prefix-cache namespace: only requests with the same salt share blocks
+    cache_salt: str | None = (
+        None  # prefix-cache namespace: only requests with the same salt share blocks
+    )
     arrival_time: float = field(default_factory=time.perf_counter)
 
     status: RequestStatus = RequestStatus.WAITING
@@ -131,7 +139,11 @@ class RequestMetrics:
             # Fast path (runs for every request at every step): the request keeps its wall times.
             # The first "scheduled" event is near the start of the journey, so the search is short.
             first_scheduled = next((e.time for e in request.journey if e.kind == "scheduled"), None)
-            arrival, first_token, finish = request.arrival_time, request.first_token_time, request.finish_time
+            arrival, first_token, finish = (
+                request.arrival_time,
+                request.first_token_time,
+                request.finish_time,
+            )
             token_times = list(request.token_times)
         else:
             times: dict[str, float] = {}
@@ -143,13 +155,27 @@ class RequestMetrics:
             arrival, first_scheduled = times.get("arrival", 0.0), times.get("scheduled")
             first_token = token_times[0] if token_times else None
             finish = times.get("finished") if request.is_finished else None
-        return cls(clock, arrival, first_scheduled, first_token, finish, request.num_prompt_tokens,
-                   request.num_output_tokens, request.num_cached_tokens, request.num_preemptions, token_times)
+        return cls(
+            clock,
+            arrival,
+            first_scheduled,
+            first_token,
+            finish,
+            request.num_prompt_tokens,
+            request.num_output_tokens,
+            request.num_cached_tokens,
+            request.num_preemptions,
+            token_times,
+        )
 
     @property
     def queue_time(self) -> float | None:
         """Arrival → first scheduled (waiting in the queue)."""
-        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+        return (
+            None
+            if self.first_scheduled_time is None
+            else self.first_scheduled_time - self.arrival_time
+        )
 
     @property
     def ttft(self) -> float | None:
@@ -174,7 +200,14 @@ class RequestMetrics:
         return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
 
     def as_dict(self) -> dict:
-        return {"clock": self.clock, "ttft": self.ttft, "tpot": self.tpot, "e2e": self.e2e,
-                "queue_time": self.queue_time, "num_prompt_tokens": self.num_prompt_tokens,
-                "num_output_tokens": self.num_output_tokens, "num_cached_tokens": self.num_cached_tokens,
-                "num_preemptions": self.num_preemptions}
+        return {
+            "clock": self.clock,
+            "ttft": self.ttft,
+            "tpot": self.tpot,
+            "e2e": self.e2e,
+            "queue_time": self.queue_time,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_output_tokens": self.num_output_tokens,
+            "num_cached_tokens": self.num_cached_tokens,
+            "num_preemptions": self.num_preemptions,
+        }

@@ -37,8 +37,9 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
 
-    def __call__(self, logits: torch.Tensor, request_ids: list[str],
-                 params: list[SamplingParams]) -> list[SampleResult]:
+    def __call__(
+        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+    ) -> list[SampleResult]:
         """logits: [num_reqs, vocab] float32, one row per request that produces a token."""
         results = []
         greedy_ids = logits.argmax(dim=-1).tolist()

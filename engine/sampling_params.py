@@ -79,34 +79,72 @@ class SamplingParams:
         Each test checks the type first (`and` stops there), so a string or a NaN never reaches
         a comparison that would raise TypeError or quietly pass."""
         t = self.temperature
-        require(_is_int(self.n) and self.n == 1, "n",
-                f"n must be 1 (one answer per request), got {self.n!r}")
-        require(_is_number(t) and (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE),
-                "temperature",
-                f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
-                f"got {t!r}")
-        require(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p",
-                f"top_p must be in (0, 1], got {self.top_p!r}")
-        require(_is_int(self.top_k) and -1 <= self.top_k <= MAX_INT32, "top_k",
-                f"top_k must be -1, 0 (disabled) or positive up to {MAX_INT32}, got {self.top_k!r}")
-        require(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p",
-                f"min_p must be in [0, 1], got {self.min_p!r}")
-        require(self.seed is None or _in_range(self.seed, 0, MAX_SEED), "seed",
-                f"seed must be an integer in [0, 2**64 - 1], got {self.seed!r}")
-        require(self.max_tokens is None or _in_range(self.max_tokens, 1, MAX_INT32), "max_tokens",
-                f"max_tokens must be an integer in [1, {MAX_INT32}], got {self.max_tokens!r}")
-        require(_in_range(self.min_tokens, 0, MAX_INT32), "min_tokens",
-                f"min_tokens must be an integer in [0, {MAX_INT32}], got {self.min_tokens!r}")
-        require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
-                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        require(self.logprobs is None or _in_range(self.logprobs, 0, MAX_LOGPROBS), "logprobs",
-                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        require(all(isinstance(s, str) and s for s in self.stop), "stop",
-                "stop strings must be non-empty strings")
-        require(len(self.stop) <= MAX_STOP_STRINGS, "stop",
-                f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
-        require(all(_in_range(i, 0, MAX_INT32) for i in self.stop_token_ids), "stop_token_ids",
-                f"stop_token_ids must be integers in [0, {MAX_INT32}]")
+        require(
+            _is_int(self.n) and self.n == 1,
+            "n",
+            f"n must be 1 (one answer per request), got {self.n!r}",
+        )
+        require(
+            _is_number(t) and (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE),
+            "temperature",
+            f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
+            f"got {t!r}",
+        )
+        require(
+            _is_number(self.top_p) and 0.0 < self.top_p <= 1.0,
+            "top_p",
+            f"top_p must be in (0, 1], got {self.top_p!r}",
+        )
+        require(
+            _is_int(self.top_k) and -1 <= self.top_k <= MAX_INT32,
+            "top_k",
+            f"top_k must be -1, 0 (disabled) or positive up to {MAX_INT32}, got {self.top_k!r}",
+        )
+        require(
+            _is_number(self.min_p) and 0.0 <= self.min_p <= 1.0,
+            "min_p",
+            f"min_p must be in [0, 1], got {self.min_p!r}",
+        )
+        require(
+            self.seed is None or _in_range(self.seed, 0, MAX_SEED),
+            "seed",
+            f"seed must be an integer in [0, 2**64 - 1], got {self.seed!r}",
+        )
+        require(
+            self.max_tokens is None or _in_range(self.max_tokens, 1, MAX_INT32),
+            "max_tokens",
+            f"max_tokens must be an integer in [1, {MAX_INT32}], got {self.max_tokens!r}",
+        )
+        require(
+            _in_range(self.min_tokens, 0, MAX_INT32),
+            "min_tokens",
+            f"min_tokens must be an integer in [0, {MAX_INT32}], got {self.min_tokens!r}",
+        )
+        require(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+        )
+        require(
+            self.logprobs is None or _in_range(self.logprobs, 0, MAX_LOGPROBS),
+            "logprobs",
+            f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+        )
+        require(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "stop strings must be non-empty strings",
+        )
+        require(
+            len(self.stop) <= MAX_STOP_STRINGS,
+            "stop",
+            f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}",
+        )
+        require(
+            all(_in_range(i, 0, MAX_INT32) for i in self.stop_token_ids),
+            "stop_token_ids",
+            f"stop_token_ids must be integers in [0, {MAX_INT32}]",
+        )
 
 
 def require(ok: bool, param: str, message: str) -> None:

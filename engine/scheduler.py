@@ -101,7 +101,9 @@ class SchedulingPolicy:
     def pick_victim(self, running: list[Request]) -> Request:
         return running[-1]
 
-    def begin_admission(self, waiting: list[Request], running: list[Request], max_num_seqs: int) -> None:
+    def begin_admission(
+        self, waiting: list[Request], running: list[Request], max_num_seqs: int
+    ) -> None:
         """Called once per step before waiting requests are considered."""
 
     def may_admit(self, request: Request) -> bool:
@@ -132,7 +134,9 @@ class StaticBatchingPolicy(SchedulingPolicy):
     def __init__(self) -> None:
         self.batch: set[str] = set()
 
-    def begin_admission(self, waiting: list[Request], running: list[Request], max_num_seqs: int) -> None:
+    def begin_admission(
+        self, waiting: list[Request], running: list[Request], max_num_seqs: int
+    ) -> None:
         if not running and not self.batch:
             self.batch = {r.request_id for r in waiting[:max_num_seqs]}
 
@@ -144,7 +148,10 @@ class StaticBatchingPolicy(SchedulingPolicy):
 
 
 POLICIES: dict[str, type[SchedulingPolicy]] = {
-    "fcfs": SchedulingPolicy, "priority": PriorityPolicy, "static": StaticBatchingPolicy}
+    "fcfs": SchedulingPolicy,
+    "priority": PriorityPolicy,
+    "static": StaticBatchingPolicy,
+}
 
 
 def make_policy(name: str) -> SchedulingPolicy:
@@ -156,7 +163,9 @@ def make_policy(name: str) -> SchedulingPolicy:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
         if config.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {config.preemption_mode!r}")
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {config.preemption_mode!r}"
+            )
         self.config = config
         self.policy = make_policy(config.policy)
         self.kv_cache_manager = kv_cache_manager
@@ -197,8 +206,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Running requests first (ongoing generations keep flowing), then waiting ones."""
         self.step_index += 1
-        plan = StepPlan(self.step_index, TokenBudget(self.config.max_num_batched_tokens,
-                                                     self.config.enable_chunked_prefill))
+        plan = StepPlan(
+            self.step_index,
+            TokenBudget(self.config.max_num_batched_tokens, self.config.enable_chunked_prefill),
+        )
         self._schedule_running(plan)
         self._schedule_waiting(plan)
         return self._finalize(plan)
@@ -256,7 +267,9 @@ class Scheduler:
             if blocked is None:
                 blocked = self._admit(request, plan)
             if blocked is not None:
-                plan.unscheduled.setdefault(request.request_id, blocked)  # a victim keeps "preempted"
+                plan.unscheduled.setdefault(
+                    request.request_id, blocked
+                )  # a victim keeps "preempted"
 
     def _admit(self, request: Request, plan: StepPlan) -> str | None:
         """Move a waiting request to running if its first chunk fits; else return why not."""
@@ -296,11 +309,18 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
 
     def _finalize(self, plan: StepPlan) -> SchedulerOutput:
-        for s in plan.scheduled.values():  # only now is the decision final (a victim may have lost its share)
+        for s in (
+            plan.scheduled.values()
+        ):  # only now is the decision final (a victim may have lost its share)
             drafts = {"num_draft_tokens": len(s.draft_token_ids)} if s.draft_token_ids else {}
-            self.requests[s.request_id].record("scheduled", plan.step, phase=s.phase.value,
-                                               num_tokens=s.num_tokens, start=s.num_computed_tokens,
-                                               **drafts)
+            self.requests[s.request_id].record(
+                "scheduled",
+                plan.step,
+                phase=s.phase.value,
+                num_tokens=s.num_tokens,
+                start=s.num_computed_tokens,
+                **drafts,
+            )
         finished_ids, self.finished_since_last_step = self.finished_since_last_step, []
         return SchedulerOutput(
             step=plan.step,
@@ -313,8 +333,13 @@ class Scheduler:
             blocks_to_swap_in=plan.swap_in,
         )
 
-    def _make_scheduled(self, request: Request, num_new: int, num_prefix_hit_tokens: int = 0,
-                        draft_token_ids: list[int] | None = None) -> ScheduledRequest:
+    def _make_scheduled(
+        self,
+        request: Request,
+        num_new: int,
+        num_prefix_hit_tokens: int = 0,
+        draft_token_ids: list[int] | None = None,
+    ) -> ScheduledRequest:
         """`num_new` of the request's own tokens from its first uncomputed one, then its drafts."""
         drafts = list(draft_token_ids or [])
         start = request.num_computed_tokens
@@ -360,13 +385,21 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.insert(0, request)
-        request.record("preempted", plan.step, mode="swap" if swapped is not None else "recompute",
-                       tokens_kept=request.num_computed_tokens)
+        request.record(
+            "preempted",
+            plan.step,
+            mode="swap" if swapped is not None else "recompute",
+            tokens_kept=request.num_computed_tokens,
+        )
 
     # -- after the model ran -------------------------------------------------------------------
 
-    def update_from_output(self, output: SchedulerOutput, new_token_ids: dict[str, list[int]],
-                           stop_strings: dict[str, str] | None = None) -> list[Request]:
+    def update_from_output(
+        self,
+        output: SchedulerOutput,
+        new_token_ids: dict[str, list[int]],
+        stop_strings: dict[str, str] | None = None,
+    ) -> list[Request]:
         """Advance each scheduled request, append its new tokens, stop it if it is done.
         `new_token_ids`: per request the tokens this step produced, in order (one, or with
         speculative decoding the accepted drafts and the target's own token; a bare int is
@@ -382,11 +415,16 @@ class Scheduler:
             request.num_computed_tokens += s.num_tokens
             request.num_recomputed_tokens += s.num_recomputed_tokens
             tokens = new_token_ids.get(s.request_id, [])
-            status = self._append_tokens(request, [tokens] if isinstance(tokens, int) else tokens,
-                                         stop_strings.get(s.request_id))
+            status = self._append_tokens(
+                request,
+                [tokens] if isinstance(tokens, int) else tokens,
+                stop_strings.get(s.request_id),
+            )
             if s.draft_token_ids:
                 self._keep_accepted(request)
-            request.max_computed_tokens = max(request.max_computed_tokens, request.num_computed_tokens)
+            request.max_computed_tokens = max(
+                request.max_computed_tokens, request.num_computed_tokens
+            )
             self.kv_cache_manager.cache_full_blocks(request)
             if status is not None:
                 self.running.remove(request)
@@ -394,8 +432,9 @@ class Scheduler:
                 finished.append(request)
         return finished
 
-    def _append_tokens(self, request: Request, token_ids: list[int],
-                       stop_string: str | None) -> RequestStatus | None:
+    def _append_tokens(
+        self, request: Request, token_ids: list[int], stop_string: str | None
+    ) -> RequestStatus | None:
         """Append tokens one at a time, checking after each; the stop string (if any) was found
         at the last one."""
         for i, token in enumerate(token_ids):
@@ -430,8 +469,9 @@ class Scheduler:
         if stop_string is not None:  # a stop string wins, even over the length limit
             request.stop_reason = stop_string
             return RequestStatus.FINISHED_STOPPED
-        stop = self._stop_status(request, request.output_token_ids[-1], request.num_output_tokens,
-                                 request.num_tokens)
+        stop = self._stop_status(
+            request, request.output_token_ids[-1], request.num_output_tokens, request.num_tokens
+        )
         if stop is None:
             return None
         status, reason = stop
@@ -439,8 +479,9 @@ class Scheduler:
             request.stop_reason = reason
         return status
 
-    def _stop_status(self, request: Request, token: int, num_output_tokens: int,
-                     num_tokens: int) -> tuple[RequestStatus, int | None] | None:
+    def _stop_status(
+        self, request: Request, token: int, num_output_tokens: int, num_tokens: int
+    ) -> tuple[RequestStatus, int | None] | None:
         """(status, stop reason) if a request with `num_output_tokens` output tokens, the last of
         them `token`, and `num_tokens` tokens in all is done; else None."""
         params = request.sampling_params

@@ -33,7 +33,9 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     produces_token: bool  # False for a prefill chunk that does not reach the end of the prompt
     num_prefix_hit_tokens: int = 0  # tokens found in the prefix cache when admitted this step
-    num_recomputed_tokens: int = 0  # of num_tokens, how many were computed before (a preemption lost them)
+    num_recomputed_tokens: int = (
+        0  # of num_tokens, how many were computed before (a preemption lost them)
+    )
     # Speculative decoding: guesses for the tokens after this one, verified in the same forward.
     # They are the last len(draft_token_ids) of token_ids and count in num_tokens; the model
     # runner returns logits for all of them, not only for the last token.

@@ -65,8 +65,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.metrics import ServerMetrics
 from engine.output import RequestOutput
 from engine.sampler import finite_logprob
-from engine.sampling_params import (MAX_INT32, MAX_LOGPROBS, MAX_SEED, MAX_STOP_STRINGS,
-                                    MAX_TEMPERATURE, InvalidRequestError, SamplingParams)
+from engine.sampling_params import (
+    MAX_INT32,
+    MAX_LOGPROBS,
+    MAX_SEED,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+    InvalidRequestError,
+    SamplingParams,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +87,12 @@ API_KEY_ENV = "LLM_LAB_API_KEY"  # `python -m engine serve` reads it when --api-
 # uvicorn's limits, stated (it has no header-read timeout of its own): a header block that grows
 # past 16 KiB unfinished gets a 400; idle keep-alive connections close after 5 s; shutdown waits
 # 3 s for open streams. A client that sends its headers very slowly (slowloris) needs a proxy.
-UVICORN_LIMITS = dict(http="h11", h11_max_incomplete_event_size=16 * 1024, timeout_keep_alive=5,
-                      timeout_graceful_shutdown=3)
+UVICORN_LIMITS = dict(
+    http="h11",
+    h11_max_incomplete_event_size=16 * 1024,
+    timeout_keep_alive=5,
+    timeout_graceful_shutdown=3,
+)
 
 
 # -- errors ------------------------------------------------------------------------------------
@@ -91,15 +102,27 @@ class APIError(Exception):
     """An error the client sees, in OpenAI's shape. Its message is written for the client:
     never an exception's text, never a path."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type = status, message, type
         self.param, self.code = param, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
@@ -116,8 +139,12 @@ def engine_not_running() -> APIError:
 def engine_failed(output: RequestOutput) -> APIError:
     """The engine failed this request (finish_reason "error"); others were not affected.
     `output.error` is the engine's short message, e.g. "sampling failed (RuntimeError)"."""
-    return APIError(500, f"the engine failed this request: {output.error or 'unknown error'}",
-                    "server_error", code="engine_error")
+    return APIError(
+        500,
+        f"the engine failed this request: {output.error or 'unknown error'}",
+        "server_error",
+        code="engine_error",
+    )
 
 
 def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
@@ -131,8 +158,10 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
     messages: dict[str, list[str]] = {}
     for error in errors:
         messages.setdefault(_error_path(error), []).append(str(error.get("msg", "invalid")))
-    text = "; ".join(f"{p}: {m[0] if len(m) == 1 else 'Input has none of the allowed types'}"
-                     for p, m in list(messages.items())[:5])
+    text = "; ".join(
+        f"{p}: {m[0] if len(m) == 1 else 'Input has none of the allowed types'}"
+        for p, m in list(messages.items())[:5]
+    )
     param = _error_path(first).split(".")[0]
     return bad_request(text, None if param == "body" else param)
 
@@ -159,10 +188,14 @@ class ErrorResponse(BaseModel):
 
 ERROR_RESPONSES: dict[int | str, dict] = {
     status: {"model": ErrorResponse, "description": description}
-    for status, description in [(400, "invalid request"), (401, "missing or wrong API key"),
-                                (404, "unknown model"), (413, "request body too large"),
-                                (500, "the engine failed this request"),
-                                (503, "the engine is not running")]
+    for status, description in [
+        (400, "invalid request"),
+        (401, "missing or wrong API key"),
+        (404, "unknown model"),
+        (413, "request body too large"),
+        (500, "the engine failed this request"),
+        (503, "the engine is not running"),
+    ]
 }
 
 
@@ -173,11 +206,32 @@ Count = Annotated[int, Field(ge=0, le=MAX_INT32)]
 # Fields of OpenAI's (or vLLM's) API that this engine does not implement. Sent with a value that
 # would change the answer, they get a 400 naming them instead of being silently ignored.
 UNSUPPORTED_FIELDS = (
-    "logit_bias", "response_format", "tools", "tool_choice", "functions", "function_call",
-    "parallel_tool_calls", "echo", "suffix", "best_of", "repetition_penalty", "length_penalty",
-    "use_beam_search", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "structured_outputs", "prediction", "audio", "modalities", "web_search_options",
-    "reasoning_effort", "logits_processors", "prompt_logprobs", "truncate_prompt_tokens",
+    "logit_bias",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "parallel_tool_calls",
+    "echo",
+    "suffix",
+    "best_of",
+    "repetition_penalty",
+    "length_penalty",
+    "use_beam_search",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "prediction",
+    "audio",
+    "modalities",
+    "web_search_options",
+    "reasoning_effort",
+    "logits_processors",
+    "prompt_logprobs",
+    "truncate_prompt_tokens",
 )
 HARMLESS_VALUES: dict[str, tuple] = {"best_of": (1,), "tool_choice": ("none",)}
 
@@ -197,8 +251,9 @@ class SamplingFields(_Body):
     """The fields both endpoints share: sampling, stopping, streaming, scheduling."""
 
     model: str | None = Field(None, max_length=4096)
-    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE,
-                                      description="0 (greedy) or in [0.01, 2]; default 1")
+    temperature: float | None = Field(
+        None, ge=0, le=MAX_TEMPERATURE, description="0 (greedy) or in [0.01, 2]; default 1"
+    )
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, le=MAX_INT32, description="vLLM extension")
     min_p: float | None = Field(None, ge=0, le=1, description="vLLM extension")
@@ -213,11 +268,19 @@ class SamplingFields(_Body):
     include_stop_str_in_output: bool = False
     presence_penalty: float | None = Field(None, ge=-2, le=2, description="only 0 is supported")
     frequency_penalty: float | None = Field(None, ge=-2, le=2, description="only 0 is supported")
-    priority: int = Field(0, ge=-MAX_INT32 - 1, le=MAX_INT32,
-                          description="vLLM extension: lower runs first under the priority policy")
-    cache_salt: str | None = Field(None, min_length=1, max_length=256,
-                                   description="vLLM extension: prefix-cache namespace; only requests "
-                                               "with the same salt share cached blocks")
+    priority: int = Field(
+        0,
+        ge=-MAX_INT32 - 1,
+        le=MAX_INT32,
+        description="vLLM extension: lower runs first under the priority policy",
+    )
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="vLLM extension: prefix-cache namespace; only requests "
+        "with the same salt share cached blocks",
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -248,15 +311,22 @@ class ChatCompletionRequest(SamplingFields):
 def refuse_unsupported(body: BaseModel) -> None:
     """A 400 naming every field this engine would otherwise have silently ignored."""
     extra = body.model_extra or {}
-    named = [name for name in UNSUPPORTED_FIELDS if name in extra
-             and extra[name] not in (None, False, "", [], {}) + HARMLESS_VALUES.get(name, ())]
+    named = [
+        name
+        for name in UNSUPPORTED_FIELDS
+        if name in extra
+        and extra[name] not in (None, False, "", [], {}) + HARMLESS_VALUES.get(name, ())
+    ]
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name, None):
             named.append(name)
     if named:
-        raise bad_request(f"not supported by this engine: {', '.join(named)} (remove "
-                          f"{'it' if len(named) == 1 else 'them'} from the request)", named[0],
-                          "unsupported_parameter")
+        raise bad_request(
+            f"not supported by this engine: {', '.join(named)} (remove "
+            f"{'it' if len(named) == 1 else 'them'} from the request)",
+            named[0],
+            "unsupported_parameter",
+        )
 
 
 # -- one request, whichever endpoint ----------------------------------------------------------
@@ -279,15 +349,18 @@ class GenerationJob:
 
 def usage_of(output: RequestOutput) -> dict:
     prompt_tokens, completion_tokens = len(output.prompt_token_ids), len(output.token_ids)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": output.metrics.num_cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": output.metrics.num_cached_tokens},
+    }
 
 
 def new_logprob_entries(output: RequestOutput) -> list[dict]:
     """The logprobs of the tokens this output added (the engine sends the whole list each time)."""
     entries = output.logprobs or []
-    return entries[len(entries) - len(output.delta_token_ids):]
+    return entries[len(entries) - len(output.delta_token_ids) :]
 
 
 class ResponseShape:
@@ -317,8 +390,12 @@ class ResponseShape:
         raise NotImplementedError
 
     def response(self, final: RequestOutput) -> dict:
-        return {**self.base, "object": self.response_object, "choices": [self.final_choice(final)],
-                "usage": usage_of(final)}
+        return {
+            **self.base,
+            "object": self.response_object,
+            "choices": [self.final_choice(final)],
+            "usage": usage_of(final),
+        }
 
 
 class CompletionShape(ResponseShape):
@@ -331,46 +408,72 @@ class CompletionShape(ResponseShape):
     def delta_choice(self, output: RequestOutput) -> dict | None:
         if not (output.delta_text or self.want_logprobs or output.finished):
             return None  # nothing to say yet (text held back at a UTF-8 or stop boundary)
-        choice = {"index": 0, "text": output.delta_text, "logprobs": None,
-                  "finish_reason": output.finish_reason if output.finished else None}
+        choice = {
+            "index": 0,
+            "text": output.delta_text,
+            "logprobs": None,
+            "finish_reason": output.finish_reason if output.finished else None,
+        }
         if self.want_logprobs:
-            choice["logprobs"] = self.server.completion_logprobs(new_logprob_entries(output),
-                                                                 self.text_offset)
+            choice["logprobs"] = self.server.completion_logprobs(
+                new_logprob_entries(output), self.text_offset
+            )
             self.text_offset += sum(len(token) for token in choice["logprobs"]["tokens"])
         if output.finished:
             choice["stop_reason"] = output.stop_reason
         return choice
 
     def final_choice(self, output: RequestOutput) -> dict:
-        logprobs = (self.server.completion_logprobs(output.logprobs or [], 0)
-                    if self.want_logprobs else None)
-        return {"index": 0, "text": output.text, "logprobs": logprobs,
-                "finish_reason": output.finish_reason, "stop_reason": output.stop_reason}
+        logprobs = (
+            self.server.completion_logprobs(output.logprobs or [], 0)
+            if self.want_logprobs
+            else None
+        )
+        return {
+            "index": 0,
+            "text": output.text,
+            "logprobs": logprobs,
+            "finish_reason": output.finish_reason,
+            "stop_reason": output.stop_reason,
+        }
 
 
 class ChatShape(ResponseShape):
     chunk_object, response_object = "chat.completion.chunk", "chat.completion"
 
     def opening_choices(self) -> list[dict]:
-        return [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None}]
+        return [
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        ]
 
     def delta_choice(self, output: RequestOutput) -> dict | None:
         entries = new_logprob_entries(output) if self.want_logprobs else None
         if not (output.delta_text or entries or output.finished):
             return None  # nothing to say yet (text held back at a UTF-8 or stop boundary)
-        choice = {"index": 0, "delta": {"content": output.delta_text} if output.delta_text else {},
-                  "logprobs": self.server.chat_logprobs(entries) if entries else None,
-                  "finish_reason": output.finish_reason if output.finished else None}
+        choice = {
+            "index": 0,
+            "delta": {"content": output.delta_text} if output.delta_text else {},
+            "logprobs": self.server.chat_logprobs(entries) if entries else None,
+            "finish_reason": output.finish_reason if output.finished else None,
+        }
         if output.finished:
             choice["stop_reason"] = output.stop_reason
         return choice
 
     def final_choice(self, output: RequestOutput) -> dict:
         logprobs = self.server.chat_logprobs(output.logprobs or []) if self.want_logprobs else None
-        return {"index": 0, "message": {"role": "assistant", "content": output.text},
-                "logprobs": logprobs, "finish_reason": output.finish_reason,
-                "stop_reason": output.stop_reason}
+        return {
+            "index": 0,
+            "message": {"role": "assistant", "content": output.text},
+            "logprobs": logprobs,
+            "finish_reason": output.finish_reason,
+            "stop_reason": output.stop_reason,
+        }
 
 
 # -- the server --------------------------------------------------------------------------------
@@ -380,16 +483,24 @@ class OpenAIServer:
     """State shared by every request (the engine, its AsyncLLM, the metrics, the model's name)
     and the two generation endpoints, as methods a test can call."""
 
-    def __init__(self, engine_or_async_llm, api_key: str | None = None,
-                 served_model_name: str | None = None, public_docs_and_metrics: bool = False,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+    def __init__(
+        self,
+        engine_or_async_llm,
+        api_key: str | None = None,
+        served_model_name: str | None = None,
+        public_docs_and_metrics: bool = False,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ):
         from engine.llm import LLM, AsyncLLM
 
         if isinstance(engine_or_async_llm, AsyncLLM):
             self.async_llm, self.owns_async_llm = engine_or_async_llm, False
         else:
-            engine = (engine_or_async_llm.engine if isinstance(engine_or_async_llm, LLM)
-                      else engine_or_async_llm)
+            engine = (
+                engine_or_async_llm.engine
+                if isinstance(engine_or_async_llm, LLM)
+                else engine_or_async_llm
+            )
             self.async_llm, self.owns_async_llm = AsyncLLM(engine), True
         self.engine = self.async_llm.engine
         self.tokenizer = self.engine.tokenizer
@@ -415,8 +526,11 @@ class OpenAIServer:
         if self.api_key is None:
             return
         if credentials is None:
-            raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+            raise APIError(
+                401,
+                "missing API key: send the header 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
         if not secrets.compare_digest(credentials.credentials.encode(), self.api_key.encode()):
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
 
@@ -427,25 +541,40 @@ class OpenAIServer:
     def check_model(self, name: str | None) -> None:
         if name is None or name in (self.model_name, self.model_dir.name, str(self.model_dir)):
             return
-        raise APIError(404, f"the model `{name[:200]}` does not exist; this server serves "
-                       f"`{self.model_name}`", param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"the model `{name[:200]}` does not exist; this server serves `{self.model_name}`",
+            param="model",
+            code="model_not_found",
+        )
 
     def check_prompt_chars(self, num_chars: int) -> None:
         if num_chars > self.max_prompt_chars:
             raise bad_request(
                 f"the prompt has {num_chars} characters; with a context of "
                 f"{self.engine.max_model_len} tokens this server takes at most "
-                f"{self.max_prompt_chars}", "prompt", "context_length_exceeded")
+                f"{self.max_prompt_chars}",
+                "prompt",
+                "context_length_exceeded",
+            )
 
     def check_prompt_tokens(self, num_tokens: int, param: str = "prompt") -> None:
         if num_tokens >= self.engine.max_model_len:
             raise bad_request(
                 f"this model's maximum context length is {self.engine.max_model_len} tokens, "
-                f"but the prompt has {num_tokens} tokens", param, "context_length_exceeded")
+                f"but the prompt has {num_tokens} tokens",
+                param,
+                "context_length_exceeded",
+            )
 
-    def sampling_params(self, body: SamplingFields, num_prompt_tokens: int,
-                        max_tokens: int | None, logprobs: int | None,
-                        max_tokens_param: str = "max_tokens") -> SamplingParams:
+    def sampling_params(
+        self,
+        body: SamplingFields,
+        num_prompt_tokens: int,
+        max_tokens: int | None,
+        logprobs: int | None,
+        max_tokens_param: str = "max_tokens",
+    ) -> SamplingParams:
         """Map the body onto SamplingParams (whose verify() checks every value); an error names
         the field as the client called it (`max_tokens_param`, e.g. max_completion_tokens)."""
         try:
@@ -455,16 +584,28 @@ class OpenAIServer:
             code = "context_length_exceeded" if "context length" in str(exc) else None
             raise bad_request(str(exc), param, code) from None
 
-    def _sampling_params(self, body: SamplingFields, num_prompt_tokens: int,
-                         max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self,
+        body: SamplingFields,
+        num_prompt_tokens: int,
+        max_tokens: int | None,
+        logprobs: int | None,
+    ) -> SamplingParams:
         if max_tokens is None:  # the documented default: 256, capped by the room in the context
             room = self.engine.max_model_len - num_prompt_tokens
             max_tokens = max(1, min(DEFAULT_MAX_TOKENS, room))
         kwargs: dict[str, Any] = dict(
-            n=body.n, max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop or [],
-            stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos,
-            logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
-            include_stop_str_in_output=body.include_stop_str_in_output, seed=body.seed)
+            n=body.n,
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
+            stop=body.stop or [],
+            stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            seed=body.seed,
+        )
         for name in ("temperature", "top_p", "top_k", "min_p"):
             if getattr(body, name) is not None:
                 kwargs[name] = getattr(body, name)
@@ -478,8 +619,9 @@ class OpenAIServer:
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
-                raise bad_request("this server takes one prompt per request; send a string, "
-                                  "not a batch", "prompt")
+                raise bad_request(
+                    "this server takes one prompt per request; send a string, not a batch", "prompt"
+                )
             prompt = prompt[0]
         if isinstance(prompt, str):
             self.check_prompt_chars(len(prompt))
@@ -503,8 +645,9 @@ class OpenAIServer:
         try:
             prompt, token_ids = await asyncio.to_thread(self.tokenizer.encode_chat, messages)
         except jinja2.TemplateError as exc:  # the template's own refusal, written for users
-            raise bad_request(f"the chat template rejected these messages: {exc.message}",
-                              "messages") from None
+            raise bad_request(
+                f"the chat template rejected these messages: {exc.message}", "messages"
+            ) from None
         self.check_prompt_tokens(len(token_ids), "messages")
         return prompt, token_ids
 
@@ -519,11 +662,13 @@ class OpenAIServer:
         prompt, token_ids = await self.completion_prompt(body)
         params = self.sampling_params(body, len(token_ids), body.max_tokens, body.logprobs)
         job = self.make_job(body, "cmpl", prompt, token_ids, params, arrival)
-        return await self.respond(job, CompletionShape(self, job, body.logprobs is not None),
-                                  raw_request)
+        return await self.respond(
+            job, CompletionShape(self, job, body.logprobs is not None), raw_request
+        )
 
-    async def create_chat_completion(self, body: ChatCompletionRequest,
-                                     raw_request: Request) -> Response:
+    async def create_chat_completion(
+        self, body: ChatCompletionRequest, raw_request: Request
+    ) -> Response:
         """POST /v1/chat/completions."""
         arrival = arrival_time(raw_request)
         self.check_engine()
@@ -535,28 +680,58 @@ class OpenAIServer:
         use_completion_tokens = body.max_completion_tokens is not None
         max_tokens = body.max_completion_tokens if use_completion_tokens else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = self.sampling_params(body, len(token_ids), max_tokens, logprobs,
-                                      "max_completion_tokens" if use_completion_tokens
-                                      else "max_tokens")
+        params = self.sampling_params(
+            body,
+            len(token_ids),
+            max_tokens,
+            logprobs,
+            "max_completion_tokens" if use_completion_tokens else "max_tokens",
+        )
         job = self.make_job(body, "chatcmpl", prompt, token_ids, params, arrival)
         return await self.respond(job, ChatShape(self, job, body.logprobs), raw_request)
 
     def show_available_models(self) -> dict:
         """GET /v1/models: the served name only (the model's path on disk stays private)."""
-        return {"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "engine",
-            "root": self.model_name, "parent": None, "max_model_len": self.engine.max_model_len,
-        }]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "engine",
+                    "root": self.model_name,
+                    "parent": None,
+                    "max_model_len": self.engine.max_model_len,
+                }
+            ],
+        }
 
     @staticmethod
-    def make_job(body: SamplingFields, prefix: str, prompt: str | None, token_ids: list[int],
-                 params: SamplingParams, arrival: float) -> GenerationJob:
+    def make_job(
+        body: SamplingFields,
+        prefix: str,
+        prompt: str | None,
+        token_ids: list[int],
+        params: SamplingParams,
+        arrival: float,
+    ) -> GenerationJob:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return GenerationJob(f"{prefix}-{uuid.uuid4().hex}", prompt, token_ids, params,
-                             body.priority, arrival, body.cache_salt, body.stream, include_usage)
+        return GenerationJob(
+            f"{prefix}-{uuid.uuid4().hex}",
+            prompt,
+            token_ids,
+            params,
+            body.priority,
+            arrival,
+            body.cache_salt,
+            body.stream,
+            include_usage,
+        )
 
-    async def respond(self, job: GenerationJob, shape: ResponseShape,
-                      raw_request: Request) -> Response:
+    async def respond(
+        self, job: GenerationJob, shape: ResponseShape, raw_request: Request
+    ) -> Response:
         """Hand the job to the engine; stream it, or wait for the end and answer once."""
         outputs = self.start(job)
         if job.stream:
@@ -572,17 +747,23 @@ class OpenAIServer:
         """AsyncLLM.generate runs the engine's own checks at once: a bad request gets its 400
         here, before any streaming."""
         try:
-            return self.async_llm.generate(job.prompt, job.params, job.request_id,
-                                           prompt_token_ids=job.prompt_token_ids,
-                                           priority=job.priority, arrival_time=job.arrival_time,
-                                           cache_salt=job.cache_salt)
+            return self.async_llm.generate(
+                job.prompt,
+                job.params,
+                job.request_id,
+                prompt_token_ids=job.prompt_token_ids,
+                priority=job.priority,
+                arrival_time=job.arrival_time,
+                cache_salt=job.cache_salt,
+            )
         except InvalidRequestError as exc:
             raise bad_request(str(exc), exc.param) from None
         except RuntimeError:  # the engine loop died between the check and now
             raise engine_not_running() from None
 
-    async def run_to_end(self, raw_request: Request,
-                         outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:
+    async def run_to_end(
+        self, raw_request: Request, outputs: AsyncIterator[RequestOutput]
+    ) -> RequestOutput | None:
         """The final output, or None if the client left first (the request is then aborted)."""
         try:
             final = await final_output(raw_request, outputs)
@@ -600,16 +781,24 @@ class OpenAIServer:
 
     def logprob_item(self, token_id: int, logprob: float) -> dict:
         """One chat logprob: `bytes` are the token's raw bytes, exact even for half a character."""
-        return {"token": self.token_text(token_id), "logprob": finite_logprob(logprob),
-                "bytes": list(self.tokenizer.token_bytes(token_id))}
+        return {
+            "token": self.token_text(token_id),
+            "logprob": finite_logprob(logprob),
+            "bytes": list(self.tokenizer.token_bytes(token_id)),
+        }
 
     def chat_logprobs(self, entries: list[dict]) -> dict:
-        return {"content": [
-            {**self.logprob_item(e["token_id"], e["logprob"]),
-             "top_logprobs": [self.logprob_item(t, lp)
-                              for t, lp in (e.get("top_logprobs") or {}).items()]}
-            for e in entries
-        ]}
+        return {
+            "content": [
+                {
+                    **self.logprob_item(e["token_id"], e["logprob"]),
+                    "top_logprobs": [
+                        self.logprob_item(t, lp) for t, lp in (e.get("top_logprobs") or {}).items()
+                    ],
+                }
+                for e in entries
+            ]
+        }
 
     def completion_logprobs(self, entries: list[dict], text_offset: int) -> dict:
         tokens, token_logprobs, top, offsets = [], [], [], []
@@ -617,12 +806,20 @@ class OpenAIServer:
             text = self.token_text(e["token_id"])
             tokens.append(text)
             token_logprobs.append(finite_logprob(e["logprob"]))
-            top.append({self.token_text(t): finite_logprob(lp)
-                        for t, lp in (e.get("top_logprobs") or {}).items()})
+            top.append(
+                {
+                    self.token_text(t): finite_logprob(lp)
+                    for t, lp in (e.get("top_logprobs") or {}).items()
+                }
+            )
             offsets.append(text_offset)
             text_offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
 
 
 # -- streaming ---------------------------------------------------------------------------------
@@ -634,8 +831,9 @@ def sse(data: dict | str) -> str:
     return f"data: {payload}\n\n"
 
 
-async def stream_events(server: OpenAIServer, outputs: AsyncIterator[RequestOutput],
-                        shape: ResponseShape) -> AsyncIterator[str]:
+async def stream_events(
+    server: OpenAIServer, outputs: AsyncIterator[RequestOutput], shape: ResponseShape
+) -> AsyncIterator[str]:
     """The SSE body of both endpoints: chunks as the engine produces them, then `[DONE]`.
 
     If the engine fails the request, the client gets an error event (OpenAI's shape) and the
@@ -694,8 +892,9 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def final_output(raw_request: Request,
-                       outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:
+async def final_output(
+    raw_request: Request, outputs: AsyncIterator[RequestOutput]
+) -> RequestOutput | None:
     """Run a request to the end, unless the client hangs up first (then abort it: None)."""
 
     async def consume() -> RequestOutput | None:
@@ -760,10 +959,17 @@ class BodySizeLimit:
 
 async def _send_error(send, error: APIError) -> None:
     body = json.dumps(error.body()).encode()
-    await send({"type": "http.response.start", "status": error.status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": error.status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -779,14 +985,14 @@ bearer = HTTPBearer(auto_error=False, description="the server's API key, if it h
 
 
 async def require_api_key(
-        raw_request: Request,
-        credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+    raw_request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
+) -> None:
     get_server(raw_request).check_api_key(credentials)
 
 
 async def require_api_key_for_docs(
-        raw_request: Request,
-        credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+    raw_request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
+) -> None:
     """/metrics, /docs and /openapi.json follow the key, unless the server opted them out."""
     server = get_server(raw_request)
     if not server.public_docs_and_metrics:
@@ -863,13 +1069,19 @@ async def on_unexpected(request: Request, exc: Exception) -> Response:
     return APIError(500, "internal server error", "server_error").response()
 
 
-def build_app(engine_or_async_llm, api_key: str | None = None, served_model_name: str | None = None,
-              *, public_docs_and_metrics: bool = False,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def build_app(
+    engine_or_async_llm,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    *,
+    public_docs_and_metrics: bool = False,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
     """The FastAPI app over an EngineCore (wrapped in a new AsyncLLM that the app shuts down when
     it stops), an existing AsyncLLM (left running), or an LLM (its engine)."""
-    server = OpenAIServer(engine_or_async_llm, api_key, served_model_name,
-                          public_docs_and_metrics, max_body_bytes)
+    server = OpenAIServer(
+        engine_or_async_llm, api_key, served_model_name, public_docs_and_metrics, max_body_bytes
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -878,8 +1090,14 @@ def build_app(engine_or_async_llm, api_key: str | None = None, served_model_name
 
     # FastAPI's own /docs and /openapi.json are off: the router serves them behind the key. A body
     # without a Content-Type is read as JSON (strict_content_type=False), as curl users expect.
-    app = FastAPI(title="engine: OpenAI-compatible server", lifespan=lifespan, docs_url=None,
-                  redoc_url=None, openapi_url=None, strict_content_type=False)
+    app = FastAPI(
+        title="engine: OpenAI-compatible server",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        strict_content_type=False,
+    )
     app.state.server = server
     app.include_router(router)
     app.add_exception_handler(APIError, on_api_error)
@@ -924,21 +1142,31 @@ class ServerHandle:
         self.stop()
 
 
-def start_server_in_thread(app_or_engine, host: str = "127.0.0.1", port: int = 0,
-                           api_key: str | None = None, log_level: str = "warning",
-                           startup_timeout: float = 30.0) -> ServerHandle:
+def start_server_in_thread(
+    app_or_engine,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    api_key: str | None = None,
+    log_level: str = "warning",
+    startup_timeout: float = 30.0,
+) -> ServerHandle:
     """Serve `app_or_engine` (a FastAPI app, or anything build_app takes) with uvicorn in a daemon
     thread. port=0 picks a free port; the handle's .url says which."""
-    app = (app_or_engine if isinstance(app_or_engine, FastAPI)
-           else build_app(app_or_engine, api_key=api_key))
+    app = (
+        app_or_engine
+        if isinstance(app_or_engine, FastAPI)
+        else build_app(app_or_engine, api_key=api_key)
+    )
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on",
-                                           **UVICORN_LIMITS))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
-                              name=f"uvicorn-{port}", daemon=True)
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level=log_level, lifespan="on", **UVICORN_LIMITS)
+    )
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{port}", daemon=True
+    )
     thread.start()
     deadline = time.monotonic() + startup_timeout
     while not server.started:
@@ -950,24 +1178,33 @@ def start_server_in_thread(app_or_engine, host: str = "127.0.0.1", port: int = 0
     return ServerHandle(app, server, thread, host, port)
 
 
-def serve(engine_or_async_llm, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, log_level: str = "info", **app_options) -> int:
+def serve(
+    engine_or_async_llm,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    log_level: str = "info",
+    **app_options,
+) -> int:
     """Serve in the foreground until Ctrl-C (what `python -m engine serve` runs).
 
     Returns the process's exit status: 0 after a normal stop, 1 if the engine loop died. A dead
     loop cannot be revived in-process, so the server stops and lets a supervisor (systemd,
     Docker's restart policy, Kubernetes) start a fresh one, rather than answer 503 forever."""
     app = build_app(engine_or_async_llm, api_key=api_key, **app_options)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           **UVICORN_LIMITS))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=host, port=port, log_level=log_level, **UVICORN_LIMITS)
+    )
     async_llm = app.state.server.async_llm
-    watchdog = threading.Thread(target=_stop_when_engine_dies, args=(async_llm, server),
-                                name="engine-watchdog", daemon=True)
+    watchdog = threading.Thread(
+        target=_stop_when_engine_dies, args=(async_llm, server), name="engine-watchdog", daemon=True
+    )
     watchdog.start()
     server.run()
     if async_llm.errored is not None:
-        logger.error("the engine loop died (%s); exiting with status 1",
-                     type(async_llm.errored).__name__)
+        logger.error(
+            "the engine loop died (%s); exiting with status 1", type(async_llm.errored).__name__
+        )
         return 1
     return 0
 

@@ -368,7 +368,9 @@ def make_simulated_engine(
     )
     tokenizer = SimTokenizer(preset.config.vocab_size, preset.bos_token_id, preset.eos_token_id)
     engine = EngineCore(config, executor=executor, model_config=preset.config, tokenizer=tokenizer)
-    engine.clock = executor.clock  # before any request exists: each request keeps its engine's clock
+    engine.clock = (
+        executor.clock
+    )  # before any request exists: each request keeps its engine's clock
     return engine
 
 
@@ -501,7 +503,9 @@ def simulate(
     at once). `engine_config`: EngineConfig fields (max_num_seqs, max_num_batched_tokens, ...);
     max_model_len defaults to 8192 here, so that long-context presets fit a tight memory budget."""
     preset, hw = _resolve(model_preset, hardware)
-    arrivals = "given by the caller" if workload is not None else "Poisson" if rate else "all at t=0"
+    arrivals = (
+        "given by the caller" if workload is not None else "Poisson" if rate else "all at t=0"
+    )
     if workload is None:
         workload = poisson_workload(
             num_requests,

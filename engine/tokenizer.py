@@ -93,9 +93,9 @@ class Tokenizer:
             eos_token=self.eos_token or "",
         )
 
-
-    def encode_chat(self, messages: list[dict],
-                    add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True
+    ) -> tuple[str, list[int]]:
         """The chat prompt as (text, token ids), where only the template makes control tokens.
 
         The template is rendered with a placeholder for each message's content; the template's
@@ -129,8 +129,11 @@ def _gpt2_byte_decoder() -> dict[str, int]:
 
     Printable Latin-1 bytes stand for themselves; the other 68 bytes are shifted to 256 + n so that
     every byte has a visible, non-space character."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1))
+    keep = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, shifted = list(keep), 0
     for b in range(256):
         if b not in keep:
@@ -150,8 +153,9 @@ def _compile_template(source: str) -> jinja2.Template:
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
     env.globals["raise_exception"] = raise_exception
     return env.from_string(source)
 

@@ -46,10 +46,18 @@ class StepRecord:
     new_tokens: dict[str, list[int]]
     finished: dict[str, str]  # request_id → finish reason
     kv: KVSnapshot
-    outputs: list = field(default_factory=list, repr=False)  # RequestOutput per request that advanced
-    engine_start_time: float = 0.0  # on the engine clock (engine/clock.py): seconds since it started
-    engine_duration: float = 0.0  # engine seconds this step took (measured, or computed by a simulator)
-    num_swapped_out_blocks: int = 0  # swap preemption: blocks copied to host memory before the forward
+    outputs: list = field(
+        default_factory=list, repr=False
+    )  # RequestOutput per request that advanced
+    engine_start_time: float = (
+        0.0  # on the engine clock (engine/clock.py): seconds since it started
+    )
+    engine_duration: float = (
+        0.0  # engine seconds this step took (measured, or computed by a simulator)
+    )
+    num_swapped_out_blocks: int = (
+        0  # swap preemption: blocks copied to host memory before the forward
+    )
     num_swapped_in_blocks: int = 0  # and copied back for resumed requests
     swap_seconds: float = 0.0  # measured time of those copies
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache in this step (admissions)
@@ -57,7 +65,11 @@ class StepRecord:
 
     @property
     def prefix_cache_hit_rate(self) -> float | None:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else None
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries
+            if self.prefix_cache_queries
+            else None
+        )
 
     @property
     def num_recomputed_tokens(self) -> int:
@@ -80,32 +92,66 @@ class StepRecord:
 def steps_dataframe(records: list[StepRecord]) -> pd.DataFrame:
     """One row per (step, scheduled request): what the scheduler-decision plot stacks."""
     rows = [
-        {"step": r.step, "request_id": s.request_id, "phase": s.phase, "num_tokens": s.num_tokens,
-         "num_computed_tokens": s.num_computed_tokens, "num_prefix_hit_tokens": s.num_prefix_hit_tokens,
-         "token_budget": r.token_budget}
+        {
+            "step": r.step,
+            "request_id": s.request_id,
+            "phase": s.phase,
+            "num_tokens": s.num_tokens,
+            "num_computed_tokens": s.num_computed_tokens,
+            "num_prefix_hit_tokens": s.num_prefix_hit_tokens,
+            "token_budget": r.token_budget,
+        }
         for r in records
         for s in r.scheduled
     ]
-    return pd.DataFrame(rows, columns=["step", "request_id", "phase", "num_tokens", "num_computed_tokens",
-                                       "num_prefix_hit_tokens", "token_budget"])
+    return pd.DataFrame(
+        rows,
+        columns=[
+            "step",
+            "request_id",
+            "phase",
+            "num_tokens",
+            "num_computed_tokens",
+            "num_prefix_hit_tokens",
+            "token_budget",
+        ],
+    )
 
 
 def spec_decode_dataframe(records: list[StepRecord]) -> pd.DataFrame:
     """One row per (step, request that verified drafts): proposed, accepted, the model's token."""
     rows = [
-        {"step": r.step, "request_id": s.request_id, "num_draft_tokens": s.num_draft_tokens,
-         "num_accepted_tokens": s.num_accepted_tokens, "bonus_token_id": s.bonus_token_id,
-         "draft_token_ids": list(s.draft_token_ids)}
+        {
+            "step": r.step,
+            "request_id": s.request_id,
+            "num_draft_tokens": s.num_draft_tokens,
+            "num_accepted_tokens": s.num_accepted_tokens,
+            "bonus_token_id": s.bonus_token_id,
+            "draft_token_ids": list(s.draft_token_ids),
+        }
         for r in records
         for s in r.scheduled
         if s.draft_token_ids
     ]
-    return pd.DataFrame(rows, columns=["step", "request_id", "num_draft_tokens",
-                                       "num_accepted_tokens", "bonus_token_id", "draft_token_ids"])
+    return pd.DataFrame(
+        rows,
+        columns=[
+            "step",
+            "request_id",
+            "num_draft_tokens",
+            "num_accepted_tokens",
+            "bonus_token_id",
+            "draft_token_ids",
+        ],
+    )
 
 
 def unscheduled_dataframe(records: list[StepRecord]) -> pd.DataFrame:
-    rows = [{"step": r.step, "request_id": rid, "reason": reason} for r in records for rid, reason in r.unscheduled.items()]
+    rows = [
+        {"step": r.step, "request_id": rid, "reason": reason}
+        for r in records
+        for rid, reason in r.unscheduled.items()
+    ]
     return pd.DataFrame(rows, columns=["step", "request_id", "reason"])
 
 
@@ -113,10 +159,17 @@ def timings_dataframe(records: list[StepRecord]) -> pd.DataFrame:
     """One row per step: phase timings (ms), tokens, batch size, KV usage."""
     rows = []
     for r in records:
-        row = {"step": r.step, "num_tokens": r.total_tokens, "num_requests": len(r.scheduled),
-               "num_running": r.num_running, "num_waiting": r.num_waiting, "kv_usage": r.kv.usage,
-               "kv_used_blocks": r.kv.num_used, "kv_cached_blocks": r.kv.num_cached_free,
-               "num_preempted": len(r.preempted)}
+        row = {
+            "step": r.step,
+            "num_tokens": r.total_tokens,
+            "num_requests": len(r.scheduled),
+            "num_running": r.num_running,
+            "num_waiting": r.num_waiting,
+            "kv_usage": r.kv.usage,
+            "kv_used_blocks": r.kv.num_used,
+            "kv_cached_blocks": r.kv.num_cached_free,
+            "num_preempted": len(r.preempted),
+        }
         row.update({f"{phase}_ms": 1000 * r.timings.get(phase, 0.0) for phase in PHASES})
         row["total_ms"] = 1000 * r.duration
         rows.append(row)
@@ -126,8 +179,15 @@ def timings_dataframe(records: list[StepRecord]) -> pd.DataFrame:
 def kv_blocks_dataframe(record: StepRecord) -> pd.DataFrame:
     """One row per KV block of a step's snapshot (owner, status)."""
     return pd.DataFrame(
-        [{"block_id": b.block_id, "status": b.status, "owner": ",".join(b.owners) or None, "ref_cnt": b.ref_cnt}
-         for b in record.kv.blocks]
+        [
+            {
+                "block_id": b.block_id,
+                "status": b.status,
+                "owner": ",".join(b.owners) or None,
+                "ref_cnt": b.ref_cnt,
+            }
+            for b in record.kv.blocks
+        ]
     )
 
 
@@ -138,8 +198,15 @@ def journey_dataframe(requests: list[Request], t0: float | None = None) -> pd.Da
     rows = []
     for r in requests:
         for e in r.journey:
-            rows.append({"request_id": r.request_id, "event": e.kind, "time_ms": 1000 * (e.time - t0), "step": e.step,
-                         **{f"detail_{k}": v for k, v in e.detail.items()}})
+            rows.append(
+                {
+                    "request_id": r.request_id,
+                    "event": e.kind,
+                    "time_ms": 1000 * (e.time - t0),
+                    "step": e.step,
+                    **{f"detail_{k}": v for k, v in e.detail.items()},
+                }
+            )
     return pd.DataFrame(rows)
 
 

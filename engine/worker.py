@@ -59,8 +59,15 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+        "half": torch.float16,
+    }
     if dtype not in names:
         raise ValueError(f"unsupported dtype {dtype!r}; choose float32, bfloat16 or float16")
     return names[dtype]
@@ -75,12 +82,19 @@ class CacheTooSmallError(ValueError):
         super().__init__(
             f"KV cache of {num_blocks} blocks ({num_blocks * block_size} tokens) cannot hold one "
             f"request of max_model_len={max_model_len} tokens ({self.blocks_needed} blocks); "
-            "add KV memory or lower max_model_len")
+            "add KV memory or lower max_model_len"
+        )
 
 
 class Worker:
-    def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype, block_size: int,
-                 kernels: str = "auto"):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        block_size: int,
+        kernels: str = "auto",
+    ):
         self.model_dir = Path(model_dir)
         self.kernels = kernels  # "auto": our C++ kernels where they build and apply; "torch": never
         self.device = device
@@ -110,7 +124,9 @@ class Worker:
         if num_kv_blocks is None:
             if kv_cache_memory is None:
                 if self.device.type == "cuda":
-                    kv_cache_memory = self._profile_free_gpu_memory(gpu_memory_utilization, max_num_batched_tokens)
+                    kv_cache_memory = self._profile_free_gpu_memory(
+                        gpu_memory_utilization, max_num_batched_tokens
+                    )
                 else:
                     kv_cache_memory = DEFAULT_CPU_KV_CACHE_BYTES
             num_kv_blocks = kv_cache_memory // self.bytes_per_block
@@ -125,10 +141,14 @@ class Worker:
         torch.cuda.reset_peak_memory_stats(self.device)
         blocks = cdiv(num_tokens, self.block_size)
         scratch = self.model.allocate_kv_cache(blocks, self.block_size)
-        meta = build_attention_metadata([num_tokens], [0], [list(range(blocks))], self.block_size, self.device)
+        meta = build_attention_metadata(
+            [num_tokens], [0], [list(range(blocks))], self.block_size, self.device
+        )
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         pos = torch.arange(num_tokens, device=self.device)
-        self.model.forward(ids, pos, scratch, meta, torch.tensor([num_tokens - 1], device=self.device))
+        self.model.forward(
+            ids, pos, scratch, meta, torch.tensor([num_tokens - 1], device=self.device)
+        )
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         del scratch
@@ -141,7 +161,10 @@ class Worker:
 
     def kv_cache_bytes(self) -> int:
         """Bytes of the KV cache tensors this worker allocated (K and V, all layers)."""
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.runner.kv_caches)
+        return sum(
+            k.numel() * k.element_size() + v.numel() * v.element_size()
+            for k, v in self.runner.kv_caches
+        )
 
     def initialize_cache(self, num_blocks: int, num_swap_blocks: int = 0) -> None:
         """The KV cache on the device, and (for swap preemption) a swap space in host memory:
@@ -151,9 +174,15 @@ class Worker:
         swap_caches = []
         if num_swap_blocks > 0:
             pin = self.device.type == "cuda"
-            swap_caches = [tuple(t.new_zeros((num_swap_blocks, *t.shape[1:]), device="cpu").pin_memory()
-                                 if pin else torch.zeros((num_swap_blocks, *t.shape[1:]), dtype=t.dtype)
-                                 for t in layer) for layer in kv_caches]
+            swap_caches = [
+                tuple(
+                    t.new_zeros((num_swap_blocks, *t.shape[1:]), device="cpu").pin_memory()
+                    if pin
+                    else torch.zeros((num_swap_blocks, *t.shape[1:]), dtype=t.dtype)
+                    for t in layer
+                )
+                for layer in kv_caches
+            ]
         self.runner = ModelRunner(self.model, kv_caches, self.block_size, swap_caches)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -18,9 +18,15 @@ from ui.widgets import evidence, show_code
 STAGE_MODULE = {
     "arrival": ("API 수신", "engine/server.py"),
     "tokenized": ("tokenize (채팅 템플릿 → 토큰 id)", "engine/tokenizer.py, engine/core.py"),
-    "queued": ("대기열 (엔진 스레드가 받아 줄 세움)", "engine/llm.py (AsyncLLM) → engine/scheduler.py"),
+    "queued": (
+        "대기열 (엔진 스레드가 받아 줄 세움)",
+        "engine/llm.py (AsyncLLM) → engine/scheduler.py",
+    ),
     "scheduled": ("스케줄링 (토큰 예산, KV 블록)", "engine/scheduler.py, engine/kv_cache.py"),
-    "first_token": ("첫 토큰 (forward + 샘플링)", "engine/executor.py → worker.py → model_runner.py → models/llama.py, sampler.py"),
+    "first_token": (
+        "첫 토큰 (forward + 샘플링)",
+        "engine/executor.py → worker.py → model_runner.py → models/llama.py, sampler.py",
+    ),
     "token": ("토큰 (decode forward + 샘플링)", "engine/model_runner.py, engine/sampler.py"),
     "streamed": ("detokenize → 스트림 조각", "engine/output.py, engine/tokenizer.py"),
     "preempted": ("선점", "engine/scheduler.py"),
@@ -53,9 +59,16 @@ def artifact_inspector() -> None:
     c = info.config
     st.caption(f"경로: `{info.path}`")
     cols = st.columns(5)
-    for col, (label, value) in zip(cols, [("층 수", info.num_layers), ("hidden", c["hidden_size"]),
-                                          ("query heads", c["num_attention_heads"]), ("KV heads", info.num_kv_heads),
-                                          ("head_dim", info.head_dim)]):
+    for col, (label, value) in zip(
+        cols,
+        [
+            ("층 수", info.num_layers),
+            ("hidden", c["hidden_size"]),
+            ("query heads", c["num_attention_heads"]),
+            ("KV heads", info.num_kv_heads),
+            ("head_dim", info.head_dim),
+        ],
+    ):
         col.metric(label, value)
     cols = st.columns(4)
     cols[0].metric("어휘 크기", f"{info.vocab_size:,}")
@@ -67,40 +80,73 @@ def artifact_inspector() -> None:
     from engine.tokenizer import Tokenizer
 
     tok = Tokenizer(info.path)
-    special = [{"역할": k, "토큰": v, "id": tok.token_to_id(v)} for k, v in info.special_tokens.items()]
-    st.markdown(f"**tokenizer**: 어휘 {tok.vocab_size:,}개, 채팅 템플릿 "
-                f"{'있음' if tok.chat_template else '없음'}, 특수 토큰:")
+    special = [
+        {"역할": k, "토큰": v, "id": tok.token_to_id(v)} for k, v in info.special_tokens.items()
+    ]
+    st.markdown(
+        f"**tokenizer**: 어휘 {tok.vocab_size:,}개, 채팅 템플릿 "
+        f"{'있음' if tok.chat_template else '없음'}, 특수 토큰:"
+    )
     st.dataframe(pd.DataFrame(special), hide_index=True)
 
     derived = derived_param_count(c)
     rows = []
     for kind, counted in info.params_by_kind.items():
-        rows.append({"종류": kind, "파일에서 센 수": counted, "config로 계산한 수": derived.get(kind, 0),
-                     "비율(%)": round(100 * counted / info.num_params, 1)})
+        rows.append(
+            {
+                "종류": kind,
+                "파일에서 센 수": counted,
+                "config로 계산한 수": derived.get(kind, 0),
+                "비율(%)": round(100 * counted / info.num_params, 1),
+            }
+        )
     df = pd.DataFrame(rows)
     c1, c2 = st.columns([3, 2])
     c1.dataframe(df, hide_index=True, width="stretch")
     fig = px.pie(df, names="종류", values="파일에서 센 수", title="종류별 파라미터", hole=0.4)
     fig.update_layout(height=260, margin=dict(l=0, r=0, t=40, b=0))
     c2.plotly_chart(fig, key="ch01_params_pie")
-    evidence("측정값", f"파라미터 {info.num_params:,}개 (model.safetensors 헤더의 텐서 모양을 곱해 더함)",
-             파일="model.safetensors", 모델=info.path.name)
-    evidence("계산값", f"config만으로 {sum(derived.values()):,}개",
-             formula="V·h (임베딩, tied) + L·(h·n_q·d + 2·h·n_kv·d + n_q·d·h) + L·3·h·i + (2L+1)·h")
+    evidence(
+        "측정값",
+        f"파라미터 {info.num_params:,}개 (model.safetensors 헤더의 텐서 모양을 곱해 더함)",
+        파일="model.safetensors",
+        모델=info.path.name,
+    )
+    evidence(
+        "계산값",
+        f"config만으로 {sum(derived.values()):,}개",
+        formula="V·h (임베딩, tied) + L·(h·n_q·d + 2·h·n_kv·d + n_q·d·h) + L·3·h·i + (2L+1)·h",
+    )
 
-    rows = [{"dtype": d, "바이트/파라미터": b, "가중치 바이트": info.bytes_at(d),
-             "MiB": round(info.bytes_at(d) / 2**20, 1)} for d, b in DTYPE_BYTES.items()]
+    rows = [
+        {
+            "dtype": d,
+            "바이트/파라미터": b,
+            "가중치 바이트": info.bytes_at(d),
+            "MiB": round(info.bytes_at(d) / 2**20, 1),
+        }
+        for d, b in DTYPE_BYTES.items()
+    ]
     st.dataframe(pd.DataFrame(rows), hide_index=True)
-    evidence("계산값", f"fp32 {info.bytes_at('float32') / 2**20:,.1f} MiB · bf16 {info.bytes_at('bfloat16') / 2**20:,.1f} MiB",
-             formula="가중치 바이트 = 파라미터 수 × dtype 바이트")
+    evidence(
+        "계산값",
+        f"fp32 {info.bytes_at('float32') / 2**20:,.1f} MiB · bf16 {info.bytes_at('bfloat16') / 2**20:,.1f} MiB",
+        formula="가중치 바이트 = 파라미터 수 × dtype 바이트",
+    )
     disk = info.file_sizes
     st.dataframe(pd.DataFrame([{"파일": k, "바이트": v} for k, v in disk.items()]), hide_index=True)
-    evidence("측정값", f"디스크 위 아티팩트 {info.bytes_on_disk:,} B ({info.bytes_on_disk / 2**20:,.1f} MiB), "
-             f"저장 dtype {'/'.join(info.stored_dtypes)}", 측정="파일 크기 (os.stat)", 경로=str(info.path))
+    evidence(
+        "측정값",
+        f"디스크 위 아티팩트 {info.bytes_on_disk:,} B ({info.bytes_on_disk / 2**20:,.1f} MiB), "
+        f"저장 dtype {'/'.join(info.stored_dtypes)}",
+        측정="파일 크기 (os.stat)",
+        경로=str(info.path),
+    )
     show_code(inspect_artifact, "방금 실행된 코드 (아티팩트 검사)")
 
 
 # -- one real HTTP request ---------------------------------------------------------------------
+
 
 def _server():
     """This session's in-process API server with its own engine (started on first use)."""
@@ -128,8 +174,13 @@ def send_http_request(url: str, prompt: str, max_tokens: int) -> dict:
     """POST /v1/chat/completions with stream=True; every SSE chunk is kept with its arrival time."""
     import httpx
 
-    body = {"model": None, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0.0, "stream": True}
+    body = {
+        "model": None,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+    }
     body.pop("model")
     chunks = []
     start = time.perf_counter()
@@ -139,25 +190,33 @@ def send_http_request(url: str, prompt: str, max_tokens: int) -> dict:
             for line in response.iter_lines():
                 if not line.startswith("data: "):
                     continue
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 chunks.append({"t": time.perf_counter(), "data": data})
     return {"status": status, "chunks": chunks, "start": start, "body": body}
 
 
 def http_lab() -> None:
     st.subheader("② 실제 HTTP 요청 하나, 모든 컴포넌트를 지나며")
-    st.caption("같은 프로세스 안에서 OpenAI 호환 서버(engine/server.py)가 127.0.0.1의 빈 포트로 뜹니다. "
-               "서버는 이 세션 전용 엔진을 따로 가집니다.")
+    st.caption(
+        "같은 프로세스 안에서 OpenAI 호환 서버(engine/server.py)가 127.0.0.1의 빈 포트로 뜹니다. "
+        "서버는 이 세션 전용 엔진을 따로 가집니다."
+    )
     c1, c2 = st.columns([3, 1])
-    prompt = c1.text_input("보낼 메시지", "안녕하세요! 한 문장으로 인사해 주세요.", key="ch01_prompt")
+    prompt = c1.text_input(
+        "보낼 메시지", "안녕하세요! 한 문장으로 인사해 주세요.", key="ch01_prompt"
+    )
     max_tokens = c2.number_input("max_tokens", 1, 128, 16, key="ch01_max_tokens")
-    predict("ch01_ttft", "이 요청의 서버 안 TTFT(도착 → 첫 토큰)는 몇 ms일까요?", unit="ms", step=10.0)
+    predict(
+        "ch01_ttft", "이 요청의 서버 안 TTFT(도착 → 첫 토큰)는 몇 ms일까요?", unit="ms", step=10.0
+    )
     if st.button("HTTP 요청 보내기 (stream=True)", key="ch01_send", type="primary"):
         state = _server()
         if state is not None:
             with st.spinner("요청을 보내고 SSE 조각을 받는 중…"):
                 try:
-                    st.session_state["_ch01_result"] = send_http_request(state["handle"].url, prompt, int(max_tokens))
+                    st.session_state["_ch01_result"] = send_http_request(
+                        state["handle"].url, prompt, int(max_tokens)
+                    )
                 except Exception as exc:  # noqa: BLE001 - show any transport error to the learner
                     st.error(f"HTTP 요청 실패: {exc!r}")
     result = st.session_state.get("_ch01_result")
@@ -169,10 +228,15 @@ def http_lab() -> None:
     chunks = result["chunks"]
     payloads = [json.loads(c["data"]) for c in chunks if c["data"] != "[DONE]"]
     request_id = next((p.get("id") for p in payloads if p.get("id")), None)
-    text = "".join((p.get("choices") or [{}])[0].get("delta", {}).get("content", "") or ""
-                   for p in payloads if p.get("choices"))
-    st.markdown(f"`POST {handle.url}/v1/chat/completions` → HTTP **{result['status']}**, "
-                f"SSE 조각 **{len(chunks)}개**, 요청 id `{request_id}`")
+    text = "".join(
+        (p.get("choices") or [{}])[0].get("delta", {}).get("content", "") or ""
+        for p in payloads
+        if p.get("choices")
+    )
+    st.markdown(
+        f"`POST {handle.url}/v1/chat/completions` → HTTP **{result['status']}**, "
+        f"SSE 조각 **{len(chunks)}개**, 요청 id `{request_id}`"
+    )
     st.markdown("**클라이언트가 받은 글 (스트리밍 조각을 이어 붙임)**")
     st.text(text or "(빈 응답)")
     rows = []
@@ -182,9 +246,15 @@ def http_lab() -> None:
         if data != "[DONE]":
             p = json.loads(data)
             ch = (p.get("choices") or [{}])[0]
-            delta = ch.get("delta", {}).get("content") or (f"finish_reason={ch.get('finish_reason')}"
-                                                           if ch.get("finish_reason") else "")
-        rows.append({"받은 시각 (ms)": round(1000 * (c["t"] - result["start"]), 1), "조각": delta or data[:40]})
+            delta = ch.get("delta", {}).get("content") or (
+                f"finish_reason={ch.get('finish_reason')}" if ch.get("finish_reason") else ""
+            )
+        rows.append(
+            {
+                "받은 시각 (ms)": round(1000 * (c["t"] - result["start"]), 1),
+                "조각": delta or data[:40],
+            }
+        )
     with st.expander(f"HTTP 응답 조각 {len(chunks)}개 (data: …)", expanded=False):
         st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
     request = engine.get_request(request_id) if request_id else None
@@ -192,22 +262,36 @@ def http_lab() -> None:
         st.warning("서버 엔진에서 이 요청의 기록을 찾지 못했습니다.")
         return
     t0 = request.arrival_time
-    journey = [{"시각 (ms)": round(1000 * (e.time - t0), 2), "이벤트": e.kind,
-                "단계": STAGE_MODULE.get(e.kind, (e.kind, ""))[0], "스텝": e.step,
-                "처리한 모듈": STAGE_MODULE.get(e.kind, ("", "?"))[1],
-                "세부": ", ".join(f"{k}={v}" for k, v in e.detail.items())} for e in request.journey]
+    journey = [
+        {
+            "시각 (ms)": round(1000 * (e.time - t0), 2),
+            "이벤트": e.kind,
+            "단계": STAGE_MODULE.get(e.kind, (e.kind, ""))[0],
+            "스텝": e.step,
+            "처리한 모듈": STAGE_MODULE.get(e.kind, ("", "?"))[1],
+            "세부": ", ".join(f"{k}={v}" for k, v in e.detail.items()),
+        }
+        for e in request.journey
+    ]
     st.markdown("**서버 엔진이 남긴 이 요청의 여정** (`engine/trace.py`의 여정 이벤트)")
     st.dataframe(pd.DataFrame(journey), hide_index=True, width="stretch", height=260)
     m = request.metrics(clock="wall")  # a server request: wall time is what its client waited
     ttft = 1000 * m.ttft if m.ttft is not None else float("nan")
     e2e = 1000 * m.e2e if m.e2e is not None else float("nan")
-    evidence("측정값", f"서버 안 TTFT {ttft:.0f} ms, E2E {e2e:.0f} ms (벽시계, 도착 = HTTP 수신 시각부터), "
-             f"프롬프트 {m.num_prompt_tokens} 토큰 → 출력 {m.num_output_tokens} 토큰",
-             **conditions_of(engine, 배치="요청 1개", 경로="HTTP 127.0.0.1", 시계="벽시계"))
+    evidence(
+        "측정값",
+        f"서버 안 TTFT {ttft:.0f} ms, E2E {e2e:.0f} ms (벽시계, 도착 = HTTP 수신 시각부터), "
+        f"프롬프트 {m.num_prompt_tokens} 토큰 → 출력 {m.num_output_tokens} 토큰",
+        **conditions_of(engine, 배치="요청 1개", 경로="HTTP 127.0.0.1", 시계="벽시계"),
+    )
     compare("ch01_ttft", ttft, "ms", fmt="{:,.0f}")
-    st.caption(f"요청 id `{request_id}`는 그림과 표에서 짧은 이름(req-0)으로 보입니다. 전체 id는 그림의 "
-               "말풍선(hover)에 있습니다.")
-    own = [r for r in records if request_id in r.num_scheduled_tokens or request_id in r.unscheduled]
+    st.caption(
+        f"요청 id `{request_id}`는 그림과 표에서 짧은 이름(req-0)으로 보입니다. 전체 id는 그림의 "
+        "말풍선(hover)에 있습니다."
+    )
+    own = [
+        r for r in records if request_id in r.num_scheduled_tokens or request_id in r.unscheduled
+    ]
     tab1, tab2, tab3 = st.tabs(["요청 여정", "스케줄러 결정", "KV 캐시"])
     with tab1:
         st.plotly_chart(figures.journey_figure([request]), key="ch01_journey")

@@ -18,27 +18,50 @@ SPEED_CHOICES = ["bf16이 더 빠르다", "비슷하다", "bf16이 더 느리다
 
 
 def _budget_figure(b) -> go.Figure:
-    parts = [("가중치", b.weight_bytes, "#1f77b4"), ("활성값·여유", b.headroom_bytes, "#9467bd"),
-             ("KV 예산", max(b.kv_budget_bytes, 0), "#2ca02c"),
-             ("사용률 밖 (예약 안 함)", GPUS[b.gpu].memory_bytes - b.usable_bytes, "#cccccc")]
+    parts = [
+        ("가중치", b.weight_bytes, "#1f77b4"),
+        ("활성값·여유", b.headroom_bytes, "#9467bd"),
+        ("KV 예산", max(b.kv_budget_bytes, 0), "#2ca02c"),
+        ("사용률 밖 (예약 안 함)", GPUS[b.gpu].memory_bytes - b.usable_bytes, "#cccccc"),
+    ]
     fig = go.Figure()
     for name, value, color in parts:
-        fig.add_trace(go.Bar(name=name, y=[b.gpu], x=[value / GB], orientation="h", marker_color=color,
-                             hovertemplate=f"{name}: %{{x:.2f}} GB<extra></extra>"))
+        fig.add_trace(
+            go.Bar(
+                name=name,
+                y=[b.gpu],
+                x=[value / GB],
+                orientation="h",
+                marker_color=color,
+                hovertemplate=f"{name}: %{{x:.2f}} GB<extra></extra>",
+            )
+        )
     fig.add_vline(x=GPUS[b.gpu].memory_gb, line_dash="dash", annotation_text="장치 메모리")
-    fig.update_layout(barmode="stack", height=220, title=f"{b.model} · {b.dtype} 메모리 나눔 (GB = 10⁹ B)",
-                      xaxis_title="GB", margin=dict(l=10, r=10, t=40, b=10))
+    fig.update_layout(
+        barmode="stack",
+        height=220,
+        title=f"{b.model} · {b.dtype} 메모리 나눔 (GB = 10⁹ B)",
+        xaxis_title="GB",
+        margin=dict(l=10, r=10, t=40, b=10),
+    )
     return fig
 
 
-def _requests_figure(model: str, dtype: str, util: float, headroom: float, seq_len: int) -> go.Figure:
+def _requests_figure(
+    model: str, dtype: str, util: float, headroom: float, seq_len: int
+) -> go.Figure:
     fig = go.Figure()
     for m in MODELS:
         if m == model or "우리 모델" not in m:
             ys = [memory_budget(m, g, dtype, util, headroom, seq_len).max_requests for g in GPUS]
             fig.add_trace(go.Bar(name=m, x=list(GPUS), y=ys))
-    fig.update_layout(barmode="group", height=320, title=f"길이 {seq_len:,} 토큰 요청이 동시에 몇 개 들어가나 (0 = 불가)",
-                      yaxis_title="요청 수", margin=dict(l=10, r=10, t=40, b=10))
+    fig.update_layout(
+        barmode="group",
+        height=320,
+        title=f"길이 {seq_len:,} 토큰 요청이 동시에 몇 개 들어가나 (0 = 불가)",
+        yaxis_title="요청 수",
+        margin=dict(l=10, r=10, t=40, b=10),
+    )
     return fig
 
 
@@ -47,12 +70,18 @@ def calculator() -> None:
     c1, c2, c3 = st.columns(3)
     model = c1.selectbox("모델", list(MODELS), index=1, key="ch05_model")
     gpu = c2.selectbox("GPU", list(GPUS), index=0, key="ch05_gpu")
-    dtype = c3.selectbox("가중치·KV dtype", ["bfloat16", "float16", "float32", "int8"], key="ch05_dtype")
+    dtype = c3.selectbox(
+        "가중치·KV dtype", ["bfloat16", "float16", "float32", "int8"], key="ch05_dtype"
+    )
     c1, c2, c3 = st.columns(3)
     util = c1.slider("사용률 (gpu_memory_utilization)", 0.5, 0.98, 0.9, 0.01, key="ch05_util")
     headroom = c2.slider("활성값·여유 (GB)", 0.0, 10.0, 2.0, 0.5, key="ch05_headroom")
-    seq_len = c3.select_slider("요청 길이 L (토큰)", [512, 1024, 2048, 4096, 8192, 16384, 32768, 131072],
-                               value=4096, key="ch05_len")
+    seq_len = c3.select_slider(
+        "요청 길이 L (토큰)",
+        [512, 1024, 2048, 4096, 8192, 16384, 32768, 131072],
+        value=4096,
+        key="ch05_len",
+    )
     m, g = MODELS[model], GPUS[gpu]
     b = memory_budget(model, gpu, dtype, util, headroom, seq_len)
     st.plotly_chart(_budget_figure(b), key="ch05_budget_fig")
@@ -61,59 +90,122 @@ def calculator() -> None:
     cols[1].metric("KV 예산", f"{b.kv_budget_bytes / GB:.2f} GB" if b.fits else "0 (부족)")
     cols[2].metric("토큰당 KV", f"{b.kv_bytes_per_token:,} B")
     cols[3].metric(f"L={seq_len:,} 동시 요청", f"{b.max_requests:,}")
-    evidence("계산값", f"가중치 = {m.param_count:,} 파라미터 × {b.weight_bytes // m.param_count} B = {b.weight_bytes / GB:.2f} GB",
-             formula="파라미터 수 × dtype 바이트 (파라미터 수는 config 숫자로 센 값)")
-    evidence("계산값", f"토큰당 KV = 2 × {m.num_layers} × {m.num_kv_heads} × {m.head_dim} × "
-             f"{b.kv_bytes_per_token // (2 * m.num_layers * m.num_kv_heads * m.head_dim)} B = {b.kv_bytes_per_token:,} B",
-             formula="2 (K, V) × 층 × KV head × head_dim × 바이트")
-    evidence("계산값", f"KV 예산 = {g.memory_gb:g} × {util:.2f} − {b.weight_bytes / GB:.2f} − {headroom:g} = "
-             f"{b.kv_budget_bytes / GB:.2f} GB → 토큰 {b.token_capacity:,}개 → 요청 {b.max_requests:,}개",
-             formula="장치 메모리 × 사용률 − 가중치 − 활성값·여유; 동시 요청 = KV 예산 / (토큰당 KV × L)")
+    evidence(
+        "계산값",
+        f"가중치 = {m.param_count:,} 파라미터 × {b.weight_bytes // m.param_count} B = {b.weight_bytes / GB:.2f} GB",
+        formula="파라미터 수 × dtype 바이트 (파라미터 수는 config 숫자로 센 값)",
+    )
+    evidence(
+        "계산값",
+        f"토큰당 KV = 2 × {m.num_layers} × {m.num_kv_heads} × {m.head_dim} × "
+        f"{b.kv_bytes_per_token // (2 * m.num_layers * m.num_kv_heads * m.head_dim)} B = {b.kv_bytes_per_token:,} B",
+        formula="2 (K, V) × 층 × KV head × head_dim × 바이트",
+    )
+    evidence(
+        "계산값",
+        f"KV 예산 = {g.memory_gb:g} × {util:.2f} − {b.weight_bytes / GB:.2f} − {headroom:g} = "
+        f"{b.kv_budget_bytes / GB:.2f} GB → 토큰 {b.token_capacity:,}개 → 요청 {b.max_requests:,}개",
+        formula="장치 메모리 × 사용률 − 가중치 − 활성값·여유; 동시 요청 = KV 예산 / (토큰당 KV × L)",
+    )
     if not b.fits:
-        st.error("가중치와 여유만으로 사용 가능한 메모리를 넘습니다. 이 조합은 한 장에 올라가지 않습니다 "
-                 "(바이트 줄이기: 11장 양자화, 나누기: 12장 분산 실행).")
-    evidence("보고값", f"{g.name} 메모리 {g.memory_gb:g} GB, 대역폭 {g.bandwidth_gbps:,} GB/s", source=g.source)
-    st.caption(f"모델 숫자 출처: {m.source} (config 숫자로 센 파라미터 {m.param_count / 1e9:.3f} B, "
-               f"모델 카드 표기 ≈ {m.reported_params / 1e9:g} B)")
-    st.plotly_chart(_requests_figure(model, dtype, util, headroom, seq_len), key="ch05_requests_fig")
+        st.error(
+            "가중치와 여유만으로 사용 가능한 메모리를 넘습니다. 이 조합은 한 장에 올라가지 않습니다 "
+            "(바이트 줄이기: 11장 양자화, 나누기: 12장 분산 실행)."
+        )
+    evidence(
+        "보고값",
+        f"{g.name} 메모리 {g.memory_gb:g} GB, 대역폭 {g.bandwidth_gbps:,} GB/s",
+        source=g.source,
+    )
+    st.caption(
+        f"모델 숫자 출처: {m.source} (config 숫자로 센 파라미터 {m.param_count / 1e9:.3f} B, "
+        f"모델 카드 표기 ≈ {m.reported_params / 1e9:g} B)"
+    )
+    st.plotly_chart(
+        _requests_figure(model, dtype, util, headroom, seq_len), key="ch05_requests_fig"
+    )
     with st.expander("모델 config 숫자 표 (공개 config.json에서)"):
-        st.dataframe(pd.DataFrame([{
-            "모델": s.name, "층": s.num_layers, "hidden": s.hidden_size, "heads": s.num_heads, "KV heads": s.num_kv_heads,
-            "head_dim": s.head_dim, "intermediate": s.intermediate_size, "vocab": s.vocab_size,
-            "tied": s.tied_embeddings, "파라미터 (계산)": f"{s.param_count:,}",
-            "토큰당 KV bf16 (B)": s.kv_bytes_per_token("bfloat16"), "출처": s.source} for s in MODELS.values()]),
-            hide_index=True)
-        st.dataframe(pd.DataFrame([{"GPU": x.name, "메모리 (GB, 보고값)": x.memory_gb,
-                                    "대역폭 (GB/s, 보고값)": x.bandwidth_gbps, "출처": x.source} for x in GPUS.values()]),
-                     hide_index=True)
+        st.dataframe(
+            pd.DataFrame(
+                [
+                    {
+                        "모델": s.name,
+                        "층": s.num_layers,
+                        "hidden": s.hidden_size,
+                        "heads": s.num_heads,
+                        "KV heads": s.num_kv_heads,
+                        "head_dim": s.head_dim,
+                        "intermediate": s.intermediate_size,
+                        "vocab": s.vocab_size,
+                        "tied": s.tied_embeddings,
+                        "파라미터 (계산)": f"{s.param_count:,}",
+                        "토큰당 KV bf16 (B)": s.kv_bytes_per_token("bfloat16"),
+                        "출처": s.source,
+                    }
+                    for s in MODELS.values()
+                ]
+            ),
+            hide_index=True,
+        )
+        st.dataframe(
+            pd.DataFrame(
+                [
+                    {
+                        "GPU": x.name,
+                        "메모리 (GB, 보고값)": x.memory_gb,
+                        "대역폭 (GB/s, 보고값)": x.bandwidth_gbps,
+                        "출처": x.source,
+                    }
+                    for x in GPUS.values()
+                ]
+            ),
+            hide_index=True,
+        )
 
 
 def _measure_table(results: dict[str, DtypeMeasurement]) -> pd.DataFrame:
     rows = []
     for dt, r in results.items():
-        rows.append({
-            "dtype": dt,
-            "계산 가중치 (MB)": round(r.computed_bytes / 1e6, 1),
-            "측정 텐서 바이트 (MB)": round(r.tensor_bytes / 1e6, 1),
-            "RSS 증가 (MB)": round(r.rss_delta_bytes / 1e6, 1) if r.rss_delta_bytes is not None else "이미 로드됨",
-            "로드 (s)": round(r.load_s, 2) if r.load_s is not None else "—",
-            "TTFT (ms)": round(r.ttft_ms, 1),
-            "TPOT (ms)": round(r.tpot_ms, 1),
-            "decode (토큰/s)": round(r.decode_tokens_per_s, 1),
-            "fp32와 같은 토큰": ("기준" if r.agree_with is None else
-                             ("모두 같음" if r.first_divergence is None else f"{r.first_divergence}번째부터 다름")),
-            "출력": r.text[:60],
-        })
+        rows.append(
+            {
+                "dtype": dt,
+                "계산 가중치 (MB)": round(r.computed_bytes / 1e6, 1),
+                "측정 텐서 바이트 (MB)": round(r.tensor_bytes / 1e6, 1),
+                "RSS 증가 (MB)": round(r.rss_delta_bytes / 1e6, 1)
+                if r.rss_delta_bytes is not None
+                else "이미 로드됨",
+                "로드 (s)": round(r.load_s, 2) if r.load_s is not None else "—",
+                "TTFT (ms)": round(r.ttft_ms, 1),
+                "TPOT (ms)": round(r.tpot_ms, 1),
+                "decode (토큰/s)": round(r.decode_tokens_per_s, 1),
+                "fp32와 같은 토큰": (
+                    "기준"
+                    if r.agree_with is None
+                    else (
+                        "모두 같음"
+                        if r.first_divergence is None
+                        else f"{r.first_divergence}번째부터 다름"
+                    )
+                ),
+                "출력": r.text[:60],
+            }
+        )
     return pd.DataFrame(rows)
 
 
 def measurement() -> None:
     st.subheader("② 우리 모델을 fp32 · bf16 · fp16으로 올려 재기 (측정값)")
-    st.caption("각 dtype마다 가중치를 한 번 올리고(프로세스 안에서 공유되므로 두 번째부터는 '이미 로드됨'), 같은 프롬프트로 "
-               "greedy 생성을 해 TPOT를 잽니다. CPU에서 bf16/fp16은 빠른 커널이 없으면 fp32보다 느릴 수 있습니다.")
+    st.caption(
+        "각 dtype마다 가중치를 한 번 올리고(프로세스 안에서 공유되므로 두 번째부터는 '이미 로드됨'), 같은 프롬프트로 "
+        "greedy 생성을 해 TPOT를 잽니다. CPU에서 bf16/fp16은 빠른 커널이 없으면 fp32보다 느릴 수 있습니다."
+    )
     c1, c2 = st.columns(2)
-    dtypes = c1.multiselect("dtype", ["float32", "bfloat16", "float16"], default=["float32", "bfloat16", "float16"],
-                            key="ch05_dtypes")
+    dtypes = c1.multiselect(
+        "dtype",
+        ["float32", "bfloat16", "float16"],
+        default=["float32", "bfloat16", "float16"],
+        key="ch05_dtypes",
+    )
     n_tokens = c2.slider("생성 토큰 수", 4, 32, 12, key="ch05_ntok")
     predict("ch05_bf16", "이 기계에서 bf16 decode는 fp32에 비해 어떨까요?", options=SPEED_CHOICES)
     if st.button("실행", key="ch05_run", type="primary"):
@@ -122,7 +214,9 @@ def measurement() -> None:
         order = ["float32"] + [d for d in dtypes if d != "float32"]  # fp32 first: the reference
         progress = Progress(len(order), "dtype")
         for dt in order:
-            results[dt] = measure_dtype(cfg, dt, num_tokens=n_tokens, reference=results.get("float32"))
+            results[dt] = measure_dtype(
+                cfg, dt, num_tokens=n_tokens, reference=results.get("float32")
+            )
             progress()
         progress.close()
         st.session_state[MEASURED] = results
@@ -133,25 +227,59 @@ def measurement() -> None:
     st.dataframe(_measure_table(results), hide_index=True)
     fig = go.Figure()
     names = list(results)
-    fig.add_trace(go.Bar(name="계산 가중치 (MB)", x=names, y=[results[d].computed_bytes / 1e6 for d in names]))
-    fig.add_trace(go.Bar(name="측정 텐서 바이트 (MB)", x=names, y=[results[d].tensor_bytes / 1e6 for d in names]))
-    fig.add_trace(go.Scatter(name="decode 토큰/s", x=names, y=[results[d].decode_tokens_per_s for d in names],
-                             yaxis="y2", mode="markers+lines", marker_size=10))
-    fig.update_layout(barmode="group", height=320, title="dtype별 가중치 메모리와 decode 속도",
-                      yaxis=dict(title="MB"), yaxis2=dict(title="토큰/s", overlaying="y", side="right"),
-                      margin=dict(l=10, r=10, t=40, b=10))
+    fig.add_trace(
+        go.Bar(name="계산 가중치 (MB)", x=names, y=[results[d].computed_bytes / 1e6 for d in names])
+    )
+    fig.add_trace(
+        go.Bar(
+            name="측정 텐서 바이트 (MB)", x=names, y=[results[d].tensor_bytes / 1e6 for d in names]
+        )
+    )
+    fig.add_trace(
+        go.Scatter(
+            name="decode 토큰/s",
+            x=names,
+            y=[results[d].decode_tokens_per_s for d in names],
+            yaxis="y2",
+            mode="markers+lines",
+            marker_size=10,
+        )
+    )
+    fig.update_layout(
+        barmode="group",
+        height=320,
+        title="dtype별 가중치 메모리와 decode 속도",
+        yaxis=dict(title="MB"),
+        yaxis2=dict(title="토큰/s", overlaying="y", side="right"),
+        margin=dict(l=10, r=10, t=40, b=10),
+    )
     st.plotly_chart(fig, key="ch05_measure_fig")
     for dt, r in results.items():
-        evidence("측정값", f"{dt}: 로드된 텐서 {r.tensor_bytes / 1e6:.1f} MB, TPOT {r.tpot_ms:.1f} ms "
-                 f"({r.decode_tokens_per_s:.1f} 토큰/s)", **r.conditions)
+        evidence(
+            "측정값",
+            f"{dt}: 로드된 텐서 {r.tensor_bytes / 1e6:.1f} MB, TPOT {r.tpot_ms:.1f} ms "
+            f"({r.decode_tokens_per_s:.1f} 토큰/s)",
+            **r.conditions,
+        )
     if "float32" in results and "bfloat16" in results:
-        ratio = results["bfloat16"].decode_tokens_per_s / max(results["float32"].decode_tokens_per_s, 1e-9)
-        measured = SPEED_CHOICES[0] if ratio > 1.15 else SPEED_CHOICES[2] if ratio < 0.87 else SPEED_CHOICES[1]
+        ratio = results["bfloat16"].decode_tokens_per_s / max(
+            results["float32"].decode_tokens_per_s, 1e-9
+        )
+        measured = (
+            SPEED_CHOICES[0]
+            if ratio > 1.15
+            else SPEED_CHOICES[2]
+            if ratio < 0.87
+            else SPEED_CHOICES[1]
+        )
         compare("ch05_bf16", measured)
         st.caption(f"bf16 decode 속도 / fp32 decode 속도 = {ratio:.2f}")
     first = next(iter(results.values()))
-    evidence("계산값", f"가중치 = {first.param_count:,} × 4 B (fp32) 또는 × 2 B (bf16/fp16)",
-             formula="측정 텐서 바이트와 비교: 파라미터 수 × dtype 바이트")
+    evidence(
+        "계산값",
+        f"가중치 = {first.param_count:,} × 4 B (fp32) 또는 × 2 B (bf16/fp16)",
+        formula="측정 텐서 바이트와 비교: 파라미터 수 × dtype 바이트",
+    )
     show_code(measure_dtype, "방금 실행된 코드 (dtype 측정)")
 
 

@@ -4,8 +4,14 @@ continuous batching); latency, padding waste, idle slots, head-of-line blocking,
 import plotly.graph_objects as go
 import streamlit as st
 
-from ui.experiments.ch07 import (BATCHING_MODES, batch_waste, batching_config, batching_summary,
-                                 batching_workload, compare_batching)
+from ui.experiments.ch07 import (
+    BATCHING_MODES,
+    batch_waste,
+    batching_config,
+    batching_summary,
+    batching_workload,
+    compare_batching,
+)
 from ui.lab import LabContext, Side, run_results, run_workload_button
 from ui.lab import lab as engine_lab
 from ui.lesson import render_chapter
@@ -14,7 +20,11 @@ from ui.session import current_settings
 from ui.widgets import evidence, show_code
 
 RESULTS = "ch07_results"
-SIDE_KEYS = {"순차 실행": "ch07_seq", "정적 배칭": "ch07_static", "continuous batching": "ch07_cont"}
+SIDE_KEYS = {
+    "순차 실행": "ch07_seq",
+    "정적 배칭": "ch07_static",
+    "continuous batching": "ch07_cont",
+}
 
 
 def _sides(batch: int) -> list[Side]:
@@ -22,8 +32,11 @@ def _sides(batch: int) -> list[Side]:
     sides = []
     for label, key in SIDE_KEYS.items():
         cfg = batching_config(base, label, batch)
-        overrides = dict(scheduling_policy=cfg.scheduling_policy, max_num_seqs=cfg.max_num_seqs,
-                         enable_prefix_caching=False)
+        overrides = dict(
+            scheduling_policy=cfg.scheduling_policy,
+            max_num_seqs=cfg.max_num_seqs,
+            enable_prefix_caching=False,
+        )
         sides.append(Side(key, label, overrides))
     return sides
 
@@ -31,8 +44,10 @@ def _sides(batch: int) -> list[Side]:
 def _summary_view(ctx: LabContext) -> None:
     results = run_results(ctx, RESULTS)
     if results is None:
-        st.info("세 엔진이 워크로드를 모두 끝내면 여기에 전체 요약이 나옵니다. **실행**은 한 번에 끝까지, "
-                "**워크로드 넣기** 뒤 **다음 스텝**은 세 엔진을 한 스텝씩 나란히 움직입니다.")
+        st.info(
+            "세 엔진이 워크로드를 모두 끝내면 여기에 전체 요약이 나옵니다. **실행**은 한 번에 끝까지, "
+            "**워크로드 넣기** 뒤 **다음 스텝**은 세 엔진을 한 스텝씩 나란히 움직입니다."
+        )
         return
     summary = batching_summary(results)
     st.markdown("**전체 실행 요약** (엔진 시계)")
@@ -41,35 +56,61 @@ def _summary_view(ctx: LabContext) -> None:
     for label, res in results.items():
         t = res.request_table()
         fig.add_trace(go.Bar(name=f"{label} E2E", x=t["request_id"], y=t["e2e_ms"]))
-    fig.update_layout(barmode="group", height=320, title="요청별 E2E (ms, 엔진 시계)", yaxis_title="ms",
-                      margin=dict(l=10, r=10, t=40, b=10))
+    fig.update_layout(
+        barmode="group",
+        height=320,
+        title="요청별 E2E (ms, 엔진 시계)",
+        yaxis_title="ms",
+        margin=dict(l=10, r=10, t=40, b=10),
+    )
     st.plotly_chart(fig, key="ch07_e2e")
     c1, c2 = st.columns(2)
     fig = go.Figure(go.Bar(x=summary["방식"], y=summary["처리량 (토큰/s)"], marker_color="#1f77b4"))
-    fig.update_layout(height=300, title="처리량 (토큰/s)", yaxis_title="토큰/s",
-                      margin=dict(l=10, r=10, t=40, b=10))
+    fig.update_layout(
+        height=300,
+        title="처리량 (토큰/s)",
+        yaxis_title="토큰/s",
+        margin=dict(l=10, r=10, t=40, b=10),
+    )
     c1.plotly_chart(fig, key="ch07_throughput")
     fig = go.Figure()
     fig.add_trace(go.Bar(name="빈 자리", x=summary["방식"], y=summary["빈 자리 (슬롯·스텝)"]))
     fig.add_trace(go.Bar(name="패딩 낭비", x=summary["방식"], y=summary["패딩 낭비 (슬롯·스텝)"]))
-    fig.update_layout(barmode="group", height=300, title="낭비된 자리 (슬롯·스텝)", yaxis_title="슬롯·스텝",
-                      margin=dict(l=10, r=10, t=40, b=10))
+    fig.update_layout(
+        barmode="group",
+        height=300,
+        title="낭비된 자리 (슬롯·스텝)",
+        yaxis_title="슬롯·스텝",
+        margin=dict(l=10, r=10, t=40, b=10),
+    )
     c2.plotly_chart(fig, key="ch07_waste")
     best = summary.loc[summary["처리량 (토큰/s)"].idxmax(), "방식"]
     compare("ch07_best", best)
     for label, res in results.items():
-        evidence("측정값", f"{label}: 전체 {res.elapsed_s:.2f} s (엔진 시계), "
-                 f"처리량 {res.throughput:.1f} 토큰/s, "
-                 f"스텝 {len(res.records)}개", **res.conditions)
+        evidence(
+            "측정값",
+            f"{label}: 전체 {res.elapsed_s:.2f} s (엔진 시계), "
+            f"처리량 {res.throughput:.1f} 토큰/s, "
+            f"스텝 {len(res.records)}개",
+            **res.conditions,
+        )
     w = batch_waste(results["정적 배칭"])
-    evidence("계산값", f"정적 배칭의 패딩 낭비 {w['padding_slot_steps']} 슬롯·스텝 (배치 {w['num_batches']}개)",
-             formula="Σ 배치마다 (배치 크기 × 배치 스텝 수) − 실제로 일한 (요청, 스텝) 수")
-    evidence("계산값", "빈 자리 = 최대 동시 요청 수 × 스텝 수 − Σ 스텝마다 배정된 요청 수; "
-             "막힌 대기 = 대기 이유가 '정적 배치 진행 중' 또는 '최대 동시 요청 수'인 (요청, 스텝) 수",
-             formula="스텝 기록(StepRecord)에서 셈")
-    st.caption("주의: 우리 엔진의 정적 배칭은 끝난 요청을 실제로 계산하지는 않습니다. 패딩 낭비는 '패딩으로 채워 "
-               "함께 계산하는 구현이었다면 헛돌았을 자리'이고, 자리가 비어 있어 다른 요청을 받지 못한 것은 "
-               "실제입니다.")
+    evidence(
+        "계산값",
+        f"정적 배칭의 패딩 낭비 {w['padding_slot_steps']} 슬롯·스텝 (배치 {w['num_batches']}개)",
+        formula="Σ 배치마다 (배치 크기 × 배치 스텝 수) − 실제로 일한 (요청, 스텝) 수",
+    )
+    evidence(
+        "계산값",
+        "빈 자리 = 최대 동시 요청 수 × 스텝 수 − Σ 스텝마다 배정된 요청 수; "
+        "막힌 대기 = 대기 이유가 '정적 배치 진행 중' 또는 '최대 동시 요청 수'인 (요청, 스텝) 수",
+        formula="스텝 기록(StepRecord)에서 셈",
+    )
+    st.caption(
+        "주의: 우리 엔진의 정적 배칭은 끝난 요청을 실제로 계산하지는 않습니다. 패딩 낭비는 '패딩으로 채워 "
+        "함께 계산하는 구현이었다면 헛돌았을 자리'이고, 자리가 비어 있어 다른 요청을 받지 못한 것은 "
+        "실제입니다."
+    )
 
 
 def lab() -> None:
@@ -81,15 +122,28 @@ def lab() -> None:
     workload = batching_workload(n, late)
     note = "워크로드: " + ", ".join(
         f"r{i}(프롬프트 {s.prompt_len}, 출력 {s.max_tokens}, 도착 {s.arrival_ms:.0f} ms)"
-        for i, s in enumerate(workload.requests))
+        for i, s in enumerate(workload.requests)
+    )
 
     def before(ctx: LabContext) -> None:
-        predict("ch07_best", "세 방식 중 처리량(토큰/s)이 가장 높은 것은?", options=list(BATCHING_MODES),
-                locked=ctx.started)
+        predict(
+            "ch07_best",
+            "세 방식 중 처리량(토큰/s)이 가장 높은 것은?",
+            options=list(BATCHING_MODES),
+            locked=ctx.started,
+        )
         run_workload_button(ctx, workload)
 
-    engine_lab("ch07", _sides(batch), presets=None, workload=workload, workload_note=note,
-               before=before, chapter_view=_summary_view, show_code_panel=False)
+    engine_lab(
+        "ch07",
+        _sides(batch),
+        presets=None,
+        workload=workload,
+        workload_note=note,
+        before=before,
+        chapter_view=_summary_view,
+        show_code_panel=False,
+    )
     show_code(compare_batching, "방금 실행된 코드 (세 방식 비교, 한 번에 돌리는 판)")
 
 

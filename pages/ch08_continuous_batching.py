@@ -5,8 +5,13 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from engine.scheduler import Scheduler
-from ui.experiments.ch08 import (CHUNKED_MODES, ChunkedComparison, chunked_config, chunked_summary,
-                                 long_prompt_workload)
+from ui.experiments.ch08 import (
+    CHUNKED_MODES,
+    ChunkedComparison,
+    chunked_config,
+    chunked_summary,
+    long_prompt_workload,
+)
 from ui.lab import LabContext, Side, run_results, run_workload_button
 from ui.lab import lab as engine_lab
 from ui.lesson import render_chapter
@@ -17,8 +22,14 @@ from ui.widgets import decision_table, evidence, show_code
 RESULT = "ch08_result"
 SIDE_KEYS = {"chunked prefill 켬": "ch08_on", "chunked prefill 끔": "ch08_off"}
 CHOICES = ["줄어든다", "비슷하다", "늘어난다"]
-FIELDS = ("enable_chunked_prefill", "max_num_batched_tokens", "max_num_seqs",
-          "enable_prefix_caching", "max_model_len", "num_kv_blocks")
+FIELDS = (
+    "enable_chunked_prefill",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "enable_prefix_caching",
+    "max_model_len",
+    "num_kv_blocks",
+)
 
 
 def _sides(labels: list[str], budget: int, seqs: int) -> list[Side]:
@@ -40,9 +51,11 @@ def _summary_view(ctx: LabContext) -> None:
     for side in ctx.sides:
         feeder = ctx.feeders.get(side.key)
         if feeder is not None and feeder.rejected:
-            st.warning(f"{side.label}: 최대 길이({ctx.engines[side.key].max_model_len}토큰)보다 긴 요청을 엔진이 "
-                       f"거절했습니다 — {', '.join(feeder.rejected)}. chunked prefill 없이 긴 프롬프트를 받으려면 "
-                       "토큰 예산을 그 길이 이상으로 올려야 합니다.")
+            st.warning(
+                f"{side.label}: 최대 길이({ctx.engines[side.key].max_model_len}토큰)보다 긴 요청을 엔진이 "
+                f"거절했습니다 — {', '.join(feeder.rejected)}. chunked prefill 없이 긴 프롬프트를 받으려면 "
+                "토큰 예산을 그 길이 이상으로 올려야 합니다."
+            )
     result = run_results(ctx, RESULT, _wrap)
     if result is None:
         st.info("모든 엔진이 워크로드를 끝내면 여기에 전체 요약이 나옵니다.")
@@ -52,38 +65,68 @@ def _summary_view(ctx: LabContext) -> None:
     fig = go.Figure()
     for label, res in result.runs.items():
         steps = res.step_table()
-        fig.add_trace(go.Scatter(
-            x=steps["start_ms"], y=steps["duration_ms"], mode="lines+markers",
-            name=f"{label} 스텝 시간",
-            customdata=steps[["step", "num_tokens"]],
-            hovertemplate=("스텝 %{customdata[0]} · 토큰 %{customdata[1]}<br>%{y:.1f} ms"
-                           "<extra></extra>")))
-    fig.update_layout(height=320, title="스텝 시간 (ms) — 긴 프롬프트가 든 스텝이 튀는지",
-                      xaxis_title="시작 시각 (ms, 엔진 시계)", yaxis_title="ms",
-                      margin=dict(l=10, r=10, t=40, b=10))
+        fig.add_trace(
+            go.Scatter(
+                x=steps["start_ms"],
+                y=steps["duration_ms"],
+                mode="lines+markers",
+                name=f"{label} 스텝 시간",
+                customdata=steps[["step", "num_tokens"]],
+                hovertemplate=(
+                    "스텝 %{customdata[0]} · 토큰 %{customdata[1]}<br>%{y:.1f} ms<extra></extra>"
+                ),
+            )
+        )
+    fig.update_layout(
+        height=320,
+        title="스텝 시간 (ms) — 긴 프롬프트가 든 스텝이 튀는지",
+        xaxis_title="시작 시각 (ms, 엔진 시계)",
+        yaxis_title="ms",
+        margin=dict(l=10, r=10, t=40, b=10),
+    )
     st.plotly_chart(fig, key="ch08_step_times")
     fig = go.Figure()
     for label, res in result.runs.items():
         itl = res.itl_samples_ms()
         others = itl[itl["request_id"] != "긴-프롬프트"]
-        fig.add_trace(go.Scatter(x=others["time_ms"], y=others["itl_ms"], mode="markers",
-                                 name=f"{label}: 짧은 요청 ITL", text=others["request_id"]))
-    fig.update_layout(height=320, title="짧은 요청들의 ITL (토큰 사이 간격)", xaxis_title="시각 (ms, 엔진 시계)",
-                      yaxis_title="ms", margin=dict(l=10, r=10, t=40, b=10))
+        fig.add_trace(
+            go.Scatter(
+                x=others["time_ms"],
+                y=others["itl_ms"],
+                mode="markers",
+                name=f"{label}: 짧은 요청 ITL",
+                text=others["request_id"],
+            )
+        )
+    fig.update_layout(
+        height=320,
+        title="짧은 요청들의 ITL (토큰 사이 간격)",
+        xaxis_title="시각 (ms, 엔진 시계)",
+        yaxis_title="ms",
+        margin=dict(l=10, r=10, t=40, b=10),
+    )
     st.plotly_chart(fig, key="ch08_itl")
     s = result.summary.set_index("실행")
     if len(s) == 2:
         on, off = s["다른 요청 ITL 최대 (ms)"]
         if on is not None and off is not None:
-            measured = (CHOICES[0] if on < 0.8 * off else
-                        CHOICES[2] if on > 1.25 * off else CHOICES[1])
+            measured = (
+                CHOICES[0] if on < 0.8 * off else CHOICES[2] if on > 1.25 * off else CHOICES[1]
+            )
             compare("ch08_itl", measured)
             st.caption(f"짧은 요청 ITL 최대: 켬 {on:.1f} ms, 끔 {off:.1f} ms")
     for label, res in result.runs.items():
-        evidence("측정값", f"{label}: 스텝 {len(res.records)}개, 전체 {res.elapsed_s:.2f} s (엔진 시계)",
-                 **res.conditions)
-    evidence("계산값", "다른 요청 ITL 최대 = 짧은 요청들의 연속한 두 토큰 시각 차 중 최대; "
-             "긴 요청 TTFT = 첫 토큰 시각 − 도착 시각", formula="RequestMetrics (엔진 시계)")
+        evidence(
+            "측정값",
+            f"{label}: 스텝 {len(res.records)}개, 전체 {res.elapsed_s:.2f} s (엔진 시계)",
+            **res.conditions,
+        )
+    evidence(
+        "계산값",
+        "다른 요청 ITL 최대 = 짧은 요청들의 연속한 두 토큰 시각 차 중 최대; "
+        "긴 요청 TTFT = 첫 토큰 시각 − 도착 시각",
+        formula="RequestMetrics (엔진 시계)",
+    )
     first = next(iter(result.runs.values()))
     mixed = [r for r in first.records if len({x.phase for x in r.scheduled}) > 1]
     if mixed:
@@ -92,43 +135,68 @@ def _summary_view(ctx: LabContext) -> None:
     for res in result.runs.values():
         blocked = [r for r in res.records if "token_budget" in r.unscheduled.values()]
         if blocked:
-            st.markdown(f"**토큰 예산 때문에 빠진 요청이 있는 스텝** ({res.label}, 스텝 {blocked[0].step})")
+            st.markdown(
+                f"**토큰 예산 때문에 빠진 요청이 있는 스텝** ({res.label}, 스텝 {blocked[0].step})"
+            )
             st.dataframe(decision_table(blocked[0]).astype(object).fillna("—"), hide_index=True)
 
 
 def lab() -> None:
     st.subheader("긴 프롬프트가 decode 중인 요청들 사이에 끼어들 때")
     c1, c2, c3, c4 = st.columns(4)
-    budget = c1.slider("토큰 예산 (max_num_batched_tokens)", 16, 512, 64, step=16, key="ch08_budget")
+    budget = c1.slider(
+        "토큰 예산 (max_num_batched_tokens)", 16, 512, 64, step=16, key="ch08_budget"
+    )
     seqs = c2.slider("최대 동시 요청 수 (max_num_seqs)", 1, 8, 4, key="ch08_seqs")
     long_len = c3.slider("긴 프롬프트 길이 (토큰)", 100, 600, 420, step=20, key="ch08_long")
     arrival = c4.slider("긴 프롬프트 도착 (ms)", 0, 500, 250, step=50, key="ch08_arrival")
     c1, c2 = st.columns(2)
-    chunked = c1.toggle("chunked prefill", value=True, key="ch08_chunked",
-                        help="한 엔진만 돌릴 때 켤지 끌지 (나란히 비교를 끄면 쓰임)")
+    chunked = c1.toggle(
+        "chunked prefill",
+        value=True,
+        key="ch08_chunked",
+        help="한 엔진만 돌릴 때 켤지 끌지 (나란히 비교를 끄면 쓰임)",
+    )
     both = c2.checkbox("켬·끔 나란히 비교 (한 스텝에 두 엔진)", value=True, key="ch08_both")
     chosen = next(k for k, v in CHUNKED_MODES.items() if v == chunked)
     labels = list(CHUNKED_MODES) if both else [chosen]
     workload = long_prompt_workload(long_len, long_arrival_ms=float(arrival))
     long_total = long_len + workload.requests[-1].max_tokens
-    st.caption(f"워크로드: 짧은 요청 3개(프롬프트 16, 출력 40)가 먼저 오고, {arrival} ms 뒤(엔진 시계) "
-               f"{long_len}토큰 프롬프트 하나(출력 {workload.requests[-1].max_tokens})가 도착합니다.")
+    st.caption(
+        f"워크로드: 짧은 요청 3개(프롬프트 16, 출력 40)가 먼저 오고, {arrival} ms 뒤(엔진 시계) "
+        f"{long_len}토큰 프롬프트 하나(출력 {workload.requests[-1].max_tokens})가 도착합니다."
+    )
     if "chunked prefill 끔" in labels:
-        verdict = (f"이 워크로드의 긴 요청({long_total}토큰)은 {budget}토큰을 넘으므로 이 엔진이 거절합니다."
-                   if long_total > budget else
-                   "긴 프롬프트는 한 스텝에 통째로 들어가야 해서, 남은 예산이 모자라면 '토큰 예산 소진'으로 "
-                   "기다립니다.")
-        st.info(f"chunked prefill을 끈 엔진은 토큰 예산을 올리지 않습니다 (예산 {budget}토큰 그대로). 청크 없이는 "
-                "요청 하나(선점 뒤 재계산 포함)가 한 스텝에 들어가야 하므로 엔진은 예산 ≥ 최대 길이를 요구합니다. "
-                f"그래서 이 엔진의 최대 길이(max_model_len)를 {budget}토큰으로 낮췄습니다. " + verdict)
+        verdict = (
+            f"이 워크로드의 긴 요청({long_total}토큰)은 {budget}토큰을 넘으므로 이 엔진이 거절합니다."
+            if long_total > budget
+            else "긴 프롬프트는 한 스텝에 통째로 들어가야 해서, 남은 예산이 모자라면 '토큰 예산 소진'으로 "
+            "기다립니다."
+        )
+        st.info(
+            f"chunked prefill을 끈 엔진은 토큰 예산을 올리지 않습니다 (예산 {budget}토큰 그대로). 청크 없이는 "
+            "요청 하나(선점 뒤 재계산 포함)가 한 스텝에 들어가야 하므로 엔진은 예산 ≥ 최대 길이를 요구합니다. "
+            f"그래서 이 엔진의 최대 길이(max_model_len)를 {budget}토큰으로 낮췄습니다. " + verdict
+        )
 
     def before(ctx: LabContext) -> None:
-        predict("ch08_itl", "chunked prefill을 켜면, 끌 때에 비해 짧은 요청들의 ITL 최대(가장 긴 토큰 간격)는?",
-                options=CHOICES, locked=ctx.started)
+        predict(
+            "ch08_itl",
+            "chunked prefill을 켜면, 끌 때에 비해 짧은 요청들의 ITL 최대(가장 긴 토큰 간격)는?",
+            options=CHOICES,
+            locked=ctx.started,
+        )
         run_workload_button(ctx, workload)
 
-    engine_lab("ch08", _sides(labels, budget, seqs), presets=None, workload=workload,
-               before=before, chapter_view=_summary_view, show_code_panel=False)
+    engine_lab(
+        "ch08",
+        _sides(labels, budget, seqs),
+        presets=None,
+        workload=workload,
+        before=before,
+        chapter_view=_summary_view,
+        show_code_panel=False,
+    )
     show_code(Scheduler.schedule, "방금 실행된 코드 (스케줄러의 결정)")
 
 

@@ -20,14 +20,25 @@ SHOTS = ROOT / "tests" / "screenshots"
 IDLE = "[data-testid='stApp'][data-test-script-state='notRunning']"
 RUNNING = "[data-testid='stApp'][data-test-script-state='running']"
 # Without the background-networking flags Chromium keeps dialling out on this closed network.
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 VENV_PYTHON = ROOT / ".venv" / "bin" / "python"
 
 
 def find_chromium() -> str | None:
-    for candidate in (os.environ.get("CHROMIUM"), "/usr/bin/chromium", shutil.which("chromium"),
-                      shutil.which("chromium-browser"), shutil.which("google-chrome")):
+    for candidate in (
+        os.environ.get("CHROMIUM"),
+        "/usr/bin/chromium",
+        shutil.which("chromium"),
+        shutil.which("chromium-browser"),
+        shutil.which("google-chrome"),
+    ):
         if candidate and Path(candidate).exists():
             return candidate
     return None
@@ -44,8 +55,23 @@ def streamlit_server(log_path: Path, start_timeout_s: float = 120):
     """Start the app on 127.0.0.1 and yield its URL once /_stcore/health answers."""
     python = str(VENV_PYTHON) if VENV_PYTHON.exists() else sys.executable
     port = free_port()
-    cmd = [python, "-m", "streamlit", "run", "app.py", "--server.headless", "true", "--server.address", "127.0.0.1",
-           "--server.port", str(port), "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none"]
+    cmd = [
+        python,
+        "-m",
+        "streamlit",
+        "run",
+        "app.py",
+        "--server.headless",
+        "true",
+        "--server.address",
+        "127.0.0.1",
+        "--server.port",
+        str(port),
+        "--browser.gatherUsageStats",
+        "false",
+        "--server.fileWatcherType",
+        "none",
+    ]
     with open(log_path, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -75,8 +101,10 @@ def browser_page(app_url: str, timeout_ms: int):
     """A Chromium page warmed up on the app's main page (torch import, weights loaded)."""
     chromium = find_chromium()
     if chromium is None:
-        pytest.skip("no Chromium found (looked for $CHROMIUM, /usr/bin/chromium, chromium, chromium-browser): "
-                    "install Debian's chromium to run the browser tests")
+        pytest.skip(
+            "no Chromium found (looked for $CHROMIUM, /usr/bin/chromium, chromium, chromium-browser): "
+            "install Debian's chromium to run the browser tests"
+        )
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
     SHOTS.mkdir(parents=True, exist_ok=True)
     with sync_api.sync_playwright() as p:

@@ -40,7 +40,9 @@ class PagedRunner:
         self.free.extend(self.tables.pop(key))
         self.num_computed.pop(key, None)
 
-    def step(self, pieces: list[tuple[object, list[int]]], all_logits: bool = False) -> list[torch.Tensor]:
+    def step(
+        self, pieces: list[tuple[object, list[int]]], all_logits: bool = False
+    ) -> list[torch.Tensor]:
         """Run one flat batch. `pieces`: (request key, new token ids) in batch order; the new
         tokens continue that request after the tokens it already has in the cache. Returns, per
         piece, logits [vocab] of its last token, or [n, vocab] for all its tokens if all_logits."""
@@ -54,9 +56,13 @@ class PagedRunner:
             query_lens.append(len(tokens))
             computed.append(start)
             tables.append(self.tables[key])
-            rows.append(list(range(row, row + len(tokens))) if all_logits else [row + len(tokens) - 1])
+            rows.append(
+                list(range(row, row + len(tokens))) if all_logits else [row + len(tokens) - 1]
+            )
             row += len(tokens)
-        meta = build_attention_metadata(query_lens, computed, tables, self.block_size, device=self.model.device)
+        meta = build_attention_metadata(
+            query_lens, computed, tables, self.block_size, device=self.model.device
+        )
         flat_rows = [r for rs in rows for r in rs]
         logits = self.model.forward(
             torch.tensor(ids, device=self.model.device),
@@ -87,7 +93,9 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 def greedy_alone(model, prompt: list[int], max_new_tokens: int, block_size: int = 16) -> list[int]:
     """Prefill the whole prompt, then decode one token per step; never stops at EOS."""
-    runner = PagedRunner(model, blocks_needed([len(prompt) + max_new_tokens], block_size), block_size)
+    runner = PagedRunner(
+        model, blocks_needed([len(prompt) + max_new_tokens], block_size), block_size
+    )
     (logits,) = runner.step([("r", prompt)])
     out = [int(logits.argmax())]
     while len(out) < max_new_tokens:

@@ -38,14 +38,22 @@ def write_tiny_tokenizer(path: Path) -> int:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(training_text(), trainer)
     tokenizer.save(str(path / "tokenizer.json"))
-    config = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>",
-              "unk_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast",
-              "model_max_length": 1024}
+    config = {
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|im_end|>",
+        "unk_token": "<|endoftext|>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": 1024,
+    }
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))

@@ -48,7 +48,9 @@ def default_model_dir() -> Path:
     try:
         validate_model_dir(path)
     except ArtifactError as exc:
-        pytest.skip(f"default artifact not usable ({exc}); build it with: python -m engine artifact build")
+        pytest.skip(
+            f"default artifact not usable ({exc}); build it with: python -m engine artifact build"
+        )
     return path
 
 
@@ -75,8 +77,14 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
 
     path = tmp_path_factory.mktemp("tiny-qwen2")
     vocab_size = write_tiny_tokenizer(path)
-    config = Qwen2Config(**{**TINY_CONFIG, "vocab_size": vocab_size, "tie_word_embeddings": False,
-                            "use_sliding_window": False})
+    config = Qwen2Config(
+        **{
+            **TINY_CONFIG,
+            "vocab_size": vocab_size,
+            "tie_word_embeddings": False,
+            "use_sliding_window": False,
+        }
+    )
     config.architectures = ["Qwen2ForCausalLM"]
     write_tiny_model(path, config, seed=1)
     validate_model_dir(path)

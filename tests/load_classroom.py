@@ -24,7 +24,6 @@ import asyncio
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,8 +36,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 IDLE = "[data-testid='stApp'][data-test-script-state='notRunning']"
 RUNNING = "[data-testid='stApp'][data-test-script-state='running']"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 MB = 1 << 20
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -46,8 +51,13 @@ TICKS = os.sysconf("SC_CLK_TCK")
 def find_chromium() -> str | None:
     import shutil
 
-    for candidate in (os.environ.get("CHROMIUM"), "/usr/bin/chromium", shutil.which("chromium"),
-                      shutil.which("chromium-browser"), shutil.which("google-chrome")):
+    for candidate in (
+        os.environ.get("CHROMIUM"),
+        "/usr/bin/chromium",
+        shutil.which("chromium"),
+        shutil.which("chromium-browser"),
+        shutil.which("google-chrome"),
+    ):
         if candidate and Path(candidate).exists():
             return candidate
     return None
@@ -75,19 +85,28 @@ def free_port() -> int:
 class Server:
     """`streamlit run app.py` on 127.0.0.1 with the classroom's environment."""
 
-    def __init__(self, log_path: Path, env: dict[str, str], app: str = "app.py",
-                 start_timeout_s: float = 180):
+    def __init__(
+        self, log_path: Path, env: dict[str, str], app: str = "app.py", start_timeout_s: float = 180
+    ):
         python = ROOT / ".venv" / "bin" / "python"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.status_file = Path(tempfile.mkdtemp(prefix="llm-lab-")) / "status.json"
         full_env = {**os.environ, "LLM_LAB_STATUS_FILE": str(self.status_file), **env}
-        cmd = [str(python if python.exists() else sys.executable), "-m", "streamlit", "run", app,
-               "--server.port", str(self.port)]
+        cmd = [
+            str(python if python.exists() else sys.executable),
+            "-m",
+            "streamlit",
+            "run",
+            app,
+            "--server.port",
+            str(self.port),
+        ]
         self.log_path = log_path
         with open(log_path, "w") as out:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                         env=full_env)
+            self.proc = subprocess.Popen(
+                cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=full_env
+            )
         self.pid = self.proc.pid
         deadline = time.monotonic() + start_timeout_s
         while True:
@@ -144,8 +163,15 @@ async def _click(page, name: str, timeout_ms: int) -> float:
     return time.perf_counter() - t0
 
 
-async def run_learner(browser, url: str, learner: Learner, steps: int, start: asyncio.Event,
-                      timeout_ms: int, keep_open: asyncio.Event | None = None) -> None:
+async def run_learner(
+    browser,
+    url: str,
+    learner: Learner,
+    steps: int,
+    start: asyncio.Event,
+    timeout_ms: int,
+    keep_open: asyncio.Event | None = None,
+) -> None:
     context = await browser.new_context(viewport={"width": 1280, "height": 900}, locale="ko-KR")
     page = await context.new_page()
     page.set_default_timeout(timeout_ms)
@@ -155,7 +181,9 @@ async def run_learner(browser, url: str, learner: Learner, steps: int, start: as
         await page.wait_for_selector("[data-testid='stApp']")
         await _wait_run(page, timeout_ms)
         learner.load_s = time.perf_counter() - t0
-        await page.get_by_label("직접 쓴 프롬프트").fill(f"{learner.marker}: 한 문장으로 인사해 주세요.")
+        await page.get_by_label("직접 쓴 프롬프트").fill(
+            f"{learner.marker}: 한 문장으로 인사해 주세요."
+        )
         await _click(page, "요청 추가", timeout_ms)
         await start.wait()  # everybody clicks together
         for _ in range(steps):
@@ -198,19 +226,30 @@ def percentile(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-async def classroom(url: str, pid: int, learners: int, steps: int, timeout_ms: int,
-                    reap_wait_s: float, status=None, log=print) -> dict:
+async def classroom(
+    url: str,
+    pid: int,
+    learners: int,
+    steps: int,
+    timeout_ms: int,
+    reap_wait_s: float,
+    status=None,
+    log=print,
+) -> dict:
     from playwright.async_api import async_playwright
 
     chromium = find_chromium()
     if chromium is None:
-        raise RuntimeError("no Chromium: install Debian's chromium (apt-get install chromium "
-                           "fonts-noto-cjk) or set $CHROMIUM")
+        raise RuntimeError(
+            "no Chromium: install Debian's chromium (apt-get install chromium "
+            "fonts-noto-cjk) or set $CHROMIUM"
+        )
     tag = uuid.uuid4().hex[:6]
     result: dict = {"learners": learners, "steps": steps, "rss_start_mb": rss_mb(pid)}
     async with async_playwright() as p:
-        browser = await p.chromium.launch(executable_path=chromium, headless=True,
-                                          args=CHROMIUM_ARGS)
+        browser = await p.chromium.launch(
+            executable_path=chromium, headless=True, args=CHROMIUM_ARGS
+        )
         # 1. One learner alone: weights loaded, one engine, a few steps. The one-learner level.
         go = asyncio.Event()
         go.set()
@@ -218,8 +257,10 @@ async def classroom(url: str, pid: int, learners: int, steps: int, timeout_ms: i
         await run_learner(browser, url, warm, steps, go, timeout_ms)
         result["one_learner_click_p50_s"] = percentile(warm.clicks_s, 0.5)
         result["rss_one_learner_mb"] = rss_mb(pid)
-        log(f"one learner: click p50 {result['one_learner_click_p50_s']:.2f} s, "
-            f"RSS {result['rss_one_learner_mb']:.0f} MB, errors {warm.errors or 'none'}")
+        log(
+            f"one learner: click p50 {result['one_learner_click_p50_s']:.2f} s, "
+            f"RSS {result['rss_one_learner_mb']:.0f} MB, errors {warm.errors or 'none'}"
+        )
         # Let the reaper release the warm-up engine first, so that its gc and malloc_trim are not
         # counted in the wave's CPU seconds.
         if status is not None:
@@ -228,8 +269,10 @@ async def classroom(url: str, pid: int, learners: int, steps: int, timeout_ms: i
         go = asyncio.Event()
         loaded = [Learner(i, f"학습자{i}표지{tag}") for i in range(learners)]
         closing = asyncio.Event()
-        tasks = [asyncio.create_task(run_learner(browser, url, lr, steps, go, timeout_ms, closing))
-                 for lr in loaded]
+        tasks = [
+            asyncio.create_task(run_learner(browser, url, lr, steps, go, timeout_ms, closing))
+            for lr in loaded
+        ]
         # Wait until every learner has its request queued (its first click is the last before go).
         while sum(1 for lr in loaded if lr.load_s) < learners and not all(t.done() for t in tasks):
             await asyncio.sleep(0.2)
@@ -245,14 +288,18 @@ async def classroom(url: str, pid: int, learners: int, steps: int, timeout_ms: i
         await browser.close()
     clicks = [c for lr in loaded for c in lr.clicks_s]
     result.update(
-        clicks=len(clicks), click_p50_s=percentile(clicks, 0.5),
+        clicks=len(clicks),
+        click_p50_s=percentile(clicks, 0.5),
         click_p90_s=percentile(clicks, 0.9),
-        wave_wall_s=t1 - t0, server_cpu_s=cpu1 - cpu0,
+        wave_wall_s=t1 - t0,
+        server_cpu_s=cpu1 - cpu0,
         server_cpu_per_click_s=(cpu1 - cpu0) / max(len(clicks), 1),
         page_load_p50_s=percentile([lr.load_s for lr in loaded if lr.load_s], 0.5),
         errors={lr.index: lr.errors for lr in loaded if lr.errors},
-        isolation_ok=all(lr.saw_own and not [o.marker for o in loaded if o is not lr
-                                             and o.marker in lr.body] for lr in loaded),
+        isolation_ok=all(
+            lr.saw_own and not [o.marker for o in loaded if o is not lr and o.marker in lr.body]
+            for lr in loaded
+        ),
     )
     result["learner_bodies"] = {lr.index: lr.body for lr in loaded}
     result["markers"] = {lr.index: lr.marker for lr in loaded}
@@ -265,8 +312,9 @@ async def classroom(url: str, pid: int, learners: int, steps: int, timeout_ms: i
 
 def report(r: dict) -> str:
     after = r["engines_released_after_s"]
-    released = (f"{after:.0f} s after the tabs closed" if after is not None
-                else "NOT within the wait")
+    released = (
+        f"{after:.0f} s after the tabs closed" if after is not None else "NOT within the wait"
+    )
     lines = [
         f"learners {r['learners']} × {r['steps']} steps = {r['clicks']} clicks on chapter 00",
         f"  click latency  p50 {r['click_p50_s']:.2f} s   p90 {r['click_p90_s']:.2f} s   "
@@ -279,8 +327,8 @@ def report(r: dict) -> str:
         f"wave peak {r['rss_peak_mb']:.0f} MB, after the wave left {r['rss_after_mb']:.0f} MB "
         f"({r['rss_after_mb'] - r['rss_one_learner_mb']:+.0f} MB vs one learner)",
         f"  engines released {released}",
-        "  isolation      " + ("each learner saw only its own request" if r["isolation_ok"]
-                                else "BROKEN"),
+        "  isolation      "
+        + ("each learner saw only its own request" if r["isolation_ok"] else "BROKEN"),
         f"  errors         {r['errors'] or 'none'}",
     ]
     return "\n".join(lines)
@@ -292,13 +340,17 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--url", help="a running app (default: start one here)")
     ap.add_argument("--pid", type=int, help="the running app's process id (with --url)")
-    ap.add_argument("--ttl", type=float, default=15,
-                    help="LLM_LAB_SESSION_TTL_S of the server started here")
+    ap.add_argument(
+        "--ttl", type=float, default=15, help="LLM_LAB_SESSION_TTL_S of the server started here"
+    )
     ap.add_argument("--timeout", type=float, default=300, help="seconds one click may take")
     ap.add_argument("--json", help="also write the figures here")
-    ap.add_argument("--app", default="app.py",
-                    help="the app file to start "
-                         "(tests/classroom_fragment_app.py: chapter 00's lab in a fragment)")
+    ap.add_argument(
+        "--app",
+        default="app.py",
+        help="the app file to start "
+        "(tests/classroom_fragment_app.py: chapter 00's lab in a fragment)",
+    )
     args = ap.parse_args()
     server = None
     if args.url:
@@ -312,8 +364,17 @@ def main() -> int:
         url, pid, status = server.url, server.pid, server.status
         print(f"server {url} pid {pid} (log {log})")
     try:
-        r = asyncio.run(classroom(url, pid, args.learners, args.steps, int(args.timeout * 1000),
-                                  reap_wait_s=args.ttl + 120, status=status))
+        r = asyncio.run(
+            classroom(
+                url,
+                pid,
+                args.learners,
+                args.steps,
+                int(args.timeout * 1000),
+                reap_wait_s=args.ttl + 120,
+                status=status,
+            )
+        )
     finally:
         if server:
             server.stop()

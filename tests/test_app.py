@@ -55,7 +55,9 @@ def assert_lab_plots(at: AppTest, key: str) -> None:
         match = [s for i, s in specs.items() if f"{key}_{name}" in i]
         assert match, f"plot {key}_{name} missing (ids: {ids})"
         data = match[0]["data"]
-        assert data and any(trace.get("x") or trace.get("z") or trace.get("y") for trace in data), name
+        assert data and any(trace.get("x") or trace.get("z") or trace.get("y") for trace in data), (
+            name
+        )
 
 
 def records(at: AppTest, key: str) -> list:
@@ -79,8 +81,11 @@ def test_navigation_lists_every_chapter(app):
 def test_every_page_opens(app, chapter_id):
     at = open_chapter(app, chapter_id)
     ch = next(c for c in CHAPTERS if c.id == chapter_id)
-    text = " ".join(m.value for m in at.markdown) + " ".join(t.value for t in at.title) + \
-        " ".join(h.value for h in at.header)
+    text = (
+        " ".join(m.value for m in at.markdown)
+        + " ".join(t.value for t in at.title)
+        + " ".join(h.value for h in at.header)
+    )
     if ch.page_file() is None:
         assert any("준비 중" in i.value for i in at.info), "placeholder page shows 준비 중"
     else:
@@ -121,7 +126,9 @@ def test_play_and_reset(app):
     at.button(key="main_reset").click().run()
     at.number_input(key="main_max_tokens").set_value(3).run()
     at.button(key="main_add_preset").click().run()
-    at.button(key="main_play").click().run()  # 재생: the fragment steps once per run (run_every never fires here)
+    at.button(
+        key="main_play"
+    ).click().run()  # 재생: the fragment steps once per run (run_every never fires here)
     assert at.session_state["_playing_main"] is True
     before = len(records(at, "main"))
     at.run()
@@ -185,10 +192,16 @@ def test_engine_errors_become_korean_messages():
 
     msg = korean_error(CacheTooSmallError(10, 16, 1024))
     assert "블록 10개" in msg and "160" in msg and "1024" in msg
-    msg = korean_error(InvalidRequestError(
-        "this model's maximum context length is 160 tokens, but the request has 150 prompt tokens and "
-        "asks for 32 output tokens (182 in total)", "max_tokens",
-        max_model_len=160, num_prompt_tokens=150, max_tokens=32))
+    msg = korean_error(
+        InvalidRequestError(
+            "this model's maximum context length is 160 tokens, but the request has 150 prompt tokens and "
+            "asks for 32 output tokens (182 in total)",
+            "max_tokens",
+            max_model_len=160,
+            num_prompt_tokens=150,
+            max_tokens=32,
+        )
+    )
     assert "150" in msg and "max_tokens" in msg
     assert korean_error(RuntimeError("boom")).startswith("엔진이")
 
@@ -202,7 +215,10 @@ def test_custom_prompt_and_sampling(app):
     at.text_area(key="main_custom").set_value("부산을 한 문장으로 소개해 주세요.").run()
     at.button(key="main_add_custom").click().run()
     request = engine_of(at, "main").all_requests()[0]
-    assert request.sampling_params.temperature == pytest.approx(0.8) and request.sampling_params.seed == 7
+    assert (
+        request.sampling_params.temperature == pytest.approx(0.8)
+        and request.sampling_params.seed == 7
+    )
     assert request.sampling_params.max_tokens == 3
     at.button(key="main_to_end").click().run()
     assert request.is_finished
@@ -234,7 +250,9 @@ def test_ch01_inspector_and_http_request(app):
     assert result["status"] == 200 and result["chunks"][-1]["data"] == "[DONE]"
     assert any("HTTP **200**" in m.value for m in at.markdown)
     journey = [df.value for df in at.dataframe if "이벤트" in df.value.columns]
-    assert journey and {"arrival", "tokenized", "scheduled", "first_token", "finished"} <= set(journey[0]["이벤트"])
+    assert journey and {"arrival", "tokenized", "scheduled", "first_token", "finished"} <= set(
+        journey[0]["이벤트"]
+    )
     assert "engine/server.py" in set(journey[0]["처리한 모듈"])
     assert_lab_plots(at, "ch01")
 
@@ -254,7 +272,11 @@ def test_ch02_tokens_timing_and_metrics(app):
     at.button(key="ch02_add_preset").click().run()
     at.button(key="ch02_to_end").click().run()
     assert not at.exception, [e.value for e in at.exception]
-    metrics = [df.value for df in at.dataframe if "TTFT (ms)" in df.value.columns and "E2E (ms)" in df.value.columns]
+    metrics = [
+        df.value
+        for df in at.dataframe
+        if "TTFT (ms)" in df.value.columns and "E2E (ms)" in df.value.columns
+    ]
     assert metrics and metrics[0]["TTFT (ms)"].iloc[0] > 0
     assert_lab_plots(at, "ch02")
 
@@ -288,8 +310,16 @@ def test_figures_show_preemption_and_reasons(default_model_dir):
     from ui import figures
     from ui.widgets import REASON_KO, decision_table
 
-    engine = EngineCore(EngineConfig(num_kv_blocks=8, block_size=16, max_model_len=96, max_num_batched_tokens=64,
-                                     max_num_seqs=8, enable_prefix_caching=True))
+    engine = EngineCore(
+        EngineConfig(
+            num_kv_blocks=8,
+            block_size=16,
+            max_model_len=96,
+            max_num_batched_tokens=64,
+            max_num_seqs=8,
+            enable_prefix_caching=True,
+        )
+    )
     params = SamplingParams(max_tokens=34, temperature=0.0, ignore_eos=True)
     for i in range(4):
         engine.add_request(prompt_token_ids=[100 + i] * 16, sampling_params=params)
@@ -305,7 +335,9 @@ def test_figures_show_preemption_and_reasons(default_model_dir):
     assert all(min(t.x) > 0 and t.base is not None for t in bars)
     schedule = figures.schedule_figure(recs)
     assert any(t.name == "토큰 예산" for t in schedule.data)
-    assert sum(sum(t.y) for t in schedule.data if t.type == "bar") == sum(r.total_tokens for r in recs)
+    assert sum(sum(t.y) for t in schedule.data if t.type == "bar") == sum(
+        r.total_tokens for r in recs
+    )
     waiting = next(r for r in recs if r.unscheduled)
     table = decision_table(waiting)
     assert set(table["이유"]) - {""} <= set(REASON_KO.values())
@@ -316,7 +348,9 @@ def test_figures_show_preemption_and_reasons(default_model_dir):
     cells = [v for row in heat.z for v in row if v == v]  # not NaN
     assert len(cells) == 8 and max(cells) >= 2  # owners use codes 2..
     final = figures.kv_grid_figure(recs[-1].kv)
-    assert all(v in (0, 1) for row in final.data[0].z for v in row if v == v)  # all free or cached-free
+    assert all(
+        v in (0, 1) for row in final.data[0].z for v in row if v == v
+    )  # all free or cached-free
     usage = figures.kv_usage_figure(recs)
     assert max(usage.data[0].y) > 50
 

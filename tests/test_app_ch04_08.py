@@ -20,16 +20,35 @@ ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 180
 
 PAGES = {
-    "04": ("pages/ch04_latency_throughput.py", ["ch04_run"], ["ch04_journey", "ch04_schedule", "ch04_per_request",
-                                                               "ch04_dist"]),
-    "05": ("pages/ch05_memory_dtype.py", ["ch05_run"], ["ch05_budget_fig", "ch05_requests_fig", "ch05_measure_fig"]),
+    "04": (
+        "pages/ch04_latency_throughput.py",
+        ["ch04_run"],
+        ["ch04_journey", "ch04_schedule", "ch04_per_request", "ch04_dist"],
+    ),
+    "05": (
+        "pages/ch05_memory_dtype.py",
+        ["ch05_run"],
+        ["ch05_budget_fig", "ch05_requests_fig", "ch05_measure_fig"],
+    ),
     "06": ("pages/ch06_paged_kv.py", ["ch06_run"], ["ch06_compare_fig", "ch06_grid_mid"]),
-    "07": ("pages/ch07_batching.py", ["ch07_run"], ["ch07_seq_journey", "ch07_static_journey",
-                                                    "ch07_cont_journey", "ch07_static_schedule",
-                                                    "ch07_e2e", "ch07_throughput", "ch07_waste"]),
-    "08": ("pages/ch08_continuous_batching.py", ["ch08_run"], ["ch08_on_schedule", "ch08_off_schedule",
-                                                               "ch08_on_kvgrid", "ch08_step_times",
-                                                               "ch08_itl"]),
+    "07": (
+        "pages/ch07_batching.py",
+        ["ch07_run"],
+        [
+            "ch07_seq_journey",
+            "ch07_static_journey",
+            "ch07_cont_journey",
+            "ch07_static_schedule",
+            "ch07_e2e",
+            "ch07_throughput",
+            "ch07_waste",
+        ],
+    ),
+    "08": (
+        "pages/ch08_continuous_batching.py",
+        ["ch08_run"],
+        ["ch08_on_schedule", "ch08_off_schedule", "ch08_on_kvgrid", "ch08_step_times", "ch08_itl"],
+    ),
 }
 
 
@@ -52,7 +71,9 @@ def assert_charts(at: AppTest, keys: list[str]) -> None:
         match = [spec for element_id, spec in specs.items() if key in element_id]
         assert match, f"plot {key} missing; ids: {list(specs)}"
         data = match[0]["data"]
-        assert data and any(t.get("x") or t.get("y") or t.get("z") for t in data), f"plot {key} has no data"
+        assert data and any(t.get("x") or t.get("y") or t.get("z") for t in data), (
+            f"plot {key} has no data"
+        )
 
 
 @pytest.mark.parametrize("chapter_id", list(PAGES))
@@ -105,11 +126,20 @@ def test_ch04_runs_accumulate_and_ch08_sliders_drive_runs(app):
 def test_ch04_shows_bench_json_with_its_conditions(app, monkeypatch):
     import engine.bench as bench
 
-    fake = {"conditions": {"date": "2026-01-01T00:00:00+00:00", "device": "cpu", "device_name": "test-cpu",
-                           "threads": 2, "dtype": "float32", "model_name": "tiny", "weight_bytes_per_step": 538_000_000},
-            "ceilings": {"memory_read_gb_s": 20.0, "matmul_gflop_s": {"float32": 100.0}},
-            "rooflines": {"decode_tokens_per_s": 20e9 / 538e6},
-            "decode_batch1": {"tokens_per_s": 20.0, "fraction_of_roofline": 0.54}}
+    fake = {
+        "conditions": {
+            "date": "2026-01-01T00:00:00+00:00",
+            "device": "cpu",
+            "device_name": "test-cpu",
+            "threads": 2,
+            "dtype": "float32",
+            "model_name": "tiny",
+            "weight_bytes_per_step": 538_000_000,
+        },
+        "ceilings": {"memory_read_gb_s": 20.0, "matmul_gflop_s": {"float32": 100.0}},
+        "rooflines": {"decode_tokens_per_s": 20e9 / 538e6},
+        "decode_batch1": {"tokens_per_s": 20.0, "fraction_of_roofline": 0.54},
+    }
     monkeypatch.setattr(bench, "load_latest_results", lambda path=None: fake)
     app.switch_page(PAGES["04"][0])
     app.run()

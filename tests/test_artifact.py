@@ -40,7 +40,12 @@ def run_cli(*args: str, env_extra: dict | None = None) -> subprocess.CompletedPr
     env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(env_extra or {})
     return subprocess.run(
-        [sys.executable, "-m", "engine", *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "engine", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -142,7 +147,11 @@ def test_cli_path(default_model_dir):
 def test_cli_info_on_another_model_dir(tiny_model_dir):
     proc = run_cli("artifact", "info", "--model", str(tiny_model_dir))
     assert proc.returncode == 0, proc.stderr
-    assert "layers: 2" in proc.stdout and "kv heads: 2" in proc.stdout and "head_dim: 16" in proc.stdout
+    assert (
+        "layers: 2" in proc.stdout
+        and "kv heads: 2" in proc.stdout
+        and "head_dim: 16" in proc.stdout
+    )
 
 
 def test_cli_build_is_a_no_op_when_built(default_model_dir):
@@ -215,12 +224,16 @@ def break_weights_garbage(d: Path) -> Path:
 
 
 def break_weights_header_json(d: Path) -> Path:
-    write_safetensors_header(d / "model.safetensors", b'{"model.embed_tokens.weight": {"dtype": "F32", ')
+    write_safetensors_header(
+        d / "model.safetensors", b'{"model.embed_tokens.weight": {"dtype": "F32", '
+    )
     return d
 
 
 def break_weights_not_safetensors(d: Path) -> Path:
-    (d / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:abc\nsize 538090408\n")
+    (d / "model.safetensors").write_text(
+        "version https://git-lfs.github.com/spec/v1\noid sha256:abc\nsize 538090408\n"
+    )
     return d
 
 
@@ -228,7 +241,10 @@ BROKEN = {
     "missing dir": (break_missing_dir, ["not found"]),
     "missing model.safetensors": (break_missing_weights, ["model.safetensors", "missing"]),
     "missing tokenizer.json": (break_missing_tokenizer, ["tokenizer.json", "missing"]),
-    "unsupported architecture": (break_architecture, ["unsupported architecture", "GPT2LMHeadModel", "LlamaForCausalLM"]),
+    "unsupported architecture": (
+        break_architecture,
+        ["unsupported architecture", "GPT2LMHeadModel", "LlamaForCausalLM"],
+    ),
     "invalid config JSON": (break_config_json, ["config.json", "not valid JSON"]),
     "config without num_attention_heads": (break_config_key, ["num_attention_heads"]),
     "garbage safetensors": (break_weights_garbage, ["model.safetensors"]),
@@ -251,8 +267,16 @@ def test_broken_dir_raises_one_line_artifact_error(good_copy, case):
         inspect_artifact(path)
 
 
-@pytest.mark.parametrize("case", ["missing dir", "missing model.safetensors", "unsupported architecture",
-                                  "invalid config JSON", "garbage safetensors"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing dir",
+        "missing model.safetensors",
+        "unsupported architecture",
+        "invalid config JSON",
+        "garbage safetensors",
+    ],
+)
 @pytest.mark.parametrize("action", ["info", "path"])
 def test_cli_broken_dir_prints_one_error_line(good_copy, case, action):
     breaker, fragments = BROKEN[case]
@@ -314,7 +338,9 @@ def test_build_is_a_no_op_when_valid(default_model_dir):
     assert time.perf_counter() - t0 < 5.0
     assert weights.stat().st_mtime_ns == mtime
     assert any("already built" in line for line in logs)
-    assert not any(p.name.startswith(f".{default_model_dir.name}.") for p in default_model_dir.parent.iterdir())
+    assert not any(
+        p.name.startswith(f".{default_model_dir.name}.") for p in default_model_dir.parent.iterdir()
+    )
 
 
 @pytest.fixture
@@ -403,7 +429,9 @@ def test_build_replaces_an_invalid_artifact(fake_conversion, tmp_path, tiny_mode
     (dest / "model.safetensors").unlink()
     logs: list[str] = []
     build_default_artifact(dest, log=logs.append)
-    assert any("rebuilding invalid artifact" in line and "model.safetensors" in line for line in logs)
+    assert any(
+        "rebuilding invalid artifact" in line and "model.safetensors" in line for line in logs
+    )
     validate_model_dir(dest)
     assert fake_conversion["model"] == 1
 

@@ -92,7 +92,9 @@ def test_breaking_out_of_the_stream_aborts_and_frees_blocks(async_llm):
 
     async def main():
         received = 0
-        async for out in async_llm.generate("Tell me a very long story", params, request_id="leaver"):
+        async for out in async_llm.generate(
+            "Tell me a very long story", params, request_id="leaver"
+        ):
             received += 1
             if received == 3:
                 break
@@ -111,7 +113,10 @@ def test_aclose_aborts_and_frees_blocks(async_llm):
     async def main():
         stream = async_llm.generate("Another long story", params, request_id="closer")
         first = await stream.__anext__()
-        used = async_llm.engine.kv_cache_manager.num_free_blocks < async_llm.engine.kv_cache_manager.num_blocks
+        used = (
+            async_llm.engine.kv_cache_manager.num_free_blocks
+            < async_llm.engine.kv_cache_manager.num_blocks
+        )
         await stream.aclose()
         return first, used, await await_until(lambda: no_blocks_used(async_llm))
 
@@ -127,7 +132,9 @@ def test_cancelling_the_task_aborts_and_frees_blocks(async_llm):
         started = asyncio.Event()
 
         async def consume():
-            async for _ in async_llm.generate("A story that never ends", params, request_id="cancelled"):
+            async for _ in async_llm.generate(
+                "A story that never ends", params, request_id="cancelled"
+            ):
                 started.set()
 
         task = asyncio.create_task(consume())
@@ -167,7 +174,9 @@ def test_duplicate_live_request_id_is_refused_without_hurting_the_first(async_ll
             async for _ in async_llm.generate("two", GREEDY, request_id="twin"):
                 pass
         await asyncio.sleep(0.3)
-        assert async_llm.engine.get_request("twin").finish_reason != "abort", "the first caller's request was aborted"
+        assert async_llm.engine.get_request("twin").finish_reason != "abort", (
+            "the first caller's request was aborted"
+        )
         try:
             async for out in first:  # the first caller's stream goes on to the end
                 outputs.append(out)
@@ -192,6 +201,7 @@ def test_step_listeners_see_every_step_and_cannot_break_the_loop(async_llm):
 
     async_llm.step_listeners[:] = [bad, good]
     try:
+
         async def main():
             return [out async for out in async_llm.generate("listen", GREEDY)]
 

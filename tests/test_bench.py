@@ -15,8 +15,21 @@ from engine import bench
 from engine.__main__ import main
 
 # --quick plus an even smaller workload: a few seconds on the tiny model, every section still runs.
-SMALL = ["--quick", "--num-requests", "5", "--prompt-len", "8", "40", "--output-len", "3", "9",
-         "--max-num-seqs", "4", "--latency-requests", "3"]
+SMALL = [
+    "--quick",
+    "--num-requests",
+    "5",
+    "--prompt-len",
+    "8",
+    "40",
+    "--output-len",
+    "3",
+    "9",
+    "--max-num-seqs",
+    "4",
+    "--latency-requests",
+    "3",
+]
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +51,22 @@ def test_quick_bench_runs_and_prints_the_table(bench_run):
 def test_results_carry_their_conditions(bench_run, tiny_model_dir):
     results = json.loads(bench_run[0].read_text())
     c = results["conditions"]
-    for key in ("date", "device", "device_name", "threads", "dtype", "model", "seed", "workload", "engine",
-                "num_parameters", "weight_bytes_per_step", "flop_per_token", "torch", "transformers"):
+    for key in (
+        "date",
+        "device",
+        "device_name",
+        "threads",
+        "dtype",
+        "model",
+        "seed",
+        "workload",
+        "engine",
+        "num_parameters",
+        "weight_bytes_per_step",
+        "flop_per_token",
+        "torch",
+        "transformers",
+    ):
         assert key in c, key
     assert c["model"] == str(tiny_model_dir) and c["dtype"] == "float32" and c["quick"] is True
     assert c["workload"]["num_requests"] == 5 and c["workload"]["prompt_len"] == [8, 40]
@@ -54,14 +81,22 @@ def test_ceilings_and_rooflines_are_consistent(bench_run):
     ce, ro, c = results["ceilings"], results["rooflines"], results["conditions"]
     assert ce["kind"] == "measured" and ro["kind"] == "derived"
     assert ce["memory_read_gb_s"] > 0 and ce["matvec_gb_s"] > 0
-    assert len(ce["memory_read_gb_s_samples"]) == 2 and ce["memory_read_gb_s"] == max(ce["memory_read_gb_s_samples"])
+    assert len(ce["memory_read_gb_s_samples"]) == 2 and ce["memory_read_gb_s"] == max(
+        ce["memory_read_gb_s_samples"]
+    )
     assert set(ce["matmul_gflop_s"]) == {"float32", "bfloat16"}
     for dtype, by_kernel in ce["matmul_gflop_s_by_kernel"].items():
         assert ce["matmul_gflop_s"][dtype] == max(by_kernel.values())
     # the rooflines are the formulas they claim to be
-    assert math.isclose(ro["decode_tokens_per_s"], ce["memory_read_gb_s"] * 1e9 / c["weight_bytes_per_step"])
-    assert math.isclose(ro["compute_tokens_per_s"], ce["matmul_gflop_s"]["float32"] * 1e9 / c["flop_per_token"])
-    assert math.isclose(ro["decode_matvec_tokens_per_s"], ce["matvec_gb_s"] * 1e9 / c["weight_bytes_per_step"])
+    assert math.isclose(
+        ro["decode_tokens_per_s"], ce["memory_read_gb_s"] * 1e9 / c["weight_bytes_per_step"]
+    )
+    assert math.isclose(
+        ro["compute_tokens_per_s"], ce["matmul_gflop_s"]["float32"] * 1e9 / c["flop_per_token"]
+    )
+    assert math.isclose(
+        ro["decode_matvec_tokens_per_s"], ce["matvec_gb_s"] * 1e9 / c["weight_bytes_per_step"]
+    )
 
 
 def test_offline_counts_only_useful_tokens(bench_run):
@@ -74,7 +109,9 @@ def test_offline_counts_only_useful_tokens(bench_run):
     assert hf["batches"] == 2 and hf["batch_size"] == 4
     assert hf["output_slots_computed"] >= hf["output_slots_useful"] == useful
     assert hf["prompt_tokens_computed"] >= hf["prompt_tokens_useful"]
-    assert math.isclose(off["ratio"], off["engine"]["output_tokens_per_s"] / hf["output_tokens_per_s"])
+    assert math.isclose(
+        off["ratio"], off["engine"]["output_tokens_per_s"] / hf["output_tokens_per_s"]
+    )
     agreement = off["greedy_agreement"]
     # The tiny model's logits are spread wide (initializer 0.2), so no near-tie can flip a token:
     # both sides must agree on every request, token for token.
@@ -90,7 +127,14 @@ def test_decode_overhead_and_latency_sections(bench_run):
         o = results["overhead"][key]
         assert o["batch"] == batch and o["steps"] > 0
         assert 0 <= o["overhead_share"] < 1
-        assert set(o["phase_ms"]) == {"schedule", "prepare_inputs", "forward", "sample", "output_processing", "untimed"}
+        assert set(o["phase_ms"]) == {
+            "schedule",
+            "prepare_inputs",
+            "forward",
+            "sample",
+            "output_processing",
+            "untimed",
+        }
     runs = results["latency"]["runs"]
     assert len(runs) == 2  # --quick: half and all of the offline request rate
     for run in runs:
@@ -102,13 +146,23 @@ def test_decode_overhead_and_latency_sections(bench_run):
     assert set(targets) == {"offline", "batch-1", "overhead"}
     for name, t in targets.items():  # "met" must say what the value and the target say
         lower_is_better = name == "overhead"
-        assert t["met"] == (t["value"] < t["target"] if lower_is_better else t["value"] >= t["target"])
+        assert t["met"] == (
+            t["value"] < t["target"] if lower_is_better else t["value"] >= t["target"]
+        )
 
 
 def test_table_names_every_section(bench_run):
     text = bench.format_results(json.loads(bench_run[0].read_text()))
-    for needle in ("1. Ceilings", "decode roofline", "2. Offline throughput", "ratio", "3. Decode at batch 1",
-                   "4. Engine overhead", "5. Latency under load", "Targets"):
+    for needle in (
+        "1. Ceilings",
+        "decode roofline",
+        "2. Offline throughput",
+        "ratio",
+        "3. Decode at batch 1",
+        "4. Engine overhead",
+        "5. Latency under load",
+        "Targets",
+    ):
         assert needle in text, needle
 
 
@@ -123,7 +177,9 @@ def test_load_latest_results_reads_back_what_was_saved(bench_run, tmp_path):
 def test_workload_is_seeded_and_within_its_ranges():
     a = bench.make_workload(20, (16, 512), (16, 256), 7, 49152, range(17))
     b = bench.make_workload(20, (16, 512), (16, 256), 7, 49152, range(17))
-    assert [(w.prompt_token_ids, w.output_len) for w in a] == [(w.prompt_token_ids, w.output_len) for w in b]
+    assert [(w.prompt_token_ids, w.output_len) for w in a] == [
+        (w.prompt_token_ids, w.output_len) for w in b
+    ]
     assert all(16 <= len(w.prompt_token_ids) <= 512 and 16 <= w.output_len <= 256 for w in a)
     assert all(17 <= t < 49152 for w in a for t in w.prompt_token_ids)  # no special tokens
 

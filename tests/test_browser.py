@@ -57,7 +57,8 @@ def open_page(page, url: str) -> None:
     assert dialogs.count() == 0, f"unexpected dialog: {dialogs.first.inner_text()}"
     assert "엔진 설정" in page.inner_text("body"), "the page runs inside app.py (sidebar present)"
     assert page.locator("[data-testid='stException']").count() == 0, page.locator(
-        "[data-testid='stException']").first.inner_text()
+        "[data-testid='stException']"
+    ).first.inner_text()
 
 
 def click(page, name: str) -> None:
@@ -66,7 +67,8 @@ def click(page, name: str) -> None:
     button.click()
     wait_idle(page)
     assert page.locator("[data-testid='stException']").count() == 0, page.locator(
-        "[data-testid='stException']").first.inner_text()
+        "[data-testid='stException']"
+    ).first.inner_text()
 
 
 def finish_lab(page) -> None:
@@ -74,18 +76,23 @@ def finish_lab(page) -> None:
     click(page, "끝까지")
     page.wait_for_function(
         "() => document.body.innerText.includes('상태: 완료') && !document.body.innerText.includes('상태: 생성 중')"
-        " && !document.body.innerText.includes('상태: 대기 중')", timeout=STEP_TIMEOUT_MS)
+        " && !document.body.innerText.includes('상태: 대기 중')",
+        timeout=STEP_TIMEOUT_MS,
+    )
     wait_idle(page)
 
 
 def visible_plots(page) -> int:
     return page.locator(".js-plotly-plot .main-svg").evaluate_all(
-        "els => els.filter(e => e.getBoundingClientRect().width > 0).length")
+        "els => els.filter(e => e.getBoundingClientRect().width > 0).length"
+    )
 
 
 def plot_traces(page) -> list[int]:
     """Number of data traces in each rendered plotly plot."""
-    return page.locator(".js-plotly-plot").evaluate_all("els => els.map(e => (e.data || []).length)")
+    return page.locator(".js-plotly-plot").evaluate_all(
+        "els => els.map(e => (e.data || []).length)"
+    )
 
 
 def test_chapter01_http_request(browser_page, app_url):
@@ -120,8 +127,10 @@ def test_chapter02_lab_to_the_end(browser_page, app_url):
     finish_lab(page)
     body = page.inner_text("body")
     assert "한국어로 자기소개를 해 주세요." in body  # the streamed panel shows the Korean request
-    stream = body[body.index("스트리밍된 글"):]
-    generated = stream.split("프롬프트: 한국어로 자기소개를 해 주세요.", 1)[1].strip().splitlines()[0]
+    stream = body[body.index("스트리밍된 글") :]
+    generated = (
+        stream.split("프롬프트: 한국어로 자기소개를 해 주세요.", 1)[1].strip().splitlines()[0]
+    )
     assert generated and generated != "…", "the generated text is shown"
     assert "TTFT, TPOT, E2E" in body  # the metrics of the finished request (측정값)
     assert visible_plots(page) >= 1 and all(n > 0 for n in plot_traces(page))
@@ -169,6 +178,8 @@ def test_chapter03_cache_grows(browser_page, app_url):
     page.screenshot(path=str(SHOTS / "ch03_kv_grid.png"))
     # 재생: a fragment with run_every steps the engine on its own (AppTest cannot check this).
     page.get_by_role("button", name="재생", exact=True).first.click()
-    page.wait_for_function("() => /마지막 스텝 ([3-9]|\\d\\d)/.test(document.body.innerText)", timeout=STEP_TIMEOUT_MS)
+    page.wait_for_function(
+        "() => /마지막 스텝 ([3-9]|\\d\\d)/.test(document.body.innerText)", timeout=STEP_TIMEOUT_MS
+    )
     finish_lab(page)
     assert all(n > 0 for n in plot_traces(page))

@@ -49,15 +49,19 @@ def make_registry(connected=None, **limits):
     clock = Clock()
     trims = []
     state = {"connected": connected or {}}
-    r = SessionRegistry(ClassroomLimits(**limits),
-                        is_connected=lambda sid: state["connected"].get(sid),
-                        clock=clock, trim=lambda: trims.append(1))
+    r = SessionRegistry(
+        ClassroomLimits(**limits),
+        is_connected=lambda sid: state["connected"].get(sid),
+        clock=clock,
+        trim=lambda: trims.append(1),
+    )
     return r, clock, trims, state
 
 
 def test_engine_cap_refuses_with_figures_and_a_korean_message():
-    r, *_ = make_registry(max_engines=2, max_kv_bytes=1000 * MB, session_ttl_s=60,
-                          reap_interval_s=5)
+    r, *_ = make_registry(
+        max_engines=2, max_kv_bytes=1000 * MB, session_ttl_s=60, reap_interval_s=5
+    )
     r.admit("a", "main", FakeEngine(), 47 * MB)
     r.admit("b", "main", FakeEngine(), 47 * MB)
     with pytest.raises(ClassroomFull) as info:
@@ -170,8 +174,11 @@ def test_limits_from_the_environment(monkeypatch):
 
 def test_the_reaper_thread_runs_on_its_own():
     connected = {"a": True}
-    r = SessionRegistry(ClassroomLimits(session_ttl_s=0.3, reap_interval_s=0.1),
-                        is_connected=lambda sid: connected.get(sid), trim=lambda: None)
+    r = SessionRegistry(
+        ClassroomLimits(session_ttl_s=0.3, reap_interval_s=0.1),
+        is_connected=lambda sid: connected.get(sid),
+        trim=lambda: None,
+    )
     r.touch("a/1", runtime_id="a")
     e = FakeEngine()
     r.admit("a/1", "main", e, MB)
@@ -214,14 +221,21 @@ def test_malloc_trim_is_callable_here():
 
 # -- with the real engine -----------------------------------------------------------------------
 
+
 def _engine(model_dir, num_kv_blocks=8, lazy=True):
     import torch
 
     from engine.core import EngineConfig, EngineCore
     from engine.executor import UniProcExecutor
 
-    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32",
-                          num_kv_blocks=num_kv_blocks, max_model_len=128, block_size=16)
+    config = EngineConfig(
+        model=str(model_dir),
+        device="cpu",
+        dtype="float32",
+        num_kv_blocks=num_kv_blocks,
+        max_model_len=128,
+        block_size=16,
+    )
     if not lazy:
         return EngineCore(config)
     worker = LazyKVWorker(model_dir, torch.device("cpu"), torch.float32, 16)
@@ -255,13 +269,16 @@ def test_lazy_kv_worker_allocates_on_first_step_and_gives_it_back(default_model_
 
 # -- the learner's page under AppTest ----------------------------------------------------------
 
+
 @pytest.fixture
 def small_registry(monkeypatch):
     """Swap the process's registry for one with tiny caps (restored afterwards)."""
+
     def install(**limits):
         r = SessionRegistry(ClassroomLimits(**limits), trim=lambda: None)
         monkeypatch.setattr(reg, "_registry", r)
         return r
+
     return install
 
 
@@ -286,8 +303,9 @@ def test_a_full_classroom_shows_the_message_not_a_traceback(default_model_dir, s
     assert "main" not in at.session_state["_engines"]
 
 
-def test_a_learner_gets_a_lazy_engine_admitted_and_released_on_reset(default_model_dir,
-                                                                     small_registry):
+def test_a_learner_gets_a_lazy_engine_admitted_and_released_on_reset(
+    default_model_dir, small_registry
+):
     r = small_registry(max_engines=4, max_kv_bytes=1000 * MB)
     at = _open_ch00()
     assert not at.exception, [e.value for e in at.exception]

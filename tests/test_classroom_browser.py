@@ -26,11 +26,22 @@ def test_four_learners_isolated_and_reaped(default_model_dir, tmp_path):
     if find_chromium() is None:
         pytest.skip("no Chromium found: install Debian's chromium to run the browser tests")
     pytest.importorskip("playwright.async_api", reason="playwright is not installed")
-    server = Server(tmp_path / "streamlit.log", {"LLM_LAB_SESSION_TTL_S": str(TTL_S),
-                                                 "LLM_LAB_REAP_INTERVAL_S": "1"})
+    server = Server(
+        tmp_path / "streamlit.log",
+        {"LLM_LAB_SESSION_TTL_S": str(TTL_S), "LLM_LAB_REAP_INTERVAL_S": "1"},
+    )
     try:
-        r = asyncio.run(classroom(server.url, server.pid, LEARNERS, STEPS, timeout_ms=300_000,
-                                  reap_wait_s=TTL_S + 90, status=server.status))
+        r = asyncio.run(
+            classroom(
+                server.url,
+                server.pid,
+                LEARNERS,
+                STEPS,
+                timeout_ms=300_000,
+                reap_wait_s=TTL_S + 90,
+                status=server.status,
+            )
+        )
     finally:
         server.stop()
     print("\n" + report(r))
@@ -57,12 +68,23 @@ def test_the_lab_in_a_fragment_needs_no_page_rerun(default_model_dir, tmp_path):
     if find_chromium() is None:
         pytest.skip("no Chromium found: install Debian's chromium to run the browser tests")
     pytest.importorskip("playwright.async_api", reason="playwright is not installed")
-    server = Server(tmp_path / "streamlit.log", {"LLM_LAB_SESSION_TTL_S": str(TTL_S),
-                                                 "LLM_LAB_REAP_INTERVAL_S": "1"},
-                    app="tests/classroom_fragment_app.py")
+    server = Server(
+        tmp_path / "streamlit.log",
+        {"LLM_LAB_SESSION_TTL_S": str(TTL_S), "LLM_LAB_REAP_INTERVAL_S": "1"},
+        app="tests/classroom_fragment_app.py",
+    )
     try:
-        r = asyncio.run(classroom(server.url, server.pid, 2, STEPS, timeout_ms=300_000,
-                                  reap_wait_s=TTL_S + 90, status=server.status))
+        r = asyncio.run(
+            classroom(
+                server.url,
+                server.pid,
+                2,
+                STEPS,
+                timeout_ms=300_000,
+                reap_wait_s=TTL_S + 90,
+                status=server.status,
+            )
+        )
     finally:
         server.stop()
     print("\n" + report(r))

@@ -26,7 +26,13 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def make_engine(tiny_model_dir):
     def make(**overrides) -> EngineCore:
-        config = dict(model=str(tiny_model_dir), device="cpu", num_kv_blocks=64, max_model_len=256, block_size=16)
+        config = dict(
+            model=str(tiny_model_dir),
+            device="cpu",
+            num_kv_blocks=64,
+            max_model_len=256,
+            block_size=16,
+        )
         config.update(overrides)
         return EngineCore(EngineConfig(**config))
 
@@ -72,7 +78,9 @@ def generate(engine: EngineCore, prompts: dict[str, list[int]], params: Sampling
 def tiny_prompts():
     g = torch.Generator().manual_seed(7)
     lengths = {"a": 5, "b": 17, "c": 40, "d": 1, "e": 33, "f": 90}
-    return {k: torch.randint(3, TINY_VOCAB_SIZE, (n,), generator=g).tolist() for k, n in lengths.items()}
+    return {
+        k: torch.randint(3, TINY_VOCAB_SIZE, (n,), generator=g).tolist() for k, n in lengths.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +89,15 @@ def tiny_reference(tiny_hf_model, tiny_prompts):
     for rid, prompt in tiny_prompts.items():
         with torch.no_grad():
             mask = torch.ones(1, len(prompt), dtype=torch.long)
-            gen = tiny_hf_model.generate(torch.tensor([prompt]), attention_mask=mask,
-                                         do_sample=False, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
-        out[rid] = gen[0, len(prompt):].tolist()
+            gen = tiny_hf_model.generate(
+                torch.tensor([prompt]),
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=12,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        out[rid] = gen[0, len(prompt) :].tolist()
         assert len(out[rid]) == 12
     return out
 
@@ -93,15 +107,35 @@ def tiny_reference(tiny_hf_model, tiny_prompts):
     [
         dict(),
         dict(max_num_batched_tokens=16),  # chunked prefill beside decodes
-        dict(num_kv_blocks=8, max_model_len=128, max_num_batched_tokens=24, enable_prefix_caching=False),
-        dict(num_kv_blocks=8, max_model_len=128, max_num_batched_tokens=24, scheduling_policy="priority"),
+        dict(
+            num_kv_blocks=8,
+            max_model_len=128,
+            max_num_batched_tokens=24,
+            enable_prefix_caching=False,
+        ),
+        dict(
+            num_kv_blocks=8,
+            max_model_len=128,
+            max_num_batched_tokens=24,
+            scheduling_policy="priority",
+        ),
         dict(num_kv_blocks=8, max_model_len=128, max_num_batched_tokens=24, preemption_mode="swap"),
         dict(max_num_seqs=2, scheduling_policy="static"),
         dict(max_model_len=128, max_num_batched_tokens=128, enable_chunked_prefill=False),
     ],
-    ids=["default", "chunked", "tiny_kv_no_caching", "tiny_kv_priority", "tiny_kv_swap", "static", "no_chunking"],
+    ids=[
+        "default",
+        "chunked",
+        "tiny_kv_no_caching",
+        "tiny_kv_priority",
+        "tiny_kv_swap",
+        "static",
+        "no_chunking",
+    ],
 )
-def test_greedy_matches_transformers_under_any_schedule(make_engine, tiny_prompts, tiny_reference, config):
+def test_greedy_matches_transformers_under_any_schedule(
+    make_engine, tiny_prompts, tiny_reference, config
+):
     engine = make_engine(**config)
     records, final, _ = generate(engine, tiny_prompts, SamplingParams(max_tokens=12, **GREEDY))
     for rid, ref in tiny_reference.items():
@@ -118,7 +152,9 @@ def test_greedy_matches_transformers_under_any_schedule(make_engine, tiny_prompt
         assert (recomputed > 0) == (config.get("preemption_mode") != "swap")
     if not config.get("enable_chunked_prefill", True):
         assert "chunked_prefill" not in phases
-        assert any(why == "token_budget" for r in records for why in r.unscheduled.values())  # f had to wait
+        assert any(
+            why == "token_budget" for r in records for why in r.unscheduled.values()
+        )  # f had to wait
     assert engine.kv_cache_manager.snapshot().num_used == 0
 
 
@@ -128,10 +164,17 @@ def test_greedy_matches_transformers_under_any_schedule(make_engine, tiny_prompt
 @pytest.fixture(scope="module")
 def traced(make_engine):
     """A small run that has everything: chunked prefill, a full batch, preemption, prefix hits."""
-    engine = make_engine(num_kv_blocks=8, max_model_len=96, max_num_batched_tokens=40, max_num_seqs=3)
+    engine = make_engine(
+        num_kv_blocks=8, max_model_len=96, max_num_batched_tokens=40, max_num_seqs=3
+    )
     shared = ids(40)
-    prompts = {"r0": shared + ids(5, 9), "r1": shared + ids(9, 20000), "r2": ids(30, 3000), "r3": ids(12, 5000),
-               "r4": shared + ids(3, 7000)}
+    prompts = {
+        "r0": shared + ids(5, 9),
+        "r1": shared + ids(9, 20000),
+        "r2": ids(30, 3000),
+        "r3": ids(12, 5000),
+        "r4": shared + ids(3, 7000),
+    }
     params = SamplingParams(max_tokens=20, **GREEDY)
     records, final, streamed = generate(engine, prompts, params)
     return engine, records, final, streamed
@@ -141,11 +184,17 @@ def test_step_record_shows_decision_reasons_kv_and_timings(traced):
     engine, records, final, _ = traced
     first = records[0]
     assert first.step == 1 and first.token_budget == 40 and first.max_num_seqs == 3
-    assert [(s.request_id, s.phase, s.num_tokens) for s in first.scheduled] == [("r0", "chunked_prefill", 40)]
-    assert first.scheduled[0].num_prompt_tokens == 45 and first.scheduled[0].num_computed_tokens == 0
+    assert [(s.request_id, s.phase, s.num_tokens) for s in first.scheduled] == [
+        ("r0", "chunked_prefill", 40)
+    ]
+    assert (
+        first.scheduled[0].num_prompt_tokens == 45 and first.scheduled[0].num_computed_tokens == 0
+    )
     assert set(first.unscheduled) == {"r1", "r2", "r3", "r4"}
     assert set(first.unscheduled.values()) == {"token_budget"}
-    assert first.new_tokens == {} and first.outputs == []  # a chunk short of the prompt's end samples nothing
+    assert (
+        first.new_tokens == {} and first.outputs == []
+    )  # a chunk short of the prompt's end samples nothing
     reasons = {why for r in records for why in r.unscheduled.values()}
     assert {"token_budget", "max_num_seqs", "preempted", "no_free_kv_blocks"} <= reasons
     phases = {s.phase for r in records for s in r.scheduled}
@@ -188,14 +237,31 @@ def test_step_record_shows_decision_reasons_kv_and_timings(traced):
 def test_trace_dataframes(traced):
     engine, records, _, _ = traced
     steps = steps_dataframe(records)
-    assert list(steps.columns) == ["step", "request_id", "phase", "num_tokens", "num_computed_tokens",
-                                   "num_prefix_hit_tokens", "token_budget"]
+    assert list(steps.columns) == [
+        "step",
+        "request_id",
+        "phase",
+        "num_tokens",
+        "num_computed_tokens",
+        "num_prefix_hit_tokens",
+        "token_budget",
+    ]
     assert len(steps) == sum(len(r.scheduled) for r in records)
     assert steps.groupby("step")["num_tokens"].sum().max() <= 40
     timings = timings_dataframe(records)
     assert len(timings) == len(records)
-    for col in ["step", "num_tokens", "num_requests", "num_running", "num_waiting", "kv_usage", "kv_used_blocks",
-                "kv_cached_blocks", "num_preempted", "total_ms"] + [f"{p}_ms" for p in PHASES]:
+    for col in [
+        "step",
+        "num_tokens",
+        "num_requests",
+        "num_running",
+        "num_waiting",
+        "kv_usage",
+        "kv_used_blocks",
+        "kv_cached_blocks",
+        "num_preempted",
+        "total_ms",
+    ] + [f"{p}_ms" for p in PHASES]:
         assert col in timings.columns, col
     assert (timings[[f"{p}_ms" for p in PHASES]] >= 0).all().all()
     assert timings["num_preempted"].sum() == engine.scheduler.num_preemptions > 0
@@ -219,7 +285,10 @@ def test_journeys_are_complete_and_in_time_order(traced):
         times = [e.time for e in request.journey]
         assert times == sorted(times), (request.request_id, kinds)
         assert kinds[:3] == ["arrival", "tokenized", "queued"]
-        order = [kinds.index(k) for k in ("arrival", "tokenized", "queued", "scheduled", "first_token", "finished")]
+        order = [
+            kinds.index(k)
+            for k in ("arrival", "tokenized", "queued", "scheduled", "first_token", "finished")
+        ]
         assert order == sorted(order), kinds
         assert kinds.count("finished") == 1 and kinds.count("first_token") == 1
         assert set(kinds[kinds.index("finished") + 1 :]) <= {"streamed"}
@@ -243,7 +312,9 @@ def test_outputs_decode_to_the_streamed_text(traced, engine):
     _, _, final, streamed = traced
     for rid, out in final.items():
         assert streamed[rid] == out.text == engine.tokenizer.decode(out.token_ids)
-        assert len(out.token_ids) == 20 and out.finish_reason == "length" and out.stop_reason is None
+        assert (
+            len(out.token_ids) == 20 and out.finish_reason == "length" and out.stop_reason is None
+        )
 
 
 # -- stop strings, lengths, aborts ------------------------------------------------------------
@@ -254,7 +325,11 @@ def greedy_text(engine):
     """A prompt, its greedy continuation and the text after each token (prefix decodes)."""
     prompt = ids(6, 4000)
     rid = "probe"
-    engine.add_request(prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=24, **GREEDY), request_id=rid)
+    engine.add_request(
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=24, **GREEDY),
+        request_id=rid,
+    )
     _, final, _ = run(engine)
     tokens = final[rid].token_ids
     prefix_texts = [engine.tokenizer.decode(tokens[: k + 1]) for k in range(len(tokens))]
@@ -280,7 +355,9 @@ def test_stop_string_cuts_the_text_even_across_tokens(engine, greedy_text):
     prompt, tokens, text, prefix_texts = greedy_text
     stop, index, completing = stop_across_a_token_boundary(text, prefix_texts)
     for include in (False, True):
-        params = SamplingParams(max_tokens=24, stop=[stop, "\x00never"], include_stop_str_in_output=include, **GREEDY)
+        params = SamplingParams(
+            max_tokens=24, stop=[stop, "\x00never"], include_stop_str_in_output=include, **GREEDY
+        )
         _, final, streamed = generate(engine, {"s": prompt}, params)
         out = final["s"]
         assert out.finish_reason == "stop" and out.stop_reason == stop
@@ -295,8 +372,11 @@ def test_streaming_holds_back_a_possible_stop_string(engine, greedy_text):
     characters and the concatenation of deltas is the final text."""
     prompt, tokens, text, _ = greedy_text
     stop = "\x00\x01\x02\x03"
-    engine.add_request(prompt_token_ids=prompt, request_id="h",
-                       sampling_params=SamplingParams(max_tokens=24, stop=[stop], **GREEDY))
+    engine.add_request(
+        prompt_token_ids=prompt,
+        request_id="h",
+        sampling_params=SamplingParams(max_tokens=24, stop=[stop], **GREEDY),
+    )
     streamed = ""
     while engine.has_unfinished_requests():
         for out in engine.step().outputs:
@@ -312,19 +392,24 @@ def test_stop_string_on_the_last_allowed_token_reports_stop(engine, greedy_text)
     the request stopped because of the string (vLLM reports finish_reason "stop" then)."""
     prompt, tokens, text, prefix_texts = greedy_text
     stop, index, completing = stop_across_a_token_boundary(text, prefix_texts)
-    _, final, streamed = generate(engine, {"edge": prompt},
-                                  SamplingParams(max_tokens=completing + 1, stop=[stop], **GREEDY))
+    _, final, streamed = generate(
+        engine, {"edge": prompt}, SamplingParams(max_tokens=completing + 1, stop=[stop], **GREEDY)
+    )
     out = final["edge"]
     assert out.text == text[:index] == streamed["edge"]
     assert out.stop_reason == stop
-    assert out.finish_reason == "stop", f"finish_reason {out.finish_reason!r} with stop_reason {out.stop_reason!r}"
+    assert out.finish_reason == "stop", (
+        f"finish_reason {out.finish_reason!r} with stop_reason {out.stop_reason!r}"
+    )
 
 
 def test_stop_token_ids_and_eos(engine, greedy_text):
     prompt, tokens, _, _ = greedy_text
     target = tokens[5]
     first = tokens.index(target)
-    _, final, _ = generate(engine, {"t": prompt}, SamplingParams(max_tokens=24, stop_token_ids=[target], **GREEDY))
+    _, final, _ = generate(
+        engine, {"t": prompt}, SamplingParams(max_tokens=24, stop_token_ids=[target], **GREEDY)
+    )
     assert final["t"].finish_reason == "stop" and final["t"].stop_reason == target
     assert final["t"].token_ids == tokens[: first + 1]
 
@@ -346,7 +431,9 @@ def test_too_long_requests_are_refused_naming_both_numbers(make_engine):
         engine.add_request(prompt_token_ids=ids(64), sampling_params=SamplingParams(max_tokens=1))
     assert "64" in str(err.value) and err.value.param == "prompt"
     # exactly fits
-    engine.add_request(prompt_token_ids=ids(44), sampling_params=SamplingParams(max_tokens=20, **GREEDY))
+    engine.add_request(
+        prompt_token_ids=ids(44), sampling_params=SamplingParams(max_tokens=20, **GREEDY)
+    )
     _, final, _ = run(engine)
     (out,) = final.values()
     assert len(out.token_ids) == 20
@@ -376,7 +463,9 @@ def test_bad_requests_are_refused(make_engine, engine):
     assert err.value.param == "prompt"
     with pytest.raises(InvalidRequestError):
         engine.add_request()
-    engine.add_request(prompt_token_ids=[5], request_id="dup", sampling_params=SamplingParams(max_tokens=1))
+    engine.add_request(
+        prompt_token_ids=[5], request_id="dup", sampling_params=SamplingParams(max_tokens=1)
+    )
     with pytest.raises(InvalidRequestError) as err:
         engine.add_request(prompt_token_ids=[5], request_id="dup")
     assert err.value.param == "request_id"
@@ -385,16 +474,25 @@ def test_bad_requests_are_refused(make_engine, engine):
         make_engine(enable_chunked_prefill=False, max_num_batched_tokens=32, max_model_len=256)
     assert "32" in str(err.value) and "256" in str(err.value)
     with pytest.raises(ValueError):
-        make_engine(max_model_len=1024, num_kv_blocks=8)  # the cache cannot hold one full-length request
+        make_engine(
+            max_model_len=1024, num_kv_blocks=8
+        )  # the cache cannot hold one full-length request
 
 
 def test_abort_frees_the_blocks_at_once(make_engine):
     engine = make_engine(num_kv_blocks=32, max_num_seqs=3)
     for rid in ("keep", "drop", "waiting"):
-        prompt = ids(5) if rid == "waiting" else ids(40, start={"keep": 101, "drop": 202}[rid])  # no shared prefix
-        engine.add_request(prompt_token_ids=prompt, request_id=rid,
-                           sampling_params=SamplingParams(max_tokens=30, **GREEDY))
-    engine.add_request(prompt_token_ids=ids(5), request_id="queued", sampling_params=SamplingParams(max_tokens=5))
+        prompt = (
+            ids(5) if rid == "waiting" else ids(40, start={"keep": 101, "drop": 202}[rid])
+        )  # no shared prefix
+        engine.add_request(
+            prompt_token_ids=prompt,
+            request_id=rid,
+            sampling_params=SamplingParams(max_tokens=30, **GREEDY),
+        )
+    engine.add_request(
+        prompt_token_ids=ids(5), request_id="queued", sampling_params=SamplingParams(max_tokens=5)
+    )
     engine.step()
     engine.step()
     kv = engine.kv_cache_manager
@@ -409,7 +507,9 @@ def test_abort_frees_the_blocks_at_once(make_engine):
     request = engine.get_request("drop")
     assert request.finish_reason == "abort" and request.journey[-1].kind == "finished"
     assert request.journey[-1].detail["reason"] == "abort"
-    assert engine.abort_request("queued") is True  # still waiting: nothing to free, gone from the queue
+    assert (
+        engine.abort_request("queued") is True
+    )  # still waiting: nothing to free, gone from the queue
     assert "queued" not in [r.request_id for r in engine.scheduler.waiting]
     records, final, _ = run(engine)
     assert "drop" not in final and all(o.request_id != "drop" for r in records for o in r.outputs)
@@ -422,11 +522,20 @@ def test_chunked_prefill_off_with_small_budget_cannot_livelock(make_engine):
     output) in one step: with a budget below max_model_len that could never fit again. Either such a
     config is refused up front, or every request finishes."""
     try:
-        engine = make_engine(block_size=4, num_kv_blocks=5, max_model_len=20, max_num_batched_tokens=8,
-                             enable_chunked_prefill=False, enable_prefix_caching=False)
+        engine = make_engine(
+            block_size=4,
+            num_kv_blocks=5,
+            max_model_len=20,
+            max_num_batched_tokens=8,
+            enable_chunked_prefill=False,
+            enable_prefix_caching=False,
+        )
         for rid in "ab":
-            engine.add_request(prompt_token_ids=ids(3), request_id=rid,
-                               sampling_params=SamplingParams(max_tokens=12, **GREEDY))
+            engine.add_request(
+                prompt_token_ids=ids(3),
+                request_id=rid,
+                sampling_params=SamplingParams(max_tokens=12, **GREEDY),
+            )
     except (ValueError, InvalidRequestError):
         return
     records, final, _ = run(engine, max_steps=300)
@@ -449,9 +558,19 @@ def test_shared_prefix_is_computed_once(make_engine):
             r, final, _ = generate(engine, {rid: system + q}, params)
             records += r
             outputs[name, rid] = final[rid].token_ids
-        computed = {rid: sum(s.num_tokens for r in records for s in r.scheduled
-                             if s.request_id == rid and s.phase != "decode") for rid in questions}
-        first = {rid: next(s for r in records for s in r.scheduled if s.request_id == rid) for rid in questions}
+        computed = {
+            rid: sum(
+                s.num_tokens
+                for r in records
+                for s in r.scheduled
+                if s.request_id == rid and s.phase != "decode"
+            )
+            for rid in questions
+        }
+        first = {
+            rid: next(s for r in records for s in r.scheduled if s.request_id == rid)
+            for rid in questions
+        }
         if name == "cold":
             assert computed == {"q1": 109, "q2": 113}
             assert first["q2"].num_prefix_hit_tokens == 0
@@ -475,10 +594,12 @@ def test_seeded_request_is_reproducible_alone_and_in_a_batch(make_engine):
     _, final, _ = generate(alone, {"s": prompt}, seeded)
     batched = make_engine(max_num_batched_tokens=32)
     others = {"o1": ids(20, 100), "o2": ids(50, 200), "o3": prompt}
-    params = {"o1": SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True),
-              "o2": SamplingParams(max_tokens=20, temperature=0.7, seed=99, ignore_eos=True),
-              "o3": SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True),
-              "s": seeded}
+    params = {
+        "o1": SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True),
+        "o2": SamplingParams(max_tokens=20, temperature=0.7, seed=99, ignore_eos=True),
+        "o3": SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True),
+        "s": seeded,
+    }
     _, final2, _ = generate(batched, {**others, "s": prompt}, params)
     assert final2["s"].token_ids == final["s"].token_ids and final2["s"].text == final["s"].text
     greedy = make_engine()
@@ -494,7 +615,9 @@ def test_logprobs_are_returned(engine):
     for token, entry in zip(out.token_ids, out.logprobs):
         assert entry["token_id"] == token
         assert len(entry["top_logprobs"]) == 3
-        assert entry["logprob"] == pytest.approx(max(entry["top_logprobs"].values()))  # greedy = the top one
+        assert entry["logprob"] == pytest.approx(
+            max(entry["top_logprobs"].values())
+        )  # greedy = the top one
         assert all(v <= 0.0 for v in entry["top_logprobs"].values())
     _, final, _ = generate(engine, {"nolp": ids(8)}, SamplingParams(max_tokens=2, **GREEDY))
     assert final["nolp"].logprobs is None
@@ -534,8 +657,11 @@ def test_a_request_whose_sampling_fails_fails_alone(make_engine, monkeypatch):
 
 def test_a_failed_forward_fails_only_that_steps_requests(make_engine, monkeypatch):
     engine = make_engine()
-    engine.add_request(prompt_token_ids=ids(8, 21), request_id="victim",
-                       sampling_params=SamplingParams(max_tokens=4, **GREEDY))
+    engine.add_request(
+        prompt_token_ids=ids(8, 21),
+        request_id="victim",
+        sampling_params=SamplingParams(max_tokens=4, **GREEDY),
+    )
     real_execute = engine.executor.execute_model
 
     def broken(scheduler_output):
@@ -561,8 +687,9 @@ def test_a_request_whose_output_processing_fails_fails_alone(make_engine, monkey
         return real(request, token_ids)
 
     monkeypatch.setattr(engine.output_processor, "process_tokens", flaky)
-    _, final, _ = generate(engine, {"bad": ids(6, 31), "good": ids(7, 32)},
-                           SamplingParams(max_tokens=4, **GREEDY))
+    _, final, _ = generate(
+        engine, {"bad": ids(6, 31), "good": ids(7, 32)}, SamplingParams(max_tokens=4, **GREEDY)
+    )
     assert final["bad"].finish_reason == "error"
     assert final["good"].finish_reason == "length" and len(final["good"].token_ids) == 4
 
@@ -576,13 +703,18 @@ def test_engine_clock_ignores_pauses_between_steps(make_engine):
     import time
 
     engine = make_engine()
-    request = engine.add_request(prompt_token_ids=ids(10, 41), request_id="r",
-                                 sampling_params=SamplingParams(max_tokens=3, **GREEDY))
+    request = engine.add_request(
+        prompt_token_ids=ids(10, 41),
+        request_id="r",
+        sampling_params=SamplingParams(max_tokens=3, **GREEDY),
+    )
     time.sleep(0.3)
     records = run(engine)[0]
     wall, clocked = request.metrics("wall"), request.metrics("engine")
     assert wall.ttft - clocked.ttft >= 0.29  # the pause counts on the wall clock only
-    assert clocked.ttft == pytest.approx(records[0].engine_start_time + records[0].engine_duration, abs=0.05)
+    assert clocked.ttft == pytest.approx(
+        records[0].engine_start_time + records[0].engine_duration, abs=0.05
+    )
     assert engine.clock.now() == pytest.approx(sum(r.engine_duration for r in records))
     starts = [r.engine_start_time for r in records]
     assert starts == sorted(starts)
@@ -594,8 +726,11 @@ def test_engine_clock_ignores_pauses_between_steps(make_engine):
 def test_arrivals_scheduled_in_engine_time(make_engine):
     engine = make_engine()
     engine.clock.advance_to(2.0)
-    request = engine.add_request(prompt_token_ids=ids(4, 42), engine_arrival_time=1.5,
-                                 sampling_params=SamplingParams(max_tokens=1, **GREEDY))
+    request = engine.add_request(
+        prompt_token_ids=ids(4, 42),
+        engine_arrival_time=1.5,
+        sampling_params=SamplingParams(max_tokens=1, **GREEDY),
+    )
     run(engine)
     metrics = request.metrics("engine")
     assert metrics.arrival_time == 1.5 and metrics.queue_time >= 0.5

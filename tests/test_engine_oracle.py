@@ -18,7 +18,9 @@ pytestmark = pytest.mark.slow
 NEW_TOKENS = 16
 TIE_MARGIN = 1e-3  # a divergence is excused only where the reference's top-2 logits are this close
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-SEEDED = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, top_p=0.9, seed=1234, ignore_eos=True)
+SEEDED = SamplingParams(
+    max_tokens=NEW_TOKENS, temperature=0.8, top_p=0.9, seed=1234, ignore_eos=True
+)
 
 NOTES = (
     "A paged KV cache keeps the keys and values of every token in fixed-size blocks, and a block table maps "
@@ -36,7 +38,9 @@ SYSTEM = (
 @pytest.fixture(scope="module")
 def prompts(tokenizer) -> dict[str, str]:
     def chat(text, system=None):
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": text}
+        ]
         return tokenizer.apply_chat_template(messages)
 
     long_text = "Summarize these notes in one sentence.\n\n"
@@ -67,9 +71,15 @@ def system_prompts(tokenizer) -> dict[str, str]:
 
 def hf_greedy(hf_model, ids: list[int], n: int = NEW_TOKENS) -> list[int]:
     with torch.no_grad():
-        gen = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=2)
-    out = gen[0, len(ids):].tolist()
+        gen = hf_model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=n,
+            eos_token_id=None,
+            pad_token_id=2,
+        )
+    out = gen[0, len(ids) :].tolist()
     assert len(out) == n
     return out
 
@@ -91,9 +101,11 @@ def assert_same_greedy(hf_model, tokenizer, name, prompt_ids, ours, ref):
         last = hf_model(torch.tensor([prompt_ids + ref[:diverge]])).logits[0, -1].float()
     top2 = last.topk(2)
     margin = (top2.values[0] - top2.values[1]).item()
-    detail = (f"{name}: first divergence at generated token {diverge} (ours {ours[diverge]}, "
-              f"reference {ref[diverge]}), reference top-2 margin {margin:.2e}\n"
-              f" ours: {tokenizer.decode(ours)!r}\n  ref: {tokenizer.decode(ref)!r}")
+    detail = (
+        f"{name}: first divergence at generated token {diverge} (ours {ours[diverge]}, "
+        f"reference {ref[diverge]}), reference top-2 margin {margin:.2e}\n"
+        f" ours: {tokenizer.decode(ours)!r}\n  ref: {tokenizer.decode(ref)!r}"
+    )
     assert margin < TIE_MARGIN, detail
     assert ours[diverge] in top2.indices.tolist(), detail
 
@@ -102,7 +114,9 @@ def check_batch(llm, outputs, names, hf_model, tokenizer, reference):
     for name, out in zip(names, outputs):
         assert out.finish_reason == "length" and len(out.token_ids) == NEW_TOKENS
         assert out.prompt_token_ids == tokenizer.encode(out.prompt)
-        assert_same_greedy(hf_model, tokenizer, name, out.prompt_token_ids, out.token_ids, reference[name])
+        assert_same_greedy(
+            hf_model, tokenizer, name, out.prompt_token_ids, out.token_ids, reference[name]
+        )
         assert out.text == tokenizer.decode(out.token_ids)
     assert llm.engine.kv_cache_manager.snapshot().num_used == 0
 
@@ -122,14 +136,22 @@ def big_llm(default_model_dir):
 @pytest.fixture(scope="module")
 def batch_run(big_llm, prompts, system_prompts):
     names = list(prompts)
-    extra = {"sys_q1": (system_prompts["q1"], GREEDY),  # leaves the system prompt in the prefix cache
-             "seeded": ("Write a short poem about the sea.", SEEDED),
-             "other_seeded": ("Tell me a fact about Seoul.", SamplingParams(max_tokens=12, temperature=1.0, seed=7)),
-             "unseeded": ("List three colors:", SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, top_k=50))}
+    extra = {
+        "sys_q1": (system_prompts["q1"], GREEDY),  # leaves the system prompt in the prefix cache
+        "seeded": ("Write a short poem about the sea.", SEEDED),
+        "other_seeded": (
+            "Tell me a fact about Seoul.",
+            SamplingParams(max_tokens=12, temperature=1.0, seed=7),
+        ),
+        "unseeded": (
+            "List three colors:",
+            SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, top_k=50),
+        ),
+    }
     texts = [prompts[n] for n in names] + [text for text, _ in extra.values()]
     params = [GREEDY] * len(names) + [p for _, p in extra.values()]
     outputs = big_llm.generate(texts, params, use_tqdm=False)
-    return names, outputs[: len(names)], dict(zip(extra, outputs[len(names):]))
+    return names, outputs[: len(names)], dict(zip(extra, outputs[len(names) :]))
 
 
 def test_batch_greedy_matches_transformers(big_llm, batch_run, hf_reference, tokenizer, reference):
@@ -147,8 +169,9 @@ def test_seeded_request_gives_the_same_text_alone_and_in_a_batch(big_llm, batch_
     assert len(alone.token_ids) == NEW_TOKENS
 
 
-def test_prefix_cache_serves_a_shared_system_prompt(big_llm, batch_run, system_prompts, hf_reference, tokenizer,
-                                                     reference):
+def test_prefix_cache_serves_a_shared_system_prompt(
+    big_llm, batch_run, system_prompts, hf_reference, tokenizer, reference
+):
     first = batch_run[2]["sys_q1"]  # computed in the batch; its blocks are now cached-free
     (second,) = big_llm.generate([system_prompts["q2"]], GREEDY, use_tqdm=False)
     ids = second.prompt_token_ids
@@ -156,7 +179,9 @@ def test_prefix_cache_serves_a_shared_system_prompt(big_llm, batch_run, system_p
     assert shared >= 100
     (admission,) = [s for r in big_llm.step_records for s in r.scheduled if s.phase != "decode"]
     assert admission.num_prefix_hit_tokens == (shared // 16) * 16 >= 2 * 16
-    assert admission.num_prefix_hit_tokens + admission.num_tokens == len(ids)  # only the rest was computed
+    assert admission.num_prefix_hit_tokens + admission.num_tokens == len(
+        ids
+    )  # only the rest was computed
     assert admission.num_computed_tokens == admission.num_prefix_hit_tokens
     assert second.metrics.num_cached_tokens == admission.num_prefix_hit_tokens
     # the same greedy output as without any prefix cache
@@ -166,15 +191,23 @@ def test_prefix_cache_serves_a_shared_system_prompt(big_llm, batch_run, system_p
 # -- small caches: preemption, chunked prefill, prefix caching on and off ---------------------------
 
 
-@pytest.mark.parametrize("caching, budget, mode", [(False, 64, "recompute"), (True, 128, "recompute"),
-                                                   (True, 128, "swap")],
-                         ids=["no_prefix_caching", "prefix_caching", "swap"])
+@pytest.mark.parametrize(
+    "caching, budget, mode",
+    [(False, 64, "recompute"), (True, 128, "recompute"), (True, 128, "swap")],
+    ids=["no_prefix_caching", "prefix_caching", "swap"],
+)
 def test_preemption_and_chunked_prefill_keep_greedy_outputs(
     default_model_dir, prompts, hf_reference, tokenizer, reference, caching, budget, mode
 ):
     # 25 blocks of 16 = 400 tokens: one long request fits, the whole batch does not
-    llm = make_llm(default_model_dir, num_kv_blocks=25, max_model_len=400, max_num_batched_tokens=budget,
-                   enable_prefix_caching=caching, preemption_mode=mode)
+    llm = make_llm(
+        default_model_dir,
+        num_kv_blocks=25,
+        max_model_len=400,
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=caching,
+        preemption_mode=mode,
+    )
     names = list(prompts)
     outputs = llm.generate([prompts[n] for n in names], GREEDY, use_tqdm=False)
     check_batch(llm, outputs, names, hf_reference, tokenizer, reference)
@@ -187,7 +220,10 @@ def test_preemption_and_chunked_prefill_keep_greedy_outputs(
     assert (hits > 0) == caching
     stats = llm.engine.stats
     if mode == "swap":  # the swap space is as large as the cache: nothing is ever recomputed
-        assert stats["swapped_out_blocks"] > 0 and stats["swapped_in_blocks"] == stats["swapped_out_blocks"]
+        assert (
+            stats["swapped_out_blocks"] > 0
+            and stats["swapped_in_blocks"] == stats["swapped_out_blocks"]
+        )
         assert stats["recomputed_tokens"] == 0 and stats["swap_seconds"] > 0
     else:
         assert stats["recomputed_tokens"] > 0 and stats["swapped_out_blocks"] == 0

@@ -13,11 +13,21 @@ from ui.hardware_data import GPUS, MODELS, memory_budget
 
 @pytest.fixture(scope="module")
 def cfg(tiny_model_dir):
-    return ex.make_config(dict(model=str(tiny_model_dir), device="cpu", num_kv_blocks=64, max_model_len=1024,
-                               max_num_batched_tokens=128, max_num_seqs=4, enable_prefix_caching=False))
+    return ex.make_config(
+        dict(
+            model=str(tiny_model_dir),
+            device="cpu",
+            num_kv_blocks=64,
+            max_model_len=1024,
+            max_num_batched_tokens=128,
+            max_num_seqs=4,
+            enable_prefix_caching=False,
+        )
+    )
 
 
 # -- chapter 05: data and formulas (no engine) ---------------------------------------------------
+
 
 def test_param_counts_match_model_cards():
     for spec in MODELS.values():
@@ -39,7 +49,9 @@ def test_required_models_and_gpus_present():
 def test_memory_budget_matches_lesson_examples():
     b = memory_budget("Llama-3.1-8B", "H100 SXM 80GB", "bfloat16", 0.9, 2.0, 4096)
     assert round(b.kv_budget_bytes / 1e9, 1) == 53.9 and b.max_requests == 100
-    assert memory_budget("Qwen2.5-7B", "H100 SXM 80GB", "bfloat16", 0.9, 2.0, 4096).max_requests == 233
+    assert (
+        memory_budget("Qwen2.5-7B", "H100 SXM 80GB", "bfloat16", 0.9, 2.0, 4096).max_requests == 233
+    )
     assert memory_budget("Llama-3.1-8B", "A100 40GB", "bfloat16", 0.9, 2.0, 4096).max_requests == 33
     big = memory_budget("Llama-3.1-70B", "H200 141GB", "bfloat16", 0.9, 2.0, 4096)
     assert not big.fits and big.max_requests == 0
@@ -49,6 +61,7 @@ def test_memory_budget_matches_lesson_examples():
 
 # -- chapter 04 ----------------------------------------------------------------------------------
 
+
 def test_run_workload_latency_metrics(cfg):
     res = ex.run_workload(cfg, ex.Workload.uniform(4, 12, 6), "fcfs")
     t = res.request_table()
@@ -56,7 +69,9 @@ def test_run_workload_latency_metrics(cfg):
     assert (t["ttft_ms"] > 0).all() and (t["e2e_ms"] >= t["ttft_ms"]).all()
     # TPOT = (E2E − TTFT) / (N − 1) with the last token at finish (finish is recorded just after it)
     for _, row in t.iterrows():
-        assert math.isclose(row["tpot_ms"], (row["e2e_ms"] - row["ttft_ms"]) / 5, rel_tol=1e-3, abs_tol=0.5)
+        assert math.isclose(
+            row["tpot_ms"], (row["e2e_ms"] - row["ttft_ms"]) / 5, rel_tol=1e-3, abs_tol=0.5
+        )
     assert len(res.itl_samples_ms()) == 4 * 5
     p = ex.percentile_table(res).set_index("지표")
     assert p.loc["ITL", "n"] == 20 and p.loc["TTFT", "n"] == 4
@@ -73,7 +88,10 @@ def test_one_token_requests_have_no_tpot(cfg):
     t = res.request_table()
     assert t["tpot_ms"].isna().all()
     shown = ex.korean_table(t, ["request_id", "ttft_ms", "tpot_ms"])
-    assert list(shown.columns) == ["요청", "TTFT (ms)", "TPOT (ms)"] and (shown["TPOT (ms)"] == "—").all()
+    assert (
+        list(shown.columns) == ["요청", "TTFT (ms)", "TPOT (ms)"]
+        and (shown["TPOT (ms)"] == "—").all()
+    )
 
 
 def test_arrivals_are_honoured(cfg):
@@ -89,6 +107,7 @@ def test_arrivals_are_honoured(cfg):
 
 # -- chapter 05 ----------------------------------------------------------------------------------
 
+
 def test_measure_dtype_bytes_and_agreement(cfg):
     fp32 = ex.measure_dtype(cfg, "float32", num_tokens=4)
     bf16 = ex.measure_dtype(cfg, "bfloat16", num_tokens=4, reference=fp32)
@@ -101,6 +120,7 @@ def test_measure_dtype_bytes_and_agreement(cfg):
 
 
 # -- chapter 06 ----------------------------------------------------------------------------------
+
 
 def test_fragmentation_contiguous_vs_paged(cfg):
     wl = ex.Workload([ex.RequestSpec(p, o, 0.0) for p, o in [(10, 6), (30, 12), (20, 4), (40, 8)]])
@@ -125,6 +145,7 @@ def test_fragmentation_contiguous_vs_paged(cfg):
 
 # -- chapter 07 ----------------------------------------------------------------------------------
 
+
 def test_compare_batching_three_modes(cfg):
     # All arrive at once: with late arrivals the tiny model may finish a batch before the next
     # request comes, and whether anyone waits on the static batch would depend on machine speed.
@@ -141,14 +162,22 @@ def test_compare_batching_three_modes(cfg):
     assert w["padding_slot_steps"] > 0 and w["num_batches"] >= 2
     assert ex.batch_waste(cont)["padding_slot_steps"] <= w["padding_slot_steps"]
     summary = ex.batching_summary(results)
-    assert list(summary["방식"]) == list(ex.BATCHING_MODES) and summary["처리량 (토큰/s)"].gt(0).all()
+    assert (
+        list(summary["방식"]) == list(ex.BATCHING_MODES) and summary["처리량 (토큰/s)"].gt(0).all()
+    )
 
 
 # -- chapter 08 ----------------------------------------------------------------------------------
 
+
 def test_chunked_prefill_comparison(cfg):
-    wl = ex.long_prompt_workload(long_prompt_len=400, num_short=2, short_max_tokens=10, long_arrival_ms=50.0,
-                                 long_max_tokens=3)
+    wl = ex.long_prompt_workload(
+        long_prompt_len=400,
+        num_short=2,
+        short_max_tokens=10,
+        long_arrival_ms=50.0,
+        long_max_tokens=3,
+    )
     cmp = ex.compare_chunked_prefill(cfg, wl, budget=64, max_num_seqs=4)
     on, off = cmp.runs.values()
     assert on.config.enable_chunked_prefill and not off.config.enable_chunked_prefill
@@ -160,8 +189,9 @@ def test_chunked_prefill_comparison(cfg):
     assert s.loc["chunked prefill 켬", "긴 요청 prefill 스텝 수"] >= 400 // 64
     assert s.loc["chunked prefill 끔", "긴 요청 prefill 스텝 수"] == 0
     # a budget that holds the long prompt, arriving with the others: it waits for the token budget
-    wl = ex.long_prompt_workload(long_prompt_len=200, num_short=2, short_max_tokens=6,
-                                 long_arrival_ms=0.0, long_max_tokens=3)
+    wl = ex.long_prompt_workload(
+        long_prompt_len=200, num_short=2, short_max_tokens=6, long_arrival_ms=0.0, long_max_tokens=3
+    )
     cmp = ex.compare_chunked_prefill(cfg, wl, budget=208, max_num_seqs=4)
     off = cmp.runs["chunked prefill 끔"]
     assert not off.rejected and any(s.num_tokens == 200 for r in off.records for s in r.scheduled)

@@ -33,8 +33,9 @@ from engine.kernels.quant import (
     unpack_int4,
 )
 
-HYPOTHESIS = settings(max_examples=40, deadline=None,
-                      suppress_health_check=[HealthCheck.function_scoped_fixture])
+HYPOTHESIS = settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 
 @pytest.fixture(scope="session")
@@ -48,8 +49,15 @@ def ext():
 # -- paged attention ------------------------------------------------------------------------
 
 
-def run_both(ext, requests: list[tuple[int, int]], kv_heads: int, group: int, head_dim: int,
-             block_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def run_both(
+    ext,
+    requests: list[tuple[int, int]],
+    kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """requests: (tokens already cached, new tokens) each. Returns (torch output, kernel output)."""
     g = torch.Generator().manual_seed(seed)
     heads = kv_heads * group
@@ -68,8 +76,9 @@ def run_both(ext, requests: list[tuple[int, int]], kv_heads: int, group: int, he
     q = torch.randn(num_tokens, heads, head_dim, generator=g)
     k = torch.randn(num_tokens, kv_heads, head_dim, generator=g)
     v = torch.randn(num_tokens, kv_heads, head_dim, generator=g)
-    meta = build_attention_metadata([n for _, n in requests], [c for c, _ in requests], tables,
-                                    block_size)
+    meta = build_attention_metadata(
+        [n for _, n in requests], [c for c, _ in requests], tables, block_size
+    )
     scale = head_dim**-0.5
     kc, vc = k_cache.clone(), v_cache.clone()
     ref = paged_attention(q, k, v, kc, vc, meta, scale, kernels=None)
@@ -83,17 +92,24 @@ def run_both(ext, requests: list[tuple[int, int]], kv_heads: int, group: int, he
 def test_decode_context_lengths_and_gqa(ext, group, context):
     """One decode token after context - 1 cached ones (context 1: a 1-token prompt, prefill)."""
     requests = [(context - 1, 1), (max(context - 5, 1), 1)]
-    ref, out = run_both(ext, requests, kv_heads=3, group=group, head_dim=64, block_size=16,
-                        seed=context)
+    ref, out = run_both(
+        ext, requests, kv_heads=3, group=group, head_dim=64, block_size=16, seed=context
+    )
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("cached, new",
-                         [(16, 1), (15, 2), (16, 16), (17, 40), (300, 37), (5, 200)])
+@pytest.mark.parametrize("cached, new", [(16, 1), (15, 2), (16, 16), (17, 40), (300, 37), (5, 200)])
 def test_prefill_chunk_after_a_cached_prefix(ext, cached, new):
     """Causal inside the chunk, full view of the prefix, tiles of 16 rows cut anywhere."""
-    ref, out = run_both(ext, [(cached, new), (40, 1)], kv_heads=3, group=3, head_dim=64,
-                        block_size=16, seed=cached + new)
+    ref, out = run_both(
+        ext,
+        [(cached, new), (40, 1)],
+        kv_heads=3,
+        group=3,
+        head_dim=64,
+        block_size=16,
+        seed=cached + new,
+    )
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
@@ -102,8 +118,10 @@ def test_prefill_chunk_after_a_cached_prefix(ext, cached, new):
     requests=st.lists(
         # (cached, new); a third of them decodes (new = 1)
         st.tuples(st.integers(0, 400), st.integers(1, 40)).map(
-            lambda r: (r[0], 1 if r[1] > 30 else r[1])),
-        min_size=1, max_size=6,
+            lambda r: (r[0], 1 if r[1] > 30 else r[1])
+        ),
+        min_size=1,
+        max_size=6,
     ),
     kv_heads=st.sampled_from([1, 2, 3]),
     group=st.sampled_from([1, 3, 4]),
@@ -149,16 +167,18 @@ def test_int4_packing_puts_the_group_halves_in_the_two_nibbles():
     with_bias=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_quantized_linear_matches_dequantize_then_matmul(ext, rows, out_features, groups,
-                                                         group_size, bits, with_bias, seed):
+def test_quantized_linear_matches_dequantize_then_matmul(
+    ext, rows, out_features, groups, group_size, bits, with_bias, seed
+):
     g = torch.Generator().manual_seed(seed)
     in_features = groups * group_size
     w = torch.randn(out_features, in_features, generator=g) * 0.05
     x = torch.randn(rows, in_features, generator=g)
     bias = torch.randn(out_features, generator=g) if with_bias else None
     qw = quantize_int8(w) if bits == 8 else quantize_int4(w, group_size)
-    torch.testing.assert_close(quantized_linear(x, qw, bias), reference_linear(x, qw, bias),
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        quantized_linear(x, qw, bias), reference_linear(x, qw, bias), atol=1e-4, rtol=1e-4
+    )
 
 
 def test_quantized_linear_keeps_leading_dimensions(ext):
@@ -211,15 +231,22 @@ def test_engine_greedy_tokens_equal_with_and_without_kernels(ext, default_model_
 
     system = "You are a patient teacher of inference systems. Explain each term you use. " * 6
     prompts = [
-        tokenizer.apply_chat_template([{"role": "system", "content": system},
-                                       {"role": "user", "content": question}])
+        tokenizer.apply_chat_template(
+            [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        )
         for question in ("What is a KV cache?", "Why are blocks paged?", "What is a block table?")
     ] + ["The history of the printing press begins", "1, 2, 3,"]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outputs = {}
     for mode in ("torch", "auto"):
-        llm = LLM(model=str(default_model_dir), device="cpu", kernels=mode,
-                  max_num_batched_tokens=64, num_kv_blocks=256, max_model_len=2048)
+        llm = LLM(
+            model=str(default_model_dir),
+            device="cpu",
+            kernels=mode,
+            max_num_batched_tokens=64,
+            num_kv_blocks=256,
+            max_model_len=2048,
+        )
         expected_path = "cpu" if mode == "auto" else "torch"
         assert llm.engine.executor.worker.model.kernel_path == expected_path
         outputs[mode] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -23,7 +23,9 @@ def constant_hash(parent_hash, token_ids) -> int:
 
 
 def make_req(rid: str, tokens, max_tokens: int = 4) -> Request:
-    return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens, temperature=0.0), eos_token_id=None)
+    return Request(
+        rid, list(tokens), SamplingParams(max_tokens=max_tokens, temperature=0.0), eos_token_id=None
+    )
 
 
 def admit(kv: KVCacheManager, req: Request):
@@ -51,7 +53,9 @@ def check_consistent(kv: KVCacheManager) -> None:
         assert block.ref_cnt == holders.get(block.block_id, 0), block
         assert (block.ref_cnt == 0) == (block.block_id in kv.block_pool.free_queue), block
         if holders.get(block.block_id, 0) > 1:
-            assert block.block_hash is not None, f"block {block.block_id} shared but not a prefix-cache block"
+            assert block.block_hash is not None, (
+                f"block {block.block_id} shared but not a prefix-cache block"
+            )
     cached_ids = {b.block_id for same in kv.block_pool.cached.values() for b in same}
     assert cached_ids == {b.block_id for b in kv.block_pool.blocks if b.block_hash is not None}
     snap = kv.snapshot()
@@ -139,7 +143,9 @@ def test_at_least_one_token_is_left_to_compute():
     tokens = list(range(200, 208))  # exactly 2 blocks
     admit(kv, make_req("a", tokens))
     hits, n = kv.get_computed_blocks(make_req("b", tokens))
-    assert n == 4 and len(hits) == 1  # the last block must be recomputed for the last token's logits
+    assert (
+        n == 4 and len(hits) == 1
+    )  # the last block must be recomputed for the last token's logits
     hits, n = kv.get_computed_blocks(make_req("c", tokens + [9]))
     assert n == 8
 
@@ -194,7 +200,9 @@ X, Y, Z, W = ([10 + i] * BS for i in range(4))
 Y2 = [11, 11, 11, 12]  # like Y but for its last token
 
 
-@pytest.mark.parametrize("hash_fn", [constant_hash, chained_block_hash], ids=["constant_hash", "real_hash"])
+@pytest.mark.parametrize(
+    "hash_fn", [constant_hash, chained_block_hash], ids=["constant_hash", "real_hash"]
+)
 def test_colliding_hashes_never_hand_out_other_tokens(hash_fn):
     kv = KVCacheManager(32, BS, hash_fn=hash_fn)
     a = make_req("a", X + Y + [1])
@@ -266,7 +274,9 @@ def test_identical_prefix_computed_twice_is_cached_once():
         req.num_computed_tokens = req.num_tokens
         kv.cache_full_blocks(req)
     assert kv.block_ids("b")[:2] == kv.block_ids("a")[:2]  # b now uses a's copy...
-    assert kv.num_free_blocks == free_before + 2 and kv.num_deduplicated_blocks == 2  # ...and gave its own back
+    assert (
+        kv.num_free_blocks == free_before + 2 and kv.num_deduplicated_blocks == 2
+    )  # ...and gave its own back
     hits, _ = kv.get_computed_blocks(make_req("c", X + Y + [3]))
     assert [h.block_id for h in hits] == kv.block_ids("a")[:2]
     check_consistent(kv)
@@ -320,7 +330,14 @@ def test_freed_cached_blocks_are_reused_until_evicted_least_recently_freed_first
     kv.free(b)  # then 5, 4, 3
     assert list(kv.block_pool.free_queue) == [2, 1, 0, 5, 4, 3]
     snap = kv.snapshot()
-    assert [s.status for s in snap.blocks] == ["cached", "cached", "free", "cached", "cached", "free"]
+    assert [s.status for s in snap.blocks] == [
+        "cached",
+        "cached",
+        "free",
+        "cached",
+        "cached",
+        "free",
+    ]
     assert snap.num_cached_free == 4 and snap.num_used == 0
 
     # a hit revives cached-free blocks: they leave the free queue and are used again
@@ -335,7 +352,10 @@ def test_freed_cached_blocks_are_reused_until_evicted_least_recently_freed_first
     d = make_req("d", [90] * 5)
     _, d_table = admit(kv, d)
     assert d_table == [5, 4]
-    assert kv.block_pool.blocks[5].token_ids == (90,) * 4 and kv.block_pool.blocks[4].block_hash is None  # W's copy is gone
+    assert (
+        kv.block_pool.blocks[5].token_ids == (90,) * 4
+        and kv.block_pool.blocks[4].block_hash is None
+    )  # W's copy is gone
     hits, n = kv.get_computed_blocks(make_req("e", Z + W + [1]))
     assert [h.block_id for h in hits] == [3] and n == BS  # W's block was evicted, Z's survives
     check_consistent(kv)
@@ -390,13 +410,19 @@ def test_evictable_hits_are_counted_as_unavailable():
     collide=st.booleans(),
     num_ops=st.integers(5, 60),
 )
-def test_random_admit_grow_free_keeps_ref_counts_right(seed, num_blocks, block_size, collide, num_ops):
+def test_random_admit_grow_free_keeps_ref_counts_right(
+    seed, num_blocks, block_size, collide, num_ops
+):
     """Random admissions (from a few shared prefixes), growth and frees: ref counts always match
     the block tables, a block held by two requests is always a cached prefix block whose tokens
     equal both requests' tokens at that position, and everything is free once all are freed."""
     rng = random.Random(seed)
-    kv = KVCacheManager(num_blocks, block_size, hash_fn=constant_hash if collide else chained_block_hash)
-    prefixes = [[rng.randrange(3) for _ in range(rng.randrange(1, 4 * block_size + 2))] for _ in range(3)]
+    kv = KVCacheManager(
+        num_blocks, block_size, hash_fn=constant_hash if collide else chained_block_hash
+    )
+    prefixes = [
+        [rng.randrange(3) for _ in range(rng.randrange(1, 4 * block_size + 2))] for _ in range(3)
+    ]
     live: dict[str, Request] = {}
     for op in range(num_ops):
         choice = rng.random()
@@ -406,7 +432,9 @@ def test_random_admit_grow_free_keeps_ref_counts_right(seed, num_blocks, block_s
             req = make_req(f"r{op}", tokens or [0])
             hits, n = kv.get_computed_blocks(req)
             for i, h in enumerate(hits):  # a hit holds exactly this request's tokens
-                assert h.token_ids == tuple(req.all_token_ids[i * block_size : (i + 1) * block_size])
+                assert h.token_ids == tuple(
+                    req.all_token_ids[i * block_size : (i + 1) * block_size]
+                )
             chunk = rng.randrange(1, req.num_tokens - n + 1)
             if kv.allocate_slots(req, chunk, hits) is not None:
                 req.num_computed_tokens = n + chunk
@@ -430,7 +458,9 @@ def test_random_admit_grow_free_keeps_ref_counts_right(seed, num_blocks, block_s
             assert len(blocks) * block_size >= req.num_computed_tokens
             for i, block in enumerate(blocks):
                 if block.block_hash is not None:
-                    assert block.token_ids == tuple(req.all_token_ids[i * block_size : (i + 1) * block_size])
+                    assert block.token_ids == tuple(
+                        req.all_token_ids[i * block_size : (i + 1) * block_size]
+                    )
                     parent = (blocks[i - 1].block_id, blocks[i - 1].generation) if i else None
                     assert block.parent_key == parent
     for req in list(live.values()):

@@ -22,9 +22,22 @@ LESSONS = ROOT / "lessons"
 CHAPTERS = [f"{i:02d}" for i in range(9)]
 MARK = re.compile(r"\*\*\[([^\]\n]+)\]\*\*")
 # Widget kinds whose label a learner can read and act on (AppTest accessor names).
-WIDGET_KINDS = ("button", "form_submit_button", "slider", "select_slider", "selectbox", "checkbox",
-                "number_input", "toggle", "radio", "text_input", "text_area", "multiselect",
-                "segmented_control", "pills")
+WIDGET_KINDS = (
+    "button",
+    "form_submit_button",
+    "slider",
+    "select_slider",
+    "selectbox",
+    "checkbox",
+    "number_input",
+    "toggle",
+    "radio",
+    "text_input",
+    "text_area",
+    "multiselect",
+    "segmented_control",
+    "pills",
+)
 
 
 def lesson(cid: str) -> str:
@@ -56,8 +69,12 @@ def widget_labels(at) -> set[str]:
 
 # -- 1. controls named in the text exist on the page --------------------------------------------
 
+
 def test_marks_parse():
-    assert MARK.findall("누르세요: **[다음 스텝]**, 그리고 **[끝까지]**.") == ["다음 스텝", "끝까지"]
+    assert MARK.findall("누르세요: **[다음 스텝]**, 그리고 **[끝까지]**.") == [
+        "다음 스텝",
+        "끝까지",
+    ]
     assert label_matches("블록 크기", {"블록 크기 (토큰)"})
     assert not label_matches("블록", {"블록 크기 (토큰)"})
 
@@ -115,8 +132,16 @@ def test_no_copied_sentences_or_calques(cid):
 
 def test_ch00_defines_every_evidence_label():
     text = lesson("00")
-    for label in ("측정값", "계산값", "보고값", "제조사 문서", "vendor-reported", "paper-reported",
-                  "1차", "2차"):
+    for label in (
+        "측정값",
+        "계산값",
+        "보고값",
+        "제조사 문서",
+        "vendor-reported",
+        "paper-reported",
+        "1차",
+        "2차",
+    ):
         assert label in text, label
 
 

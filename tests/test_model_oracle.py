@@ -53,7 +53,9 @@ def prompts(tokenizer) -> dict[str, list[int]]:
         "code": tokenizer.encode('def is_prime(n):\n    """Return True if n is prime."""\n'),
         "chat english": chat(user("What is the tallest mountain in the world?")),
         "chat korean": chat(user("한국의 수도는 어디인가요? 짧게 답해 주세요.")),
-        "chat system": chat({"role": "system", "content": "You are a poet."}, user("Write a haiku about the sea 🌊")),
+        "chat system": chat(
+            {"role": "system", "content": "You are a poet."}, user("Write a haiku about the sea 🌊")
+        ),
         "chat short answer": chat(user("What is 2+2?")),
         "long": chat(user(long_text)),
     }
@@ -113,7 +115,9 @@ def test_prefill_logits_match_transformers(engine_model, hf_reference, prompts, 
     assert rel_err(ours, ref) <= 1e-4
 
 
-def test_greedy_alone_matches_transformers_generate(engine_model, hf_reference, tokenizer, prompts, reference):
+def test_greedy_alone_matches_transformers_generate(
+    engine_model, hf_reference, tokenizer, prompts, reference
+):
     for name, ids in prompts.items():
         ours = greedy_alone(engine_model, ids, NEW_TOKENS)
         assert_same_greedy(hf_reference, tokenizer, name, ids, ours, reference[name])
@@ -126,7 +130,13 @@ def test_greedy_flat_batch_with_chunked_prefill_matches_transformers(
     # put the long prompt in the middle so decode rows sit on both sides of its chunks
     names.insert(len(names) // 2, names.pop(names.index("long")))
     outputs, schedule = greedy_batched(
-        engine_model, [prompts[n] for n in names], NEW_TOKENS, chunk=CHUNK, long_prompt=LONG_PROMPT, block_size=16, shuffle_seed=0
+        engine_model,
+        [prompts[n] for n in names],
+        NEW_TOKENS,
+        chunk=CHUNK,
+        long_prompt=LONG_PROMPT,
+        block_size=16,
+        shuffle_seed=0,
     )
     long_index = names.index("long")
     long_chunks = -(-len(prompts["long"]) // CHUNK)

@@ -27,7 +27,9 @@ def sequences():
     """Seeded random token sequences of assorted lengths (around block boundaries on purpose)."""
     g = torch.Generator().manual_seed(1234)
     lengths = {"a": 13, "b": 37, "c": 31, "d": 33, "e": 16, "f": 1, "g": 100}
-    return {k: torch.randint(3, TINY_VOCAB_SIZE, (n,), generator=g).tolist() for k, n in lengths.items()}
+    return {
+        k: torch.randint(3, TINY_VOCAB_SIZE, (n,), generator=g).tolist() for k, n in lengths.items()
+    }
 
 
 def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
@@ -38,7 +40,13 @@ def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
 
 def test_loads_all_weights_and_config(tiny_model, tiny_hf_model):
     cfg = tiny_model.cfg
-    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (2, 64, 4, 2, 16)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
+        2,
+        64,
+        4,
+        2,
+        16,
+    )
     assert cfg.rope_theta == 1000.0
     assert cfg.tie_word_embeddings
     assert tiny_model.w["lm_head"].data_ptr() == tiny_model.w["embed"].data_ptr()
@@ -59,7 +67,11 @@ def test_prefill_logits_match_transformers(tiny_model, tiny_hf_model, sequences,
 
 def test_prefill_of_real_text_matches_transformers(tiny_model, tiny_hf_model, tiny_tokenizer):
     tokenizer = tiny_tokenizer
-    ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "한국의 수도는? Answer briefly 🙂"}]))
+    ids = tokenizer.encode(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "한국의 수도는? Answer briefly 🙂"}]
+        )
+    )
     runner = PagedRunner(tiny_model, blocks_needed([len(ids)], BLOCK), BLOCK)
     (ours,) = runner.step([("x", ids)], all_logits=True)
     assert rel_err(ours, hf_logits(tiny_hf_model, ids)) <= TOL
@@ -111,7 +123,9 @@ def test_shuffled_block_tables_and_stale_blocks_give_same_logits(tiny_model, seq
     contiguous, _ = run_mixed_batch(tiny_model, sequences)
     shuffled, runner = run_mixed_batch(tiny_model, sequences, shuffle_seed=seed, garbage=True)
     tables = list(runner.tables.values())
-    assert any(t != sorted(t) or t != list(range(t[0], t[0] + len(t))) for t in tables)  # really non-contiguous
+    assert any(
+        t != sorted(t) or t != list(range(t[0], t[0] + len(t))) for t in tables
+    )  # really non-contiguous
     for name in "abcd":
         torch.testing.assert_close(shuffled[name], contiguous[name], rtol=1e-6, atol=1e-6)
 
@@ -132,12 +146,18 @@ def test_slot_mapping_writes_only_own_slots(tiny_model, sequences):
 
 def test_batched_greedy_decode_equals_transformers_generate(tiny_model, tiny_hf_model, sequences):
     prompts = [sequences["f"], sequences["e"], sequences["g"], sequences["c"]]
-    ours, schedule = greedy_batched(tiny_model, prompts, max_new_tokens=12, chunk=24, long_prompt=40, shuffle_seed=7)
+    ours, schedule = greedy_batched(
+        tiny_model, prompts, max_new_tokens=12, chunk=24, long_prompt=40, shuffle_seed=7
+    )
     assert any(len(s) > 1 and max(s) > 1 and 1 in s for s in schedule)  # chunks mixed with decodes
     for prompt, out in zip(prompts, ours):
         with torch.no_grad():
             ref = tiny_hf_model.generate(
-                torch.tensor([prompt]), do_sample=False, max_new_tokens=12, eos_token_id=None, pad_token_id=2
+                torch.tensor([prompt]),
+                do_sample=False,
+                max_new_tokens=12,
+                eos_token_id=None,
+                pad_token_id=2,
             )[0, len(prompt) :].tolist()
         assert len(ref) == 12
         assert out == ref

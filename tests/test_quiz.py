@@ -64,8 +64,11 @@ def test_key_is_seldom_the_longest_option():
     assert strictly_longest / len(qs) <= 0.4, (strictly_longest, len(qs))
 
 
-@pytest.mark.parametrize("cid,i,q", [t for t in all_questions() if t[2]["kind"] == "short"],
-                         ids=lambda v: v if isinstance(v, (str, int)) else "")
+@pytest.mark.parametrize(
+    "cid,i,q",
+    [t for t in all_questions() if t[2]["kind"] == "short"],
+    ids=lambda v: v if isinstance(v, (str, int)) else "",
+)
 def test_short_answer_examples_pass_and_empty_fails(cid, i, q):
     for example in q["accept"]:
         assert check_answer(example, q["check"]), (cid, i, example)
@@ -168,7 +171,10 @@ def test_short_answer_second_try(quiz_app):
     at = quiz_app
     q = load_quiz("03")[1]
     at.text_input(key="quiz_ch03_2").input("230400").run()
-    assert at.error[0].value.startswith("다시 생각해 보세요") and q["explanation"] not in at.error[0].value
+    assert (
+        at.error[0].value.startswith("다시 생각해 보세요")
+        and q["explanation"] not in at.error[0].value
+    )
     at.text_input(key="quiz_ch03_2").input("46080").run()
     assert q["explanation"] in at.error[0].value
     at.text_input(key="quiz_ch03_2").input("23,040").run()

@@ -29,8 +29,14 @@ def test_greedy_is_argmax_per_row():
 def test_greedy_rows_are_unaffected_by_sampled_rows():
     torch.manual_seed(0)
     logits = torch.randn(6, 50)
-    params = [sp(temperature=0.0), sp(temperature=1.0), sp(temperature=0.0), sp(temperature=1.5, top_k=5),
-              sp(temperature=0.0), sp(temperature=0.7, seed=3)]
+    params = [
+        sp(temperature=0.0),
+        sp(temperature=1.0),
+        sp(temperature=0.0),
+        sp(temperature=1.5, top_k=5),
+        sp(temperature=0.0),
+        sp(temperature=0.7, seed=3),
+    ]
     results = Sampler()(logits, list("abcdef"), params)
     argmax = logits.argmax(-1).tolist()
     for i in (0, 2, 4):
@@ -41,7 +47,9 @@ def test_temperature_scales_the_distribution():
     for t in (0.5, 1.0, 2.0):
         probs = Sampler.probabilities(LOGITS, sp(temperature=t))
         assert torch.allclose(probs, torch.softmax(LOGITS / t, -1), atol=1e-6)
-    assert torch.allclose(Sampler.probabilities(LOGITS, sp(temperature=1.0)), torch.tensor(PROBS), atol=1e-6)
+    assert torch.allclose(
+        Sampler.probabilities(LOGITS, sp(temperature=1.0)), torch.tensor(PROBS), atol=1e-6
+    )
 
 
 def test_top_k_keeps_the_k_most_likely():
@@ -49,13 +57,22 @@ def test_top_k_keeps_the_k_most_likely():
     assert torch.allclose(probs, torch.tensor([0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0]), atol=1e-6)
     assert torch.allclose(Sampler.probabilities(LOGITS, sp(top_k=1)), torch.tensor([1.0, 0, 0, 0]))
     for disabled in (0, -1, 4, 100):
-        assert torch.allclose(Sampler.probabilities(LOGITS, sp(top_k=disabled)), torch.tensor(PROBS), atol=1e-6)
+        assert torch.allclose(
+            Sampler.probabilities(LOGITS, sp(top_k=disabled)), torch.tensor(PROBS), atol=1e-6
+        )
 
 
 @pytest.mark.parametrize(
     "top_p, kept",
-    [(0.3, [0]), (0.5, [0]), (0.6, [0, 1]), (0.75, [0, 1]), (0.9, [0, 1, 2]), (0.99, [0, 1, 2, 3]),
-     (1.0, [0, 1, 2, 3])],
+    [
+        (0.3, [0]),
+        (0.5, [0]),
+        (0.6, [0, 1]),
+        (0.75, [0, 1]),
+        (0.9, [0, 1, 2]),
+        (0.99, [0, 1, 2, 3]),
+        (1.0, [0, 1, 2, 3]),
+    ],
 )
 def test_top_p_keeps_the_smallest_set_reaching_p(top_p, kept):
     probs = Sampler.probabilities(LOGITS, sp(top_p=top_p))
@@ -65,11 +82,15 @@ def test_top_p_keeps_the_smallest_set_reaching_p(top_p, kept):
 
 def test_top_p_works_on_unsorted_logits():
     order = [2, 0, 3, 1]
-    probs = Sampler.probabilities(LOGITS[order], sp(top_p=0.75))  # tokens 1 and 3 are the likely ones now
+    probs = Sampler.probabilities(
+        LOGITS[order], sp(top_p=0.75)
+    )  # tokens 1 and 3 are the likely ones now
     assert torch.allclose(probs, torch.tensor([0.0, 0.625, 0.0, 0.375]), atol=1e-6)
 
 
-@pytest.mark.parametrize("min_p, kept", [(0.05, [0, 1, 2, 3]), (0.2, [0, 1, 2]), (0.5, [0, 1]), (0.9, [0])])
+@pytest.mark.parametrize(
+    "min_p, kept", [(0.05, [0, 1, 2, 3]), (0.2, [0, 1, 2]), (0.5, [0, 1]), (0.9, [0])]
+)
 def test_min_p_drops_tokens_below_a_fraction_of_the_best(min_p, kept):
     probs = Sampler.probabilities(LOGITS, sp(min_p=min_p))
     expected = torch.tensor([p if i in kept else 0.0 for i, p in enumerate(PROBS)])
@@ -148,16 +169,44 @@ def test_logprobs_are_of_the_unmodified_distribution():
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("n", 2), ("temperature", -0.1), ("temperature", 2.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
-        ("min_p", -0.1), ("min_p", 1.5), ("max_tokens", 0), ("min_tokens", -1), ("logprobs", -1), ("logprobs", 21),
-        ("stop", [""]), ("stop", [3]), ("seed", "abc"), ("seed", 1.5),
+        ("n", 2),
+        ("temperature", -0.1),
+        ("temperature", 2.5),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("min_p", -0.1),
+        ("min_p", 1.5),
+        ("max_tokens", 0),
+        ("min_tokens", -1),
+        ("logprobs", -1),
+        ("logprobs", 21),
+        ("stop", [""]),
+        ("stop", [3]),
+        ("seed", "abc"),
+        ("seed", 1.5),
         # the killers: each once took a whole engine step down (or a server with it)
-        ("temperature", 1e-40), ("temperature", 0.009), ("seed", 2**64), ("seed", -1), ("seed", -2**70),
-        ("seed", 10**30), ("seed", True),
+        ("temperature", 1e-40),
+        ("temperature", 0.009),
+        ("seed", 2**64),
+        ("seed", -1),
+        ("seed", -(2**70)),
+        ("seed", 10**30),
+        ("seed", True),
         # NaN and ±inf never pass, whatever the field
-        ("temperature", math.nan), ("temperature", math.inf), ("top_p", math.nan), ("min_p", math.nan),
-        ("top_k", 2**31), ("top_k", 1.5), ("max_tokens", 2**31), ("max_tokens", True), ("min_tokens", 1.5),
-        ("logprobs", True), ("n", 1.0), ("stop_token_ids", [-1]), ("stop_token_ids", [2**40]),
+        ("temperature", math.nan),
+        ("temperature", math.inf),
+        ("top_p", math.nan),
+        ("min_p", math.nan),
+        ("top_k", 2**31),
+        ("top_k", 1.5),
+        ("max_tokens", 2**31),
+        ("max_tokens", True),
+        ("min_tokens", 1.5),
+        ("logprobs", True),
+        ("n", 1.0),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", [2**40]),
         ("stop", ["x"] * 17),
     ],
 )
@@ -184,7 +233,9 @@ def test_min_tokens_above_max_tokens_is_refused():
 
 
 def test_valid_edge_values_are_accepted():
-    SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, min_p=1.0, max_tokens=None, logprobs=20, seed=0)
+    SamplingParams(
+        temperature=0.0, top_p=1.0, top_k=-1, min_p=1.0, max_tokens=None, logprobs=20, seed=0
+    )
     SamplingParams(temperature=2.0, top_p=1e-6, top_k=0, min_p=0.0, max_tokens=1, logprobs=0)
     assert SamplingParams(stop="###").stop == ["###"]
     assert SamplingParams(temperature=0.0).greedy and not SamplingParams(temperature=0.5).greedy

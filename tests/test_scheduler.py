@@ -34,24 +34,42 @@ def constant_hash(parent_hash, token_ids) -> int:
     return 1
 
 
-def make_req(rid, tokens, max_tokens=8, priority=0, arrival=0.0, ignore_eos=True, **params) -> Request:
+def make_req(
+    rid, tokens, max_tokens=8, priority=0, arrival=0.0, ignore_eos=True, **params
+) -> Request:
     if isinstance(tokens, int):
         tokens = [1 + (i % (VOCAB - 1)) for i in range(tokens)]
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos, **params)
     return Request(rid, list(tokens), sp, eos_token_id=EOS, priority=priority, arrival_time=arrival)
 
 
-def make_sched(num_blocks=64, block_size=4, budget=512, max_seqs=32, max_model_len=256, policy="fcfs",
-               caching=True, chunked=True, hash_fn=chained_block_hash, preemption_mode="recompute",
-               num_swap_blocks=0) -> Scheduler:
-    kv = KVCacheManager(num_blocks, block_size, caching, hash_fn=hash_fn, num_swap_blocks=num_swap_blocks)
-    return Scheduler(SchedulerConfig(budget, max_seqs, max_model_len, policy, chunked, preemption_mode), kv)
+def make_sched(
+    num_blocks=64,
+    block_size=4,
+    budget=512,
+    max_seqs=32,
+    max_model_len=256,
+    policy="fcfs",
+    caching=True,
+    chunked=True,
+    hash_fn=chained_block_hash,
+    preemption_mode="recompute",
+    num_swap_blocks=0,
+) -> Scheduler:
+    kv = KVCacheManager(
+        num_blocks, block_size, caching, hash_fn=hash_fn, num_swap_blocks=num_swap_blocks
+    )
+    return Scheduler(
+        SchedulerConfig(budget, max_seqs, max_model_len, policy, chunked, preemption_mode), kv
+    )
 
 
 def step(sched: Scheduler, token: int = 5):
     """One fake engine step: every request that produces a token gets `token`."""
     out = sched.schedule()
-    finished = sched.update_from_output(out, {s.request_id: token for s in out.scheduled if s.produces_token})
+    finished = sched.update_from_output(
+        out, {s.request_id: token for s in out.scheduled if s.produces_token}
+    )
     return out, finished
 
 
@@ -76,7 +94,8 @@ def check_kv(sched: Scheduler) -> None:
         assert (block.ref_cnt == 0) == (block.block_id in kv.block_pool.free_queue)
         if len(owners) > 1:
             assert kv.enable_prefix_caching and block.block_hash is not None, (
-                f"block {block.block_id} owned by {owners} but is not a prefix-cache block")
+                f"block {block.block_id} owned by {owners} but is not a prefix-cache block"
+            )
     for request in sched.running:
         blocks = kv.req_to_blocks[request.request_id]
         assert len(blocks) * bs >= request.num_computed_tokens
@@ -97,7 +116,9 @@ def check_kv(sched: Scheduler) -> None:
     assert len(held) == len(set(held)) == swap.num_used and not set(held) & set(swap.free_ids)
     for request in sched.waiting:
         if request.is_swapped_out:
-            assert len(swap.req_to_swap_ids[request.request_id]) == -(-request.num_computed_tokens // bs)
+            assert len(swap.req_to_swap_ids[request.request_id]) == -(
+                -request.num_computed_tokens // bs
+            )
         else:
             assert request.num_computed_tokens == 0
 
@@ -124,7 +145,10 @@ class Driver:
         request = self.sched.requests.get(request_id)
         self.sched.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
         if request is not None:
-            assert request.finish_reason == "abort" and request_id not in self.sched.kv_cache_manager.req_to_blocks
+            assert (
+                request.finish_reason == "abort"
+                and request_id not in self.sched.kv_cache_manager.req_to_blocks
+            )
             self.finished[request_id] = request
             self.finish_step.setdefault(request_id, self.num_steps)
 
@@ -148,7 +172,8 @@ class Driver:
         assert set(scheduled) | set(out.unscheduled) <= live_before
         if self.check_every_request_has_a_decision:
             assert set(scheduled) | set(out.unscheduled) == live_before, (
-                f"step {out.step}: no decision for {live_before - set(scheduled) - set(out.unscheduled)}")
+                f"step {out.step}: no decision for {live_before - set(scheduled) - set(out.unscheduled)}"
+            )
         self.saw.update(out.unscheduled.values())
         if out.blocks_to_swap_out:
             self.saw.add("swap_out")
@@ -165,7 +190,9 @@ class Driver:
         # preemption: newest running first (lowest priority first under "priority"), back to the head
         preempted = out.preempted
         assert all(out.unscheduled[rid] == REASON_PREEMPTED for rid in preempted)
-        assert sorted(rid for rid, why in out.unscheduled.items() if why == REASON_PREEMPTED) == sorted(preempted)
+        assert sorted(
+            rid for rid, why in out.unscheduled.items() if why == REASON_PREEMPTED
+        ) == sorted(preempted)
         assert len(set(preempted)) == len(preempted)
         if preempted:
             if cfg.policy == "priority":
@@ -181,10 +208,17 @@ class Driver:
         # admission is in queue order: the admitted form a prefix of the (eligible) waiting queue
         admitted = [rid for rid in waiting_before if rid in scheduled]
         if cfg.policy == "priority":
-            eligible = [r.request_id for r in sorted((sched.requests[rid] for rid in waiting_before),
-                                                     key=lambda r: (r.priority, r.arrival_time))]
+            eligible = [
+                r.request_id
+                for r in sorted(
+                    (sched.requests[rid] for rid in waiting_before),
+                    key=lambda r: (r.priority, r.arrival_time),
+                )
+            ]
         elif cfg.policy == "static":
-            eligible = [rid for rid in waiting_before if out.unscheduled.get(rid) != REASON_STATIC_BATCH]
+            eligible = [
+                rid for rid in waiting_before if out.unscheduled.get(rid) != REASON_STATIC_BATCH
+            ]
         else:
             eligible = waiting_before
         assert set(admitted) == set(eligible[: len(admitted)]), (admitted, eligible)
@@ -203,9 +237,17 @@ class Driver:
             assert s.num_computed_tokens == request.num_computed_tokens
             if s.request_id not in admitted:
                 assert s.num_computed_tokens == computed_before[s.request_id]
-            assert s.token_ids == request.all_token_ids[s.num_computed_tokens : s.num_computed_tokens + s.num_tokens]
+            assert (
+                s.token_ids
+                == request.all_token_ids[
+                    s.num_computed_tokens : s.num_computed_tokens + s.num_tokens
+                ]
+            )
             assert s.produces_token == (s.num_computed_tokens + s.num_tokens == request.num_tokens)
-            assert len(s.block_ids) * sched.kv_cache_manager.block_size >= s.num_computed_tokens + s.num_tokens
+            assert (
+                len(s.block_ids) * sched.kv_cache_manager.block_size
+                >= s.num_computed_tokens + s.num_tokens
+            )
             assert s.block_ids == sched.kv_cache_manager.block_ids(s.request_id)
             if s.phase == "decode":
                 assert s.num_tokens == 1 and s.num_computed_tokens >= request.num_prompt_tokens
@@ -213,10 +255,15 @@ class Driver:
                 assert s.produces_token
             if not cfg.enable_chunked_prefill:
                 assert s.phase != "chunked_prefill" or s.produces_token
-            swapped_in = any(e.kind == "resumed" and e.step == out.step and e.detail.get("mode") == "swap"
-                             for e in request.journey)
+            swapped_in = any(
+                e.kind == "resumed" and e.step == out.step and e.detail.get("mode") == "swap"
+                for e in request.journey
+            )
             if s.request_id in admitted and swapped_in:  # its K/V come back from the swap space
-                assert s.num_prefix_hit_tokens == 0 and s.num_computed_tokens == computed_before[s.request_id]
+                assert (
+                    s.num_prefix_hit_tokens == 0
+                    and s.num_computed_tokens == computed_before[s.request_id]
+                )
             elif s.request_id in admitted:
                 assert s.num_prefix_hit_tokens == request.num_cached_tokens == s.num_computed_tokens
                 assert s.num_prefix_hit_tokens % sched.kv_cache_manager.block_size == 0
@@ -231,7 +278,11 @@ class Driver:
         for s in out.scheduled:
             if s.produces_token:
                 sampled[s.request_id] = self.rng.randrange(VOCAB)
-        before_out = {rid: list(sched.requests[rid].output_token_ids) for rid in sampled if rid in sched.requests}
+        before_out = {
+            rid: list(sched.requests[rid].output_token_ids)
+            for rid in sampled
+            if rid in sched.requests
+        }
         finished = sched.update_from_output(out, sampled)
         for rid, tokens in before_out.items():
             request = sched.requests.get(rid) or next(r for r in finished if r.request_id == rid)
@@ -245,13 +296,19 @@ class Driver:
 
     def check_finish(self, request: Request) -> None:
         params, cfg = request.sampling_params, self.sched.config
-        assert request.request_id not in self.sched.requests and request.request_id not in self.sched.kv_cache_manager.req_to_blocks
+        assert (
+            request.request_id not in self.sched.requests
+            and request.request_id not in self.sched.kv_cache_manager.req_to_blocks
+        )
         last = request.output_token_ids[-1]
         if request.finish_reason == "stop":
             assert not params.ignore_eos and last == EOS or last in params.stop_token_ids
         else:
             assert request.finish_reason == "length"
-            assert request.num_output_tokens == params.max_tokens or request.num_tokens >= cfg.max_model_len
+            assert (
+                request.num_output_tokens == params.max_tokens
+                or request.num_tokens >= cfg.max_model_len
+            )
         assert request.num_output_tokens <= params.max_tokens
         # no stop token before the end (unless ignored, or before min_tokens)
         early = request.output_token_ids[max(params.min_tokens, 1) - 1 : -1]
@@ -274,12 +331,21 @@ def scenarios(draw, policies=("fcfs", "priority", "static")):
     # (see test_engine_core.py::test_chunked_prefill_off_with_small_budget_cannot_livelock)
     budget = draw(st.integers(1, 64) if chunked else st.integers(max_model_len, 96))
     cfg = dict(
-        num_blocks=num_blocks, block_size=block_size, budget=budget, max_model_len=max_model_len,
-        max_seqs=draw(st.integers(1, 6)), policy=draw(st.sampled_from(policies)), caching=draw(st.booleans()),
-        chunked=chunked, hash_fn=draw(st.sampled_from([chained_block_hash, constant_hash])),
-        preemption_mode=draw(st.sampled_from(["recompute", "swap"])), num_swap_blocks=draw(st.integers(0, 12)),
+        num_blocks=num_blocks,
+        block_size=block_size,
+        budget=budget,
+        max_model_len=max_model_len,
+        max_seqs=draw(st.integers(1, 6)),
+        policy=draw(st.sampled_from(policies)),
+        caching=draw(st.booleans()),
+        chunked=chunked,
+        hash_fn=draw(st.sampled_from([chained_block_hash, constant_hash])),
+        preemption_mode=draw(st.sampled_from(["recompute", "swap"])),
+        num_swap_blocks=draw(st.integers(0, 12)),
     )
-    prefixes = [draw(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=40)) for _ in range(2)]
+    prefixes = [
+        draw(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=40)) for _ in range(2)
+    ]
     # later arrivals more important: the least important request then sits early in `running`
     newer_first = draw(st.booleans())
     requests = []
@@ -289,13 +355,23 @@ def scenarios(draw, policies=("fcfs", "priority", "static")):
         prompt = (prefix[: draw(st.integers(0, len(prefix)))] + tail)[: max_model_len - 1] or [1]
         max_tokens = draw(st.integers(1, max_model_len - len(prompt)))
         arrival_step = draw(st.integers(0, 12))
-        requests.append(dict(
-            tokens=prompt, max_tokens=max_tokens,
-            priority=12 - arrival_step if newer_first else draw(st.integers(0, 3)),
-            arrival_step=arrival_step, ignore_eos=draw(st.booleans()),
-            min_tokens=draw(st.sampled_from([0, 0, 2])), stop_token_ids=draw(st.sampled_from([[], [7]])),
-        ))
-    aborts = draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, len(requests) - 1), st.booleans()), max_size=3))
+        requests.append(
+            dict(
+                tokens=prompt,
+                max_tokens=max_tokens,
+                priority=12 - arrival_step if newer_first else draw(st.integers(0, 3)),
+                arrival_step=arrival_step,
+                ignore_eos=draw(st.booleans()),
+                min_tokens=draw(st.sampled_from([0, 0, 2])),
+                stop_token_ids=draw(st.sampled_from([[], [7]])),
+            )
+        )
+    aborts = draw(
+        st.lists(
+            st.tuples(st.integers(0, 40), st.integers(0, len(requests) - 1), st.booleans()),
+            max_size=3,
+        )
+    )
     return cfg, requests, aborts, draw(st.integers(0, 2**31))
 
 
@@ -307,7 +383,9 @@ def run_scenario(scenario, check_decisions=True):
     abort_at: dict[int, list] = {}
     for at, index, during in aborts:
         abort_at.setdefault(at, []).append((f"r{index}", during))
-    max_steps = 20 + sum((len(s["tokens"]) + s["max_tokens"]) * 6 for s in specs) + 20 * len(specs) ** 2
+    max_steps = (
+        20 + sum((len(s["tokens"]) + s["max_tokens"]) * 6 for s in specs) + 20 * len(specs) ** 2
+    )
     t = 0
     while pending or sched.has_unfinished_requests():
         stuck = [(r.request_id, r.status) for r in sched.requests.values()]
@@ -315,9 +393,18 @@ def run_scenario(scenario, check_decisions=True):
         while pending and specs[pending[0]]["arrival_step"] <= t:
             i = pending.pop(0)
             s = specs[i]
-            driver.add(make_req(f"r{i}", s["tokens"], s["max_tokens"], s["priority"], arrival=float(i),
-                                ignore_eos=s["ignore_eos"], min_tokens=min(s["min_tokens"], s["max_tokens"]),
-                                stop_token_ids=s["stop_token_ids"]))
+            driver.add(
+                make_req(
+                    f"r{i}",
+                    s["tokens"],
+                    s["max_tokens"],
+                    s["priority"],
+                    arrival=float(i),
+                    ignore_eos=s["ignore_eos"],
+                    min_tokens=min(s["min_tokens"], s["max_tokens"]),
+                    stop_token_ids=s["stop_token_ids"],
+                )
+            )
         during = None
         for rid, in_step in abort_at.get(t, []):
             if in_step:
@@ -329,7 +416,10 @@ def run_scenario(scenario, check_decisions=True):
     # everything finished or aborted: all blocks free or cached-free
     assert not sched.running and not sched.waiting and not sched.requests
     assert all(b.ref_cnt == 0 for b in sched.kv_cache_manager.block_pool.blocks)
-    assert sched.kv_cache_manager.num_free_blocks == sched.kv_cache_manager.num_blocks and sched.kv_cache_manager.usage == 0.0
+    assert (
+        sched.kv_cache_manager.num_free_blocks == sched.kv_cache_manager.num_blocks
+        and sched.kv_cache_manager.usage == 0.0
+    )
     assert sched.kv_cache_manager.req_to_blocks == {}
     snap = sched.kv_cache_manager.snapshot()
     assert snap.num_used == 0 and snap.num_free + snap.num_cached_free == snap.num_blocks
@@ -344,9 +434,11 @@ def run_scenario(scenario, check_decisions=True):
     return driver
 
 
-
-
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=120,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(scenarios())
 def test_random_mixes_keep_every_invariant_and_finish(scenario):
     run_scenario(scenario, check_decisions=True)
@@ -359,21 +451,41 @@ def priority_scenarios(draw):
     block_size = draw(st.sampled_from([1, 2, 4]))
     max_model_len = draw(st.integers(4, 24))
     min_blocks = -(-max_model_len // block_size)
-    cfg = dict(num_blocks=draw(st.integers(min_blocks, min_blocks + 4)), block_size=block_size,
-               budget=draw(st.integers(4, 64)), max_model_len=max_model_len, max_seqs=draw(st.integers(3, 6)),
-               policy="priority", caching=draw(st.booleans()), chunked=True, hash_fn=chained_block_hash)
+    cfg = dict(
+        num_blocks=draw(st.integers(min_blocks, min_blocks + 4)),
+        block_size=block_size,
+        budget=draw(st.integers(4, 64)),
+        max_model_len=max_model_len,
+        max_seqs=draw(st.integers(3, 6)),
+        policy="priority",
+        caching=draw(st.booleans()),
+        chunked=True,
+        hash_fn=chained_block_hash,
+    )
     requests = []
     for i in range(draw(st.integers(3, 8))):
         n = draw(st.integers(1, max_model_len - 1))
-        requests.append(dict(
-            tokens=draw(st.lists(st.integers(1, VOCAB - 1), min_size=n, max_size=n)), max_tokens=max_model_len - n,
-            priority=draw(st.integers(0, 9)) if i else 10, arrival_step=min(i, 1 + draw(st.integers(0, 1))),
-            ignore_eos=True, min_tokens=0, stop_token_ids=[]))
+        requests.append(
+            dict(
+                tokens=draw(st.lists(st.integers(1, VOCAB - 1), min_size=n, max_size=n)),
+                max_tokens=max_model_len - n,
+                priority=draw(st.integers(0, 9)) if i else 10,
+                arrival_step=min(i, 1 + draw(st.integers(0, 1))),
+                ignore_eos=True,
+                min_tokens=0,
+                stop_token_ids=[],
+            )
+        )
     return cfg, requests, [], draw(st.integers(0, 2**31))
 
 
-@settings(max_examples=100, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=100,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(priority_scenarios())
 def test_priority_mixes_every_live_request_gets_tokens_or_a_reason(scenario):
     run_scenario(scenario, check_decisions=True)
@@ -385,8 +497,13 @@ def test_property_driver_sees_preemption_chunking_and_every_reason():
     seen: set = set()
     preemptions = hits = 0
 
-    @settings(max_examples=150, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=150,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(scenarios())
     def collect(scenario):
         nonlocal preemptions, hits
@@ -397,7 +514,13 @@ def test_property_driver_sees_preemption_chunking_and_every_reason():
 
     collect()
     assert {"prefill", "chunked_prefill", "decode"} <= seen
-    reasons = {REASON_TOKEN_BUDGET, REASON_NO_KV_BLOCKS, REASON_MAX_NUM_SEQS, REASON_PREEMPTED, REASON_STATIC_BATCH}
+    reasons = {
+        REASON_TOKEN_BUDGET,
+        REASON_NO_KV_BLOCKS,
+        REASON_MAX_NUM_SEQS,
+        REASON_PREEMPTED,
+        REASON_STATIC_BATCH,
+    }
     assert reasons <= seen
     assert preemptions > 0 and hits > 0
 
@@ -406,19 +529,30 @@ def test_property_driver_sees_preemption_chunking_and_every_reason():
 
 
 def test_chunked_prefill_splits_a_long_prompt_and_shares_steps_with_decodes():
-    sched = make_sched(budget=16, block_size=4, caching=False)  # (with caching b would hit a's block)
+    sched = make_sched(
+        budget=16, block_size=4, caching=False
+    )  # (with caching b would hit a's block)
     sched.add_request(make_req("a", 4, max_tokens=10))
     out, _ = step(sched)
     assert out.num_scheduled_tokens == {"a": 4} and out.scheduled[0].phase == "prefill"
     sched.add_request(make_req("b", 40, max_tokens=3))
     chunks = []
-    while "b" not in [r.request_id for r in sched.running] or sched.requests["b"].num_output_tokens == 0:
+    while (
+        "b" not in [r.request_id for r in sched.running]
+        or sched.requests["b"].num_output_tokens == 0
+    ):
         out, _ = step(sched)
         by_id = {s.request_id: s for s in out.scheduled}
         assert out.total_num_scheduled_tokens <= 16
-        assert by_id["a"].phase == "decode" and by_id["a"].num_tokens == 1  # the decode keeps flowing
+        assert (
+            by_id["a"].phase == "decode" and by_id["a"].num_tokens == 1
+        )  # the decode keeps flowing
         chunks.append((by_id["b"].phase, by_id["b"].num_tokens, by_id["b"].produces_token))
-    assert chunks == [("chunked_prefill", 15, False), ("chunked_prefill", 15, False), ("chunked_prefill", 10, True)]
+    assert chunks == [
+        ("chunked_prefill", 15, False),
+        ("chunked_prefill", 15, False),
+        ("chunked_prefill", 10, True),
+    ]
     out, _ = step(sched)
     assert {s.request_id: s.phase for s in out.scheduled} == {"a": "decode", "b": "decode"}
 
@@ -466,7 +600,9 @@ def test_reason_max_num_seqs():
     for rid in "abc":
         sched.add_request(make_req(rid, 3))
     out, _ = step(sched)
-    assert set(out.num_scheduled_tokens) == {"a", "b"} and out.unscheduled == {"c": REASON_MAX_NUM_SEQS}
+    assert set(out.num_scheduled_tokens) == {"a", "b"} and out.unscheduled == {
+        "c": REASON_MAX_NUM_SEQS
+    }
 
 
 def test_reason_token_budget_for_waiting_and_running():
@@ -537,8 +673,14 @@ def test_unknown_policy_is_refused():
 
 
 def test_swap_preemption_keeps_the_victims_tokens_and_copies_them_back():
-    sched = make_sched(num_blocks=6, block_size=4, caching=False, max_model_len=24,
-                       preemption_mode="swap", num_swap_blocks=4)
+    sched = make_sched(
+        num_blocks=6,
+        block_size=4,
+        caching=False,
+        max_model_len=24,
+        preemption_mode="swap",
+        num_swap_blocks=4,
+    )
     sched.add_request(make_req("a", 8, max_tokens=3))
     for rid in "bc":
         sched.add_request(make_req(rid, 8, max_tokens=10))
@@ -559,8 +701,14 @@ def test_swap_preemption_keeps_the_victims_tokens_and_copies_them_back():
 
 
 def test_a_full_swap_space_falls_back_to_recompute():
-    sched = make_sched(num_blocks=6, block_size=4, caching=False, max_model_len=24,
-                       preemption_mode="swap", num_swap_blocks=1)  # c needs 3 swap blocks
+    sched = make_sched(
+        num_blocks=6,
+        block_size=4,
+        caching=False,
+        max_model_len=24,
+        preemption_mode="swap",
+        num_swap_blocks=1,
+    )  # c needs 3 swap blocks
     sched.add_request(make_req("a", 8, max_tokens=3))
     for rid in "bc":
         sched.add_request(make_req(rid, 8, max_tokens=10))
@@ -587,14 +735,20 @@ def test_newest_running_request_is_preempted_and_returns_to_the_head_of_the_queu
         sched.add_request(make_req(rid, 8, max_tokens=10))  # 2 full blocks each: the cache is full
     sched.add_request(make_req("d", 2))
     out, _ = step(sched)
-    assert set(out.num_scheduled_tokens) == {"a", "b", "c"} and out.unscheduled == {"d": REASON_NO_KV_BLOCKS}
+    assert set(out.num_scheduled_tokens) == {"a", "b", "c"} and out.unscheduled == {
+        "d": REASON_NO_KV_BLOCKS
+    }
     out, _ = step(sched)  # every request needs a third block: the newest, c, makes room
     assert out.preempted == ["c"]
     assert out.num_scheduled_tokens == {"a": 1, "b": 1}
     assert out.unscheduled == {"c": REASON_PREEMPTED, "d": REASON_NO_KV_BLOCKS}
     assert [r.request_id for r in sched.waiting] == ["c", "d"]
     c = sched.requests["c"]
-    assert c.status == RequestStatus.PREEMPTED and c.num_computed_tokens == 0 and c.num_preemptions == 1
+    assert (
+        c.status == RequestStatus.PREEMPTED
+        and c.num_computed_tokens == 0
+        and c.num_preemptions == 1
+    )
     assert c.num_output_tokens == 1 and sched.kv_cache_manager.block_ids("c") == []
     assert [e.kind for e in c.journey][-1] == "preempted"
     assert sched.num_preemptions == 1
@@ -666,7 +820,9 @@ def test_priority_admits_the_most_important_first():
 
 
 def test_priority_preempts_the_least_important_running_request():
-    sched = make_sched(policy="priority", num_blocks=6, block_size=4, caching=False, max_model_len=24)
+    sched = make_sched(
+        policy="priority", num_blocks=6, block_size=4, caching=False, max_model_len=24
+    )
     sched.add_request(make_req("low", 7, priority=9, arrival=0.0, max_tokens=10))
     step(sched)
     sched.add_request(make_req("high", 7, priority=0, arrival=1.0, max_tokens=10))
@@ -684,20 +840,28 @@ def test_priority_preempts_the_least_important_running_request():
 def test_priority_preemption_of_an_earlier_request_skips_none():
     """Preempting a victim that sits *before* the current request in `running` must not make the
     loop skip the request after the current one: every live request gets tokens or a reason."""
-    sched = make_sched(policy="priority", num_blocks=3, block_size=4, caching=False, max_model_len=12)
+    sched = make_sched(
+        policy="priority", num_blocks=3, block_size=4, caching=False, max_model_len=12
+    )
     sched.add_request(make_req("A", 1, priority=5, arrival=0.0, max_tokens=6))
     step(sched)
     sched.add_request(make_req("B", 4, priority=0, arrival=1.0, max_tokens=6))
     sched.add_request(make_req("C", 1, priority=0, arrival=2.0, max_tokens=6))
     out, _ = step(sched)
-    assert [r.request_id for r in sched.running] == ["A", "B", "C"] and sched.kv_cache_manager.num_free_blocks == 0
+    assert [r.request_id for r in sched.running] == [
+        "A",
+        "B",
+        "C",
+    ] and sched.kv_cache_manager.num_free_blocks == 0
     out, _ = step(sched)  # B needs a second block; A (least important, but first in `running`) goes
     assert out.preempted == ["A"]
     assert out.num_scheduled_tokens == {"B": 1, "C": 1}, (out.num_scheduled_tokens, out.unscheduled)
 
 
 def test_a_victim_unscheduled_in_the_same_step_has_no_scheduled_event():
-    sched = make_sched(policy="priority", num_blocks=3, block_size=4, caching=False, max_model_len=12)
+    sched = make_sched(
+        policy="priority", num_blocks=3, block_size=4, caching=False, max_model_len=12
+    )
     sched.add_request(make_req("A", 1, priority=5, arrival=0.0, max_tokens=6))
     step(sched)
     sched.add_request(make_req("B", 8, priority=0, arrival=1.0, max_tokens=4))
@@ -719,7 +883,10 @@ def test_eos_stop_tokens_min_tokens_and_max_model_len():
     sched.add_request(make_req("min", 3, ignore_eos=False, min_tokens=2))
     sched.add_request(make_req("ctx", 8, max_tokens=None))
     out = sched.schedule()
-    finished = {r.request_id: r for r in sched.update_from_output(out, {rid: EOS for rid in out.num_scheduled_tokens})}
+    finished = {
+        r.request_id: r
+        for r in sched.update_from_output(out, {rid: EOS for rid in out.num_scheduled_tokens})
+    }
     assert set(finished) == {"eos"} and finished["eos"].finish_reason == "stop"
     assert finished["eos"].stop_reason is None
     out = sched.schedule()

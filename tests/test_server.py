@@ -34,7 +34,10 @@ NUM_KV_BLOCKS = 256
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 PROMPTS = [f"Request number {i}: tell me something about the number {i * 7}." for i in range(16)]
-CHAT = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "What is a KV cache?"}]
+CHAT = [
+    {"role": "system", "content": "You are brief."},
+    {"role": "user", "content": "What is a KV cache?"},
+]
 
 
 # -- fixtures ----------------------------------------------------------------------------------
@@ -62,7 +65,13 @@ class StepLog:
 @pytest.fixture(scope="module")
 def engine_kwargs(tiny_model_dir):
     # CPU and float32 on any machine: greedy answers must not depend on how requests were batched
-    return dict(model=tiny_model_dir, device="cpu", dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, max_model_len=MAX_MODEL_LEN)
+    return dict(
+        model=tiny_model_dir,
+        device="cpu",
+        dtype="float32",
+        num_kv_blocks=NUM_KV_BLOCKS,
+        max_model_len=MAX_MODEL_LEN,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -111,12 +120,16 @@ def step_delay(step_log):
 
 
 def greedy(reference: LLM, prompts: list[str], max_tokens: int) -> list[str]:
-    outs = reference.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    outs = reference.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False
+    )
     return [o.text for o in outs]
 
 
 def greedy_chat(reference: LLM, messages: list[dict], max_tokens: int) -> str:
-    return reference.chat([messages], SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)[0].text
+    return reference.chat(
+        [messages], SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False
+    )[0].text
 
 
 def scrape(server) -> dict[str, float]:
@@ -135,8 +148,11 @@ def wait_until_idle(server, timeout: float = 10.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         values = scrape(server)
-        idle = (values["vllm:kv_cache_usage_perc"] == 0.0 and values["vllm:num_requests_running"] == 0
-                and values["vllm:num_requests_waiting"] == 0)
+        idle = (
+            values["vllm:kv_cache_usage_perc"] == 0.0
+            and values["vllm:num_requests_running"] == 0
+            and values["vllm:num_requests_waiting"] == 0
+        )
         if idle or time.monotonic() > deadline:
             return values
         time.sleep(0.05)
@@ -150,7 +166,9 @@ def test_health_and_models(server, client, model_name, tiny_model_dir):
     models = client.models.list()
     assert [m.id for m in models.data] == [model_name]
     # the served name is the artifact directory's name; the full path is accepted too
-    out = client.completions.create(model=str(tiny_model_dir), prompt="Hi", max_tokens=2, temperature=0)
+    out = client.completions.create(
+        model=str(tiny_model_dir), prompt="Hi", max_tokens=2, temperature=0
+    )
     assert out.model == model_name
 
 
@@ -163,12 +181,20 @@ def test_completions_streamed_equals_non_streamed_equals_greedy(client, referenc
     assert full.usage.completion_tokens <= 24
     assert full.usage.prompt_tokens == len(reference.get_tokenizer().encode(prompt))
 
-    stream = client.completions.create(model=model_name, prompt=prompt, max_tokens=24, temperature=0, stream=True,
-                                       stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model=model_name,
+        prompt=prompt,
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == expected
-    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finish == [full.choices[0].finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens
     assert len({c.id for c in chunks}) == 1
@@ -176,25 +202,43 @@ def test_completions_streamed_equals_non_streamed_equals_greedy(client, referenc
 
 def test_chat_streamed_equals_non_streamed_equals_greedy(client, reference, model_name):
     expected = greedy_chat(reference, CHAT, 32)
-    full = client.chat.completions.create(model=model_name, messages=CHAT, max_completion_tokens=32, temperature=0)
+    full = client.chat.completions.create(
+        model=model_name, messages=CHAT, max_completion_tokens=32, temperature=0
+    )
     assert full.object == "chat.completion"
     assert full.choices[0].message.role == "assistant"
     assert full.choices[0].message.content == expected
 
-    stream = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=32, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=model_name,
+        messages=CHAT,
+        max_tokens=32,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == expected
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[
+        0
+    ].finish_reason
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
     assert all(c.object == "chat.completion.chunk" for c in chunks)
 
 
 def test_stream_without_usage_and_raw_sse_format(server, model_name):
-    body = {"model": model_name, "prompt": "Hello", "max_tokens": 5, "temperature": 0, "stream": True}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=30) as r:
+    body = {
+        "model": model_name,
+        "prompt": "Hello",
+        "max_tokens": 5,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=30
+    ) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.iter_lines() if line]
@@ -210,8 +254,9 @@ def test_sixteen_concurrent_streaming_clients_are_batched(server, reference, ste
     expected = greedy(reference, PROMPTS, max_tokens)
 
     async def one(client, prompt):
-        stream = await client.completions.create(model=model_name, prompt=prompt, max_tokens=max_tokens,
-                                                 temperature=0, stream=True)
+        stream = await client.completions.create(
+            model=model_name, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
+        )
         request_id, parts, finish = None, [], None
         async for chunk in stream:
             request_id = chunk.id
@@ -220,7 +265,9 @@ def test_sixteen_concurrent_streaming_clients_are_batched(server, reference, ste
         return request_id, "".join(parts), finish
 
     async def main():
-        async with openai.AsyncOpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=60) as c:
+        async with openai.AsyncOpenAI(
+            base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=60
+        ) as c:
             return await asyncio.gather(*(one(c, p) for p in PROMPTS))
 
     step_log.clear()
@@ -241,16 +288,30 @@ def test_sampling_parameters(client, reference, model_name):
     # stop strings cut the text (taken from the greedy answer, so one surely appears)
     stop = ref.strip()[3:6] if len(ref.strip()) >= 6 else None
     if stop:
-        out = client.completions.create(model=model_name, prompt=prompt, max_tokens=20, temperature=0, stop=[stop])
+        out = client.completions.create(
+            model=model_name, prompt=prompt, max_tokens=20, temperature=0, stop=[stop]
+        )
         assert out.choices[0].text == ref[: ref.find(stop)]
         assert out.choices[0].finish_reason == "stop"
     # ignore_eos + max_tokens: exactly that many tokens, finish_reason "length"
-    out = client.completions.create(model=model_name, prompt=prompt, max_tokens=7, temperature=0,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=model_name,
+        prompt=prompt,
+        max_tokens=7,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert out.usage.completion_tokens == 7 and out.choices[0].finish_reason == "length"
     # a seed makes sampling reproducible
-    kwargs = dict(model=model_name, prompt=prompt, max_tokens=12, temperature=1.0, top_p=0.9, seed=1234,
-                  extra_body={"top_k": 50, "min_p": 0.01, "ignore_eos": True})
+    kwargs = dict(
+        model=model_name,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=1.0,
+        top_p=0.9,
+        seed=1234,
+        extra_body={"top_k": 50, "min_p": 0.01, "ignore_eos": True},
+    )
     a = client.completions.create(**kwargs).choices[0].text
     b = client.completions.create(**kwargs).choices[0].text
     assert a == b
@@ -262,14 +323,17 @@ def test_default_max_tokens_is_capped_by_the_context(client, model_name, referen
     prompt = "word " * int((MAX_MODEL_LEN - DEFAULT_MAX_TOKENS // 2) / per_word)
     n = len(tokenizer.encode(prompt))
     assert 0 < MAX_MODEL_LEN - n < DEFAULT_MAX_TOKENS
-    out = client.completions.create(model=model_name, prompt=prompt, temperature=0, extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=model_name, prompt=prompt, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert out.usage.prompt_tokens == n
     assert out.usage.completion_tokens == MAX_MODEL_LEN - n
 
 
 def test_logprobs(client, model_name):
-    chat = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=6, temperature=0,
-                                          logprobs=True, top_logprobs=3)
+    chat = client.chat.completions.create(
+        model=model_name, messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     for item in content:
@@ -278,22 +342,39 @@ def test_logprobs(client, model_name):
         assert item.logprob == pytest.approx(item.top_logprobs[0].logprob)
         assert item.logprob <= 0.0
 
-    comp = client.completions.create(model=model_name, prompt="Logprobs", max_tokens=5, temperature=0, logprobs=2)
+    comp = client.completions.create(
+        model=model_name, prompt="Logprobs", max_tokens=5, temperature=0, logprobs=2
+    )
     lp = comp.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == comp.usage.completion_tokens
+    assert (
+        len(lp.tokens)
+        == len(lp.token_logprobs)
+        == len(lp.top_logprobs)
+        == comp.usage.completion_tokens
+    )
     assert all(len(top) <= 2 for top in lp.top_logprobs)
 
-    stream = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=6, temperature=0,
-                                            logprobs=True, stream=True)
-    streamed = [item for c in stream if c.choices and c.choices[0].logprobs for item in c.choices[0].logprobs.content]
+    stream = client.chat.completions.create(
+        model=model_name, messages=CHAT, max_tokens=6, temperature=0, logprobs=True, stream=True
+    )
+    streamed = [
+        item
+        for c in stream
+        if c.choices and c.choices[0].logprobs
+        for item in c.choices[0].logprobs.content
+    ]
     assert [i.token for i in streamed] == [i.token for i in content]
 
 
 # -- honest errors -----------------------------------------------------------------------------
 
 
-def post(server, path: str, body=None, content: bytes | None = None, headers=AUTH) -> httpx.Response:
-    return httpx.post(f"{server.url}{path}", json=body, content=content, headers=headers, timeout=30)
+def post(
+    server, path: str, body=None, content: bytes | None = None, headers=AUTH
+) -> httpx.Response:
+    return httpx.post(
+        f"{server.url}{path}", json=body, content=content, headers=headers, timeout=30
+    )
 
 
 def assert_error(response: httpx.Response, status: int, param: str | None = "any") -> dict:
@@ -331,8 +412,16 @@ def assert_error(response: httpx.Response, status: int, param: str | None = "any
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
         ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
-        ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-        ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT, "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT, "max_completion_tokens": 0},
+            "max_completion_tokens",
+        ),
     ],
 )
 def test_bad_requests_get_400_in_openai_shape(server, path, body, param):
@@ -349,23 +438,33 @@ def test_malformed_json_is_400(server):
 def test_context_length_error_names_both_numbers(server, client, model_name, reference):
     prompt = "token " * 100
     n = len(reference.get_tokenizer().encode(prompt))
-    error = assert_error(post(server, "/v1/completions", {"prompt": prompt, "max_tokens": MAX_MODEL_LEN}), 400,
-                         "max_tokens")
+    error = assert_error(
+        post(server, "/v1/completions", {"prompt": prompt, "max_tokens": MAX_MODEL_LEN}),
+        400,
+        "max_tokens",
+    )
     assert str(n) in error["message"] and str(MAX_MODEL_LEN) in error["message"]
     assert error["code"] == "context_length_exceeded"
     # the prompt alone too long: named as the prompt's fault
-    error = assert_error(post(server, "/v1/completions", {"prompt": "token " * 2000}), 400, "prompt")
+    error = assert_error(
+        post(server, "/v1/completions", {"prompt": "token " * 2000}), 400, "prompt"
+    )
     assert str(MAX_MODEL_LEN) in error["message"]
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=MAX_MODEL_LEN)
     assert info.value.status_code == 400 and str(MAX_MODEL_LEN) in info.value.message
-    error = assert_error(post(server, "/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 5000}),
-                         400, "max_completion_tokens")
+    error = assert_error(
+        post(server, "/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 5000}),
+        400,
+        "max_completion_tokens",
+    )
     assert "5000" in error["message"]
 
 
 def test_unknown_model_is_404(server, client):
-    error = assert_error(post(server, "/v1/completions", {"model": "gpt-9", "prompt": "hi"}), 404, "model")
+    error = assert_error(
+        post(server, "/v1/completions", {"model": "gpt-9", "prompt": "hi"}), 404, "model"
+    )
     assert "gpt-9" in error["message"]
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-9", messages=CHAT, max_tokens=2)
@@ -374,8 +473,15 @@ def test_unknown_model_is_404(server, client):
 def test_api_key_is_required(server, model_name):
     body = {"model": model_name, "prompt": "hi", "max_tokens": 2}
     assert_error(post(server, "/v1/completions", body, headers={}), 401)
-    assert_error(post(server, "/v1/completions", body, headers={"Authorization": "Bearer wrong"}), 401)
-    assert_error(post(server, "/v1/chat/completions", {"messages": CHAT}, headers={"Authorization": API_KEY}), 401)
+    assert_error(
+        post(server, "/v1/completions", body, headers={"Authorization": "Bearer wrong"}), 401
+    )
+    assert_error(
+        post(
+            server, "/v1/chat/completions", {"messages": CHAT}, headers={"Authorization": API_KEY}
+        ),
+        401,
+    )
     assert_error(httpx.get(f"{server.url}/v1/models"), 401)
     with openai.OpenAI(base_url=server.base_url, api_key="not-the-key", max_retries=0) as bad:
         with pytest.raises(openai.AuthenticationError):
@@ -405,13 +511,26 @@ def test_server_survives_errors(server, client, model_name):
         post(server, "/v1/completions", content=b"\xff\xfe not json")
         post(server, "/v1/chat/completions", {"messages": "not a list"})
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
-    assert client.completions.create(model=model_name, prompt="still there?", max_tokens=3).usage.completion_tokens
+    assert client.completions.create(
+        model=model_name, prompt="still there?", max_tokens=3
+    ).usage.completion_tokens
 
 
 def test_chat_content_parts_equal_plain_content(client, model_name):
-    parts = [{"role": "user", "content": [{"type": "text", "text": "What is a "}, {"type": "text", "text": "KV cache?"}]}]
+    parts = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is a "},
+                {"type": "text", "text": "KV cache?"},
+            ],
+        }
+    ]
     plain = [{"role": "user", "content": "What is a KV cache?"}]
-    a, b = (client.chat.completions.create(model=model_name, messages=m, max_tokens=8, temperature=0) for m in (parts, plain))
+    a, b = (
+        client.chat.completions.create(model=model_name, messages=m, max_tokens=8, temperature=0)
+        for m in (parts, plain)
+    )
     assert a.choices[0].message.content == b.choices[0].message.content
     assert a.usage.prompt_tokens == b.usage.prompt_tokens
 
@@ -424,13 +543,20 @@ def test_engine_failure_is_reported_not_hidden(engine_kwargs, model_name):
     def explode():
         raise RuntimeError("simulated engine failure")
 
-    llm.engine.step = explode  # the loop's next step raises (a failing listener would only be logged)
+    llm.engine.step = (
+        explode  # the loop's next step raises (a failing listener would only be logged)
+    )
     try:
         with start_server_in_thread(build_app(llm, api_key=API_KEY)) as handle:
             body = {"model": model_name, "prompt": "hi", "max_tokens": 4}
             assert_error(post(handle, "/v1/completions", body), 500)
-            with httpx.stream("POST", f"{handle.url}/v1/completions", json={**body, "stream": True}, headers=AUTH,
-                              timeout=30) as r:
+            with httpx.stream(
+                "POST",
+                f"{handle.url}/v1/completions",
+                json={**body, "stream": True},
+                headers=AUTH,
+                timeout=30,
+            ) as r:
                 assert r.status_code == 503 or "error" in r.read().decode()
             assert_error(httpx.get(f"{handle.url}/health"), 503)
             assert_error(post(handle, "/v1/completions", body), 503)
@@ -442,13 +568,23 @@ def test_engine_failure_is_reported_not_hidden(engine_kwargs, model_name):
 
 
 def test_client_dropping_mid_stream_aborts_and_frees_kv(server, async_llm, model_name, step_delay):
-    body = {"model": model_name, "prompt": "Tell me a very long story.", "max_tokens": 900, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": model_name,
+        "prompt": "Tell me a very long story.",
+        "max_tokens": 900,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     chunks = []
     with httpx.Client(timeout=30) as http:
-        with http.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH) as response:
+        with http.stream(
+            "POST", f"{server.url}/v1/completions", json=body, headers=AUTH
+        ) as response:
             assert response.status_code == 200
-            lines = response.iter_lines()  # not a for loop: leaving one closes the connection (httpcore)
+            lines = (
+                response.iter_lines()
+            )  # not a for loop: leaving one closes the connection (httpcore)
             while len(chunks) < 3:
                 line = next(lines)
                 if line.startswith("data: "):
@@ -475,7 +611,13 @@ def test_client_dropping_mid_stream_aborts_and_frees_kv(server, async_llm, model
 
 def test_client_dropping_non_streaming_request_aborts_it(server, async_llm, model_name, step_delay):
     before = {r.request_id for r in async_llm.engine.all_requests()}
-    body = {"model": model_name, "messages": CHAT, "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": model_name,
+        "messages": CHAT,
+        "max_tokens": 900,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=AUTH, timeout=0.5)
     deadline = time.monotonic() + 10
@@ -497,10 +639,20 @@ def test_metrics_are_prometheus_text_with_vllm_names(server, client, model_name)
     client.completions.create(model=model_name, prompt="count me", max_tokens=4, temperature=0)
     text = httpx.get(f"{server.url}/metrics", headers=AUTH).text
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions",
-                 "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:time_to_first_token_seconds",
-                 "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds", "vllm:request_success"):
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries",
+        "vllm:prefix_cache_hits",
+        "vllm:num_preemptions",
+        "vllm:prompt_tokens",
+        "vllm:generation_tokens",
+        "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:request_success",
+    ):
         assert name in families, name
     assert families["vllm:time_to_first_token_seconds"].type == "histogram"
     assert families["vllm:prompt_tokens"].type == "counter"
@@ -511,7 +663,12 @@ def test_metrics_are_prometheus_text_with_vllm_names(server, client, model_name)
     assert values["vllm:e2e_request_latency_seconds_count"] > 0
     assert values["vllm:prefix_cache_queries_total"] >= values["vllm:prefix_cache_hits_total"] >= 0
     assert 0.0 <= values["vllm:kv_cache_usage_perc"] <= 1.0
-    labels = {s.labels.get("model_name") for f in families.values() for s in f.samples if "model_name" in s.labels}
+    labels = {
+        s.labels.get("model_name")
+        for f in families.values()
+        for s in f.samples
+        if "model_name" in s.labels
+    }
     assert labels == {model_name}
 
 
@@ -519,7 +676,9 @@ def test_prefix_cache_hits_show_in_metrics(client, server, model_name):
     shared = "A long shared system prompt that many requests repeat word for word. " * 8
     before = scrape(server)
     for question in ("first?", "second?"):
-        client.completions.create(model=model_name, prompt=shared + question, max_tokens=2, temperature=0)
+        client.completions.create(
+            model=model_name, prompt=shared + question, max_tokens=2, temperature=0
+        )
     after = scrape(server)
     assert after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"] >= 16
     assert after["vllm:prefix_cache_queries_total"] > before["vllm:prefix_cache_queries_total"]
@@ -543,16 +702,32 @@ def test_cli_serve(tiny_model_dir):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "-m", "engine", "serve", "--model", str(tiny_model_dir), "--port", str(port),
-           "--num-kv-blocks", "32", "--max-model-len", "256", "--device", "cpu",
-           "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "engine",
+        "serve",
+        "--model",
+        str(tiny_model_dir),
+        "--port",
+        str(port),
+        "--num-kv-blocks",
+        "32",
+        "--max-model-len",
+        "256",
+        "--device",
+        "cpu",
+        "--log-level",
+        "warning",
+    ]
     from engine.__main__ import SERVE_API_KEY_ENV
     from engine.server import API_KEY_ENV
 
     assert SERVE_API_KEY_ENV == API_KEY_ENV == "LLM_LAB_API_KEY"
     env = {**os.environ, API_KEY_ENV: API_KEY}  # the key from the environment, not argv
-    proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)
+    proc = subprocess.Popen(
+        cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 90
@@ -585,7 +760,9 @@ def test_cli_serve(tiny_model_dir):
 @pytest.mark.slow
 def test_real_model_streamed_equals_non_streamed_equals_llm_generate(default_model_dir):
     llm = LLM(model=str(default_model_dir), dtype="float32")
-    messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    messages = [
+        {"role": "user", "content": "What is the capital of France? Answer in one sentence."}
+    ]
     prompt = "The capital of South Korea is"
     params = SamplingParams(temperature=0.0, max_tokens=40)
     expected_chat = llm.chat([messages], params, use_tqdm=False)[0].text
@@ -595,15 +772,22 @@ def test_real_model_streamed_equals_non_streamed_equals_llm_generate(default_mod
     try:
         with start_server_in_thread(build_app(async_llm, api_key=API_KEY)) as handle:
             name = default_model_dir.name
-            with openai.OpenAI(base_url=handle.base_url, api_key=API_KEY, max_retries=0, timeout=120) as c:
-                full = c.chat.completions.create(model=name, messages=messages, max_tokens=40, temperature=0)
+            with openai.OpenAI(
+                base_url=handle.base_url, api_key=API_KEY, max_retries=0, timeout=120
+            ) as c:
+                full = c.chat.completions.create(
+                    model=name, messages=messages, max_tokens=40, temperature=0
+                )
                 streamed = "".join(
                     chunk.choices[0].delta.content or ""
-                    for chunk in c.chat.completions.create(model=name, messages=messages, max_tokens=40,
-                                                           temperature=0, stream=True)
+                    for chunk in c.chat.completions.create(
+                        model=name, messages=messages, max_tokens=40, temperature=0, stream=True
+                    )
                     if chunk.choices
                 )
-                completion = c.completions.create(model=name, prompt=prompt, max_tokens=40, temperature=0)
+                completion = c.completions.create(
+                    model=name, prompt=prompt, max_tokens=40, temperature=0
+                )
             assert full.choices[0].message.content == streamed == expected_chat
             assert completion.choices[0].text == expected_completion
     finally:

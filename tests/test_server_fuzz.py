@@ -28,15 +28,29 @@ pytestmark = pytest.mark.slow
 
 POST_PATHS = ("/v1/completions", "/v1/chat/completions")
 GET_PATHS = ("/health", "/metrics", "/v1/models", "/openapi.json", "/docs")
-FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,
-                suppress_health_check=list(HealthCheck))
+FUZZ = settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     # A short context keeps every generated answer short (the default max_tokens is capped by it).
-    llm = AsyncLLM(EngineCore(EngineConfig(model=tiny_model_dir, device="cpu", dtype="float32",
-                                           num_kv_blocks=64, max_model_len=128)))
+    llm = AsyncLLM(
+        EngineCore(
+            EngineConfig(
+                model=tiny_model_dir,
+                device="cpu",
+                dtype="float32",
+                num_kv_blocks=64,
+                max_model_len=128,
+            )
+        )
+    )
     with start_server_in_thread(build_app(llm, api_key=API_KEY)) as handle:
         with httpx.Client(base_url=handle.url, headers=AUTH, timeout=60) as http:
             handle.http = http
@@ -71,7 +85,8 @@ def body_schema(path: str) -> dict:
 # 400s; these fields also draw from servable values, so that most bodies reach the engine.
 SERVABLE = {
     "n": st.just(1),
-    "presence_penalty": st.just(0), "frequency_penalty": st.just(0),
+    "presence_penalty": st.just(0),
+    "frequency_penalty": st.just(0),
     "min_tokens": st.integers(0, 2),
     "prompt": st.text(max_size=30) | st.lists(st.integers(0, 49151), min_size=1, max_size=8),
     "stop_token_ids": st.lists(st.integers(0, 49151), max_size=3),
@@ -86,21 +101,35 @@ def integers(low: float | None, high: float | None) -> st.SearchStrategy:
     low = None if low is None else int(low)
     high = None if high is None else int(high)
     edges = [low, high, -1, 0, 1, 2**31 - 1, 2**31, 2**63 - 1, 2**64 - 1]
-    inside = [e for e in edges if e is not None and (low is None or e >= low)
-              and (high is None or e <= high)]
+    inside = [
+        e
+        for e in edges
+        if e is not None and (low is None or e >= low) and (high is None or e <= high)
+    ]
     return st.sampled_from(inside) | st.integers(low, high)
 
 
 def numbers(low: float | None, high: float | None, exclusive_low: bool) -> st.SearchStrategy:
     """Floats (and ints) in range, with the tiny, huge and boundary values drawn often."""
     edges = [low, high, 5e-324, 1e-46, 1e-40, 1e-8, 0.009, 0.5, 1.0, 1 - 1e-16]
-    inside = [e for e in edges if e is not None
-              and (low is None or e > low or (e == low and not exclusive_low))
-              and (high is None or e <= high)]
+    inside = [
+        e
+        for e in edges
+        if e is not None
+        and (low is None or e > low or (e == low and not exclusive_low))
+        and (high is None or e <= high)
+    ]
     floats = st.floats(low, high, exclude_min=exclusive_low, allow_nan=False, allow_infinity=False)
-    return st.sampled_from(inside) | floats | integers(
-        None if low is None else (int(low) + 1 if exclusive_low or low != int(low) else int(low)),
-        high)
+    return (
+        st.sampled_from(inside)
+        | floats
+        | integers(
+            None
+            if low is None
+            else (int(low) + 1 if exclusive_low or low != int(low) else int(low)),
+            high,
+        )
+    )
 
 
 def from_schema(schema: dict) -> st.SearchStrategy:
@@ -119,13 +148,17 @@ def from_schema(schema: dict) -> st.SearchStrategy:
         return integers(schema.get("minimum"), schema.get("maximum"))
     if kind == "number":
         exclusive = "exclusiveMinimum" in schema
-        return numbers(schema.get("exclusiveMinimum", schema.get("minimum")), schema.get("maximum"),
-                       exclusive)
+        return numbers(
+            schema.get("exclusiveMinimum", schema.get("minimum")), schema.get("maximum"), exclusive
+        )
     if kind == "string":
         return st.text(max_size=min(schema.get("maxLength", 30), 30))
     if kind == "array":
-        return st.lists(from_schema(schema.get("items", {})), min_size=schema.get("minItems", 0),
-                        max_size=min(schema.get("maxItems", 5), 5))
+        return st.lists(
+            from_schema(schema.get("items", {})),
+            min_size=schema.get("minItems", 0),
+            max_size=min(schema.get("maxItems", 5), 5),
+        )
     if kind == "object":
         required = set(schema.get("required", ()))
         fields = {}
@@ -133,7 +166,8 @@ def from_schema(schema: dict) -> st.SearchStrategy:
             values = SERVABLE.get(name, st.nothing()) | from_schema(sub)
             fields[name] = values if name in required else st.just(ABSENT) | values
         return st.fixed_dictionaries(fields).map(
-            lambda body: {k: v for k, v in body.items() if v is not ABSENT})
+            lambda body: {k: v for k, v in body.items() if v is not ABSENT}
+        )
     if kind == "boolean":
         return st.booleans()
     if kind == "null":
@@ -143,8 +177,9 @@ def from_schema(schema: dict) -> st.SearchStrategy:
 
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-    lambda inner: (st.lists(inner, max_size=4)
-                   | st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=12,
 )
 
@@ -155,10 +190,17 @@ def valid_bodies(path: str) -> st.SearchStrategy:
 
 def broken_bodies(path: str) -> st.SearchStrategy:
     """A schema-valid body with one field (known or not) replaced by any JSON value."""
-    fields = sorted(SCHEMA["components"]["schemas"][
-        "CompletionRequest" if "chat" not in path else "ChatCompletionRequest"]["properties"])
-    return st.builds(lambda body, key, value: {**body, key: value}, valid_bodies(path),
-                     st.sampled_from(fields) | st.text(max_size=12), JSON_VALUES)
+    fields = sorted(
+        SCHEMA["components"]["schemas"][
+            "CompletionRequest" if "chat" not in path else "ChatCompletionRequest"
+        ]["properties"]
+    )
+    return st.builds(
+        lambda body, key, value: {**body, key: value},
+        valid_bodies(path),
+        st.sampled_from(fields) | st.text(max_size=12),
+        JSON_VALUES,
+    )
 
 
 def short(body):
@@ -215,9 +257,11 @@ def test_any_json_never_gets_a_5xx(server, path, body):
 
 
 @settings(FUZZ, max_examples=20)
-@given(path=st.sampled_from(GET_PATHS),
-       authorization=st.none() | st.text(st.characters(min_codepoint=32, max_codepoint=126),
-                                         max_size=40).map(str.strip))
+@given(
+    path=st.sampled_from(GET_PATHS),
+    authorization=st.none()
+    | st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=40).map(str.strip),
+)
 def test_get_endpoints_with_any_authorization(server, path, authorization):
     headers = {} if authorization is None else {"Authorization": authorization}
     response = httpx.get(f"{server.url}{path}", headers=headers, timeout=30)

@@ -23,8 +23,15 @@ from engine.core import EngineConfig, EngineCore
 from engine.llm import LLM, AsyncLLM
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.server import (DEFAULT_MAX_BODY_BYTES, APIError, CompletionRequest, OpenAIServer,
-                           build_app, serve, start_server_in_thread)
+from engine.server import (
+    DEFAULT_MAX_BODY_BYTES,
+    APIError,
+    CompletionRequest,
+    OpenAIServer,
+    build_app,
+    serve,
+    start_server_in_thread,
+)
 from test_server import API_KEY, AUTH, assert_error, post, wait_until_idle
 
 MAX_MODEL_LEN = 1024
@@ -33,8 +40,13 @@ CHAT = [{"role": "user", "content": "What is a KV cache?"}]
 
 @pytest.fixture(scope="module")
 def engine_kwargs(tiny_model_dir):
-    return dict(model=tiny_model_dir, device="cpu", dtype="float32", num_kv_blocks=256,
-                max_model_len=MAX_MODEL_LEN)
+    return dict(
+        model=tiny_model_dir,
+        device="cpu",
+        dtype="float32",
+        num_kv_blocks=256,
+        max_model_len=MAX_MODEL_LEN,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +75,7 @@ def read_sse(response: httpx.Response) -> list:
     events = []
     for line in response.iter_lines():
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
 
@@ -84,10 +96,17 @@ class Background:
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
-        body = {"prompt": "Keep going:", "max_tokens": self.max_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-        with httpx.stream("POST", f"{self.server.url}/v1/completions", json=body, headers=AUTH,
-                          timeout=60) as r:
+        body = {
+            "prompt": "Keep going:",
+            "max_tokens": self.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        with httpx.stream(
+            "POST", f"{self.server.url}/v1/completions", json=body, headers=AUTH, timeout=60
+        ) as r:
             self.events = read_sse(r)
 
     def __enter__(self):
@@ -110,15 +129,18 @@ def test_endpoint_methods_can_be_called_without_http(async_llm):
     async def never_disconnects():
         await asyncio.Event().wait()
 
-    request = Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": [],
-                       "state": {}}, never_disconnects)
+    request = Request(
+        {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "state": {}},
+        never_disconnects,
+    )
     try:
         body = CompletionRequest(prompt="hi", max_tokens=2, temperature=0, ignore_eos=True)
         response = asyncio.run(server.create_completion(body, request))
         assert json.loads(response.body)["usage"]["completion_tokens"] == 2
         with pytest.raises(APIError) as error:
-            asyncio.run(server.create_completion(CompletionRequest(prompt="hi", temperature=1e-40),
-                                                 request))
+            asyncio.run(
+                server.create_completion(CompletionRequest(prompt="hi", temperature=1e-40), request)
+            )
         assert error.value.status == 400 and error.value.param == "temperature"
         assert server.show_available_models()["data"][0]["id"] == server.model_name
     finally:
@@ -131,7 +153,7 @@ KILLERS = [
     ({"temperature": 1e-40}, "temperature"),
     ({"temperature": 0.009}, "temperature"),
     ({"seed": 18446744073709551616}, "seed"),
-    ({"seed": -2**70}, "seed"),
+    ({"seed": -(2**70)}, "seed"),
     ({"seed": 10**30}, "seed"),
     ({"seed": -1}, "seed"),
     ({"top_k": 2**40}, "top_k"),
@@ -157,8 +179,16 @@ def test_raw_json_nan_and_infinity_are_refused(server):
         assert_error(post(server, "/v1/completions", content=raw), 400, "temperature")
 
 
-@pytest.mark.parametrize("body", [{"top_p": 1e-46}, {"top_p": 5e-324}, {"seed": 2**64 - 1},
-                                  {"temperature": 0.01}, {"seed": 0, "top_k": 2**31 - 1}])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"top_p": 1e-46},
+        {"top_p": 5e-324},
+        {"seed": 2**64 - 1},
+        {"temperature": 0.01},
+        {"seed": 0, "top_k": 2**31 - 1},
+    ],
+)
 def test_legal_extremes_get_a_valid_answer(server, body):
     """Extreme but legal values are served; a tiny top_p keeps only the top token (= greedy)."""
     response = completion(server, max_tokens=4, ignore_eos=True, **body)
@@ -195,8 +225,9 @@ def test_chunked_body_over_the_cap_is_refused(server):
         for _ in range(12):
             yield b" " * (1024 * 1024)  # whitespace: would be valid JSON padding
 
-    response = httpx.post(f"{server.url}/v1/completions", content=chunks(), headers=AUTH,
-                          timeout=30)
+    response = httpx.post(
+        f"{server.url}/v1/completions", content=chunks(), headers=AUTH, timeout=30
+    )
     assert_error(response, 413)
 
 
@@ -217,8 +248,10 @@ def test_endless_headers_are_cut_off_by_uvicorn(server):
 
 def test_long_prompt_under_the_body_cap_is_refused_before_tokenizing(server):
     """1.5 MB of text cannot fit 1024 tokens: a 400 from a length check, not a tokenizer run."""
-    for response in (completion(server, prompt="ab " * 500_000),
-                     chat(server, messages=[{"role": "user", "content": "ab " * 500_000}])):
+    for response in (
+        completion(server, prompt="ab " * 500_000),
+        chat(server, messages=[{"role": "user", "content": "ab " * 500_000}]),
+    ):
         error = assert_error(response, 400)
         assert error["code"] == "context_length_exceeded"
     ids = [7] * (MAX_MODEL_LEN + 5)
@@ -231,7 +264,8 @@ def test_twenty_thousand_messages_are_refused_without_stalling(server):
     messages = [{"role": "user", "content": ""}] * 20_000
     results = {}
     sender = threading.Thread(
-        target=lambda: results.setdefault("r", chat(server, messages=messages)))
+        target=lambda: results.setdefault("r", chat(server, messages=messages))
+    )
     sender.start()
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     sender.join(60)
@@ -241,12 +275,21 @@ def test_twenty_thousand_messages_are_refused_without_stalling(server):
 # -- fields this engine does not implement -----------------------------------------------------
 
 
-@pytest.mark.parametrize("field, value", [
-    ("logit_bias", {"50256": -100}), ("response_format", {"type": "json_object"}),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
-    ("echo", True), ("suffix", "x"), ("best_of", 2), ("presence_penalty", 0.5),
-    ("frequency_penalty", -1.0), ("repetition_penalty", 1.2),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("logit_bias", {"50256": -100}),
+        ("response_format", {"type": "json_object"}),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("tool_choice", "auto"),
+        ("echo", True),
+        ("suffix", "x"),
+        ("best_of", 2),
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", -1.0),
+        ("repetition_penalty", 1.2),
+    ],
+)
 def test_unsupported_fields_are_refused_by_name(server, field, value):
     for response in (completion(server, **{field: value}), chat(server, **{field: value})):
         error = assert_error(response, 400, field)
@@ -258,8 +301,16 @@ def test_n_above_one_is_refused(server):
 
 
 def test_harmless_values_of_unsupported_fields_and_unknown_fields_pass(server):
-    harmless = {"logit_bias": None, "tools": [], "echo": False, "best_of": 1, "tool_choice": "none",
-                "presence_penalty": 0, "user": "someone", "metadata": {"a": "b"}}
+    harmless = {
+        "logit_bias": None,
+        "tools": [],
+        "echo": False,
+        "best_of": 1,
+        "tool_choice": "none",
+        "presence_penalty": 0,
+        "user": "someone",
+        "metadata": {"a": "b"},
+    }
     assert completion(server, **harmless).status_code == 200
     assert chat(server, **harmless).status_code == 200
 
@@ -314,9 +365,16 @@ def test_forged_system_turn_stays_text(server, async_llm):
 
 
 def test_logprob_bytes_are_the_tokens_raw_bytes(server):
-    response = chat(server, messages=[{"role": "user", "content": "한국어로 대답해 주세요 🙂"}],
-                    max_tokens=24, temperature=0, ignore_eos=True, skip_special_tokens=False,
-                    logprobs=True, top_logprobs=2)
+    response = chat(
+        server,
+        messages=[{"role": "user", "content": "한국어로 대답해 주세요 🙂"}],
+        max_tokens=24,
+        temperature=0,
+        ignore_eos=True,
+        skip_special_tokens=False,
+        logprobs=True,
+        top_logprobs=2,
+    )
     choice = response.json()["choices"][0]
     items = choice["logprobs"]["content"]
     raw = b"".join(bytes(item["bytes"]) for item in items)
@@ -361,8 +419,9 @@ def poisoned_sampler(monkeypatch, async_llm):
     monkeypatch.setattr(Sampler, "__call__", wrapper)
 
 
-def test_a_failing_request_gets_an_error_and_the_others_complete(server, async_llm,
-                                                                 poisoned_sampler):
+def test_a_failing_request_gets_an_error_and_the_others_complete(
+    server, async_llm, poisoned_sampler
+):
     healthy = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
     answer = completion(server, prompt="A healthy request", **healthy).json()
     expected = answer["choices"][0]["text"]
@@ -370,14 +429,16 @@ def test_a_failing_request_gets_an_error_and_the_others_complete(server, async_l
 
     def healthy_stream(i):
         body = {"prompt": "A healthy request", **healthy, "stream": True}
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH,
-                          timeout=60) as r:
+        with httpx.stream(
+            "POST", f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=60
+        ) as r:
             results[f"healthy{i}"] = read_sse(r)
 
     def poisoned_stream():
         body = {"prompt": "POISON LATE", **healthy, "stream": True}
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH,
-                          timeout=60) as r:
+        with httpx.stream(
+            "POST", f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=60
+        ) as r:
             results["late"] = (r.status_code, read_sse(r))
 
     def poisoned_call():
@@ -427,8 +488,10 @@ def test_serve_exits_with_status_1_when_the_engine_loop_dies(engine_kwargs):
     engine.has_unfinished_requests, engine.step = has_work, explode
     llm = AsyncLLM(engine)
     result = {}
-    thread = threading.Thread(target=lambda: result.setdefault("status", serve(
-        llm, port=0, log_level="warning")), daemon=True)
+    thread = threading.Thread(
+        target=lambda: result.setdefault("status", serve(llm, port=0, log_level="warning")),
+        daemon=True,
+    )
     try:
         thread.start()
         thread.join(30)
@@ -448,16 +511,28 @@ def test_soak_64_streaming_clients_with_disconnects(tiny_model_dir):
     """Mixed lengths, a small KV cache (so requests are preempted), a quarter of the clients
     hanging up mid-stream. Every stream that runs to the end is complete and equals the offline
     answer; every hang-up is aborted; no block is left behind."""
-    kwargs = dict(model=tiny_model_dir, device="cpu", dtype="float32", num_kv_blocks=48,
-                  max_model_len=256, max_num_seqs=32)
+    kwargs = dict(
+        model=tiny_model_dir,
+        device="cpu",
+        dtype="float32",
+        num_kv_blocks=48,
+        max_model_len=256,
+        max_num_seqs=32,
+    )
     rng = random.Random(0)
-    jobs = [dict(prompt=" ".join(f"w{rng.randrange(1000)}" for _ in range(rng.randrange(3, 40))),
-                 max_tokens=rng.randrange(2, 40),
-                 leave_after=rng.randrange(1, 6) if rng.random() < 0.25 else None)
-            for _ in range(SOAK_CLIENTS)]
-    offline = LLM(**kwargs).generate([j["prompt"] for j in jobs], [
-        SamplingParams(temperature=0, max_tokens=j["max_tokens"], ignore_eos=True) for j in jobs],
-        use_tqdm=False)
+    jobs = [
+        dict(
+            prompt=" ".join(f"w{rng.randrange(1000)}" for _ in range(rng.randrange(3, 40))),
+            max_tokens=rng.randrange(2, 40),
+            leave_after=rng.randrange(1, 6) if rng.random() < 0.25 else None,
+        )
+        for _ in range(SOAK_CLIENTS)
+    ]
+    offline = LLM(**kwargs).generate(
+        [j["prompt"] for j in jobs],
+        [SamplingParams(temperature=0, max_tokens=j["max_tokens"], ignore_eos=True) for j in jobs],
+        use_tqdm=False,
+    )
     llm = AsyncLLM(EngineCore(EngineConfig(**kwargs)))
     try:
         with start_server_in_thread(build_app(llm, api_key=API_KEY)) as handle:
@@ -481,8 +556,13 @@ async def _soak(url: str, jobs: list[dict]):
     async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120, limits=limits) as client:
 
         async def one(job):
-            body = {"prompt": job["prompt"], "max_tokens": job["max_tokens"], "temperature": 0,
-                    "ignore_eos": True, "stream": True}
+            body = {
+                "prompt": job["prompt"],
+                "max_tokens": job["max_tokens"],
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
             request_id, parts, finish, done, seen = None, [], None, False, 0
             async with client.stream("POST", "/v1/completions", json=body) as response:
                 async for line in response.aiter_lines():

@@ -421,7 +421,11 @@ def test_fidelity_section_calibrates_and_compares(tiny_model_dir, tmp_path):
     from engine.calibration import load_calibration
 
     config = BenchConfig.quick_config(
-        model=str(tiny_model_dir), num_requests=5, prompt_len=(8, 40), output_len=(3, 9), max_num_seqs=4
+        model=str(tiny_model_dir),
+        num_requests=5,
+        prompt_len=(8, 40),
+        output_len=(3, 9),
+        max_num_seqs=4,
     )
     path = tmp_path / "calibration.json"
     fidelity = simulator_fidelity(config, path, log=lambda message: None)
@@ -429,10 +433,16 @@ def test_fidelity_section_calibrates_and_compares(tiny_model_dir, tmp_path):
     assert calibration is not None and calibration.hardware.evidence == "measured"
     assert calibration.efficiency.evidence.startswith("fitted")
     assert set(fidelity["figures"]) == {
-        "total_time_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "output_tokens_per_s"
+        "total_time_s",
+        "ttft_p50_s",
+        "ttft_p90_s",
+        "tpot_p50_s",
+        "output_tokens_per_s",
     }
     for row in fidelity["figures"].values():
         assert row["real"] > 0 and row["simulated"] > 0 and row["relative_error"] is not None
-    assert fidelity["steps"]["real"] == fidelity["steps"]["simulated"]  # same scheduler, same lengths
+    assert (
+        fidelity["steps"]["real"] == fidelity["steps"]["simulated"]
+    )  # same scheduler, same lengths
     assert "8. Simulator fidelity" in format_fidelity(fidelity)
     json.dumps(fidelity)  # it goes into the benchmark's results file

@@ -548,9 +548,7 @@ def test_sampling_with_speculation_keeps_the_target_distribution(make_engine, ti
     accepted = spec.num_accepted_tokens.sum()
     assert 0.05 * len(spec) < accepted < 0.95 * len(spec), "acceptance and rejection both happen"
     statistic, dof = chi_square(counts, {key: n * p for key, p in expected_joint.items()})
-    print(
-        f"chi-square {statistic:.2f}, {dof} degrees of freedom, {accepted}/{len(spec)} accepted"
-    )
+    print(f"chi-square {statistic:.2f}, {dof} degrees of freedom, {accepted}/{len(spec)} accepted")
     assert statistic < CHI2_CRITICAL_0_001[dof], (statistic, dof, counts)
 
 

@@ -13,15 +13,17 @@ ROOT = Path(__file__).resolve().parent.parent
 STAGE = re.compile(r"^\[(\d+)/(\d+)\]\s*(.*)")
 
 
-def run_quick_bench(on_progress: Callable[[float, str], None],
-                    timeout_s: float = 1800) -> tuple[int, str]:
+def run_quick_bench(
+    on_progress: Callable[[float, str], None], timeout_s: float = 1800
+) -> tuple[int, str]:
     """Run the quick benchmark in a child process; on_progress(fraction, text) per stage line.
     Returns (exit code, the last lines of its output)."""
     cmd = [sys.executable, "-m", "engine", "bench", "--quick"]
     start = time.perf_counter()
     tail: list[str] = []
-    with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, bufsize=1) as proc:
+    with subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    ) as proc:
         for line in proc.stdout:
             line = line.rstrip()
             tail = (tail + [line])[-20:]

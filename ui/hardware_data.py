@@ -69,16 +69,72 @@ class GPUSpec:
 MODELS: dict[str, ModelSpec] = {
     m.name: m
     for m in [
-        ModelSpec("SmolLM2-135M-Instruct (우리 모델)", 30, 576, 9, 3, 64, 1536, 49152, True, 0.1345e9,
-                  "HuggingFaceTB/SmolLM2-135M-Instruct config.json"),
-        ModelSpec("Llama-3.1-8B", 32, 4096, 32, 8, 128, 14336, 128256, False, 8.03e9,
-                  "meta-llama/Llama-3.1-8B config.json"),
-        ModelSpec("Llama-3.1-70B", 80, 8192, 64, 8, 128, 28672, 128256, False, 70.6e9,
-                  "meta-llama/Llama-3.1-70B config.json"),
-        ModelSpec("Qwen2.5-7B", 28, 3584, 28, 4, 128, 18944, 152064, False, 7.62e9,
-                  "Qwen/Qwen2.5-7B config.json", qkv_bias=True),
-        ModelSpec("Mistral-7B-v0.1", 32, 4096, 32, 8, 128, 14336, 32000, False, 7.24e9,
-                  "mistralai/Mistral-7B-v0.1 config.json"),
+        ModelSpec(
+            "SmolLM2-135M-Instruct (우리 모델)",
+            30,
+            576,
+            9,
+            3,
+            64,
+            1536,
+            49152,
+            True,
+            0.1345e9,
+            "HuggingFaceTB/SmolLM2-135M-Instruct config.json",
+        ),
+        ModelSpec(
+            "Llama-3.1-8B",
+            32,
+            4096,
+            32,
+            8,
+            128,
+            14336,
+            128256,
+            False,
+            8.03e9,
+            "meta-llama/Llama-3.1-8B config.json",
+        ),
+        ModelSpec(
+            "Llama-3.1-70B",
+            80,
+            8192,
+            64,
+            8,
+            128,
+            28672,
+            128256,
+            False,
+            70.6e9,
+            "meta-llama/Llama-3.1-70B config.json",
+        ),
+        ModelSpec(
+            "Qwen2.5-7B",
+            28,
+            3584,
+            28,
+            4,
+            128,
+            18944,
+            152064,
+            False,
+            7.62e9,
+            "Qwen/Qwen2.5-7B config.json",
+            qkv_bias=True,
+        ),
+        ModelSpec(
+            "Mistral-7B-v0.1",
+            32,
+            4096,
+            32,
+            8,
+            128,
+            14336,
+            32000,
+            False,
+            7.24e9,
+            "mistralai/Mistral-7B-v0.1 config.json",
+        ),
     ]
 }
 
@@ -120,8 +176,15 @@ class MemoryBudget:
         return self.kv_bytes_per_token * self.seq_len
 
 
-def memory_budget(model: str | ModelSpec, gpu: str | GPUSpec, dtype: str = "bfloat16", utilization: float = 0.9,
-                  headroom_gb: float = 2.0, seq_len: int = 4096, kv_dtype: str | None = None) -> MemoryBudget:
+def memory_budget(
+    model: str | ModelSpec,
+    gpu: str | GPUSpec,
+    dtype: str = "bfloat16",
+    utilization: float = 0.9,
+    headroom_gb: float = 2.0,
+    seq_len: int = 4096,
+    kv_dtype: str | None = None,
+) -> MemoryBudget:
     """KV budget = memory × utilization − weights − headroom; requests = budget / (KV per token × L)."""
     m = MODELS[model] if isinstance(model, str) else model
     g = GPUS[gpu] if isinstance(gpu, str) else gpu
@@ -132,5 +195,18 @@ def memory_budget(model: str | ModelSpec, gpu: str | GPUSpec, dtype: str = "bflo
     budget = usable - weights - headroom
     per_token = m.kv_bytes_per_token(kv_dtype)
     tokens = max(budget, 0) // per_token
-    return MemoryBudget(m.name, g.name, dtype, kv_dtype, utilization, headroom, seq_len, usable, weights, budget,
-                        per_token, tokens, tokens // max(seq_len, 1))
+    return MemoryBudget(
+        m.name,
+        g.name,
+        dtype,
+        kv_dtype,
+        utilization,
+        headroom,
+        seq_len,
+        usable,
+        weights,
+        budget,
+        per_token,
+        tokens,
+        tokens // max(seq_len, 1),
+    )

@@ -27,8 +27,15 @@ from engine.trace import StepRecord
 from ui import figures
 from ui.errors import show_error
 from ui.experiments.common import Workload, WorkloadFeeder
-from ui.session import (conditions_of, engine_status, get_engine, get_records, get_texts,
-                        record_step, reset_engine)
+from ui.session import (
+    conditions_of,
+    engine_status,
+    get_engine,
+    get_records,
+    get_texts,
+    record_step,
+    reset_engine,
+)
 
 ACTIVE_KEY = "_active_engine_key"  # the engine the sidebar's 엔진 상태 shows (the page's lab)
 _FEEDERS = "_lab_feeders"  # engine key → WorkloadFeeder
@@ -42,7 +49,8 @@ PRESETS = {
     "KV 캐시 설명": "KV 캐시가 무엇인지 한 문장으로 설명해 주세요.",
     "프랑스의 수도 (영어)": "What is the capital of France?",
     "피보나치 (코드)": "Write a Python function that returns the n-th Fibonacci number.",
-    "옛날 옛적에 (긴 프롬프트)": "Once upon a time, in a small village by the sea, " * 8 + "there lived",
+    "옛날 옛적에 (긴 프롬프트)": "Once upon a time, in a small village by the sea, " * 8
+    + "there lived",
 }
 
 
@@ -74,11 +82,13 @@ class LabContext:
     @property
     def finished(self) -> bool:
         """Every engine ran and has nothing left (its workload fully fed)."""
-        return self.started and all(not has_work(self.engines[s.key], self.feeders.get(s.key))
-                                    for s in self.sides)
+        return self.started and all(
+            not has_work(self.engines[s.key], self.feeders.get(s.key)) for s in self.sides
+        )
 
 
 # -- stepping (no widgets) ---------------------------------------------------------------------
+
 
 def has_work(engine: EngineCore, feeder: WorkloadFeeder | None) -> bool:
     return engine.has_unfinished_requests() or bool(feeder and feeder.pending)
@@ -111,9 +121,13 @@ def expected_steps(engine: EngineCore, feeder: WorkloadFeeder | None = None) -> 
     the total work spread over the token budget and the running slots, whichever is more."""
     budget = max(engine.config.max_num_batched_tokens, 1)
     seqs = max(engine.config.max_num_seqs, 1)
-    work = [(max(r.num_prompt_tokens - r.num_computed_tokens, 0),
-             max(r.sampling_params.max_tokens - r.num_output_tokens, 0))
-            for r in engine.live_requests.values()]
+    work = [
+        (
+            max(r.num_prompt_tokens - r.num_computed_tokens, 0),
+            max(r.sampling_params.max_tokens - r.num_output_tokens, 0),
+        )
+        for r in engine.live_requests.values()
+    ]
     if feeder is not None:
         work += [(feeder.specs[i].prompt_len, feeder.specs[i].max_tokens) for i in feeder.pending]
     if not work:
@@ -124,6 +138,7 @@ def expected_steps(engine: EngineCore, feeder: WorkloadFeeder | None = None) -> 
 
 
 # -- state -------------------------------------------------------------------------------------
+
 
 def is_playing(key: str) -> bool:
     return bool(st.session_state.get(_PLAYING.format(key)))
@@ -168,8 +183,16 @@ def reset_lab(ctx: LabContext, workload: Workload | None = None) -> LabContext:
 
 # -- adding requests ---------------------------------------------------------------------------
 
-def add_prompt(ctx: LabContext, prompt: str, max_tokens: int = 32, temperature: float = 0.0,
-               top_p: float = 1.0, seed: int | None = None, chat: bool = True) -> list:
+
+def add_prompt(
+    ctx: LabContext,
+    prompt: str,
+    max_tokens: int = 32,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    chat: bool = True,
+) -> list:
     """Queue the same prompt on every engine of the lab (chat template applied if asked)."""
     from engine.sampling_params import InvalidRequestError, SamplingParams
 
@@ -180,8 +203,12 @@ def add_prompt(ctx: LabContext, prompt: str, max_tokens: int = 32, temperature: 
         if chat and engine.tokenizer.chat_template:
             text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         try:
-            params = SamplingParams(max_tokens=int(max_tokens), temperature=float(temperature),
-                                    top_p=float(top_p), seed=seed)
+            params = SamplingParams(
+                max_tokens=int(max_tokens),
+                temperature=float(temperature),
+                top_p=float(top_p),
+                seed=seed,
+            )
             request = engine.add_request(text, params)
         except (InvalidRequestError, ValueError) as exc:
             show_error(exc, "요청을 넣지 못했습니다")
@@ -191,37 +218,59 @@ def add_prompt(ctx: LabContext, prompt: str, max_tokens: int = 32, temperature: 
     return added
 
 
-def _request_panel(ctx: LabContext, default_max_tokens: int, show_custom: bool,
-                   presets: dict[str, str] | None, workload: Workload | None,
-                   workload_note: str) -> None:
+def _request_panel(
+    ctx: LabContext,
+    default_max_tokens: int,
+    show_custom: bool,
+    presets: dict[str, str] | None,
+    workload: Workload | None,
+    workload_note: str,
+) -> None:
     key = ctx.key
     with st.container(border=True):
         st.markdown("**요청 넣기**")
         if workload is not None:
             c1, c2 = st.columns([3, 1], vertical_alignment="center")
             c1.caption(workload_note or ("워크로드: " + workload.describe()))
-            if c2.button("워크로드 넣기", key=f"{key}_load", width="stretch",
-                         help="엔진을 새로 만들고 워크로드의 요청을 도착 시각(엔진 시계)에 맞춰 넣습니다"):
+            if c2.button(
+                "워크로드 넣기",
+                key=f"{key}_load",
+                width="stretch",
+                help="엔진을 새로 만들고 워크로드의 요청을 도착 시각(엔진 시계)에 맞춰 넣습니다",
+            ):
                 set_playing(key, False)
                 reset_lab(ctx, workload)
         if not presets:
             return
         c1, c2, c3, c4 = st.columns(4)
-        max_tokens = c1.number_input("max_tokens", 1, 512, default_max_tokens,
-                                     key=f"{key}_max_tokens")
-        temperature = c2.slider("temperature", 0.0, 2.0, 0.0, 0.1, key=f"{key}_temperature",
-                                help="0이면 greedy (결정적)")
+        max_tokens = c1.number_input(
+            "max_tokens", 1, 512, default_max_tokens, key=f"{key}_max_tokens"
+        )
+        temperature = c2.slider(
+            "temperature",
+            0.0,
+            2.0,
+            0.0,
+            0.1,
+            key=f"{key}_temperature",
+            help="0이면 greedy (결정적)",
+        )
         top_p = c3.slider("top_p", 0.05, 1.0, 1.0, 0.05, key=f"{key}_top_p")
         seed = c4.number_input("seed (0 = 없음)", 0, 2**31 - 1, 0, key=f"{key}_seed")
-        sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                        seed=int(seed) or None)
+        sampling = dict(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=int(seed) or None
+        )
         c1, c2 = st.columns([3, 1], vertical_alignment="bottom")
         preset = c1.selectbox("예시 프롬프트", list(presets), key=f"{key}_preset")
         if c2.button("예시 요청 추가", key=f"{key}_add_preset", width="stretch"):
             add_prompt(ctx, presets[preset], **sampling)
         if show_custom:
-            custom = st.text_area("직접 쓴 프롬프트", key=f"{key}_custom", height=68,
-                                  placeholder="예: 부산에 대해 짧게 소개해 주세요.")
+            custom = st.text_area(
+                "직접 쓴 프롬프트",
+                key=f"{key}_custom",
+                height=68,
+                placeholder="예: 부산에 대해 짧게 소개해 주세요.",
+            )
             c1, c2 = st.columns([1, 3])
             chat = c2.checkbox("채팅 템플릿 적용", value=True, key=f"{key}_chat")
             if c1.button("요청 추가", key=f"{key}_add_custom", width="stretch"):
@@ -232,6 +281,7 @@ def _request_panel(ctx: LabContext, default_max_tokens: int, show_custom: bool,
 
 
 # -- progress ----------------------------------------------------------------------------------
+
 
 class Progress:
     """A progress bar for a long run: items done / expected and the time left (never only a
@@ -249,14 +299,17 @@ class Progress:
         shown = max(self.total, self.done)
         per_item = (time.perf_counter() - self.start) / self.done
         left = per_item * (shown - self.done)
-        self.bar.progress(min(self.done / shown, 1.0),
-                          text=f"{self.what} {self.done}/{shown} (예상) · 남은 시간 약 {left:.1f} s")
+        self.bar.progress(
+            min(self.done / shown, 1.0),
+            text=f"{self.what} {self.done}/{shown} (예상) · 남은 시간 약 {left:.1f} s",
+        )
 
     def close(self) -> None:
         self.bar.empty()
 
 
 # -- stepping controls -------------------------------------------------------------------------
+
 
 def run_steps(ctx: LabContext, limit: int | None) -> int:
     """Step every engine in lockstep until done (limit None) or `limit` times, with a progress bar
@@ -278,12 +331,15 @@ def run_steps(ctx: LabContext, limit: int | None) -> int:
 
 def _controls(ctx: LabContext) -> None:
     key = ctx.key
-    c1, c2, c3, c4, c5, c6, c7 = st.columns([1.1, 0.7, 1, 1, 1.3, 1, 0.9],
-                                             vertical_alignment="bottom")
+    c1, c2, c3, c4, c5, c6, c7 = st.columns(
+        [1.1, 0.7, 1, 1, 1.3, 1, 0.9], vertical_alignment="bottom"
+    )
     if c1.button("다음 스텝", key=f"{key}_step", type="primary", width="stretch"):
         if not step_all(ctx):
             st.toast("처리할 요청이 없습니다. 먼저 요청을 추가하세요.")
-    n = c2.number_input("N", 1, 500, 5, key=f"{key}_step_count", help="N 스텝에서 한 번에 진행할 스텝 수")
+    n = c2.number_input(
+        "N", 1, 500, 5, key=f"{key}_step_count", help="N 스텝에서 한 번에 진행할 스텝 수"
+    )
     if c3.button("N 스텝", key=f"{key}_nsteps", width="stretch"):
         if not run_steps(ctx, int(n)):
             st.toast("처리할 요청이 없습니다. 먼저 요청을 추가하세요.")
@@ -313,10 +369,12 @@ def _counters(ctx: LabContext) -> None:
             f"KV 블록 **{snap.num_used}/{snap.num_blocks}**"
             f" · 실행 {len(engine.scheduler.running)} · 대기 {len(engine.scheduler.waiting)}"
             + (f" · 도착 전 {pending}" if pending else "")
-            + f" · 엔진 시계 {1000 * engine.clock.now():,.0f} ms")
+            + f" · 엔진 시계 {1000 * engine.clock.now():,.0f} ms"
+        )
 
 
 # -- the three views ---------------------------------------------------------------------------
+
 
 def decision_table(record: StepRecord | None):
     from ui.widgets import decision_table as table
@@ -328,9 +386,11 @@ def show_decision(record: StepRecord | None, names: dict[str, str] | None = None
     if record is None:
         st.caption("아직 실행된 스텝이 없습니다.")
         return
-    st.markdown(f"**스텝 {record.step}의 결정** — 토큰 {record.total_tokens}/{record.token_budget} 사용, "
-                f"실행 {record.num_running} · 대기 {record.num_waiting}, "
-                f"걸린 시간 {1000 * record.engine_duration:.0f} ms (엔진 시계)")
+    st.markdown(
+        f"**스텝 {record.step}의 결정** — 토큰 {record.total_tokens}/{record.token_budget} 사용, "
+        f"실행 {record.num_running} · 대기 {record.num_waiting}, "
+        f"걸린 시간 {1000 * record.engine_duration:.0f} ms (엔진 시계)"
+    )
     table = decision_table(record)
     if names:
         table["요청"] = [names.get(r, r) for r in table["요청"]]
@@ -344,8 +404,9 @@ def views(key: str, engine: EngineCore, records: list[StepRecord]) -> None:
     names = figures.short_names(r.request_id for r in requests)
     tab1, tab2, tab3 = st.tabs(["요청 여정", "스케줄러 결정", "KV 캐시"])
     with tab1:
-        st.plotly_chart(figures.journey_figure(requests, clock="engine"), width="stretch",
-                        key=f"{key}_journey")
+        st.plotly_chart(
+            figures.journey_figure(requests, clock="engine"), width="stretch", key=f"{key}_journey"
+        )
     with tab2:
         st.plotly_chart(figures.schedule_figure(records), width="stretch", key=f"{key}_schedule")
         show_decision(records[-1] if records else None, names)
@@ -375,8 +436,10 @@ def stream_texts(key: str, engine: EngineCore) -> None:
         else:
             state = "상태: 생성 중"
         with st.container(border=True):
-            st.markdown(f"**{names[r.request_id]}** · {state} · 프롬프트 {r.num_prompt_tokens} 토큰 → "
-                        f"출력 {r.num_output_tokens} 토큰")
+            st.markdown(
+                f"**{names[r.request_id]}** · {state} · 프롬프트 {r.num_prompt_tokens} 토큰 → "
+                f"출력 {r.num_output_tokens} 토큰"
+            )
             if prompt:
                 st.caption(f"프롬프트: {prompt[:200]}")
             st.text(text or "…")
@@ -391,20 +454,34 @@ def _last_step_evidence(ctx: LabContext) -> None:
             continue
         last = records[-1]
         name = f"{side.label}: " if side.label else ""
-        evidence("측정값", f"{name}마지막 스텝 {last.step}: {1000 * last.engine_duration:.1f} ms "
-                 f"(forward {1000 * last.timings.get('forward', 0):.1f} ms), "
-                 f"토큰 {last.total_tokens}개",
-                 **conditions_of(ctx.engines[side.key], 배치=f"{len(last.scheduled)}개 요청",
-                                 시계="엔진 시계"))
+        evidence(
+            "측정값",
+            f"{name}마지막 스텝 {last.step}: {1000 * last.engine_duration:.1f} ms "
+            f"(forward {1000 * last.timings.get('forward', 0):.1f} ms), "
+            f"토큰 {last.total_tokens}개",
+            **conditions_of(
+                ctx.engines[side.key], 배치=f"{len(last.scheduled)}개 요청", 시계="엔진 시계"
+            ),
+        )
 
 
 # -- the component -----------------------------------------------------------------------------
 
-def lab(key: str, sides: list[Side] | None = None, *, presets: dict[str, str] | None = PRESETS,
-        workload: Workload | None = None, workload_note: str = "", default_max_tokens: int = 32,
-        show_custom: bool = True, before: Callable[[LabContext], None] | None = None,
-        chapter_view: Callable[[LabContext], None] | None = None, show_streams: bool = True,
-        show_code_panel: bool = True) -> None:
+
+def lab(
+    key: str,
+    sides: list[Side] | None = None,
+    *,
+    presets: dict[str, str] | None = PRESETS,
+    workload: Workload | None = None,
+    workload_note: str = "",
+    default_max_tokens: int = 32,
+    show_custom: bool = True,
+    before: Callable[[LabContext], None] | None = None,
+    chapter_view: Callable[[LabContext], None] | None = None,
+    show_streams: bool = True,
+    show_code_panel: bool = True,
+) -> None:
     """Draw the lab (inside st.fragment). `sides` default: one engine under `key`.
 
     before(ctx): drawn above the controls (e.g. the prediction box);
@@ -469,9 +546,14 @@ def sidebar_status() -> None:
     """The sidebar's 엔진 상태 for the engine of the page being viewed. While a lab plays, it
     refreshes at the play speed (a fragment of its own), so its counters follow each step."""
     key = st.session_state.get(ACTIVE_KEY) or "main"
-    lab_key = next((k for k in list(st.session_state.keys())
-                    if isinstance(k, str) and k.startswith("_playing_") and st.session_state[k]),
-                   None)
+    lab_key = next(
+        (
+            k
+            for k in list(st.session_state.keys())
+            if isinstance(k, str) and k.startswith("_playing_") and st.session_state[k]
+        ),
+        None,
+    )
     interval = None
     if lab_key is not None:
         interval = float(st.session_state.get(f"{lab_key.removeprefix('_playing_')}_speed", 0.5))
@@ -494,12 +576,18 @@ def first_finished(engine: EngineCore):
     return min(done, key=lambda r: r.arrival_time) if done else None
 
 
-def run_workload_button(ctx: LabContext, workload: Workload, label: str = "실행",
-                        help: str | None = None) -> bool:
+def run_workload_button(
+    ctx: LabContext, workload: Workload, label: str = "실행", help: str | None = None
+) -> bool:
     """A button that puts the workload on every engine and runs them all to the end (with the
     progress bar). True when it ran."""
-    if not st.button(label, key=f"{ctx.key}_run", type="primary",
-                     help=help or "워크로드를 넣고 끝까지 실행합니다 (한 스텝씩 보려면 워크로드 넣기 → 다음 스텝)"):
+    if not st.button(
+        label,
+        key=f"{ctx.key}_run",
+        type="primary",
+        help=help
+        or "워크로드를 넣고 끝까지 실행합니다 (한 스텝씩 보려면 워크로드 넣기 → 다음 스텝)",
+    ):
         return False
     set_playing(ctx.key, False)
     reset_lab(ctx, workload)
@@ -519,8 +607,9 @@ def run_results(ctx: LabContext, cache_key: str, wrap: Callable[[dict], object] 
     cached = st.session_state.get(f"_{cache_key}_signature")
     if cached == signature and st.session_state.get(cache_key) is not None:
         return st.session_state[cache_key]
-    results = {s.label or s.key: result_of(ctx.feeders[s.key], ctx.records(s), s.label)
-               for s in ctx.sides}
+    results = {
+        s.label or s.key: result_of(ctx.feeders[s.key], ctx.records(s), s.label) for s in ctx.sides
+    }
     value = wrap(results) if wrap is not None else results
     st.session_state[f"_{cache_key}_signature"] = signature
     st.session_state[cache_key] = value

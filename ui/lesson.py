@@ -50,7 +50,7 @@ class Chapter:
 
     @property
     def url_path(self) -> str:
-        """"chNN" for every chapter, ready or not (a stable ASCII address: /ch03).
+        """ "chNN" for every chapter, ready or not (a stable ASCII address: /ch03).
 
         Note (Streamlit 1.67): because pages/ exists, a session's *first* load of a direct chapter
         link shows a "Page not found" dialog over the right page. Using the file stem as url_path
@@ -73,7 +73,12 @@ CHAPTERS = [
     Chapter("05", "05 · 메모리 예산과 dtype", "메모리", ":material/sd_storage:"),
     Chapter("06", "06 · 블록 단위 KV 관리 (PagedAttention)", "메모리", ":material/grid_view:"),
     Chapter("07", "07 · 배칭 기초", "배칭과 스케줄링", ":material/stacks:"),
-    Chapter("08", "08 · continuous batching과 토큰 단위 스케줄링", "배칭과 스케줄링", ":material/autorenew:"),
+    Chapter(
+        "08",
+        "08 · continuous batching과 토큰 단위 스케줄링",
+        "배칭과 스케줄링",
+        ":material/autorenew:",
+    ),
     Chapter("09", "09 · 선점과 스케줄링 정책", "배칭과 스케줄링", ":material/pan_tool:"),
     Chapter("10", "10 · prefix caching", "배칭과 스케줄링", ":material/recycling:"),
     Chapter("11", "11 · 양자화와 dtype", "최적화", ":material/compress:"),
@@ -171,7 +176,9 @@ def _feedback(key: str, answer: str, right: bool, q: dict, key_text: str) -> Non
         st.success("정답입니다. " + q.get("explanation", ""))
         return
     if _count_wrong(key, answer) < MAX_TRIES:
-        st.error("다시 생각해 보세요. 한 번 더 답할 수 있습니다. 힌트: " + q.get("hint", DEFAULT_HINT))
+        st.error(
+            "다시 생각해 보세요. 한 번 더 답할 수 있습니다. 힌트: " + q.get("hint", DEFAULT_HINT)
+        )
     else:
         st.error("다시 생각해 보세요. 정답: " + key_text + " — " + q.get("explanation", ""))
 
@@ -191,18 +198,25 @@ def quiz(chapter_id: str) -> None:
             if q.get("kind") == "choice":
                 order = shuffled_order(len(q["options"]), seed, cid, i)
                 shown = [q["options"][j] for j in order]
-                choice = st.radio("답 고르기", shown, index=None, key=key,
-                                  label_visibility="collapsed")
+                choice = st.radio(
+                    "답 고르기", shown, index=None, key=key, label_visibility="collapsed"
+                )
                 if choice is not None:
                     key_text = q["options"][q["answer"]]
                     _feedback(key, choice, choice == key_text, q, key_text)
             else:
-                answer = st.text_input("답 쓰기", key=key, label_visibility="collapsed",
-                                       placeholder="답을 쓰고 Enter")
+                answer = st.text_input(
+                    "답 쓰기", key=key, label_visibility="collapsed", placeholder="답을 쓰고 Enter"
+                )
                 if answer.strip():
                     example = (q.get("accept") or ["—"])[0]
-                    _feedback(key, answer.strip(), check_answer(answer, q["check"]), q,
-                              "예시 답: " + example)
+                    _feedback(
+                        key,
+                        answer.strip(),
+                        check_answer(answer, q["check"]),
+                        q,
+                        "예시 답: " + example,
+                    )
 
 
 # app.py registers its st.Page objects here (chapter id → page), so that links work for every page.
@@ -239,7 +253,9 @@ def page_link(chapter_id: str, label: str | None = None) -> None:
     try:
         if target is None:
             raise LookupError
-        st.page_link(target, label=label or f"다음 장: {ch.title} →", icon=":material/arrow_forward:")
+        st.page_link(
+            target, label=label or f"다음 장: {ch.title} →", icon=":material/arrow_forward:"
+        )
     except Exception:  # page not registered (e.g. a page run on its own): plain text instead
         st.caption(f"다음 장: {ch.title} (왼쪽 메뉴에서 여세요)")
 
@@ -271,14 +287,19 @@ def coming_soon(ch: Chapter) -> Callable[[], None]:
 
     def page() -> None:
         st.title(ch.title)
-        st.info("준비 중인 장입니다. 본문과 실험실이 곧 추가됩니다.", icon=":material/construction:")
+        st.info(
+            "준비 중인 장입니다. 본문과 실험실이 곧 추가됩니다.", icon=":material/construction:"
+        )
         path = LESSONS_DIR / f"ch{ch.id}.md"
         if path.is_file():
             st.caption("아래는 미리 써 둔 본문입니다 (실험실 없이).")
             before, rest, next_part = lesson_parts(ch.id)
             st.markdown(before + rest + next_part)
-        st.page_link(PAGES.get("00", "pages/ch00_intro.py"), label="00 · 코스 안내로 돌아가기",
-                     icon=":material/explore:")
+        st.page_link(
+            PAGES.get("00", "pages/ch00_intro.py"),
+            label="00 · 코스 안내로 돌아가기",
+            icon=":material/explore:",
+        )
 
     page.__name__ = f"coming_soon_ch{ch.id}"
     return page

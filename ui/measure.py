@@ -12,7 +12,11 @@ from engine.sampling_params import SamplingParams
 from engine.trace import StepRecord
 
 
-def prompt_of_length(engine: EngineCore, n: int, text: str = "서울은 한국의 수도이고, Seoul is the capital of Korea. ") -> list[int]:
+def prompt_of_length(
+    engine: EngineCore,
+    n: int,
+    text: str = "서울은 한국의 수도이고, Seoul is the capital of Korea. ",
+) -> list[int]:
     """Exactly n prompt token ids made by repeating a sentence's tokens."""
     ids = engine.tokenizer.encode(text)
     out = []
@@ -42,10 +46,14 @@ class PrefillDecodeResult:
         return sum(self.decode_ms) / len(self.decode_ms) if self.decode_ms else float("nan")
 
 
-def measure_prefill_decode(engine: EngineCore, num_prompt_tokens: int, num_decode: int = 8) -> PrefillDecodeResult:
+def measure_prefill_decode(
+    engine: EngineCore, num_prompt_tokens: int, num_decode: int = 8
+) -> PrefillDecodeResult:
     """One request alone: time its prefill step(s) and its decode steps (StepRecord.duration)."""
     params = SamplingParams(max_tokens=num_decode + 1, temperature=0.0, ignore_eos=True)
-    request = engine.add_request(prompt_token_ids=prompt_of_length(engine, num_prompt_tokens), sampling_params=params)
+    request = engine.add_request(
+        prompt_token_ids=prompt_of_length(engine, num_prompt_tokens), sampling_params=params
+    )
     records = run_until_done(engine)
     prefill = [r for r in records if any(s.phase != "decode" for s in r.scheduled)]
     decode = [r for r in records if r.scheduled and all(s.phase == "decode" for s in r.scheduled)]
@@ -67,7 +75,9 @@ class CacheComparison:
     tokens_uncached: list[int]
     step_ms_cached: list[float] = field(default_factory=list)  # per generated token
     step_ms_uncached: list[float] = field(default_factory=list)
-    tokens_computed_cached: list[int] = field(default_factory=list)  # tokens through the model per token
+    tokens_computed_cached: list[int] = field(
+        default_factory=list
+    )  # tokens through the model per token
     tokens_computed_uncached: list[int] = field(default_factory=list)
 
     @property
@@ -83,8 +93,13 @@ class CacheComparison:
         return self.tokens_cached == self.tokens_uncached
 
 
-def compare_kv_cache(cached_engine: EngineCore, uncached_engine: EngineCore, prompt_ids: list[int],
-                     num_new: int, on_token=None) -> CacheComparison:
+def compare_kv_cache(
+    cached_engine: EngineCore,
+    uncached_engine: EngineCore,
+    prompt_ids: list[int],
+    num_new: int,
+    on_token=None,
+) -> CacheComparison:
     """Greedy generation of num_new tokens two ways, on the real model:
 
     - with the KV cache: one request; prefill once, then each decode step feeds one token;
@@ -92,22 +107,26 @@ def compare_kv_cache(cached_engine: EngineCore, uncached_engine: EngineCore, pro
       generated) and max_tokens=1 on an engine with prefix caching off, so all K/V are recomputed.
     """
     result = CacheComparison(len(prompt_ids), [], [])
-    request = cached_engine.add_request(prompt_token_ids=list(prompt_ids),
-                                        sampling_params=SamplingParams(max_tokens=num_new, temperature=0.0,
-                                                                       ignore_eos=True))
+    request = cached_engine.add_request(
+        prompt_token_ids=list(prompt_ids),
+        sampling_params=SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True),
+    )
     for record in run_until_done(cached_engine):
         if record.new_tokens.get(request.request_id):
             result.step_ms_cached.append(1000 * record.duration)
             result.tokens_computed_cached.append(record.total_tokens)
-        elif result.step_ms_cached == [] and record.scheduled:  # a chunked prefill without a token yet
+        elif (
+            result.step_ms_cached == [] and record.scheduled
+        ):  # a chunked prefill without a token yet
             result.tokens_computed_cached.append(record.total_tokens)
     result.tokens_cached = list(request.output_token_ids)
 
     sequence = list(prompt_ids)
     for _ in range(num_new):
-        req = uncached_engine.add_request(prompt_token_ids=list(sequence),
-                                          sampling_params=SamplingParams(max_tokens=1, temperature=0.0,
-                                                                         ignore_eos=True))
+        req = uncached_engine.add_request(
+            prompt_token_ids=list(sequence),
+            sampling_params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+        )
         start = time.perf_counter()
         records = run_until_done(uncached_engine)
         result.step_ms_uncached.append(1000 * (time.perf_counter() - start))

@@ -14,8 +14,15 @@ def prediction(pid: str):
     return None if entry is None else entry["value"]
 
 
-def predict(pid: str, question: str, unit: str = "", options: list[str] | None = None,
-            default: float | None = None, locked: bool = False, step: float | None = None):
+def predict(
+    pid: str,
+    question: str,
+    unit: str = "",
+    options: list[str] | None = None,
+    default: float | None = None,
+    locked: bool = False,
+    step: float | None = None,
+):
     """Ask for a prediction: a number with its unit, or one of `options`. Returns the value.
 
     `locked` (the run has started) freezes it, so the comparison is with a guess made before."""
@@ -26,16 +33,32 @@ def predict(pid: str, question: str, unit: str = "", options: list[str] | None =
         if options is not None:
             current = store.get(pid, {}).get("value")
             index = options.index(current) if current in options else None
-            value = st.radio("내 예측", options, index=index, key=key, horizontal=True,
-                             disabled=locked, label_visibility="collapsed")
+            value = st.radio(
+                "내 예측",
+                options,
+                index=index,
+                key=key,
+                horizontal=True,
+                disabled=locked,
+                label_visibility="collapsed",
+            )
         else:
             current = store.get(pid, {}).get("value")
             c1, c2 = st.columns([2, 3], vertical_alignment="center")
-            value = c1.number_input(f"내 예측 ({unit})" if unit else "내 예측", min_value=0.0,
-                                    value=current, step=step, key=key, disabled=locked,
-                                    placeholder="숫자를 쓰세요")
-            c2.caption("실행 전에 적어 두세요. 실행하면 잠기고, 측정값과 나란히 보여 줍니다."
-                       if not locked else "실행 중에는 예측이 잠깁니다 (리셋하면 다시 쓸 수 있음).")
+            value = c1.number_input(
+                f"내 예측 ({unit})" if unit else "내 예측",
+                min_value=0.0,
+                value=current,
+                step=step,
+                key=key,
+                disabled=locked,
+                placeholder="숫자를 쓰세요",
+            )
+            c2.caption(
+                "실행 전에 적어 두세요. 실행하면 잠기고, 측정값과 나란히 보여 줍니다."
+                if not locked
+                else "실행 중에는 예측이 잠깁니다 (리셋하면 다시 쓸 수 있음)."
+            )
         if value is not None and not locked:
             store[pid] = {"value": value, "unit": unit, "question": question}
     return prediction(pid)
@@ -44,8 +67,11 @@ def predict(pid: str, question: str, unit: str = "", options: list[str] | None =
 def gap_sentence(predicted, measured, unit: str = "") -> str:
     """One Korean sentence on the gap between a number predicted and measured."""
     if isinstance(predicted, str) or isinstance(measured, str):
-        return ("예측이 맞았습니다." if predicted == measured
-                else f"예측({predicted})과 달리 실제로는 '{measured}'였습니다. 왜 그랬는지 그림에서 찾아 보세요.")
+        return (
+            "예측이 맞았습니다."
+            if predicted == measured
+            else f"예측({predicted})과 달리 실제로는 '{measured}'였습니다. 왜 그랬는지 그림에서 찾아 보세요."
+        )
     if measured == 0:
         return "측정값이 0이라 비율로 비교할 수 없습니다."
     ratio = predicted / measured

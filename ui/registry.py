@@ -93,38 +93,56 @@ class ClassroomLimits:
             max_kv_bytes=int(_env_number("LLM_LAB_MAX_KV_MB", _default_max_kv_bytes() / MB) * MB),
             session_ttl_s=ttl,
             idle_ttl_s=_env_number("LLM_LAB_IDLE_TTL_S", cls.idle_ttl_s),
-            reap_interval_s=min(_env_number("LLM_LAB_REAP_INTERVAL_S", cls.reap_interval_s),
-                                max(ttl / 2, 0.2)),
+            reap_interval_s=min(
+                _env_number("LLM_LAB_REAP_INTERVAL_S", cls.reap_interval_s), max(ttl / 2, 0.2)
+            ),
         )
 
 
 class ClassroomFull(RuntimeError):
     """A new engine would pass a cap. Carries the figures for the learner's message."""
 
-    def __init__(self, reason: str, engines: int, max_engines: int, kv_bytes: int,
-                 max_kv_bytes: int, need_bytes: int, retry_s: float):
+    def __init__(
+        self,
+        reason: str,
+        engines: int,
+        max_engines: int,
+        kv_bytes: int,
+        max_kv_bytes: int,
+        need_bytes: int,
+        retry_s: float,
+    ):
         self.reason = reason  # "engines" | "kv" | "too_big"
         self.engines, self.max_engines = engines, max_engines
         self.kv_bytes, self.max_kv_bytes, self.need_bytes = kv_bytes, max_kv_bytes, need_bytes
         self.retry_s = retry_s
-        super().__init__(f"classroom full ({reason}): {engines}/{max_engines} engines, "
-                         f"{kv_bytes / MB:.0f}/{max_kv_bytes / MB:.0f} MB KV, "
-                         f"this engine needs {need_bytes / MB:.0f} MB")
+        super().__init__(
+            f"classroom full ({reason}): {engines}/{max_engines} engines, "
+            f"{kv_bytes / MB:.0f}/{max_kv_bytes / MB:.0f} MB KV, "
+            f"this engine needs {need_bytes / MB:.0f} MB"
+        )
 
     def message_ko(self) -> str:
-        used = (f"학습자 엔진 **{self.engines}/{self.max_engines}개**, KV 캐시 "
-                f"**{self.kv_bytes / MB:,.0f}/{self.max_kv_bytes / MB:,.0f} MB**")
+        used = (
+            f"학습자 엔진 **{self.engines}/{self.max_engines}개**, KV 캐시 "
+            f"**{self.kv_bytes / MB:,.0f}/{self.max_kv_bytes / MB:,.0f} MB**"
+        )
         if self.reason == "too_big":
-            return (f"🏫 이 설정의 KV 캐시({self.need_bytes / MB:,.0f} MB)는 이 서버의 KV 한도"
-                    f"({self.max_kv_bytes / MB:,.0f} MB)보다 큽니다. 사이드바에서 KV 블록 수를 줄이고 "
-                    "‘설정 적용’을 누르세요.")
-        return (f"🏫 교실이 가득 찼습니다. 지금 이 서버에서 {used}를 쓰고 있어, 엔진 하나"
-                f"(KV {self.need_bytes / MB:,.0f} MB)를 더 만들 수 없습니다. 다른 학습자가 탭을 닫으면 "
-                f"약 {self.retry_s:.0f}초 안에 자리가 납니다. 잠시 뒤 ‘다시 시도’를 눌러 주세요. "
-                "(강사: 한도는 LLM_LAB_MAX_ENGINES / LLM_LAB_MAX_KV_MB 환경 변수로 정합니다.)")
+            return (
+                f"🏫 이 설정의 KV 캐시({self.need_bytes / MB:,.0f} MB)는 이 서버의 KV 한도"
+                f"({self.max_kv_bytes / MB:,.0f} MB)보다 큽니다. 사이드바에서 KV 블록 수를 줄이고 "
+                "‘설정 적용’을 누르세요."
+            )
+        return (
+            f"🏫 교실이 가득 찼습니다. 지금 이 서버에서 {used}를 쓰고 있어, 엔진 하나"
+            f"(KV {self.need_bytes / MB:,.0f} MB)를 더 만들 수 없습니다. 다른 학습자가 탭을 닫으면 "
+            f"약 {self.retry_s:.0f}초 안에 자리가 납니다. 잠시 뒤 ‘다시 시도’를 눌러 주세요. "
+            "(강사: 한도는 LLM_LAB_MAX_ENGINES / LLM_LAB_MAX_KV_MB 환경 변수로 정합니다.)"
+        )
 
 
 # -- an engine whose KV tensors exist only once something uses them -------------------------------
+
 
 class LazyKVWorker(Worker):
     """A Worker that sizes its KV cache at start-up but allocates the tensors on first use.
@@ -229,6 +247,7 @@ def rss_bytes() -> int | None:
 
 # -- the registry ---------------------------------------------------------------------------------
 
+
 @dataclass
 class _Slot:
     engine: Any
@@ -262,10 +281,13 @@ def streamlit_is_connected(session_id: str) -> bool | None:
 class SessionRegistry:
     """Process-wide: sessions, their engines, the caps, and the reaper."""
 
-    def __init__(self, limits: ClassroomLimits | None = None,
-                 is_connected: Callable[[str], bool | None] = streamlit_is_connected,
-                 clock: Callable[[], float] = time.monotonic,
-                 trim: Callable[[], Any] = malloc_trim):
+    def __init__(
+        self,
+        limits: ClassroomLimits | None = None,
+        is_connected: Callable[[str], bool | None] = streamlit_is_connected,
+        clock: Callable[[], float] = time.monotonic,
+        trim: Callable[[], Any] = malloc_trim,
+    ):
         self.limits = limits or ClassroomLimits.from_env()
         self._is_connected = is_connected
         self._clock = clock
@@ -319,9 +341,14 @@ class SessionRegistry:
             old_slot = old.engines.get(key) if old else None
             if old_slot is not None:
                 engines, kv = engines - 1, kv - old_slot.kv_bytes
-            figures = dict(engines=engines, max_engines=lim.max_engines, kv_bytes=kv,
-                           max_kv_bytes=lim.max_kv_bytes, need_bytes=need_bytes,
-                           retry_s=lim.session_ttl_s + lim.reap_interval_s)
+            figures = dict(
+                engines=engines,
+                max_engines=lim.max_engines,
+                kv_bytes=kv,
+                max_kv_bytes=lim.max_kv_bytes,
+                need_bytes=need_bytes,
+                retry_s=lim.session_ttl_s + lim.reap_interval_s,
+            )
             if need_bytes > lim.max_kv_bytes:
                 raise ClassroomFull("too_big", **figures)
             if engines + 1 > lim.max_engines:
@@ -414,9 +441,15 @@ class SessionRegistry:
             self._give_back_memory()
             after = rss_bytes()
             engines, kv = self.usage()
-            _LOG.info("released %d engines of %d closed tabs; RSS %s → %s MB; now %d engines, "
-                      "%.0f MB KV", released, len(stale), before and before // MB,
-                      after and after // MB, engines, kv / MB)
+            _LOG.info(
+                "released %d engines of %d closed tabs; RSS %s → %s MB; now %d engines, %.0f MB KV",
+                released,
+                len(stale),
+                before and before // MB,
+                after and after // MB,
+                engines,
+                kv / MB,
+            )
         return stale
 
     def start_reaper(self) -> None:
@@ -424,8 +457,9 @@ class SessionRegistry:
             if self._reaper is not None and self._reaper.is_alive():
                 return
             self._stop.clear()
-            self._reaper = threading.Thread(target=self._reap_forever, name="llm-lab-reaper",
-                                            daemon=True)
+            self._reaper = threading.Thread(
+                target=self._reap_forever, name="llm-lab-reaper", daemon=True
+            )
             self._reaper.start()
 
     def stop_reaper(self, timeout: float = 5.0) -> None:
@@ -438,9 +472,15 @@ class SessionRegistry:
         engines, kv = self.usage()
         with self._lock:
             sessions = len(self._sessions)
-        return {"engines": engines, "kv_bytes": kv, "sessions": sessions,
-                "reaped_sessions": self.reaped_sessions, "released_engines": self.released_engines,
-                "rss_bytes": rss_bytes(), "time": time.time()}
+        return {
+            "engines": engines,
+            "kv_bytes": kv,
+            "sessions": sessions,
+            "reaped_sessions": self.reaped_sessions,
+            "released_engines": self.released_engines,
+            "rss_bytes": rss_bytes(),
+            "time": time.time(),
+        }
 
     def write_status(self, path: str) -> None:
         tmp = f"{path}.tmp"

@@ -74,24 +74,56 @@ def engine_settings_sidebar(show_status: bool = True) -> EngineSettings:
     with st.sidebar:
         st.subheader("엔진 설정")
         with st.form("engine_settings_form", border=False):
-            model = st.text_input("모델 경로 (비우면 기본 SmolLM2-135M-Instruct)", value=defaults.model, key="cfg_model")
+            model = st.text_input(
+                "모델 경로 (비우면 기본 SmolLM2-135M-Instruct)",
+                value=defaults.model,
+                key="cfg_model",
+            )
             c1, c2 = st.columns(2)
-            device = c1.selectbox("장치", DEVICES, index=DEVICES.index(defaults.device), key="cfg_device")
-            dtype = c2.selectbox("dtype", DTYPES, index=DTYPES.index(defaults.dtype), key="cfg_dtype")
+            device = c1.selectbox(
+                "장치", DEVICES, index=DEVICES.index(defaults.device), key="cfg_device"
+            )
+            dtype = c2.selectbox(
+                "dtype", DTYPES, index=DTYPES.index(defaults.dtype), key="cfg_dtype"
+            )
             c1, c2 = st.columns(2)
-            block_size = c1.number_input("블록 크기 (토큰)", 1, 256, defaults.block_size, key="cfg_block_size")
-            num_kv_blocks = c2.number_input("KV 블록 수", 1, 100_000, defaults.num_kv_blocks, key="cfg_num_kv_blocks")
+            block_size = c1.number_input(
+                "블록 크기 (토큰)", 1, 256, defaults.block_size, key="cfg_block_size"
+            )
+            num_kv_blocks = c2.number_input(
+                "KV 블록 수", 1, 100_000, defaults.num_kv_blocks, key="cfg_num_kv_blocks"
+            )
             c1, c2 = st.columns(2)
-            budget = c1.number_input("토큰 예산/스텝", 1, 8192, defaults.max_num_batched_tokens, key="cfg_budget")
-            max_seqs = c2.number_input("최대 동시 요청", 1, 256, defaults.max_num_seqs, key="cfg_max_seqs")
-            max_len = st.number_input("최대 길이 (max_model_len)", 16, 32768, defaults.max_model_len, key="cfg_max_len")
+            budget = c1.number_input(
+                "토큰 예산/스텝", 1, 8192, defaults.max_num_batched_tokens, key="cfg_budget"
+            )
+            max_seqs = c2.number_input(
+                "최대 동시 요청", 1, 256, defaults.max_num_seqs, key="cfg_max_seqs"
+            )
+            max_len = st.number_input(
+                "최대 길이 (max_model_len)", 16, 32768, defaults.max_model_len, key="cfg_max_len"
+            )
             c1, c2 = st.columns(2)
-            prefix = c1.checkbox("prefix caching", value=defaults.enable_prefix_caching, key="cfg_prefix")
-            policy = c2.selectbox("정책", POLICIES, index=POLICIES.index(defaults.scheduling_policy), key="cfg_policy")
+            prefix = c1.checkbox(
+                "prefix caching", value=defaults.enable_prefix_caching, key="cfg_prefix"
+            )
+            policy = c2.selectbox(
+                "정책", POLICIES, index=POLICIES.index(defaults.scheduling_policy), key="cfg_policy"
+            )
             submitted = st.form_submit_button("설정 적용 (엔진 재시작)", key="cfg_apply")
         if submitted:
-            new = EngineSettings(model.strip(), device, dtype, int(block_size), int(num_kv_blocks), int(max_len),
-                                 int(budget), int(max_seqs), bool(prefix), policy)
+            new = EngineSettings(
+                model.strip(),
+                device,
+                dtype,
+                int(block_size),
+                int(num_kv_blocks),
+                int(max_len),
+                int(budget),
+                int(max_seqs),
+                bool(prefix),
+                policy,
+            )
             new, note, ok = validate_settings(new)
             st.session_state[_SETTINGS_NOTE] = (note, ok)
             if ok and new != defaults:
@@ -119,15 +151,27 @@ def validate_settings(settings: EngineSettings) -> tuple[EngineSettings, str, bo
     slots = settings.num_kv_blocks * settings.block_size
     if slots < MIN_MAX_MODEL_LEN:
         need = -(-MIN_MAX_MODEL_LEN // settings.block_size)
-        return settings, (f"KV 블록 {settings.num_kv_blocks}개 × 블록 {settings.block_size}토큰 = {slots}토큰으로는 "
-                          f"짧은 요청 하나({MIN_MAX_MODEL_LEN}토큰)도 담을 수 없습니다. KV 블록 수를 {need}개 "
-                          "이상으로 올리세요. 설정은 바꾸지 않았습니다."), False
+        return (
+            settings,
+            (
+                f"KV 블록 {settings.num_kv_blocks}개 × 블록 {settings.block_size}토큰 = {slots}토큰으로는 "
+                f"짧은 요청 하나({MIN_MAX_MODEL_LEN}토큰)도 담을 수 없습니다. KV 블록 수를 {need}개 "
+                "이상으로 올리세요. 설정은 바꾸지 않았습니다."
+            ),
+            False,
+        )
     if settings.max_model_len > slots:
         fixed = replace(settings, max_model_len=slots)
-        return fixed, (f"KV 블록 {settings.num_kv_blocks}개 × {settings.block_size}토큰 = {slots}토큰은 최대 길이 "
-                       f"{settings.max_model_len}토큰 요청 하나를 담지 못해서, 최대 길이(max_model_len)를 "
-                       f"{slots}토큰으로 낮춰 적용했습니다. 더 긴 요청이 필요하면 KV 블록 수를 "
-                       f"{-(-settings.max_model_len // settings.block_size)}개 이상으로 올리세요."), True
+        return (
+            fixed,
+            (
+                f"KV 블록 {settings.num_kv_blocks}개 × {settings.block_size}토큰 = {slots}토큰은 최대 길이 "
+                f"{settings.max_model_len}토큰 요청 하나를 담지 못해서, 최대 길이(max_model_len)를 "
+                f"{slots}토큰으로 낮춰 적용했습니다. 더 긴 요청이 필요하면 KV 블록 수를 "
+                f"{-(-settings.max_model_len // settings.block_size)}개 이상으로 올리세요."
+            ),
+            True,
+        )
     return settings, "", True
 
 
@@ -139,8 +183,10 @@ def engine_status(key: str = "main") -> None:
     st.subheader("엔진 상태")
     registry = get_registry()
     engines, kv = registry.usage()
-    classroom = (f"이 서버: 학습자 엔진 {engines}/{registry.limits.max_engines}개 · KV "
-                 f"{kv / MB:,.0f}/{registry.limits.max_kv_bytes / MB:,.0f} MB")
+    classroom = (
+        f"이 서버: 학습자 엔진 {engines}/{registry.limits.max_engines}개 · KV "
+        f"{kv / MB:,.0f}/{registry.limits.max_kv_bytes / MB:,.0f} MB"
+    )
     entry = st.session_state.get(_ENGINES, {}).get(key)
     if entry is None:
         st.caption("엔진이 아직 시작되지 않았습니다. 실험실에서 요청을 넣으면 시작됩니다.")
@@ -149,8 +195,9 @@ def engine_status(key: str = "main") -> None:
     engine: EngineCore = entry["engine"]
     snap = engine.kv_cache_manager.snapshot()
     worker = lazy_worker_of(engine)
-    kv_state = (f"KV 텐서 {planned_kv_bytes(engine) / MB:,.1f} MB "
-                + ("할당됨" if worker is None or worker.kv_allocated else "(첫 스텝에서 할당)"))
+    kv_state = f"KV 텐서 {planned_kv_bytes(engine) / MB:,.1f} MB " + (
+        "할당됨" if worker is None or worker.kv_allocated else "(첫 스텝에서 할당)"
+    )
     st.markdown(
         f"- 장치 **{engine.device}** · dtype **{str(engine.dtype).replace('torch.', '')}**\n"
         f"- KV 블록 **{snap.num_used}/{snap.num_blocks}** 사용 (캐시 보관 {snap.num_cached_free})\n"
@@ -162,7 +209,9 @@ def engine_status(key: str = "main") -> None:
 
 
 def _signature(settings: EngineSettings, overrides: dict) -> tuple:
-    return tuple(sorted(asdict(settings).items())) + tuple(sorted((k, repr(v)) for k, v in overrides.items()))
+    return tuple(sorted(asdict(settings).items())) + tuple(
+        sorted((k, repr(v)) for k, v in overrides.items())
+    )
 
 
 def build_engine(settings: EngineSettings | None = None, **overrides) -> EngineCore:
@@ -209,9 +258,13 @@ def track_session() -> None:
     from ui.registry import get_registry
 
     state = st.session_state
-    get_registry().touch(_registry_key(), state.setdefault(_ENGINES, {}),
-                         state.setdefault(_RECORDS, {}), state.setdefault(_TEXTS, {}),
-                         runtime_id=session_id())
+    get_registry().touch(
+        _registry_key(),
+        state.setdefault(_ENGINES, {}),
+        state.setdefault(_RECORDS, {}),
+        state.setdefault(_TEXTS, {}),
+        runtime_id=session_id(),
+    )
 
 
 def _classroom_full(exc) -> None:
@@ -243,8 +296,12 @@ def get_engine(key: str = "main", **overrides) -> EngineCore:
             registry.admit(sid, key, engine, planned_kv_bytes(engine))
         except ClassroomFull as exc:
             _classroom_full(exc)
-        engines[key] = {"signature": signature, "engine": engine, "overrides": dict(overrides),
-                        "created": time.perf_counter()}
+        engines[key] = {
+            "signature": signature,
+            "engine": engine,
+            "overrides": dict(overrides),
+            "created": time.perf_counter(),
+        }
         st.session_state[_RECORDS][key] = []
         st.session_state[_TEXTS][key] = {}
     return engines[key]["engine"]

@@ -30,27 +30,47 @@ EVIDENCE_KINDS = {
 
 # -- the plots -----------------------------------------------------------------------------------
 
+
 def decision_table(record: StepRecord | None) -> pd.DataFrame:
     """The scheduler's decision of one step: who got how many tokens, and why the others did not."""
     rows = []
     if record is not None:
         for s in record.scheduled:
-            rows.append({"요청": s.request_id, "결정": "배정", "국면": PHASE_KO.get(s.phase, s.phase),
-                         "토큰 수": s.num_tokens, "이미 계산된 토큰": s.num_computed_tokens,
-                         "prefix 히트": s.num_prefix_hit_tokens, "이유": ""})
+            rows.append(
+                {
+                    "요청": s.request_id,
+                    "결정": "배정",
+                    "국면": PHASE_KO.get(s.phase, s.phase),
+                    "토큰 수": s.num_tokens,
+                    "이미 계산된 토큰": s.num_computed_tokens,
+                    "prefix 히트": s.num_prefix_hit_tokens,
+                    "이유": "",
+                }
+            )
         for rid, reason in record.unscheduled.items():
-            rows.append({"요청": rid, "결정": "선점" if reason == "preempted" else "대기", "국면": "",
-                         "토큰 수": 0, "이미 계산된 토큰": None, "prefix 히트": None,
-                         "이유": REASON_KO.get(reason, reason)})
+            rows.append(
+                {
+                    "요청": rid,
+                    "결정": "선점" if reason == "preempted" else "대기",
+                    "국면": "",
+                    "토큰 수": 0,
+                    "이미 계산된 토큰": None,
+                    "prefix 히트": None,
+                    "이유": REASON_KO.get(reason, reason),
+                }
+            )
         for rid in record.finished:
             for row in rows:
                 if row["요청"] == rid:
                     reason = FINISH_KO.get(record.finished[rid], record.finished[rid])
                     row["결정"] += f" → 완료({reason})"
-    return pd.DataFrame(rows, columns=["요청", "결정", "국면", "토큰 수", "이미 계산된 토큰", "prefix 히트", "이유"])
+    return pd.DataFrame(
+        rows, columns=["요청", "결정", "국면", "토큰 수", "이미 계산된 토큰", "prefix 히트", "이유"]
+    )
 
 
 # -- evidence, quiz, code ----------------------------------------------------------------------
+
 
 def evidence(kind: str, text: str, **conditions) -> None:
     """A number with its evidence label: 측정값 (conditions), 계산값 (formula=...), 보고값 (source=...)."""
@@ -65,7 +85,10 @@ def evidence(kind: str, text: str, **conditions) -> None:
     if kind == "보고값" and "source" in conditions:
         extra = f" · 출처: {conditions.pop('source')}"
     cond = " · ".join(f"{k}={v}" for k, v in conditions.items())
-    st.markdown(f":{color}-badge[{kind} ({english})] {text}{extra}" + (f"  \n:gray[조건: {cond}]" if cond else ""))
+    st.markdown(
+        f":{color}-badge[{kind} ({english})] {text}{extra}"
+        + (f"  \n:gray[조건: {cond}]" if cond else "")
+    )
 
 
 def _chapter_file(chapter_id: str) -> str:
@@ -100,23 +123,40 @@ def quiz(chapter_id: str) -> None:
         with st.container(border=True):
             st.markdown(f"**문제 {i}.** {q['question']}")
             if q.get("kind") == "choice":
-                choice = st.radio("답 고르기", q["options"], index=None, key=f"quiz_{cid}_{i}",
-                                  label_visibility="collapsed")
+                choice = st.radio(
+                    "답 고르기",
+                    q["options"],
+                    index=None,
+                    key=f"quiz_{cid}_{i}",
+                    label_visibility="collapsed",
+                )
                 if choice is not None:
                     if q["options"].index(choice) == q["answer"]:
                         st.success("정답입니다. " + q.get("explanation", ""))
                     else:
-                        st.error("다시 생각해 보세요. 정답: " + q["options"][q["answer"]] + " — "
-                                 + q.get("explanation", ""))
+                        st.error(
+                            "다시 생각해 보세요. 정답: "
+                            + q["options"][q["answer"]]
+                            + " — "
+                            + q.get("explanation", "")
+                        )
             else:
-                answer = st.text_input("답 쓰기", key=f"quiz_{cid}_{i}", label_visibility="collapsed",
-                                       placeholder="답을 쓰고 Enter")
+                answer = st.text_input(
+                    "답 쓰기",
+                    key=f"quiz_{cid}_{i}",
+                    label_visibility="collapsed",
+                    placeholder="답을 쓰고 Enter",
+                )
                 if answer.strip():
                     if check_short_answer(answer, q.get("accept", [])):
                         st.success("정답입니다. " + q.get("explanation", ""))
                     else:
-                        st.error("다시 생각해 보세요. 예시 답: " + ", ".join(q.get("accept", [])[:3]) + " — "
-                                 + q.get("explanation", ""))
+                        st.error(
+                            "다시 생각해 보세요. 예시 답: "
+                            + ", ".join(q.get("accept", [])[:3])
+                            + " — "
+                            + q.get("explanation", "")
+                        )
 
 
 def show_code(obj, title: str = "방금 실행된 코드") -> None:

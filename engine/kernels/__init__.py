@@ -97,8 +97,9 @@ def load() -> ModuleType | None:
         except Exception as exc:  # noqa: BLE001 — no compiler, no ninja, a compile error: fall back
             last_line = (str(exc).strip().splitlines() or [""])[-1]
             _error = f"{type(exc).__name__}: {last_line}"
-            logger.warning("kernels: the C++ extension did not build (%s); using the torch path",
-                           _error)
+            logger.warning(
+                "kernels: the C++ extension did not build (%s); using the torch path", _error
+            )
         return _module
 
 
@@ -127,7 +128,9 @@ def resolve(mode: str, device: torch.device, dtype: torch.dtype) -> str:
 def describe(path: str) -> str:
     """One line for logs and the bench header."""
     if path == "cpu":
-        return (f"cpu (C++ paged attention + int8/int4 linear, {cpu_isa()}, "
-                f"{torch.get_num_threads()} threads)")
+        return (
+            f"cpu (C++ paged attention + int8/int4 linear, {cpu_isa()}, "
+            f"{torch.get_num_threads()} threads)"
+        )
     reason = f": {_error}" if _error else ""
     return f"torch (reference path{reason})"

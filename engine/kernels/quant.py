@@ -70,8 +70,9 @@ def quantize_int4(w: torch.Tensor, group_size: int = 32) -> Int4Weight:
     q = round((w - min) / scale)."""
     out_features, in_features = w.shape
     if group_size % 2 or in_features % group_size:
-        raise ValueError(f"in_features {in_features} must be a multiple of an even "
-                         f"group_size {group_size}")
+        raise ValueError(
+            f"in_features {in_features} must be a multiple of an even group_size {group_size}"
+        )
     groups = w.float().view(out_features, in_features // group_size, group_size)
     lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
     scales = (hi - lo) / 15.0
@@ -79,8 +80,12 @@ def quantize_int4(w: torch.Tensor, group_size: int = 32) -> Int4Weight:
     q = torch.round((groups - lo.unsqueeze(-1)) / scales.unsqueeze(-1)).clamp(0, 15).to(torch.uint8)
     half = group_size // 2
     packed = q[..., :half] | (q[..., half:] << 4)  # low nibble: first half, high: second half
-    return Int4Weight(packed.reshape(out_features, in_features // 2).contiguous(),
-                      scales.contiguous(), lo.contiguous(), group_size)
+    return Int4Weight(
+        packed.reshape(out_features, in_features // 2).contiguous(),
+        scales.contiguous(),
+        lo.contiguous(),
+        group_size,
+    )
 
 
 def unpack_int4(qw: Int4Weight) -> torch.Tensor:
@@ -101,14 +106,16 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     return dequantize_int8(qw) if isinstance(qw, Int8Weight) else dequantize_int4(qw)
 
 
-def reference_linear(x: torch.Tensor, qw: QuantizedWeight,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
+def reference_linear(
+    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """The readable definition: dequantize, then an ordinary float matmul."""
     return torch.nn.functional.linear(x, dequantize(qw).to(x.dtype), bias)
 
 
-def quantized_linear(x: torch.Tensor, qw: QuantizedWeight,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
+def quantized_linear(
+    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """y = x @ Wᵀ (+ bias) with a quantized W: our kernel on a CPU in float32, else the reference.
     x may have any leading dimensions ([..., in])."""
     from engine import kernels

@@ -48,7 +48,9 @@ class LlamaConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
-    sliding_window: int | None = None  # Mistral-style local attention; we attend fully, so cap the context here
+    sliding_window: int | None = (
+        None  # Mistral-style local attention; we attend fully, so cap the context here
+    )
 
     @classmethod
     def from_dict(cls, c: dict) -> "LlamaConfig":
@@ -86,7 +88,9 @@ def _onednn_linear_works() -> bool:
     """True if this PyTorch build can call oneDNN's linear kernel directly (CPU builds with oneDNN)."""
     try:
         x = torch.ones(1, 2)
-        return torch.ops.mkldnn._linear_pointwise(x, torch.ones(3, 2), None, "none", [], "").shape == (1, 3)
+        return torch.ops.mkldnn._linear_pointwise(
+            x, torch.ones(3, 2), None, "none", [], ""
+        ).shape == (1, 3)
     except (AttributeError, RuntimeError):
         return False
 
@@ -118,13 +122,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rope_inverse_frequencies(cfg: LlamaConfig) -> torch.Tensor:
     """One rotation speed per pair of head dimensions, from the config's rope parameters."""
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+    inv_freq = 1.0 / (
+        cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
+    )
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif kind == "llama3":  # Llama 3.1: slow down only the long wavelengths
-        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        factor, low, high = (
+            scaling["factor"],
+            scaling["low_freq_factor"],
+            scaling["high_freq_factor"],
+        )
         old_len = scaling["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv_freq
         smooth = (old_len / wavelen - low) / (high - low)
@@ -150,7 +160,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class LlamaModel:
     """Weights as plain tensors and a forward function; no nn.Module machinery is needed to infer."""
 
-    def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        weights: dict[str, torch.Tensor],
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
@@ -175,7 +191,9 @@ class LlamaModel:
     # -- loading -----------------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, device="cpu", dtype=torch.float32) -> "LlamaModel":
+    def from_pretrained(
+        cls, model_dir: str | Path, device="cpu", dtype=torch.float32
+    ) -> "LlamaModel":
         """Load by tensor name from model.safetensors. Q/K/V are concatenated into one matrix and
         gate/up into another, so each layer runs 4 matmuls instead of 7 (vLLM does the same)."""
         model_dir = Path(model_dir)
@@ -200,10 +218,14 @@ class LlamaModel:
             weights[f"{i}.input_norm"] = take(p + "input_layernorm.weight")
             weights[f"{i}.qkv"] = torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
             if cfg.attention_bias:
-                weights[f"{i}.qkv_bias"] = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+                weights[f"{i}.qkv_bias"] = torch.cat(
+                    [take(p + f"self_attn.{x}_proj.bias") for x in "qkv"]
+                )
             weights[f"{i}.o"] = take(p + "self_attn.o_proj.weight")
             weights[f"{i}.post_norm"] = take(p + "post_attention_layernorm.weight")
-            weights[f"{i}.gate_up"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            weights[f"{i}.gate_up"] = torch.cat(
+                [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+            )
             weights[f"{i}.down"] = take(p + "mlp.down_proj.weight")
         weights["final_norm"] = take("model.norm.weight")
         if cfg.tie_word_embeddings:
@@ -245,17 +267,28 @@ class LlamaModel:
         cos, sin = self.rope_cos_sin(positions)
         h = F.embedding(input_ids, w["embed"])
         for i in range(cfg.num_layers):
-            h = h + self.attention(i, rms_norm(h, w[f"{i}.input_norm"], cfg.rms_norm_eps), cos, sin, kv_caches[i], attn_meta)
+            h = h + self.attention(
+                i,
+                rms_norm(h, w[f"{i}.input_norm"], cfg.rms_norm_eps),
+                cos,
+                sin,
+                kv_caches[i],
+                attn_meta,
+            )
             h = h + self.mlp(i, rms_norm(h, w[f"{i}.post_norm"], cfg.rms_norm_eps))
         h = rms_norm(h[logits_indices], w["final_norm"], cfg.rms_norm_eps)
         return linear(h, w["lm_head"]).float()
 
     def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [tokens, d/2]
-        angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [tokens, 1, d] (broadcast over heads)
+        angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(
+            1
+        )  # [tokens, 1, d] (broadcast over heads)
         return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
 
-    def attention(self, i: int, x, cos, sin, kv_cache, attn_meta: AttentionMetadata) -> torch.Tensor:
+    def attention(
+        self, i: int, x, cos, sin, kv_cache, attn_meta: AttentionMetadata
+    ) -> torch.Tensor:
         cfg, w = self.cfg, self.w
         qkv = linear(x, w[f"{i}.qkv"], w.get(f"{i}.qkv_bias"))
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
@@ -271,10 +304,15 @@ class LlamaModel:
         gate, up = linear(x, self.w[f"{i}.gate_up"]).chunk(2, dim=-1)
         return linear(F.silu(gate) * up, self.w[f"{i}.down"])
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def allocate_kv_cache(
+        self, num_blocks: int, block_size: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, K and V block tensors [num_blocks, block_size, kv_heads, head_dim]."""
         shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
         return [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
             for _ in range(self.cfg.num_layers)
         ]

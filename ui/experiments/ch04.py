@@ -27,7 +27,11 @@ def percentile_table(result: RunResult, percentiles=(50, 90, 99)) -> pd.DataFram
     }
     rows = []
     for name, values in samples.items():
-        row = {"지표": name, "n": len(values), "평균 (ms)": _r(values.mean()) if len(values) else None}
+        row = {
+            "지표": name,
+            "n": len(values),
+            "평균 (ms)": _r(values.mean()) if len(values) else None,
+        }
         for p in percentiles:
             row[f"p{p} (ms)"] = _r(np.percentile(values, p)) if len(values) else None
         row["최대 (ms)"] = _r(values.max()) if len(values) else None

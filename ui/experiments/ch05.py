@@ -11,6 +11,7 @@ from engine.sampling_params import SamplingParams
 from engine.utils import cdiv
 from ui.experiments.common import ConfigLike, make_config, measurement_conditions
 
+
 def _rss_bytes() -> int | None:
     try:
         import psutil
@@ -43,9 +44,13 @@ class DtypeMeasurement:
     conditions: dict = field(default_factory=dict)
 
 
-def measure_dtype(config: ConfigLike | None, dtype: str, prompt: str = "The capital of France is",
-                  num_tokens: int = 16,
-                  reference: DtypeMeasurement | None = None) -> DtypeMeasurement:
+def measure_dtype(
+    config: ConfigLike | None,
+    dtype: str,
+    prompt: str = "The capital of France is",
+    num_tokens: int = 16,
+    reference: DtypeMeasurement | None = None,
+) -> DtypeMeasurement:
     """Load the model in `dtype` (if not loaded yet in this process), then time a greedy decode.
 
     Measured: weight bytes (engine.weight_bytes()), RSS delta of the load, TTFT and TPOT of one
@@ -57,8 +62,14 @@ def measure_dtype(config: ConfigLike | None, dtype: str, prompt: str = "The capi
     from engine.artifact import inspect_artifact, resolve_model_path
     from engine.worker import is_model_loaded, resolve_device, resolve_dtype
 
-    config = make_config(config, dtype=dtype, num_kv_blocks=None, kv_cache_memory=None,
-                         max_model_len=256, enable_prefix_caching=False)
+    config = make_config(
+        config,
+        dtype=dtype,
+        num_kv_blocks=None,
+        kv_cache_memory=None,
+        max_model_len=256,
+        enable_prefix_caching=False,
+    )
     device = resolve_device(config.device)
     torch_dtype = resolve_dtype(dtype, device)
     model_dir = resolve_model_path(config.model)
@@ -86,14 +97,21 @@ def measure_dtype(config: ConfigLike | None, dtype: str, prompt: str = "The capi
         pairs = zip(reference.token_ids, request.output_token_ids)
         divergence = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
     return DtypeMeasurement(
-        dtype=str(torch_dtype).replace("torch.", ""), param_count=params, tensor_bytes=nbytes,
-        computed_bytes=params * element, rss_delta_bytes=rss_delta, load_s=load_s,
-        tpot_ms=1000 * tpot, decode_tokens_per_s=1.0 / tpot if tpot > 0 else 0.0,
-        ttft_ms=1000 * (m.ttft or 0.0), num_tokens=n,
-        token_ids=list(request.output_token_ids), text=text,
-        agree_with=reference.dtype if reference else None, first_divergence=divergence,
-        conditions=measurement_conditions(engine, 배치=1, 프롬프트=f"{request.num_prompt_tokens} 토큰",
-                                          출력=f"{n} 토큰 (greedy)"),
+        dtype=str(torch_dtype).replace("torch.", ""),
+        param_count=params,
+        tensor_bytes=nbytes,
+        computed_bytes=params * element,
+        rss_delta_bytes=rss_delta,
+        load_s=load_s,
+        tpot_ms=1000 * tpot,
+        decode_tokens_per_s=1.0 / tpot if tpot > 0 else 0.0,
+        ttft_ms=1000 * (m.ttft or 0.0),
+        num_tokens=n,
+        token_ids=list(request.output_token_ids),
+        text=text,
+        agree_with=reference.dtype if reference else None,
+        first_divergence=divergence,
+        conditions=measurement_conditions(
+            engine, 배치=1, 프롬프트=f"{request.num_prompt_tokens} 토큰", 출력=f"{n} 토큰 (greedy)"
+        ),
     )
-
-

@@ -9,6 +9,7 @@ import pandas as pd
 from engine.trace import StepRecord
 from ui.experiments.common import RunResult, _r
 
+
 @dataclass
 class FragmentationResult:
     per_step: pd.DataFrame  # one row per step, slots (token positions) for both schemes
@@ -96,17 +97,28 @@ def fragmentation(result: RunResult, reservation: str = "max_model_len") -> Frag
         contig_free = pool - contig_reserved
         contig_unusable = sum(n for _, n in free if n < r_max)
         paged_max = max(paged_max, len(live))
-        rows.append({
-            "step": rec.step, "live_requests": len(live), "used_slots": used,
-            "paged_reserved": paged_reserved, "paged_internal_frag": paged_reserved - used,
-            "paged_free": pool - paged_reserved, "paged_unusable": 0,
-            "contiguous_requests": len(placed), "contiguous_used": used_contig,
-            "contiguous_reserved": contig_reserved, "contiguous_internal_frag": contig_reserved - used_contig,
-            "contiguous_free": contig_free, "contiguous_unusable": contig_unusable,
-        })
+        rows.append(
+            {
+                "step": rec.step,
+                "live_requests": len(live),
+                "used_slots": used,
+                "paged_reserved": paged_reserved,
+                "paged_internal_frag": paged_reserved - used,
+                "paged_free": pool - paged_reserved,
+                "paged_unusable": 0,
+                "contiguous_requests": len(placed),
+                "contiguous_used": used_contig,
+                "contiguous_reserved": contig_reserved,
+                "contiguous_internal_frag": contig_reserved - used_contig,
+                "contiguous_free": contig_free,
+                "contiguous_unusable": contig_unusable,
+            }
+        )
     per_step = pd.DataFrame(rows)
 
-    def summarise(name: str, prefix: str, used_col: str, unusable_col: str, concurrent: int) -> dict:
+    def summarise(
+        name: str, prefix: str, used_col: str, unusable_col: str, concurrent: int
+    ) -> dict:
         reserved = per_step[f"{prefix}_reserved"].sum()
         used = per_step[used_col].sum()
         return {
@@ -119,18 +131,30 @@ def fragmentation(result: RunResult, reservation: str = "max_model_len") -> Frag
             "최대 동시 요청": concurrent,
         }
 
-    summary = pd.DataFrame([
-        summarise(f"연속 예약 (R = {reservation})", "contiguous", "contiguous_used", "contiguous_unusable",
-                  int(per_step["contiguous_requests"].max()) if len(per_step) else 0),
-        summarise(f"블록 방식 (블록 {bs} 토큰)", "paged", "used_slots", "paged_unusable", paged_max),
-    ])
-    return FragmentationResult(per_step, summary, reservation, pool, rejected, pool // max(r_max, 1), paged_max, r_max)
+    summary = pd.DataFrame(
+        [
+            summarise(
+                f"연속 예약 (R = {reservation})",
+                "contiguous",
+                "contiguous_used",
+                "contiguous_unusable",
+                int(per_step["contiguous_requests"].max()) if len(per_step) else 0,
+            ),
+            summarise(
+                f"블록 방식 (블록 {bs} 토큰)", "paged", "used_slots", "paged_unusable", paged_max
+            ),
+        ]
+    )
+    return FragmentationResult(
+        per_step, summary, reservation, pool, rejected, pool // max(r_max, 1), paged_max, r_max
+    )
 
 
 def block_tables_frame(record: StepRecord) -> pd.DataFrame:
     """Logical block index → physical block id per live request (from the step's KV snapshot)."""
-    rows = [{"request_id": rid, "logical": i, "physical": b}
-            for rid, blocks in record.kv.block_tables.items() for i, b in enumerate(blocks)]
+    rows = [
+        {"request_id": rid, "logical": i, "physical": b}
+        for rid, blocks in record.kv.block_tables.items()
+        for i, b in enumerate(blocks)
+    ]
     return pd.DataFrame(rows, columns=["request_id", "logical", "physical"])
-
-

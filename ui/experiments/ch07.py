@@ -5,8 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ui.experiments.common import (ConfigLike, RequestSpec, RunResult, Workload, _r, make_config,
-                                   run_workload)
+from ui.experiments.common import (
+    ConfigLike,
+    RequestSpec,
+    RunResult,
+    Workload,
+    _r,
+    make_config,
+    run_workload,
+)
 
 
 def batching_workload(num_requests: int = 6, late_ms: float = 400.0) -> Workload:
@@ -59,10 +66,19 @@ def batch_waste(result: RunResult) -> dict:
         batches.append(current)
     if result.config.scheduling_policy != "static":
         padding = 0
-    hol_steps = sum(1 for r in result.records for reason in r.unscheduled.values()
-                    if reason in ("static_batch_in_progress", "max_num_seqs"))
-    return {"idle_slot_steps": idle, "padding_slot_steps": padding, "num_batches": len(batches),
-            "blocked_request_steps": hol_steps, "worked_request_steps": worked}
+    hol_steps = sum(
+        1
+        for r in result.records
+        for reason in r.unscheduled.values()
+        if reason in ("static_batch_in_progress", "max_num_seqs")
+    )
+    return {
+        "idle_slot_steps": idle,
+        "padding_slot_steps": padding,
+        "num_batches": len(batches),
+        "blocked_request_steps": hol_steps,
+        "worked_request_steps": worked,
+    }
 
 
 def batching_config(config: ConfigLike | None, mode: str, batch_size: int):
@@ -72,13 +88,18 @@ def batching_config(config: ConfigLike | None, mode: str, batch_size: int):
     return make_config(config, **overrides)
 
 
-def compare_batching(config: ConfigLike | None, workload: Workload, batch_size: int = 4,
-                     engine_factory=None) -> dict[str, RunResult]:
+def compare_batching(
+    config: ConfigLike | None, workload: Workload, batch_size: int = 4, engine_factory=None
+) -> dict[str, RunResult]:
     """The same workload under each mode of BATCHING_MODES, one fresh engine each."""
     results = {}
     for label in BATCHING_MODES:
-        results[label] = run_workload(batching_config(config, label, batch_size), workload, label,
-                                      engine_factory=engine_factory)
+        results[label] = run_workload(
+            batching_config(config, label, batch_size),
+            workload,
+            label,
+            engine_factory=engine_factory,
+        )
     return results
 
 
@@ -88,15 +109,18 @@ def batching_summary(results: dict[str, RunResult]) -> pd.DataFrame:
         row = res.summary()
         waste = batch_waste(res)
         t = res.request_table()
-        row.update({
-            "대기 최대 (ms)": _r(t["queue_ms"].max()),
-            "빈 자리 (슬롯·스텝)": waste["idle_slot_steps"],
-            "패딩 낭비 (슬롯·스텝)": waste["padding_slot_steps"],
-            "막힌 대기 (요청·스텝)": waste["blocked_request_steps"],
-            "평균 스텝 (ms)": (_r(1000 * np.mean([r.engine_duration for r in res.records]))
-                             if res.records else None),
-        })
+        row.update(
+            {
+                "대기 최대 (ms)": _r(t["queue_ms"].max()),
+                "빈 자리 (슬롯·스텝)": waste["idle_slot_steps"],
+                "패딩 낭비 (슬롯·스텝)": waste["padding_slot_steps"],
+                "막힌 대기 (요청·스텝)": waste["blocked_request_steps"],
+                "평균 스텝 (ms)": (
+                    _r(1000 * np.mean([r.engine_duration for r in res.records]))
+                    if res.records
+                    else None
+                ),
+            }
+        )
         rows.append(row)
     return pd.DataFrame(rows)
-
-

@@ -53,15 +53,18 @@ class Workload:
     requests: list[RequestSpec]
 
     @classmethod
-    def uniform(cls, num_requests: int, prompt_len: int, max_tokens: int,
-                gap_ms: float = 0.0) -> "Workload":
+    def uniform(
+        cls, num_requests: int, prompt_len: int, max_tokens: int, gap_ms: float = 0.0
+    ) -> "Workload":
         return cls([RequestSpec(prompt_len, max_tokens, i * gap_ms) for i in range(num_requests)])
 
     def describe(self) -> str:
         lens = [r.prompt_len for r in self.requests]
         outs = [r.max_tokens for r in self.requests]
-        return (f"요청 {len(self.requests)}개, 프롬프트 {min(lens)}–{max(lens)} 토큰, "
-                f"출력 {min(outs)}–{max(outs)} 토큰")
+        return (
+            f"요청 {len(self.requests)}개, 프롬프트 {min(lens)}–{max(lens)} 토큰, "
+            f"출력 {min(outs)}–{max(outs)} 토큰"
+        )
 
     def names(self) -> list[str]:
         return [s.name or f"r{i}" for i, s in enumerate(self.requests)]
@@ -113,8 +116,13 @@ class WorkloadFeeder:
             params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
             try:
                 self.requests[i] = self.engine.add_request(
-                    None, params, request_id=self.names[i], prompt_token_ids=self._prompts[i],
-                    priority=spec.priority, engine_arrival_time=self._due(i))
+                    None,
+                    params,
+                    request_id=self.names[i],
+                    prompt_token_ids=self._prompts[i],
+                    priority=spec.priority,
+                    engine_arrival_time=self._due(i),
+                )
             except InvalidRequestError as exc:
                 self.rejected[self.names[i]] = str(exc)
 
@@ -173,23 +181,27 @@ class RunResult:
         rows = []
         for r, m in zip(self.requests, self.metrics()):
             itl = m.itl
-            rows.append({
-                "request_id": r.request_id,
-                "prompt_tokens": m.num_prompt_tokens,
-                "output_tokens": m.num_output_tokens,
-                "arrival_ms": 1000 * (m.arrival_time - self.t0),
-                "queue_ms": _ms(m.queue_time),
-                "ttft_ms": _ms(m.ttft),
-                "tpot_ms": _ms(m.tpot),
-                "mean_itl_ms": 1000 * float(np.mean(itl)) if itl else None,
-                "max_itl_ms": 1000 * max(itl) if itl else None,
-                "e2e_ms": _ms(m.e2e),
-                "finish_ms": None if m.finish_time is None else 1000 * (m.finish_time - self.t0),
-                "first_step": next((e.step for e in r.journey if e.kind == "scheduled"), None),
-                "finish_step": next((e.step for e in r.journey if e.kind == "finished"), None),
-                "preemptions": m.num_preemptions,
-                "finish_reason": r.finish_reason,
-            })
+            rows.append(
+                {
+                    "request_id": r.request_id,
+                    "prompt_tokens": m.num_prompt_tokens,
+                    "output_tokens": m.num_output_tokens,
+                    "arrival_ms": 1000 * (m.arrival_time - self.t0),
+                    "queue_ms": _ms(m.queue_time),
+                    "ttft_ms": _ms(m.ttft),
+                    "tpot_ms": _ms(m.tpot),
+                    "mean_itl_ms": 1000 * float(np.mean(itl)) if itl else None,
+                    "max_itl_ms": 1000 * max(itl) if itl else None,
+                    "e2e_ms": _ms(m.e2e),
+                    "finish_ms": None
+                    if m.finish_time is None
+                    else 1000 * (m.finish_time - self.t0),
+                    "first_step": next((e.step for e in r.journey if e.kind == "scheduled"), None),
+                    "finish_step": next((e.step for e in r.journey if e.kind == "finished"), None),
+                    "preemptions": m.num_preemptions,
+                    "finish_reason": r.finish_reason,
+                }
+            )
         return pd.DataFrame(rows, columns=list(REQUEST_COLUMNS_KO))
 
     def itl_samples_ms(self) -> pd.DataFrame:
@@ -197,8 +209,14 @@ class RunResult:
         rows = []
         for r, m in zip(self.requests, self.metrics()):
             for i, (a, b) in enumerate(zip(m.token_times, m.token_times[1:]), start=2):
-                rows.append({"request_id": r.request_id, "token": i, "itl_ms": 1000 * (b - a),
-                             "time_ms": 1000 * (b - self.t0)})
+                rows.append(
+                    {
+                        "request_id": r.request_id,
+                        "token": i,
+                        "itl_ms": 1000 * (b - a),
+                        "time_ms": 1000 * (b - self.t0),
+                    }
+                )
         return pd.DataFrame(rows, columns=["request_id", "token", "itl_ms", "time_ms"])
 
     def step_table(self) -> pd.DataFrame:
@@ -206,14 +224,24 @@ class RunResult:
         rows = []
         for rec in self.records:
             phases = {s.phase for s in rec.scheduled}
-            rows.append({
-                "step": rec.step, "start_ms": 1000 * (rec.engine_start_time - self.t0),
-                "duration_ms": 1000 * rec.engine_duration, "num_tokens": rec.total_tokens,
-                "num_requests": len(rec.scheduled), "num_running": rec.num_running,
-                "num_waiting": rec.num_waiting,
-                "prefill_tokens": sum(s.num_tokens for s in rec.scheduled if s.phase != "decode"),
-                "decode_tokens": sum(1 for s in rec.scheduled if s.phase == "decode"),
-                "kind": "mixed" if len(phases) > 1 else (next(iter(phases)) if phases else "idle")})
+            rows.append(
+                {
+                    "step": rec.step,
+                    "start_ms": 1000 * (rec.engine_start_time - self.t0),
+                    "duration_ms": 1000 * rec.engine_duration,
+                    "num_tokens": rec.total_tokens,
+                    "num_requests": len(rec.scheduled),
+                    "num_running": rec.num_running,
+                    "num_waiting": rec.num_waiting,
+                    "prefill_tokens": sum(
+                        s.num_tokens for s in rec.scheduled if s.phase != "decode"
+                    ),
+                    "decode_tokens": sum(1 for s in rec.scheduled if s.phase == "decode"),
+                    "kind": "mixed"
+                    if len(phases) > 1
+                    else (next(iter(phases)) if phases else "idle"),
+                }
+            )
         return pd.DataFrame(rows)
 
     @property
@@ -244,16 +272,27 @@ class RunResult:
 
 # Korean headers for request_table() (pages show these, never the English column names).
 REQUEST_COLUMNS_KO = {
-    "request_id": "요청", "prompt_tokens": "프롬프트 토큰", "output_tokens": "출력 토큰",
-    "arrival_ms": "도착 (ms)", "queue_ms": "대기 (ms)", "ttft_ms": "TTFT (ms)", "tpot_ms": "TPOT (ms)",
-    "mean_itl_ms": "ITL 평균 (ms)", "max_itl_ms": "ITL 최대 (ms)", "e2e_ms": "E2E (ms)",
-    "finish_ms": "완료 (ms)", "first_step": "첫 스텝", "finish_step": "완료 스텝",
-    "preemptions": "선점 횟수", "finish_reason": "종료 이유",
+    "request_id": "요청",
+    "prompt_tokens": "프롬프트 토큰",
+    "output_tokens": "출력 토큰",
+    "arrival_ms": "도착 (ms)",
+    "queue_ms": "대기 (ms)",
+    "ttft_ms": "TTFT (ms)",
+    "tpot_ms": "TPOT (ms)",
+    "mean_itl_ms": "ITL 평균 (ms)",
+    "max_itl_ms": "ITL 최대 (ms)",
+    "e2e_ms": "E2E (ms)",
+    "finish_ms": "완료 (ms)",
+    "first_step": "첫 스텝",
+    "finish_step": "완료 스텝",
+    "preemptions": "선점 횟수",
+    "finish_reason": "종료 이유",
 }
 
 
-def korean_table(df: pd.DataFrame, columns: list[str] | None = None,
-                 digits: int = 1) -> pd.DataFrame:
+def korean_table(
+    df: pd.DataFrame, columns: list[str] | None = None, digits: int = 1
+) -> pd.DataFrame:
     """A request table for display: Korean headers, rounded numbers, "—" for missing values."""
     if columns is not None:
         df = df[columns]
@@ -304,18 +343,37 @@ def result_of(feeder: WorkloadFeeder, records: list[StepRecord], label: str) -> 
     wall = 0.0
     if records:
         wall = records[-1].start_time + records[-1].duration - records[0].start_time
-    cond = measurement_conditions(engine, 요청=len(feeder.specs), 최대동시요청=config.max_num_seqs,
-                                  토큰예산=config.max_num_batched_tokens)
-    return RunResult(label or config.scheduling_policy, config, list(records),
-                     [r for _, r in added], [s for s, _ in added], feeder.start, end - feeder.start,
-                     cond, engine.num_blocks, config.block_size, engine.max_model_len,
-                     dict(feeder.rejected), wall)
+    cond = measurement_conditions(
+        engine,
+        요청=len(feeder.specs),
+        최대동시요청=config.max_num_seqs,
+        토큰예산=config.max_num_batched_tokens,
+    )
+    return RunResult(
+        label or config.scheduling_policy,
+        config,
+        list(records),
+        [r for _, r in added],
+        [s for s, _ in added],
+        feeder.start,
+        end - feeder.start,
+        cond,
+        engine.num_blocks,
+        config.block_size,
+        engine.max_model_len,
+        dict(feeder.rejected),
+        wall,
+    )
 
 
-def run_workload(config: ConfigLike | None, workload: Workload, label: str = "",
-                 max_steps: int = 2000,
-                 engine_factory: Callable[[EngineConfig], EngineCore] | None = None,
-                 on_step: Callable[[StepRecord], None] | None = None) -> RunResult:
+def run_workload(
+    config: ConfigLike | None,
+    workload: Workload,
+    label: str = "",
+    max_steps: int = 2000,
+    engine_factory: Callable[[EngineConfig], EngineCore] | None = None,
+    on_step: Callable[[StepRecord], None] | None = None,
+) -> RunResult:
     """Build an engine, feed the workload on the engine clock, step until all requests finish."""
     config = make_config(config)
     engine = (engine_factory or EngineCore)(config)
