@@ -39,6 +39,8 @@ case "$cmd" in
     ;;
   test)
     setup
+    # Lint first (ruff.toml: line length 100, what the app's code views show without scrolling).
+    "$VENV/bin/python" -m ruff check --quiet . || { echo "[test] ruff check failed (above)" >&2; exit 1; }
     exec "$VENV/bin/python" -m pytest "$@"
     ;;
   selfcheck)
