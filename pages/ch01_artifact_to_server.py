@@ -130,7 +130,8 @@ def artifact_inspector() -> None:
     st.dataframe(pd.DataFrame(rows), hide_index=True)
     evidence(
         "계산값",
-        f"fp32 {info.bytes_at('float32') / 2**20:,.1f} MiB · bf16 {info.bytes_at('bfloat16') / 2**20:,.1f} MiB",
+        f"fp32 {info.bytes_at('float32') / 2**20:,.1f} MiB · bf16 "
+        f"{info.bytes_at('bfloat16') / 2**20:,.1f} MiB",
         formula="가중치 바이트 = 파라미터 수 × dtype 바이트",
     )
     disk = info.file_sizes

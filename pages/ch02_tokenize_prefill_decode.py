@@ -59,8 +59,8 @@ def tokenize_lab(tok: Tokenizer, model_dir) -> None:
     )
     ids = [tid for tid, _ in pieces]
     st.caption(
-        f"토큰 {len(ids)}개 · 글자 {len(text)}자 · UTF-8 {len(text.encode())} 바이트 · 토큰 id: {ids[:40]}"
-        + (" …" if len(ids) > 40 else "")
+        f"토큰 {len(ids)}개 · 글자 {len(text)}자 · UTF-8 {len(text.encode())} 바이트 · "
+        f"토큰 id: {ids[:40]}" + (" …" if len(ids) > 40 else "")
     )
     rows = []
     for ko, en in PAIRS:
@@ -92,7 +92,8 @@ def tokenize_lab(tok: Tokenizer, model_dir) -> None:
 def timing_lab() -> None:
     st.subheader("② prefill과 decode, 이 기계에서 재기")
     st.caption(
-        "요청 하나만 넣고, 프롬프트 전체를 한 번에 계산하는 prefill 스텝과 토큰 하나씩의 decode 스텝 시간을 잽니다."
+        "요청 하나만 넣고, 프롬프트 전체를 한 번에 계산하는 prefill 스텝과 토큰 하나씩의 decode "
+        "스텝 시간을 잽니다."
     )
     sizes = st.multiselect(
         "프롬프트 길이 (토큰)", [16, 64, 128, 256, 512], default=[16, 128, 512], key="ch02_sizes"

@@ -21,7 +21,8 @@ def cache_compare_lab() -> None:
     st.subheader("① 캐시를 켠 생성 vs 끈 생성 (실제 모델로 측정)")
     st.caption(
         "캐시 없음 = 새 토큰 하나마다 지금까지의 전체 시퀀스(프롬프트 + 생성된 토큰)를 새 요청으로 "
-        "처음부터 prefill (prefix 캐시도 끔). 캐시 있음 = 평소처럼 prefill 한 번 뒤 토큰 하나씩 decode."
+        "처음부터 prefill (prefix 캐시도 끔). 캐시 있음 = 평소처럼 prefill 한 번 뒤 토큰 하나씩 "
+        "decode."
     )
     c1, c2 = st.columns(2)
     n_prompt = c1.select_slider(
@@ -107,18 +108,20 @@ def cache_compare_lab() -> None:
     )
     evidence(
         "계산값",
-        f"모델에 넣은 토큰은 {ratio_tok:.1f}배 — 시간 비율이 이보다 작은 것은 긴 입력을 한 번에 처리할 때 "
-        "토큰당 비용이 싸지기 때문",
+        f"모델에 넣은 토큰은 {ratio_tok:.1f}배 — 시간 비율이 이보다 작은 것은 긴 입력을 한 번에 "
+        "처리할 때 토큰당 비용이 싸지기 때문",
         formula="캐시 없음: Σ_{k=0}^{n−1}(P+k), 캐시 있음: P + (n−1)",
     )
     compare("ch03_ratio", ratio_time, "배")
     if r.same_tokens:
         st.success(
-            f"두 방식의 greedy 토큰 {len(r.tokens_cached)}개가 모두 같습니다: 캐시는 계산을 아낄 뿐 답을 바꾸지 않습니다."
+            f"두 방식의 greedy 토큰 {len(r.tokens_cached)}개가 모두 같습니다: 캐시는 계산을 아낄 "
+            "뿐 답을 바꾸지 않습니다."
         )
     else:
         st.warning(
-            "두 방식의 토큰이 다릅니다 (부동소수점 합 순서 차이로 비슷한 후보가 뒤바뀐 경우일 수 있음)."
+            "두 방식의 토큰이 다릅니다 (부동소수점 합 순서 차이로 비슷한 후보가 뒤바뀐 경우일 수 "
+            "있음)."
         )
     show_code(compare_kv_cache, "방금 실행된 코드 (비교 측정)")
 
@@ -166,8 +169,8 @@ def kv_bytes_lab() -> None:
 def growth_lab() -> None:
     st.subheader("③ 캐시가 블록 단위로 자라는 모습")
     st.caption(
-        "예시 요청을 넣고 **다음 스텝**을 여러 번 눌러 보세요. 블록 격자에서 요청의 칸이 16토큰마다 "
-        "하나씩 늘고, 요청이 끝나면 블록이 빈칸(또는 prefix 캐시 보관)으로 돌아갑니다."
+        "예시 요청을 넣고 **다음 스텝**을 여러 번 눌러 보세요. 블록 격자에서 요청의 칸이 "
+        "16토큰마다 하나씩 늘고, 요청이 끝나면 블록이 빈칸(또는 prefix 캐시 보관)으로 돌아갑니다."
     )
     engine_lab("ch03", default_max_tokens=40, show_code_panel=False)
     show_code(KVCacheManager.allocate_slots, "방금 실행된 코드 (블록 배정)")

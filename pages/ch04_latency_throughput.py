@@ -110,22 +110,23 @@ def _bench_section(runs: list[RunResult]) -> None:
         bar.empty()
         if code != 0:
             st.error(
-                "벤치마크가 끝나지 못했습니다. 터미널에서 `python -m engine bench --quick`를 실행해 보세요."
+                "벤치마크가 끝나지 못했습니다. 터미널에서 `python -m engine bench --quick`를 "
+                "실행해 보세요."
             )
             with st.expander("벤치마크 출력의 끝부분"):
                 st.code(tail, language=None)
     bench = latest_bench()
     if not bench:
         st.info(
-            "아직 벤치마크 결과가 없습니다. 위 버튼(또는 터미널에서 `python -m engine bench --quick`)을 "
-            "실행하면 `bench-results/latest.json`이 생기고, 여기에 이 기계의 대역폭·행렬곱 속도와 decode "
-            "루프라인이 나타납니다."
+            "아직 벤치마크 결과가 없습니다. 위 버튼(또는 터미널에서 `python -m engine bench "
+            "--quick`)을 실행하면 `bench-results/latest.json`이 생기고, 여기에 이 기계의 "
+            "대역폭·행렬곱 속도와 decode 루프라인이 나타납니다."
         )
         return
     c0 = bench.get("conditions", {})
     st.caption(
-        f"마지막 측정: {c0.get('date', '날짜 모름')} · {c0.get('device_name') or c0.get('device', '?')}"
-        f" · 스레드 {c0.get('threads', '?')}"
+        f"마지막 측정: {c0.get('date', '날짜 모름')} · "
+        f"{c0.get('device_name') or c0.get('device', '?')} · 스레드 {c0.get('threads', '?')}"
     )
     c = bench.get("conditions", {})
     cond = {
@@ -166,8 +167,9 @@ def _bench_section(runs: list[RunResult]) -> None:
             tpot = runs[-1].request_table()["tpot_ms"].mean()
             evidence(
                 "계산값",
-                f"내 마지막 실행의 TPOT 평균 {tpot:.1f} ms ÷ 하한 {bound_ms:.1f} ms = {tpot / bound_ms:.1f}배 "
-                f"(내 실행은 배치 {runs[-1].config.max_num_seqs}까지 섞여 있으니 배치 1 하한과 그대로 비교하진 마세요)",
+                f"내 마지막 실행의 TPOT 평균 {tpot:.1f} ms ÷ 하한 {bound_ms:.1f} ms = "
+                f"{tpot / bound_ms:.1f}배 (내 실행은 배치 {runs[-1].config.max_num_seqs}까지 섞여 "
+                "있으니 배치 1 하한과 그대로 비교하진 마세요)",
                 formula="TPOT / (가중치 바이트 / 대역폭)",
             )
     with st.expander("bench JSON 전체 보기"):
@@ -183,8 +185,9 @@ def _whole_run(ctx: LabContext, gap: int) -> None:
             runs.append(res)
     if not runs:
         st.info(
-            "설정을 고르고 **실행**을 누르면 실제 엔진이 워크로드를 끝까지 돌리고, 요청별 지연 시간과 "
-            "백분위수를 보여 줍니다. **워크로드 넣기** 뒤 **다음 스텝**으로 한 스텝씩 볼 수도 있습니다."
+            "설정을 고르고 **실행**을 누르면 실제 엔진이 워크로드를 끝까지 돌리고, 요청별 지연 "
+            "시간과 백분위수를 보여 줍니다. **워크로드 넣기** 뒤 **다음 스텝**으로 한 스텝씩 볼 "
+            "수도 있습니다."
         )
         return
     res = runs[-1]

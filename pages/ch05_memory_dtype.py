@@ -92,25 +92,30 @@ def calculator() -> None:
     cols[3].metric(f"L={seq_len:,} 동시 요청", f"{b.max_requests:,}")
     evidence(
         "계산값",
-        f"가중치 = {m.param_count:,} 파라미터 × {b.weight_bytes // m.param_count} B = {b.weight_bytes / GB:.2f} GB",
+        f"가중치 = {m.param_count:,} 파라미터 × {b.weight_bytes // m.param_count} B = "
+        f"{b.weight_bytes / GB:.2f} GB",
         formula="파라미터 수 × dtype 바이트 (파라미터 수는 config 숫자로 센 값)",
     )
     evidence(
         "계산값",
         f"토큰당 KV = 2 × {m.num_layers} × {m.num_kv_heads} × {m.head_dim} × "
-        f"{b.kv_bytes_per_token // (2 * m.num_layers * m.num_kv_heads * m.head_dim)} B = {b.kv_bytes_per_token:,} B",
+        f"{b.kv_bytes_per_token // (2 * m.num_layers * m.num_kv_heads * m.head_dim)} B = "
+        f"{b.kv_bytes_per_token:,} B",
         formula="2 (K, V) × 층 × KV head × head_dim × 바이트",
     )
     evidence(
         "계산값",
         f"KV 예산 = {g.memory_gb:g} × {util:.2f} − {b.weight_bytes / GB:.2f} − {headroom:g} = "
-        f"{b.kv_budget_bytes / GB:.2f} GB → 토큰 {b.token_capacity:,}개 → 요청 {b.max_requests:,}개",
-        formula="장치 메모리 × 사용률 − 가중치 − 활성값·여유; 동시 요청 = KV 예산 / (토큰당 KV × L)",
+        f"{b.kv_budget_bytes / GB:.2f} GB → 토큰 {b.token_capacity:,}개 → 요청 "
+        f"{b.max_requests:,}개",
+        formula=(
+            "장치 메모리 × 사용률 − 가중치 − 활성값·여유; 동시 요청 = KV 예산 / (토큰당 KV × L)"
+        ),
     )
     if not b.fits:
         st.error(
-            "가중치와 여유만으로 사용 가능한 메모리를 넘습니다. 이 조합은 한 장에 올라가지 않습니다 "
-            "(바이트 줄이기: 11장 양자화, 나누기: 12장 분산 실행)."
+            "가중치와 여유만으로 사용 가능한 메모리를 넘습니다. 이 조합은 한 장에 올라가지 "
+            "않습니다 (바이트 줄이기: 11장 양자화, 나누기: 12장 분산 실행)."
         )
     evidence(
         "보고값",
@@ -196,8 +201,9 @@ def _measure_table(results: dict[str, DtypeMeasurement]) -> pd.DataFrame:
 def measurement() -> None:
     st.subheader("② 우리 모델을 fp32 · bf16 · fp16으로 올려 재기 (측정값)")
     st.caption(
-        "각 dtype마다 가중치를 한 번 올리고(프로세스 안에서 공유되므로 두 번째부터는 '이미 로드됨'), 같은 프롬프트로 "
-        "greedy 생성을 해 TPOT를 잽니다. CPU에서 bf16/fp16은 빠른 커널이 없으면 fp32보다 느릴 수 있습니다."
+        "각 dtype마다 가중치를 한 번 올리고(프로세스 안에서 공유되므로 두 번째부터는 '이미 "
+        "로드됨'), 같은 프롬프트로 greedy 생성을 해 TPOT를 잽니다. CPU에서 bf16/fp16은 빠른 커널이 "
+        "없으면 fp32보다 느릴 수 있습니다."
     )
     c1, c2 = st.columns(2)
     dtypes = c1.multiselect(

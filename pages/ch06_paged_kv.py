@@ -22,7 +22,8 @@ RESULT = "ch06_result"
 def live_lab() -> None:
     st.subheader("① 블록 격자와 블록 테이블 (한 스텝씩)")
     st.caption(
-        "예시 요청을 몇 개 넣고 **다음 스텝**을 눌러 보세요. 'KV 캐시' 탭의 격자에서 색은 주인 요청입니다."
+        "예시 요청을 몇 개 넣고 **다음 스텝**을 눌러 보세요. 'KV 캐시' 탭의 격자에서 색은 주인 "
+        "요청입니다."
     )
     engine_lab("ch06", default_max_tokens=40, chapter_view=_block_tables, show_code_panel=False)
     show_code(KVCacheManager.allocate_slots, "방금 실행된 코드 (블록 배정)")
@@ -79,8 +80,8 @@ def compare_lab() -> None:
     res = st.session_state.get(RESULT)
     if res is None:
         st.info(
-            "**실행**을 누르면 워크로드를 실제 엔진(블록 방식)으로 돌리고, 같은 실행의 요청 길이로 연속 예약이었다면 "
-            "어땠을지를 계산해 나란히 보여 줍니다."
+            "**실행**을 누르면 워크로드를 실제 엔진(블록 방식)으로 돌리고, 같은 실행의 요청 길이로 "
+            "연속 예약이었다면 어땠을지를 계산해 나란히 보여 줍니다."
         )
         return
     fr = fragmentation(res, mode)
@@ -129,25 +130,26 @@ def compare_lab() -> None:
     st.dataframe(fr.summary, hide_index=True)
     evidence(
         "측정값",
-        f"블록 방식: 예약 {fr.summary.iloc[1]['평균 예약량 (칸)']} 칸, 사용 {fr.summary.iloc[1]['평균 사용량 (칸)']} "
-        f"칸 (스텝 평균), 동시에 블록을 가진 요청 최대 {fr.paged_max_concurrent}개",
+        f"블록 방식: 예약 {fr.summary.iloc[1]['평균 예약량 (칸)']} 칸, 사용 "
+        f"{fr.summary.iloc[1]['평균 사용량 (칸)']} 칸 (스텝 평균), 동시에 블록을 가진 요청 최대 "
+        f"{fr.paged_max_concurrent}개",
         **dict(
             res.conditions, 블록=f"{res.num_blocks}×{res.block_size}", 최대길이=res.max_model_len
         ),
     )
     evidence(
         "계산값",
-        f"연속 예약: 요청마다 R칸을 도착부터 완료까지 묶어 둠 → 사용률 {fr.summary.iloc[0]['사용률 = 사용량/예약량 (%)']}%, "
-        f"같은 풀({fr.pool_slots}칸)에 R={fr.largest_reservation}칸 요청은 "
-        f"최대 {fr.contiguous_capacity}개",
+        "연속 예약: 요청마다 R칸을 도착부터 완료까지 묶어 둠 → 사용률 "
+        f"{fr.summary.iloc[0]['사용률 = 사용량/예약량 (%)']}%, 같은 풀({fr.pool_slots}칸)에 "
+        f"R={fr.largest_reservation}칸 요청은 최대 {fr.contiguous_capacity}개",
         formula="예약량 = Σ R, 내부 단편화 = 예약량 − 사용량, "
         "쓸 수 없는 칸 = R_max보다 작은 빈 구멍의 합 (first-fit 재현)",
     )
     compare("ch06_util", float(fr.summary.iloc[1]["사용률 = 사용량/예약량 (%)"] or 0), "%")
     if fr.contiguous_rejected:
         st.warning(
-            f"연속 예약이었다면 도착 시 자리가 없어 기다려야 했을 요청: {', '.join(fr.contiguous_rejected)} "
-            "(블록 방식에서는 바로 실행됨)"
+            "연속 예약이었다면 도착 시 자리가 없어 기다려야 했을 요청: "
+            f"{', '.join(fr.contiguous_rejected)} (블록 방식에서는 바로 실행됨)"
         )
     mid = res.records[len(res.records) // 2]
     st.plotly_chart(figures.kv_grid_figure(mid.kv), key="ch06_grid_mid")

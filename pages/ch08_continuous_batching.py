@@ -52,9 +52,9 @@ def _summary_view(ctx: LabContext) -> None:
         feeder = ctx.feeders.get(side.key)
         if feeder is not None and feeder.rejected:
             st.warning(
-                f"{side.label}: 최대 길이({ctx.engines[side.key].max_model_len}토큰)보다 긴 요청을 엔진이 "
-                f"거절했습니다 — {', '.join(feeder.rejected)}. chunked prefill 없이 긴 프롬프트를 받으려면 "
-                "토큰 예산을 그 길이 이상으로 올려야 합니다."
+                f"{side.label}: 최대 길이({ctx.engines[side.key].max_model_len}토큰)보다 긴 요청을 "
+                f"엔진이 거절했습니다 — {', '.join(feeder.rejected)}. chunked prefill 없이 긴 "
+                "프롬프트를 받으려면 토큰 예산을 그 길이 이상으로 올려야 합니다."
             )
     result = run_results(ctx, RESULT, _wrap)
     if result is None:
@@ -168,15 +168,17 @@ def lab() -> None:
     )
     if "chunked prefill 끔" in labels:
         verdict = (
-            f"이 워크로드의 긴 요청({long_total}토큰)은 {budget}토큰을 넘으므로 이 엔진이 거절합니다."
+            f"이 워크로드의 긴 요청({long_total}토큰)은 {budget}토큰을 넘으므로 이 엔진이 "
+            "거절합니다."
             if long_total > budget
-            else "긴 프롬프트는 한 스텝에 통째로 들어가야 해서, 남은 예산이 모자라면 '토큰 예산 소진'으로 "
-            "기다립니다."
+            else "긴 프롬프트는 한 스텝에 통째로 들어가야 해서, 남은 예산이 모자라면 '토큰 예산 "
+            "소진'으로 기다립니다."
         )
         st.info(
-            f"chunked prefill을 끈 엔진은 토큰 예산을 올리지 않습니다 (예산 {budget}토큰 그대로). 청크 없이는 "
-            "요청 하나(선점 뒤 재계산 포함)가 한 스텝에 들어가야 하므로 엔진은 예산 ≥ 최대 길이를 요구합니다. "
-            f"그래서 이 엔진의 최대 길이(max_model_len)를 {budget}토큰으로 낮췄습니다. " + verdict
+            f"chunked prefill을 끈 엔진은 토큰 예산을 올리지 않습니다 (예산 {budget}토큰 그대로). "
+            "청크 없이는 요청 하나(선점 뒤 재계산 포함)가 한 스텝에 들어가야 하므로 엔진은 예산 ≥ "
+            f"최대 길이를 요구합니다. 그래서 이 엔진의 최대 길이(max_model_len)를 {budget}토큰으로 "
+            "낮췄습니다. " + verdict
         )
 
     def before(ctx: LabContext) -> None:

@@ -102,8 +102,8 @@ def browser_page(app_url: str, timeout_ms: int):
     chromium = find_chromium()
     if chromium is None:
         pytest.skip(
-            "no Chromium found (looked for $CHROMIUM, /usr/bin/chromium, chromium, chromium-browser): "
-            "install Debian's chromium to run the browser tests"
+            "no Chromium found (looked for $CHROMIUM, /usr/bin/chromium, chromium, "
+            "chromium-browser): install Debian's chromium to run the browser tests"
         )
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
     SHOTS.mkdir(parents=True, exist_ok=True)

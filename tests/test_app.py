@@ -48,7 +48,8 @@ def chart_data(at: AppTest) -> list[list]:
 
 
 def assert_lab_plots(at: AppTest, key: str) -> None:
-    """The lab's three figures (journey, scheduler decisions, KV grid) plus usage are drawn with data."""
+    """The lab's three figures (journey, scheduler decisions, KV grid) plus usage are drawn with
+    data."""
     ids = [c.proto.id for c in at.get("plotly_chart")]
     specs = {i: json.loads(c.proto.spec) for i, c in zip(ids, at.get("plotly_chart"))}
     for name in ("journey", "schedule", "kvgrid"):
@@ -69,12 +70,17 @@ def engine_of(at: AppTest, key: str):
 
 
 def test_navigation_lists_every_chapter(app):
-    # Every chapter 00–14 is registered (ready ones as files, the rest as 준비 중 pages).
+    """What the running app registered with st.navigation: a page per chapter 00-14, ready
+    chapters as their files, the rest as 준비 중 pages, every URL plain ASCII."""
+    from ui.lesson import PAGES
+
+    assert sorted(PAGES) == [f"{i:02d}" for i in range(15)]
     for ch in CHAPTERS:
+        page = PAGES[ch.id]
         assert ch.url_path.isascii()
-        if ch.page_file() is not None:
-            assert ch.page_file().name.isascii()
-    assert len(CHAPTERS) == 15
+        assert page.url_path == ("" if ch.id == "00" else ch.url_path)  # the default page is "/"
+        ready = ch.page_file() is not None
+        assert page.title == (ch.title if ready else f"{ch.title} (준비 중)")
 
 
 @pytest.mark.parametrize("chapter_id", [c.id for c in CHAPTERS])
@@ -194,8 +200,8 @@ def test_engine_errors_become_korean_messages():
     assert "블록 10개" in msg and "160" in msg and "1024" in msg
     msg = korean_error(
         InvalidRequestError(
-            "this model's maximum context length is 160 tokens, but the request has 150 prompt tokens and "
-            "asks for 32 output tokens (182 in total)",
+            "this model's maximum context length is 160 tokens, but the request has 150 prompt "
+            "tokens and asks for 32 output tokens (182 in total)",
             "max_tokens",
             max_model_len=160,
             num_prompt_tokens=150,

@@ -206,7 +206,8 @@ def test_step_listeners_see_every_step_and_cannot_break_the_loop(async_llm):
             return [out async for out in async_llm.generate("listen", GREEDY)]
 
         outputs = asyncio.run(main())
-        # listeners run after the step's outputs are handed over: the last call may come a moment later
+        # listeners run after the step's outputs are handed over: the last call may come a moment
+        # later
         assert wait_until(lambda: len(seen) >= 16)
     finally:
         async_llm.step_listeners[:] = []

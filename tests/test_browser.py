@@ -1,6 +1,7 @@
 """End to end in a real browser: `streamlit run app.py` on a free port, driven by Playwright with
 Debian's Chromium. Opens chapters 01–03, runs labs to completion, checks the plotly plots and the
-streamed Korean text, and saves screenshots (tests/screenshots/, one copied to docs/screenshots/lab.png).
+streamed Korean text, and saves screenshots (tests/screenshots/, one copied to
+docs/screenshots/lab.png).
 
 Skips only where no Chromium (or Playwright) can be found."""
 
@@ -51,7 +52,8 @@ def open_page(page, url: str) -> None:
     dialogs = page.locator("[role=dialog]")
     if dialogs.count() and "Page not found" in dialogs.first.inner_text():
         # Streamlit 1.67 with a pages/ folder: a session's first direct link to a st.Page whose
-        # url_path differs from its file name shows this dialog over the right page (see ui/lesson.py).
+        # url_path differs from its file name shows this dialog over the right page
+        # (see ui/lesson.py).
         page.keyboard.press("Escape")
         page.wait_for_timeout(300)
     assert dialogs.count() == 0, f"unexpected dialog: {dialogs.first.inner_text()}"
@@ -75,8 +77,9 @@ def finish_lab(page) -> None:
     """Press 끝까지 and wait until every request of the lab shows 상태: 완료 and the run is over."""
     click(page, "끝까지")
     page.wait_for_function(
-        "() => document.body.innerText.includes('상태: 완료') && !document.body.innerText.includes('상태: 생성 중')"
-        " && !document.body.innerText.includes('상태: 대기 중')",
+        "() => document.body.innerText.includes('상태: 완료') && "
+        "!document.body.innerText.includes('상태: 생성 중') && "
+        "!document.body.innerText.includes('상태: 대기 중')",
         timeout=STEP_TIMEOUT_MS,
     )
     wait_idle(page)
@@ -141,8 +144,9 @@ def test_chapter02_lab_to_the_end(browser_page, app_url):
 
 
 def test_small_kv_cache_setting_shows_no_traceback(browser_page, app_url):
-    """KV 블록 수 = 10 in the sidebar: the form lowers max_model_len to what the blocks hold and says
-    so in Korean; the lab still steps; no traceback anywhere. The settings are restored after."""
+    """KV 블록 수 = 10 in the sidebar: the form lowers max_model_len to what the blocks hold and
+    says so in Korean; the lab still steps; no traceback anywhere. The settings are restored after.
+    """
     page = browser_page
     open_page(page, f"{app_url}/{url_of('00')}")
     sidebar = page.locator("[data-testid='stSidebar']")

@@ -68,7 +68,8 @@ def test_chapter_lab_in_browser(page, app_url, chapter):
     no_exception(page)
     traces = plot_traces(page)
     assert len(traces) >= max(min_plots, before + 1), traces
-    # the plots the run added carry data (the step-by-step lab of ch06 may still be empty above them)
+    # the plots the run added carry data (the step-by-step lab of ch06 may still be empty above
+    # them)
     assert all(n > 0 for n in traces[before:]), traces
     page.locator(".js-plotly-plot").nth(before).scroll_into_view_if_needed()
     page.wait_for_timeout(500)

@@ -388,8 +388,8 @@ def test_streaming_holds_back_a_possible_stop_string(engine, greedy_text):
 
 
 def test_stop_string_on_the_last_allowed_token_reports_stop(engine, greedy_text):
-    """If the stop string appears in the very token that also reaches max_tokens, the text is cut and
-    the request stopped because of the string (vLLM reports finish_reason "stop" then)."""
+    """If the stop string appears in the very token that also reaches max_tokens, the text is cut
+    and the request stopped because of the string (vLLM reports finish_reason "stop" then)."""
     prompt, tokens, text, prefix_texts = greedy_text
     stop, index, completing = stop_across_a_token_boundary(text, prefix_texts)
     _, final, streamed = generate(

@@ -23,15 +23,17 @@ SEEDED = SamplingParams(
 )
 
 NOTES = (
-    "A paged KV cache keeps the keys and values of every token in fixed-size blocks, and a block table maps "
-    "each request's logical blocks to physical ones, so memory is handed out on demand and reused at once. "
+    "A paged KV cache keeps the keys and values of every token in fixed-size blocks, and a block "
+    "table maps each request's logical blocks to physical ones, so memory is handed out on demand "
+    "and reused at once. "
 )
 SYSTEM = (
-    "You are a careful teaching assistant for a course on LLM inference systems. Answer in two or three short "
-    "sentences, define every technical term you use, prefer concrete numbers over vague words, and say so "
-    "plainly when you are not sure. Never invent citations. Use simple English suitable for a beginner. "
-    "When a question mixes several ideas, such as memory, latency and throughput, take them one at a time, "
-    "and end with a single sentence that a student could repeat to a friend without notes."
+    "You are a careful teaching assistant for a course on LLM inference systems. Answer in two or "
+    "three short sentences, define every technical term you use, prefer concrete numbers over "
+    "vague words, and say so plainly when you are not sure. Never invent citations. Use simple "
+    "English suitable for a beginner. When a question mixes several ideas, such as memory, latency "
+    "and throughput, take them one at a time, and end with a single sentence that a student could "
+    "repeat to a friend without notes."
 )
 
 
@@ -92,7 +94,8 @@ def reference(hf_reference, tokenizer, prompts, system_prompts) -> dict[str, lis
 
 
 def assert_same_greedy(hf_model, tokenizer, name, prompt_ids, ours, ref):
-    """Equal token for token; a difference is tolerated only at a near-tie of the reference (computed)."""
+    """Equal token for token; a difference is tolerated only at a near-tie of the reference
+    (computed)."""
     assert len(ours) == len(ref) == NEW_TOKENS, name
     diverge = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
     if diverge is None:
@@ -125,7 +128,7 @@ def make_llm(default_model_dir, **kwargs) -> LLM:
     return LLM(model=str(default_model_dir), device="cpu", dtype="float32", **kwargs)
 
 
-# -- plain continuous batching (with seeded and unseeded sampled requests alongside) ----------------
+# -- plain continuous batching (with seeded and unseeded sampled requests alongside) ---------------
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +191,7 @@ def test_prefix_cache_serves_a_shared_system_prompt(
     assert_same_greedy(hf_reference, tokenizer, "q2", ids, second.token_ids, reference["q2"])
 
 
-# -- small caches: preemption, chunked prefill, prefix caching on and off ---------------------------
+# -- small caches: preemption, chunked prefill, prefix caching on and off --------------------------
 
 
 @pytest.mark.parametrize(

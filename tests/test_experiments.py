@@ -1,5 +1,6 @@
-"""ui/experiments/ (one module per chapter) and ui/hardware_data.py: the comparisons of chapters 04–08 on real engine runs
-(the tiny model, so each run takes a second or two) and the memory calculator's formulas."""
+"""ui/experiments/ (one module per chapter) and ui/hardware_data.py: the comparisons of chapters
+04–08 on real engine runs (the tiny model, so each run takes a second or two) and the memory
+calculator's formulas."""
 
 from __future__ import annotations
 

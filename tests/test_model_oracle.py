@@ -99,8 +99,10 @@ def assert_same_greedy(hf_model, tokenizer, name, prompt, ours, ref):
     top2 = last.topk(2)
     margin = (top2.values[0] - top2.values[1]).item()
     detail = (
-        f"{name}: first divergence at generated token {diverge} (ours {ours[diverge]}, reference {ref[diverge]}), "
-        f"reference top-2 margin {margin:.2e}\n ours: {tokenizer.decode(ours)!r}\n  ref: {tokenizer.decode(ref)!r}"
+        f"{name}: first divergence at generated token {diverge} (ours {ours[diverge]}, reference "
+        f"{ref[diverge]}), reference top-2 margin {margin:.2e}\n"
+        f" ours: {tokenizer.decode(ours)!r}\n"
+        f"  ref: {tokenizer.decode(ref)!r}"
     )
     assert margin < TIE_MARGIN, detail
     assert ours[diverge] in top2.indices.tolist(), detail

@@ -2,7 +2,8 @@
 
 A fake loop plays the engine: schedule(), check invariants, then update_from_output() with random
 tokens (random EOS too), with requests arriving over time and random aborts. Unit tests then pin
-down the individual decisions: chunked prefill, reasons, preemption, priority and static policies."""
+down the individual decisions: chunked prefill, reasons, preemption, priority and static
+policies."""
 
 from __future__ import annotations
 
@@ -172,7 +173,8 @@ class Driver:
         assert set(scheduled) | set(out.unscheduled) <= live_before
         if self.check_every_request_has_a_decision:
             assert set(scheduled) | set(out.unscheduled) == live_before, (
-                f"step {out.step}: no decision for {live_before - set(scheduled) - set(out.unscheduled)}"
+                f"step {out.step}: no decision for "
+                f"{live_before - set(scheduled) - set(out.unscheduled)}"
             )
         self.saw.update(out.unscheduled.values())
         if out.blocks_to_swap_out:
@@ -187,7 +189,8 @@ class Driver:
         assert set(running_ids).isdisjoint(waiting_ids)
         assert set(running_ids) | set(waiting_ids) == live_before
         assert set(scheduled) <= set(running_ids)
-        # preemption: newest running first (lowest priority first under "priority"), back to the head
+        # preemption: newest running first (lowest priority first under "priority"), back to the
+        # head
         preempted = out.preempted
         assert all(out.unscheduled[rid] == REASON_PREEMPTED for rid in preempted)
         assert sorted(

@@ -11,7 +11,10 @@ from engine.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 TEXTS = {
     "english": "The quick brown fox jumps over the lazy dog. It's 3:45pm — time for tea!",
     "korean": "안녕하세요, 세계! 한국의 수도는 서울입니다. 오늘 날씨가 참 좋네요.",
-    "code": 'def fib(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n',
+    "code": (
+        'def fib(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n'
+        "    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
+    ),
     "emoji": "I love 🦀 and 🎉🎉! Family: 👨‍👩‍👧‍👦, flags: 🇰🇷🇫🇷, skin tone: 👍🏽",
     "whitespace": "  leading spaces\n\n\ttabs and   runs   of spaces  \n",
     "mixed": "naïve café — 日本語 and 한국어 mixed with ASCII; ünïcödé ✓",

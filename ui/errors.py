@@ -14,17 +14,17 @@ def korean_error(exc: BaseException) -> str:
     if isinstance(exc, CacheTooSmallError):
         tokens = exc.num_blocks * exc.block_size
         return (
-            f"KV 캐시가 너무 작습니다: 블록 {exc.num_blocks}개는 {tokens}토큰을 담는데, 요청 하나의 "
-            f"최대 길이는 {exc.max_model_len}토큰입니다. 사이드바에서 KV 블록 수를 늘리거나 "
+            f"KV 캐시가 너무 작습니다: 블록 {exc.num_blocks}개는 {tokens}토큰을 담는데, 요청 "
+            f"하나의 최대 길이는 {exc.max_model_len}토큰입니다. 사이드바에서 KV 블록 수를 늘리거나 "
             f"최대 길이(max_model_len)를 {tokens} 이하로 낮추세요."
         )
     if isinstance(exc, InvalidRequestError):
         d = getattr(exc, "details", {})
         if "max_model_len" in d:
             return (
-                f"요청이 너무 깁니다: 프롬프트 {d['num_prompt_tokens']}토큰 + 출력 {d['max_tokens']}토큰이 "
-                f"최대 길이 {d['max_model_len']}토큰을 넘습니다. max_tokens를 줄이거나, 사이드바에서 "
-                "최대 길이(와 KV 블록 수)를 늘리세요."
+                f"요청이 너무 깁니다: 프롬프트 {d['num_prompt_tokens']}토큰 + 출력 "
+                f"{d['max_tokens']}토큰이 최대 길이 {d['max_model_len']}토큰을 넘습니다. "
+                "max_tokens를 줄이거나, 사이드바에서 최대 길이(와 KV 블록 수)를 늘리세요."
             )
         return (
             f"요청이 거절되었습니다 ({getattr(exc, 'param', '') or '입력'}): 입력값을 확인하세요."

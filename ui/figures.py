@@ -243,7 +243,8 @@ def journey_figure(
 
 
 def schedule_figure(records: list[StepRecord]) -> go.Figure:
-    """Per step: each request's scheduled tokens stacked, coloured prefill vs decode; budget line."""
+    """Per step: each request's scheduled tokens stacked, coloured prefill vs decode; budget
+    line."""
     df = steps_dataframe(records)
     names = short_names(list(df["request_id"]) + [rid for r in records for rid in r.unscheduled])
     fig = go.Figure()
@@ -320,7 +321,8 @@ def kv_grid_figure(snapshot: KVSnapshot, columns: int = 16) -> go.Figure:
         for o in b.owners:
             if o not in owners:
                 owners.append(o)
-    # Categories: 0 free, 1 cached-free, 2.. owners. A stepped colorscale maps each integer to one colour.
+    # Categories: 0 free, 1 cached-free, 2.. owners. A stepped colorscale maps each integer to one
+    # colour.
     kv_names = short_names(owners)
     colors = [FREE_COLOR, CACHED_COLOR] + [
         OWNER_COLORS[i % len(OWNER_COLORS)] for i in range(len(owners))
@@ -403,7 +405,9 @@ def kv_usage_figure(records: list[StepRecord]) -> go.Figure:
             mode="lines+markers",
             line=dict(color="#1f77b4", shape="hv"),
             customdata=[[r.kv.num_used, r.kv.num_blocks] for r in records],
-            hovertemplate="스텝 %{x}: %{y:.1f}% (%{customdata[0]}/%{customdata[1]} 블록)<extra></extra>",
+            hovertemplate=(
+                "스텝 %{x}: %{y:.1f}% (%{customdata[0]}/%{customdata[1]} 블록)<extra></extra>"
+            ),
         )
     )
     fig.add_trace(

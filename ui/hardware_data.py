@@ -33,9 +33,11 @@ class ModelSpec:
 
     @property
     def param_count(self) -> int:
-        """Parameters computed from the config (Llama-style block: attention, gated MLP, 2 RMSNorms).
+        """Parameters computed from the config (Llama-style block: attention, gated MLP,
+        2 RMSNorms).
 
-        embedding V×h (+ LM head V×h unless tied) + layers × (h×H×d + 2×h×K×d + H×d×h + 3×h×I + 2h) + h
+        embedding V×h (+ LM head V×h unless tied)
+          + layers × (h×H×d + 2×h×K×d + H×d×h + 3×h×I + 2h) + h
         """
         h, d = self.hidden_size, self.head_dim
         q, kv = self.num_heads * d, self.num_kv_heads * d
@@ -185,7 +187,8 @@ def memory_budget(
     seq_len: int = 4096,
     kv_dtype: str | None = None,
 ) -> MemoryBudget:
-    """KV budget = memory × utilization − weights − headroom; requests = budget / (KV per token × L)."""
+    """KV budget = memory × utilization − weights − headroom;
+    requests = budget / (KV per token × L)."""
     m = MODELS[model] if isinstance(model, str) else model
     g = GPUS[gpu] if isinstance(gpu, str) else gpu
     kv_dtype = kv_dtype or dtype

@@ -43,12 +43,14 @@ _PLAYING = "_playing_{}"
 SPEEDS = [0.25, 0.5, 1.0, 2.0]
 MAX_STEPS = 2000
 
+# English prompts first: the 135M default model answers them sensibly (its Korean is poor, as
+# chapter 00 says); the Korean ones are there to watch the tokenizer and the mechanics.
 PRESETS = {
+    "프랑스의 수도 (영어)": "What is the capital of France?",
+    "피보나치 (코드)": "Write a Python function that returns the n-th Fibonacci number.",
     "한국어 자기소개": "한국어로 자기소개를 해 주세요.",
     "서울 관광지": "서울에서 가 볼 만한 곳 세 군데를 추천해 주세요.",
     "KV 캐시 설명": "KV 캐시가 무엇인지 한 문장으로 설명해 주세요.",
-    "프랑스의 수도 (영어)": "What is the capital of France?",
-    "피보나치 (코드)": "Write a Python function that returns the n-th Fibonacci number.",
     "옛날 옛적에 (긴 프롬프트)": "Once upon a time, in a small village by the sea, " * 8
     + "there lived",
 }

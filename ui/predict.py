@@ -70,7 +70,8 @@ def gap_sentence(predicted, measured, unit: str = "") -> str:
         return (
             "예측이 맞았습니다."
             if predicted == measured
-            else f"예측({predicted})과 달리 실제로는 '{measured}'였습니다. 왜 그랬는지 그림에서 찾아 보세요."
+            else f"예측({predicted})과 달리 실제로는 '{measured}'였습니다. 왜 그랬는지 그림에서 "
+            "찾아 보세요."
         )
     if measured == 0:
         return "측정값이 0이라 비율로 비교할 수 없습니다."
@@ -78,7 +79,10 @@ def gap_sentence(predicted, measured, unit: str = "") -> str:
     if 0.8 <= ratio <= 1.25:
         return f"예측이 측정값의 {ratio:.2f}배로, 20% 안에 들었습니다."
     if ratio > 1:
-        return f"예측이 측정값보다 {ratio:.1f}배 컸습니다: 생각보다 {'빨랐' if unit == 'ms' else '작았'}습니다."
+        return (
+            f"예측이 측정값보다 {ratio:.1f}배 컸습니다: "
+            f"생각보다 {'빨랐' if unit == 'ms' else '작았'}습니다."
+        )
     return f"예측이 측정값의 {ratio:.2f}배였습니다: 실제는 예측의 {1 / ratio:.1f}배입니다."
 
 

@@ -154,9 +154,9 @@ def validate_settings(settings: EngineSettings) -> tuple[EngineSettings, str, bo
         return (
             settings,
             (
-                f"KV 블록 {settings.num_kv_blocks}개 × 블록 {settings.block_size}토큰 = {slots}토큰으로는 "
-                f"짧은 요청 하나({MIN_MAX_MODEL_LEN}토큰)도 담을 수 없습니다. KV 블록 수를 {need}개 "
-                "이상으로 올리세요. 설정은 바꾸지 않았습니다."
+                f"KV 블록 {settings.num_kv_blocks}개 × 블록 {settings.block_size}토큰 = "
+                f"{slots}토큰으로는 짧은 요청 하나({MIN_MAX_MODEL_LEN}토큰)도 담을 수 없습니다. "
+                f"KV 블록 수를 {need}개 이상으로 올리세요. 설정은 바꾸지 않았습니다."
             ),
             False,
         )
@@ -165,8 +165,9 @@ def validate_settings(settings: EngineSettings) -> tuple[EngineSettings, str, bo
         return (
             fixed,
             (
-                f"KV 블록 {settings.num_kv_blocks}개 × {settings.block_size}토큰 = {slots}토큰은 최대 길이 "
-                f"{settings.max_model_len}토큰 요청 하나를 담지 못해서, 최대 길이(max_model_len)를 "
+                f"KV 블록 {settings.num_kv_blocks}개 × {settings.block_size}토큰 = {slots}토큰은 "
+                f"최대 길이 {settings.max_model_len}토큰 요청 하나를 담지 못해서, "
+                "최대 길이(max_model_len)를 "
                 f"{slots}토큰으로 낮춰 적용했습니다. 더 긴 요청이 필요하면 KV 블록 수를 "
                 f"{-(-settings.max_model_len // settings.block_size)}개 이상으로 올리세요."
             ),
@@ -202,7 +203,8 @@ def engine_status(key: str = "main") -> None:
         f"- 장치 **{engine.device}** · dtype **{str(engine.dtype).replace('torch.', '')}**\n"
         f"- KV 블록 **{snap.num_used}/{snap.num_blocks}** 사용 (캐시 보관 {snap.num_cached_free})\n"
         f"- {kv_state}\n"
-        f"- 실행 중 **{len(engine.scheduler.running)}** · 대기 **{len(engine.scheduler.waiting)}**\n"
+        f"- 실행 중 **{len(engine.scheduler.running)}** · "
+        f"대기 **{len(engine.scheduler.waiting)}**\n"
         f"- 스텝 **{engine.stats['steps']}**"
     )
     st.caption(classroom)

@@ -73,7 +73,8 @@ def decision_table(record: StepRecord | None) -> pd.DataFrame:
 
 
 def evidence(kind: str, text: str, **conditions) -> None:
-    """A number with its evidence label: 측정값 (conditions), 계산값 (formula=...), 보고값 (source=...)."""
+    """A number with its evidence label: 측정값 (conditions), 계산값 (formula=...),
+    보고값 (source=...)."""
     if kind not in EVIDENCE_KINDS:
         raise ValueError(f"evidence kind must be one of {list(EVIDENCE_KINDS)}, got {kind!r}")
     color, english = EVIDENCE_KINDS[kind]

@@ -1,4 +1,5 @@
-"""Chapter 05 · 메모리 예산과 dtype: our model loaded in each dtype, bytes and decode speed measured."""
+"""Chapter 05 · 메모리 예산과 dtype: our model loaded in each dtype, bytes and decode speed
+measured."""
 
 from __future__ import annotations
 

@@ -45,10 +45,12 @@ def _release(free: list[tuple[int, int]], start: int, size: int) -> None:
 
 
 def fragmentation(result: RunResult, reservation: str = "max_model_len") -> FragmentationResult:
-    """Compare the paged engine's measured blocks with a contiguous reservation replayed on the same run.
+    """Compare the paged engine's measured blocks with a contiguous reservation replayed on the
+    same run.
 
     Per step, for the requests holding KV after the step (the engine's block tables):
-      used (measured)        = tokens whose K/V are in the cache (num_computed + scheduled this step)
+      used (measured)        = tokens whose K/V are in the cache (num_computed + scheduled this
+                               step)
       paged reserved (meas.) = blocks in the request's block table × block_size
       contiguous reserved    = R per request from admission to finish, R = max_model_len or
                                prompt + max_tokens (계산값)

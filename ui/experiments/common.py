@@ -26,11 +26,12 @@ from engine.trace import StepRecord
 
 # A varied seed text (Korean and English, code and prose) that prompts of any length are cut from.
 SEED_TEXT = (
-    "The quick brown fox jumps over the lazy dog. 서울은 대한민국의 수도이며 한강이 도시를 가로지릅니다. "
+    "The quick brown fox jumps over the lazy dog. "
+    "서울은 대한민국의 수도이며 한강이 도시를 가로지릅니다. "
     "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
     "Large language models generate text one token at a time, reading their own past through a "
-    "KV cache. 추론 서버는 여러 요청을 묶어 한 번에 처리하고, 스케줄러는 매 스텝 누구에게 몇 토큰을 "
-    "줄지 정합니다. "
+    "KV cache. 추론 서버는 여러 요청을 묶어 한 번에 처리하고, "
+    "스케줄러는 매 스텝 누구에게 몇 토큰을 줄지 정합니다. "
 )
 
 ConfigLike = EngineConfig | dict
@@ -250,7 +251,8 @@ class RunResult:
 
     @property
     def throughput(self) -> float:
-        """Output tokens / engine time (tokens per second): 계산값 from measured counts and times."""
+        """Output tokens / engine time (tokens per second): 계산값 from measured counts and
+        times."""
         return self.output_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
     def summary(self) -> dict:
