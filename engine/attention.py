@@ -59,10 +59,9 @@ class DecodeGroup:
     block_ids: torch.Tensor  # [num_seqs * max_blocks] each request's blocks in order, padded with 0
     padded_len: int  # max_blocks * block_size keys per request after the gather
     context_len: int  # the longest request's context; the keys beyond it are cut off
-    mask: (
-        torch.Tensor | None
-    )  # [num_seqs, 1, 1, context_len] True = attend (False: padding past the
-    #                            request's end); None for a single request, which is cut to its length
+    # [num_seqs, 1, 1, context_len] True = attend (False: padding past the request's end);
+    # None for a single request, which is cut to its length
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -179,7 +178,8 @@ def build_attention_metadata(
 
 
 def _as_rows(rows: list[int], device) -> slice | torch.Tensor:
-    """Rows of the flat batch as a slice when they are adjacent (a view, no copy), else as indices."""
+    """Rows of the flat batch as a slice when they are adjacent (a view, no copy),
+    else as indices."""
     if rows == list(range(rows[0], rows[0] + len(rows))):
         return slice(rows[0], rows[0] + len(rows))
     return torch.tensor(rows, device=device)
@@ -235,8 +235,9 @@ def paged_attention(
         )
         k_ctx = k_ctx[:, : group.context_len].transpose(1, 2)
         v_ctx = v_ctx[:, : group.context_len].transpose(1, 2)
-        # The query heads that share a KV head become that head's queries: [n, kv_heads, group_size, d].
-        # One decode token attends to all its keys, so they need no causal mask, only the padding one.
+        # The query heads that share a KV head become that head's queries:
+        # [n, kv_heads, group_size, d]. One decode token attends to all its keys, so they need no
+        # causal mask, only the padding one.
         q_dec = q[group.rows].view(n, kv_heads, group_size, head_dim)
         o = F.scaled_dot_product_attention(q_dec, k_ctx, v_ctx, attn_mask=group.mask, scale=scale)
         out[group.rows] = o.reshape(n, kv_heads * group_size, head_dim)

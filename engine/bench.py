@@ -7,8 +7,10 @@ Six measurements, all in one process run, on one artifact and one dtype:
 1. Ceilings of the machine (measured): memory read bandwidth (sum of a large tensor, best of N)
    and matmul throughput per dtype (square matmul, the best kernel, best of N). From them two
    rooflines (derived):
-   - decode at batch 1 reads every weight once per token:   tokens/s ≤ bandwidth / weight bytes
-   - batched tokens cost 2 FLOP per weight (multiply + add): tokens/s ≤ matmul FLOP/s / (2 × weights)
+   - decode at batch 1 reads every weight once per token:
+     tokens/s ≤ bandwidth / weight bytes
+   - batched tokens cost 2 FLOP per weight (multiply + add):
+     tokens/s ≤ matmul FLOP/s / (2 × weights)
    Plus the engine's own linear layer at batch 1 over all weights (matrix × vector GB/s): what the
    matmul kernel allows a decode step before anything else in it runs.
 2. Offline throughput on a fixed, seeded workload (mixed prompt and output lengths, ignore_eos):
@@ -128,7 +130,8 @@ def _sync(device: torch.device) -> None:
 
 
 def _best_time(fn, device: torch.device, repeats: int) -> float:
-    """Shortest of `repeats` timed calls (after one warm-up): the machine's best, not its average."""
+    """Shortest of `repeats` timed calls (after one warm-up): the machine's best, not its
+    average."""
     fn()
     _sync(device)
     best = float("inf")
@@ -159,7 +162,8 @@ def percentiles(values: list[float], ps=(50, 90, 99)) -> dict[str, float | None]
 
 def _matmul_kernels(device: torch.device, dtype: torch.dtype) -> dict:
     """The ways this process can multiply matrices: torch's default (`a @ b`, BLAS on a CPU) and,
-    where the engine uses it, oneDNN's linear (engine/models/llama.py). A ceiling is the best of them."""
+    where the engine uses it, oneDNN's linear (engine/models/llama.py). A ceiling is the best of
+    them."""
     from engine.models.llama import ONEDNN_LINEAR, linear
 
     kernels = {"torch.matmul": lambda a, b: a @ b}
@@ -169,7 +173,8 @@ def _matmul_kernels(device: torch.device, dtype: torch.dtype) -> dict:
 
 
 def measure_bandwidth(device: torch.device, num_bytes: int, repeats: int) -> tuple[float, float]:
-    """(read, copy) GB/s: sum of a large float32 tensor reads every byte once; copy_ reads and writes."""
+    """(read, copy) GB/s: sum of a large float32 tensor reads every byte once; copy_ reads and
+    writes."""
     x = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
     y = torch.empty_like(x)
     read_s = _best_time(lambda: x.sum(), device, repeats)
@@ -226,7 +231,10 @@ def measure_matvec(model, device: torch.device, repeats: int) -> dict:
         "matvec_gb_s": nbytes / seconds / 1e9,
         "matvec_ms": seconds * 1e3,
         "kind": "measured",
-        "method": f"the engine's linear, 1 token × each of the {len(matrices)} weight matrices, best of {repeats}",
+        "method": (
+            f"the engine's linear, 1 token × each of the {len(matrices)} weight matrices, "
+            f"best of {repeats}"
+        ),
     }
 
 
@@ -253,15 +261,22 @@ def rooflines(ceilings: dict, numbers: dict, dtype: torch.dtype) -> dict:
     matvec = ceilings.get("matvec_gb_s")
     return {
         "decode_tokens_per_s": bandwidth / numbers["weight_bytes_per_step"],
-        "decode_formula": "memory read bandwidth ÷ weight bytes read per step (batch 1: one token per step)",
+        "decode_formula": (
+            "memory read bandwidth ÷ weight bytes read per step (batch 1: one token per step)"
+        ),
         # What the matmul kernel itself allows at batch 1, before attention and everything else.
         "decode_matvec_tokens_per_s": matvec * 1e9 / numbers["weight_bytes_per_step"]
         if matvec
         else None,
-        "decode_matvec_formula": "matrix-vector GB/s of the engine's linear ÷ weight bytes per step",
+        "decode_matvec_formula": (
+            "matrix-vector GB/s of the engine's linear ÷ weight bytes per step"
+        ),
         "compute_tokens_per_s": flops * 1e9 / numbers["flop_per_token"] if flops else None,
-        "compute_formula": "matmul FLOP/s ÷ (2 × matmul parameters) FLOP per token (attention not counted)",
-        # Below this batch, a decode step is limited by reading the weights; above it, by the matmuls.
+        "compute_formula": (
+            "matmul FLOP/s ÷ (2 × matmul parameters) FLOP per token (attention not counted)"
+        ),
+        # Below this batch, a decode step is limited by reading the weights; above it, by the
+        # matmuls.
         "balance_batch": (flops * 1e9 / numbers["flop_per_token"])
         / (bandwidth / numbers["weight_bytes_per_step"])
         if flops
@@ -730,7 +745,8 @@ def run_benchmark(config: BenchConfig, log=print) -> dict:
     }
 
     log(
-        f"[1/5] ceilings of {results['conditions']['device_name']} ({device.type}, {torch.get_num_threads()} threads)"
+        f"[1/5] ceilings of {results['conditions']['device_name']} ({device.type}, "
+        f"{torch.get_num_threads()} threads)"
     )
     ceilings = measure_ceilings(
         device, config.bandwidth_bytes, config.matmul_size, config.ceiling_repeats
@@ -751,7 +767,8 @@ def run_benchmark(config: BenchConfig, log=print) -> dict:
     offline = {"engine": {k: v for k, v in engine_run.items() if k != "tokens"}}
     if not config.skip_transformers:
         log(
-            f"      offline: the same requests through transformers, static batches of {config.max_num_seqs}"
+            "      offline: the same requests through transformers, static batches of "
+            f"{config.max_num_seqs}"
         )
         pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
         hf = run_transformers_static(model_dir, workload, config.max_num_seqs, device, dtype, pad)
@@ -809,7 +826,8 @@ def run_benchmark(config: BenchConfig, log=print) -> dict:
         capacity = engine_run["requests_per_s"]
         rates = [round(f * capacity, 4) for f in config.latency_rate_fractions]
     log(
-        f"[5/5] latency under load: Poisson arrivals at {', '.join(f'{r:.3g}' for r in rates)} requests/s"
+        "[5/5] latency under load: Poisson arrivals at "
+        f"{', '.join(f'{r:.3g}' for r in rates)} requests/s"
     )
     latency_workload = make_workload(
         config.latency_requests,
@@ -1058,9 +1076,12 @@ def _fmt(value, spec=".1f", none="—") -> str:
 def format_results(r: dict) -> str:
     c = r["conditions"]
     lines = [
-        f"Benchmark {c['date']}: {c['model_name']} ({c['num_parameters'] / 1e6:.1f} M parameters), {c['dtype']}, "
-        f"{c['device']} = {c['device_name']}, {c['threads']} threads{' (quick)' if c['quick'] else ''}",
-        f"  workload: {c['workload']['num_requests']} requests, prompt {c['workload']['prompt_len']} tokens, "
+        f"Benchmark {c['date']}: {c['model_name']} "
+        f"({c['num_parameters'] / 1e6:.1f} M parameters), {c['dtype']}, "
+        f"{c['device']} = {c['device_name']}, {c['threads']} threads"
+        f"{' (quick)' if c['quick'] else ''}",
+        f"  workload: {c['workload']['num_requests']} requests, "
+        f"prompt {c['workload']['prompt_len']} tokens, "
         f"output {c['workload']['output_len']} tokens, seed {c['seed']}; engine max_num_seqs "
         f"{c['engine']['max_num_seqs']}, token budget {c['engine']['max_num_batched_tokens']}",
         f"  kernels: {c.get('kernels', 'torch')}",
@@ -1074,16 +1095,23 @@ def format_results(r: dict) -> str:
     )
     lines += [
         f"  memory read bandwidth   {ce['memory_read_gb_s']:8.1f} GB/s   (samples "
-        f"{', '.join(f'{x:.1f}' for x in ce['memory_read_gb_s_samples'])}; copy {ce['memory_copy_gb_s']:.1f} GB/s)",
+        f"{', '.join(f'{x:.1f}' for x in ce['memory_read_gb_s_samples'])}; "
+        f"copy {ce['memory_copy_gb_s']:.1f} GB/s)",
         f"  matmul GFLOP/s          {mm}",
-        f"  matrix × vector         {ce['matvec_gb_s']:8.1f} GB/s   (the engine's linear over all weights, 1 token: "
+        f"  matrix × vector         {ce['matvec_gb_s']:8.1f} GB/s   "
+        "(the engine's linear over all weights, 1 token: "
         f"{ce['matvec_ms']:.1f} ms)",
         f"  weight bytes per step   {c['weight_bytes_per_step'] / 1e6:8.1f} MB     FLOP per token "
         f"{c['flop_per_token'] / 1e6:.0f} M",
-        f"  decode roofline (b=1)   {ro['decode_tokens_per_s']:8.1f} tokens/s  = bandwidth ÷ weight bytes",
-        f"  decode, matmuls alone   {ro['decode_matvec_tokens_per_s']:8.1f} tokens/s  = matrix × vector GB/s ÷ "
-        f"weight bytes ({100 * ro['decode_matvec_tokens_per_s'] / ro['decode_tokens_per_s']:.0f}% of the roofline)",
-        f"  compute roofline        {_fmt(ro['compute_tokens_per_s'], '8.1f')} tokens/s  = matmul FLOP/s ÷ "
+        f"  decode roofline (b=1)   {ro['decode_tokens_per_s']:8.1f} tokens/s  "
+        "= bandwidth ÷ weight bytes",
+        f"  decode, matmuls alone   {ro['decode_matvec_tokens_per_s']:8.1f} tokens/s  "
+        "= matrix × vector GB/s ÷ "
+        "weight bytes "
+        f"({100 * ro['decode_matvec_tokens_per_s'] / ro['decode_tokens_per_s']:.0f}% "
+        "of the roofline)",
+        f"  compute roofline        {_fmt(ro['compute_tokens_per_s'], '8.1f')} tokens/s  "
+        "= matmul FLOP/s ÷ "
         f"FLOP per token (batch ≥ {_fmt(ro['balance_batch'], '.0f')} is compute-bound)",
         "",
         "2. Offline throughput (output tokens/s, useful tokens only)",
@@ -1101,7 +1129,8 @@ def format_results(r: dict) -> str:
         )
         lines.append(
             f"  transformers (static)   {h['output_tokens_per_s']:8.1f}   {h['seconds']:.1f} s, "
-            f"{h['batches']} batches of {h['batch_size']}, {100 * waste:.0f}% of computed tokens are padding"
+            f"{h['batches']} batches of {h['batch_size']}, "
+            f"{100 * waste:.0f}% of computed tokens are padding"
         )
         agree = off["greedy_agreement"]
         lines.append(
@@ -1137,7 +1166,8 @@ def format_results(r: dict) -> str:
     lat = r["latency"]
     lines += [
         "",
-        f"5. Latency under load (Poisson arrivals, {lat['requests_per_rate']} requests per rate, seconds)",
+        f"5. Latency under load (Poisson arrivals, {lat['requests_per_rate']} requests per rate, "
+        "seconds)",
         "  rate/s   TTFT p50/p90/p99        TPOT p50/p90/p99        E2E p50/p90/p99         tok/s",
     ]
     for run in lat["runs"]:
@@ -1352,7 +1382,8 @@ def simulator_fidelity(
         },
         "simulated_wall_s": sim["wall_s"],
         "evidence": (
-            "real: measured on the engine clock (sum of measured step times); simulated: computed by "
+            "real: measured on the engine clock (sum of measured step times); "
+            "simulated: computed by "
             "the cost model with efficiencies fitted on a different workload; on a shared machine "
             "step times are noisy, so the errors move from run to run"
         ),
@@ -1372,7 +1403,8 @@ def format_fidelity(f: dict) -> str:
         err = "—" if row["relative_error"] is None else f"{100 * row['relative_error']:+.1f} %"
         lines.append(
             f"  {name:<22} {_fmt(row['real'], '12.3f')}       {_fmt(row['simulated'], '12.3f')}"
-            f"          {err:>8}  {'within' if row['met'] else 'NOT within'} {100 * f['target']:.0f} %"
+            f"          {err:>8}  "
+            f"{'within' if row['met'] else 'NOT within'} {100 * f['target']:.0f} %"
         )
     lines.append(
         f"  steps real {f['steps']['real']} / simulated {f['steps']['simulated']}; preemptions "

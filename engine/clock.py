@@ -27,7 +27,8 @@ class EngineClock:
         self._step_wall_start = time.perf_counter()
 
     def end_step(self, duration: float | None = None) -> float:
-        """Close the step: advance by `duration` (simulated) or by the wall time it took. Returns it."""
+        """Close the step: advance by `duration` (simulated) or by the wall time it took.
+        Returns it."""
         measured = (
             time.perf_counter() - self._step_wall_start
             if self._step_wall_start is not None

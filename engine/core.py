@@ -45,7 +45,8 @@ class EngineCore:
         tokenizer: Tokenizer | None = None,
         **overrides,
     ):
-        # A copy with the overrides: the caller's config is never changed; unknown names raise TypeError.
+        # A copy with the overrides: the caller's config is never changed; unknown names raise
+        # TypeError.
         config = dataclasses.replace(config or EngineConfig(), **overrides)
         self.config = config
         # A simulated engine (engine/simulator.py) passes a preset's shapes and a stand-in
@@ -72,10 +73,12 @@ class EngineCore:
                 sc.num_speculative_tokens, sc.prompt_lookup_max, sc.prompt_lookup_min
             )
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
-            # Without chunking a request is prefilled (or, after preemption, recomputed) in one step,
-            # so one step must be able to hold the longest request; vLLM refuses the same way.
+            # Without chunking a request is prefilled (or, after preemption, recomputed) in one
+            # step, so one step must be able to hold the longest request; vLLM refuses the same
+            # way.
             raise ValueError(
-                f"with chunked prefill off, max_num_batched_tokens ({config.max_num_batched_tokens}) must be at "
+                "with chunked prefill off, max_num_batched_tokens "
+                f"({config.max_num_batched_tokens}) must be at "
                 f"least max_model_len ({self.max_model_len})"
             )
 
@@ -131,7 +134,8 @@ class EngineCore:
         self._prefix_cache_counts = (0, 0)  # (queries, hits) at the last step's end
 
     def _configure_cuda_graphs(self) -> str:
-        """Decode steps replay CUDA graphs on a GPU unless `enforce_eager` (engine/cuda_graphs.py)."""
+        """Decode steps replay CUDA graphs on a GPU unless `enforce_eager`
+        (engine/cuda_graphs.py)."""
         if self.device.type != "cuda" or not isinstance(self.executor, UniProcExecutor):
             return f"off (device is {self.device.type})"
         from engine.cuda_graphs import configure_engine
@@ -231,8 +235,10 @@ class EngineCore:
         total = num_prompt_tokens + (max_tokens or 0)
         if num_prompt_tokens >= self.max_model_len or total > self.max_model_len:
             raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the request has "
-                f"{num_prompt_tokens} prompt tokens and asks for {max_tokens or 0} output tokens ({total} in total)",
+                f"this model's maximum context length is {self.max_model_len} tokens, "
+                "but the request has "
+                f"{num_prompt_tokens} prompt tokens and asks for {max_tokens or 0} output tokens "
+                f"({total} in total)",
                 "max_tokens" if num_prompt_tokens < self.max_model_len else "prompt",
                 max_model_len=self.max_model_len,
                 num_prompt_tokens=num_prompt_tokens,
@@ -410,7 +416,8 @@ class EngineCore:
             request.spec_token_ids = drafts
 
     def _fail_requests(self, errors: dict[str, str], step: int) -> None:
-        """End requests the engine could not serve; their clients get the error, the loop goes on."""
+        """End requests the engine could not serve; their clients get the error, the loop goes
+        on."""
         for request_id, message in errors.items():
             request = self.live_requests.get(request_id)
             if request is None:

@@ -124,7 +124,8 @@ class BlockPool:
         return taken
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:
-        """A prefix hit: one more request uses these blocks; cached-free ones leave the free queue."""
+        """A prefix hit: one more request uses these blocks; cached-free ones leave the free
+        queue."""
         for block in blocks:
             if block.ref_cnt == 0:
                 del self.free_queue[block.block_id]

@@ -30,7 +30,8 @@ from engine.trace import StepRecord
 
 logger = logging.getLogger(__name__)
 
-# vLLM's buckets, with finer steps below 10 ms added: a small model on a CPU decodes in milliseconds.
+# vLLM's buckets, with finer steps below 10 ms added: a small model on a CPU decodes in
+# milliseconds.
 TTFT_BUCKETS = [
     0.001,
     0.0025,
@@ -247,7 +248,8 @@ class ServerMetrics:
         )
 
     def on_step(self, record: StepRecord) -> None:
-        """Step listener (runs in the engine thread). It must never raise: that would stop the engine."""
+        """Step listener (runs in the engine thread). It must never raise: that would stop the
+        engine."""
         try:
             self._observe(record)
         except Exception:  # noqa: BLE001 - a metrics bug must not take the engine down

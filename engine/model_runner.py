@@ -193,7 +193,8 @@ class ModelRunner:
     def sample(
         self, logits: torch.Tensor, producing: list
     ) -> tuple[dict[str, SampleResult], dict[str, str]]:
-        """Sample the whole batch at once; if that fails, row by row, so only the bad request fails."""
+        """Sample the whole batch at once; if that fails, row by row, so only the bad request
+        fails."""
         ids, params = [s.request_id for s in producing], [s.sampling_params for s in producing]
         try:
             return dict(zip(ids, self.sampler(logits, ids, params))), {}

@@ -78,7 +78,8 @@ class OutputProcessor:
         return None
 
     def make_error_output(self, request: Request) -> RequestOutput:
-        """The last output of a request the engine failed: what was streamed stays, the error is added."""
+        """The last output of a request the engine failed: what was streamed stays, the error is
+        added."""
         state = self.states.pop(request.request_id, None)
         text = state.text[: state.num_streamed_chars] if state else ""
         return RequestOutput(

@@ -40,7 +40,9 @@ class JourneyEvent:
     """One timestamped moment of a request's life (what chapter 01's swimlane draws)."""
 
     time: float  # wall clock: time.perf_counter() seconds
-    kind: str  # arrival, tokenized, queued, scheduled, first_token, token, preempted, resumed, streamed, finished
+    # arrival, tokenized, queued, scheduled, first_token, token, preempted, resumed, streamed,
+    # finished
+    kind: str
     step: int | None = None
     detail: dict = field(default_factory=dict)
     engine_time: float | None = (

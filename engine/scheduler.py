@@ -85,7 +85,8 @@ class StepPlan:
         self.budget.remaining -= scheduled.num_tokens
 
     def withdraw(self, request_id: str) -> None:
-        """A request scheduled earlier in this step was preempted: its tokens return to the budget."""
+        """A request scheduled earlier in this step was preempted: its tokens return to the
+        budget."""
         if request_id in self.scheduled:
             self.budget.remaining += self.scheduled.pop(request_id).num_tokens
 
@@ -114,7 +115,8 @@ class SchedulingPolicy:
 
 
 class PriorityPolicy(SchedulingPolicy):
-    """Lower `priority` value first (then earlier arrival); the least important runs are preempted."""
+    """Lower `priority` value first (then earlier arrival); the least important runs are
+    preempted."""
 
     name = "priority"
 
@@ -215,7 +217,8 @@ class Scheduler:
         return self._finalize(plan)
 
     def _schedule_running(self, plan: StepPlan) -> None:
-        """Each running request gets its next tokens; if the KV cache is full, someone is preempted."""
+        """Each running request gets its next tokens; if the KV cache is full, someone is
+        preempted."""
         for request in list(self.running):
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step to make room for another
@@ -255,7 +258,8 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
         """Admit waiting requests in the policy's order while they fit. Once one cannot be
-        admitted, all behind it wait too (no overtaking), and none is admitted after a preemption."""
+        admitted, all behind it wait too (no overtaking), and none is admitted after a
+        preemption."""
         self.policy.begin_admission(self.waiting, self.running, self.config.max_num_seqs)
         blocked = REASON_NO_KV_BLOCKS if plan.preempted else None
         for request in self.policy.order_waiting(self.waiting):

@@ -80,12 +80,14 @@ class LlamaConfig:
 
     @property
     def kv_elements_per_token(self) -> int:
-        """K/V values one token stores: 2 (K and V) × layers × kv_heads × head_dim (× dtype size = bytes)."""
+        """K/V values one token stores: 2 (K and V) × layers × kv_heads × head_dim
+        (× dtype size = bytes)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
 
 def _onednn_linear_works() -> bool:
-    """True if this PyTorch build can call oneDNN's linear kernel directly (CPU builds with oneDNN)."""
+    """True if this PyTorch build can call oneDNN's linear kernel directly (CPU builds with
+    oneDNN)."""
     try:
         x = torch.ones(1, 2)
         return torch.ops.mkldnn._linear_pointwise(
@@ -116,7 +118,8 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Scale each token's vector to unit root-mean-square, then by a learned per-channel weight.
     Computed in float32 whatever the model dtype, as the reference implementation does."""
-    # F.rms_norm is x * rsqrt(mean(x²) + eps) in one fused call (the same numbers as spelling it out).
+    # F.rms_norm is x * rsqrt(mean(x²) + eps) in one fused call (the same numbers as spelling it
+    # out).
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
@@ -158,7 +161,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaModel:
-    """Weights as plain tensors and a forward function; no nn.Module machinery is needed to infer."""
+    """Weights as plain tensors and a forward function; no nn.Module machinery is needed to
+    infer."""
 
     def __init__(
         self,
