@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from engine.kv_cache import KVCacheManager, chained_block_hash
@@ -500,11 +500,13 @@ def test_property_driver_sees_preemption_chunking_and_every_reason():
     seen: set = set()
     preemptions = hits = 0
 
+    # A fixed seed, not derandomize: derandomize seeds from the function's source text, so merely
+    # reformatting this test used to change which scenarios ran.
+    @seed(1)
     @settings(
-        max_examples=150,
+        max_examples=200,
         deadline=None,
         database=None,
-        derandomize=True,
         suppress_health_check=list(HealthCheck),
     )
     @given(scenarios())
@@ -525,6 +527,7 @@ def test_property_driver_sees_preemption_chunking_and_every_reason():
         REASON_STATIC_BATCH,
     }
     assert reasons <= seen
+    assert {"swap_out", "swap_in"} <= seen
     assert preemptions > 0 and hits > 0
 
 
