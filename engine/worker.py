@@ -9,6 +9,7 @@ maximum model length is refused at start-up, with both numbers in the error.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,6 +43,26 @@ def is_model_loaded(model_dir: str | Path, device: torch.device, dtype: torch.dt
     """Whether these weights are already in this process (the next load is then free)."""
     with _weights_lock:
         return (str(Path(model_dir).resolve()), str(device), dtype) in _loaded_models
+
+
+@dataclass
+class DeviceMemory:
+    """What the GPU driver reports now (torch.cuda.mem_get_info), in bytes."""
+
+    name: str
+    total: int
+    free: int
+    allocated_by_torch: int
+
+
+def device_memory(device: torch.device) -> DeviceMemory | None:
+    """The GPU's name and memory (measured now); None on a CPU."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return DeviceMemory(
+        torch.cuda.get_device_name(device), total, free, torch.cuda.memory_allocated(device)
+    )
 
 
 def resolve_device(device: str) -> torch.device:

@@ -178,6 +178,7 @@ def validate_settings(settings: EngineSettings) -> tuple[EngineSettings, str, bo
 
 def engine_status(key: str = "main") -> None:
     """Device, dtype, blocks used/total and running/waiting of the session's engine (sidebar)."""
+    from engine.worker import device_memory
     from ui.registry import MB, get_registry, lazy_worker_of, planned_kv_bytes
 
     track_session()
@@ -207,6 +208,15 @@ def engine_status(key: str = "main") -> None:
         f"대기 **{len(engine.scheduler.waiting)}**\n"
         f"- 스텝 **{engine.stats['steps']}**"
     )
+    gpu = device_memory(engine.device)
+    if gpu is not None:
+        gib = 1 << 30
+        st.markdown(
+            f"- GPU **{gpu.name}**: 가중치 {engine.weight_bytes() / gib:.2f} GiB · "
+            f"KV {engine.kv_cache_bytes() / gib:.2f} GiB · 여유 {gpu.free / gib:.1f}/"
+            f"{gpu.total / gib:.1f} GiB"
+        )
+        st.caption("측정값: torch.cuda.mem_get_info, 이 프로세스의 모든 세션 합계")
     st.caption(classroom)
 
 
