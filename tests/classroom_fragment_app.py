@@ -1,4 +1,4 @@
-"""Chapter 00's lab run inside st.fragment, the way issue 11's shared lab component runs it.
+"""Chapter 00's lab alone, on the shared lab component (ui/lab.py, which runs in st.fragment).
 
     .venv/bin/python -m streamlit run tests/classroom_fragment_app.py
 
@@ -15,21 +15,21 @@ if str(ROOT) not in sys.path:
 
 import streamlit as st  # noqa: E402
 
-from ui.session import get_engine, get_records  # noqa: E402
-from ui.widgets import lab_plots, request_controls  # noqa: E402
+from ui.lab import LabContext  # noqa: E402
+from ui.lab import lab as engine_lab  # noqa: E402
+from ui.registry import lazy_worker_of  # noqa: E402
+from ui.session import get_records  # noqa: E402
 
 st.set_page_config(page_title="조각 실험실", layout="wide")
 runs = st.session_state["_page_runs"] = st.session_state.get("_page_runs", 0) + 1
 st.caption(f"페이지 실행 {runs}회")
 
 
-@st.fragment
-def lab() -> None:
-    engine = get_engine("main")
-    request_controls("main", default_max_tokens=24)
-    lab_plots("main")
-    allocated = "예" if engine.executor.worker.kv_allocated else "아니오"
+def fragment_marker(ctx: LabContext) -> None:
+    """Drawn inside the lab's fragment: what the fragment alone saw."""
+    worker = lazy_worker_of(ctx.engines["main"])
+    allocated = "예" if worker is None or worker.kv_allocated else "아니오"
     st.caption(f"조각 안: 스텝 {len(get_records('main'))}개 · KV 텐서 할당 {allocated}")
 
 
-lab()
+engine_lab("main", default_max_tokens=24, chapter_view=fragment_marker, show_code_panel=False)

@@ -114,7 +114,7 @@ def test_chapter02_lab_to_the_end(browser_page, app_url):
     page = browser_page
     open_page(page, f"{app_url}/{url_of('02')}")
     assert "글자당 토큰" in page.inner_text("body")
-    click(page, "예시 요청 추가")  # the default preset is the Korean self-introduction
+    click(page, "예시 요청 추가")  # the default preset: "What is the capital of France?"
     page.get_by_label("직접 쓴 프롬프트").fill("Explain the KV cache in one sentence.")
     click(page, "요청 추가")
     click(page, "다음 스텝")
@@ -129,10 +129,10 @@ def test_chapter02_lab_to_the_end(browser_page, app_url):
         shutil.copy(SHOTS / "ch02_lab_mid_run.png", README_SHOT)
     finish_lab(page)
     body = page.inner_text("body")
-    assert "한국어로 자기소개를 해 주세요." in body  # the streamed panel shows the Korean request
+    assert "What is the capital of France?" in body  # the streamed panel shows the request
     stream = body[body.index("스트리밍된 글") :]
     generated = (
-        stream.split("프롬프트: 한국어로 자기소개를 해 주세요.", 1)[1].strip().splitlines()[0]
+        stream.split("프롬프트: What is the capital of France?", 1)[1].strip().splitlines()[0]
     )
     assert generated and generated != "…", "the generated text is shown"
     assert "TTFT, TPOT, E2E" in body  # the metrics of the finished request (측정값)
