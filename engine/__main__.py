@@ -8,6 +8,7 @@ import json
 import sys
 
 from engine.artifact import ArtifactError
+from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 
 # engine.server.API_KEY_ENV, spelled out: importing the server here would load torch for --help.
 SERVE_API_KEY_ENV = "LLM_LAB_API_KEY"
@@ -251,8 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
     p.add_argument("--log-level", default="info")
     p.add_argument("--speculative-config", type=speculative_config_arg, help=SPEC_HELP)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -294,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         "--max-num-batched-tokens",
         type=int,
         default=None,
-        help="engine token budget per step (512)",
+        help=f"engine token budget per step ({DEFAULT_MAX_NUM_BATCHED_TOKENS})",
     )
     p.add_argument(
         "--latency-requests",
@@ -346,9 +347,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=1000)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument(
-        "--max-num-batched-tokens", type=int, default=None, help="token budget per step (512)"
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help=f"token budget per step ({DEFAULT_MAX_NUM_BATCHED_TOKENS})",
     )
-    p.add_argument("--max-num-seqs", type=int, default=None, help="requests running at once (32)")
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help=f"requests running at once ({DEFAULT_MAX_NUM_SEQS})",
+    )
     p.add_argument(
         "--max-model-len",
         type=int,

@@ -51,6 +51,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench-results"
 LATEST_RESULTS = RESULTS_DIR / "latest.json"
 
@@ -76,7 +78,7 @@ class BenchConfig:
     prompt_len: tuple[int, int] = (16, 512)
     output_len: tuple[int, int] = (16, 256)
     max_num_seqs: int = 32  # the engine's maximum batch, and transformers' static batch size
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     # batch-1 decode and overhead probes
     probe_prompt_len: int = 128
     probe_output_len: int = 128

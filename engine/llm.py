@@ -11,6 +11,7 @@ from typing import AsyncIterator, Callable
 
 from tqdm.auto import tqdm
 
+from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from engine.core import EngineConfig, EngineCore
 from engine.output import RequestOutput
 from engine.sampling_params import InvalidRequestError, SamplingParams
@@ -29,8 +30,8 @@ class LLM:
         dtype: str | None = None,
         block_size: int = 16,
         num_kv_blocks: int | None = None,
-        max_num_batched_tokens: int = 512,
-        max_num_seqs: int = 32,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         enable_prefix_caching: bool = True,
         scheduling_policy: str = "fcfs",
         speculative_config: dict | None = None,

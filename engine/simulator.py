@@ -31,6 +31,7 @@ from engine.config import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
     EngineConfig,
 )
 from engine.cost_model import CostModel, Efficiency, StepCost
@@ -208,7 +209,7 @@ class SimulatedExecutor(Executor):
         block_size: int,
         tensor_parallel_size: int = 1,
         efficiency: Efficiency | None = None,
-        max_num_seqs: int = 32,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         output_len: Callable[[str], int | None] | None = None,
         filler_token_id: int | None = None,
     ):
