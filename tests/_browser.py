@@ -50,50 +50,66 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_streamlit(
+    log_path: Path,
+    app: str = "app.py",
+    env: dict[str, str] | None = None,
+    start_timeout_s: float = 120,
+    extra_args: tuple[str, ...] = (),
+) -> tuple[subprocess.Popen, str]:
+    """`streamlit run app` on 127.0.0.1 and a free port; returns (process, URL) once
+    /_stcore/health answers, else stops it and raises RuntimeError with the log's tail."""
+    python = str(VENV_PYTHON) if VENV_PYTHON.exists() else sys.executable
+    port = free_port()
+    cmd = [python, "-m", "streamlit", "run", app, "--server.port", str(port), *extra_args]
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env or None
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + start_timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_process(proc)
+            raise RuntimeError(f"streamlit did not start:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.3)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 @contextmanager
 def streamlit_server(log_path: Path, start_timeout_s: float = 120):
     """Start the app on 127.0.0.1 and yield its URL once /_stcore/health answers."""
-    python = str(VENV_PYTHON) if VENV_PYTHON.exists() else sys.executable
-    port = free_port()
-    cmd = [
-        python,
-        "-m",
-        "streamlit",
-        "run",
-        "app.py",
+    flags = (
         "--server.headless",
         "true",
         "--server.address",
         "127.0.0.1",
-        "--server.port",
-        str(port),
         "--browser.gatherUsageStats",
         "false",
         "--server.fileWatcherType",
         "none",
-    ]
-    with open(log_path, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    )
     try:
-        deadline = time.monotonic() + start_timeout_s
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"streamlit did not start:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.3)
+        proc, url = start_streamlit(log_path, start_timeout_s=start_timeout_s, extra_args=flags)
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    try:
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
 
 
 @contextmanager

@@ -81,3 +81,18 @@ def write_tiny_model(path: Path, hf_config, seed: int = 0) -> None:
     config_dict = hf_config.to_dict()
     config_dict["torch_dtype"] = "float32"
     (path / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True))
+
+
+def run_engine(engine, max_steps: int = 2000):
+    """Step an EngineCore until idle: (records, final outputs by id, streamed text by id)."""
+    records, final, streamed = [], {}, {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return records, final, streamed
+        record = engine.step()
+        records.append(record)
+        for out in record.outputs:
+            streamed[out.request_id] = streamed.get(out.request_id, "") + out.delta_text
+            if out.finished:
+                final[out.request_id] = out
+    raise AssertionError(f"engine still busy after {max_steps} steps")

@@ -91,6 +91,25 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def make_engine(tiny_model_dir):
+    """A factory of EngineCores on the tiny model (small KV cache, CPU); overrides per call."""
+    from engine.core import EngineConfig, EngineCore
+
+    def make(**overrides) -> EngineCore:
+        config = dict(
+            model=str(tiny_model_dir),
+            device="cpu",
+            num_kv_blocks=64,
+            max_model_len=256,
+            block_size=16,
+        )
+        config.update(overrides)
+        return EngineCore(EngineConfig(**config))
+
+    return make
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_dir):
     from engine.tokenizer import Tokenizer

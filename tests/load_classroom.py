@@ -23,44 +23,17 @@ import argparse
 import asyncio
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-IDLE = "[data-testid='stApp'][data-test-script-state='notRunning']"
-RUNNING = "[data-testid='stApp'][data-test-script-state='running']"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
+from _browser import CHROMIUM_ARGS, IDLE, RUNNING, find_chromium, start_streamlit, stop_process
+
 MB = 1 << 20
 TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def find_chromium() -> str | None:
-    import shutil
-
-    for candidate in (
-        os.environ.get("CHROMIUM"),
-        "/usr/bin/chromium",
-        shutil.which("chromium"),
-        shutil.which("chromium-browser"),
-        shutil.which("google-chrome"),
-    ):
-        if candidate and Path(candidate).exists():
-            return candidate
-    return None
 
 
 def cpu_seconds(pid: int) -> float:
@@ -76,50 +49,17 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """`streamlit run app.py` on 127.0.0.1 with the classroom's environment."""
 
     def __init__(
         self, log_path: Path, env: dict[str, str], app: str = "app.py", start_timeout_s: float = 180
     ):
-        python = ROOT / ".venv" / "bin" / "python"
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.status_file = Path(tempfile.mkdtemp(prefix="llm-lab-")) / "status.json"
         full_env = {**os.environ, "LLM_LAB_STATUS_FILE": str(self.status_file), **env}
-        cmd = [
-            str(python if python.exists() else sys.executable),
-            "-m",
-            "streamlit",
-            "run",
-            app,
-            "--server.port",
-            str(self.port),
-        ]
         self.log_path = log_path
-        with open(log_path, "w") as out:
-            self.proc = subprocess.Popen(
-                cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=full_env
-            )
+        self.proc, self.url = start_streamlit(log_path, app, full_env, start_timeout_s)
         self.pid = self.proc.pid
-        deadline = time.monotonic() + start_timeout_s
-        while True:
-            try:
-                with urllib.request.urlopen(f"{self.url}/_stcore/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"streamlit did not start:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.3)
 
     def status(self) -> dict | None:
         try:
@@ -128,11 +68,7 @@ class Server:
             return None
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_process(self.proc)
 
 
 @dataclass

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _tiny import TINY_VOCAB_SIZE
+from _tiny import TINY_VOCAB_SIZE, run_engine
 from engine import InvalidRequestError, SamplingParams
-from engine.core import EngineConfig, EngineCore
+from engine.core import EngineCore
 from engine.trace import (
     PHASES,
     journey_dataframe,
@@ -24,22 +24,6 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def make_engine(tiny_model_dir):
-    def make(**overrides) -> EngineCore:
-        config = dict(
-            model=str(tiny_model_dir),
-            device="cpu",
-            num_kv_blocks=64,
-            max_model_len=256,
-            block_size=16,
-        )
-        config.update(overrides)
-        return EngineCore(EngineConfig(**config))
-
-    return make
-
-
-@pytest.fixture(scope="module")
 def engine(make_engine):
     return make_engine()
 
@@ -51,17 +35,7 @@ def ids(n: int, start: int = 1000) -> list[int]:
 
 def run(engine: EngineCore, max_steps: int = 2000):
     """Step until idle. Returns (records, final outputs by id, streamed text by id)."""
-    records, final, streamed = [], {}, {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            return records, final, streamed
-        record = engine.step()
-        records.append(record)
-        for out in record.outputs:
-            streamed[out.request_id] = streamed.get(out.request_id, "") + out.delta_text
-            if out.finished:
-                final[out.request_id] = out
-    raise AssertionError(f"engine still busy after {max_steps} steps")
+    return run_engine(engine, max_steps)
 
 
 def generate(engine: EngineCore, prompts: dict[str, list[int]], params: SamplingParams | dict):

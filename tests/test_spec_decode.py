@@ -18,9 +18,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _tiny import TINY_VOCAB_SIZE
+from _tiny import TINY_VOCAB_SIZE, run_engine
 from engine import SamplingParams
-from engine.core import EngineConfig, EngineCore
+from engine.core import EngineCore
 from engine.sampler import Sampler
 from engine.spec_decode import NgramProposer, RejectionSampler, SpeculativeConfig
 from engine.spec_decode.rejection_sampler import verify_greedy
@@ -79,35 +79,9 @@ def test_bad_speculative_config_is_refused_at_start_up(make_engine, bad, message
 # -- the engine on the tiny model --------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def make_engine(tiny_model_dir):
-    def make(**overrides) -> EngineCore:
-        config = dict(
-            model=str(tiny_model_dir),
-            device="cpu",
-            num_kv_blocks=64,
-            max_model_len=256,
-            block_size=16,
-        )
-        config.update(overrides)
-        return EngineCore(EngineConfig(**config))
-
-    return make
-
-
 def run(engine: EngineCore, max_steps: int = 3000):
     """Step until idle. Returns (records, final outputs by id, streamed text by id)."""
-    records, final, streamed = [], {}, {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            return records, final, streamed
-        record = engine.step()
-        records.append(record)
-        for out in record.outputs:
-            streamed[out.request_id] = streamed.get(out.request_id, "") + out.delta_text
-            if out.finished:
-                final[out.request_id] = out
-    raise AssertionError(f"engine still busy after {max_steps} steps")
+    return run_engine(engine, max_steps)
 
 
 def generate(engine: EngineCore, prompts: dict[str, list[int]], params: SamplingParams):
