@@ -333,7 +333,7 @@ class EngineCore:
             request = self.live_requests.get(request_id)
             if request is None:
                 continue
-            tokens = self.scheduler.cut_at_stop(request, [r.token_id for r in _as_list(results)])
+            tokens = self.scheduler.cut_at_stop(request, [r.token_id for r in results])
             try:
                 new_tokens[request_id], stop = self._detokenize(request, tokens)
             except Exception as error:  # noqa: BLE001 — fail this request only
@@ -356,7 +356,7 @@ class EngineCore:
         for request_id, tokens in new_tokens.items():
             request = self.live_requests.get(request_id)
             if request is not None:
-                results = _as_list(runner_output.sampled[request_id])
+                results = runner_output.sampled[request_id]
                 self._keep_logprobs(request, results[: len(tokens)])
                 outputs.append(
                     self._emit_tokens(
@@ -500,7 +500,7 @@ class EngineCore:
             s.num_prefix_hit_tokens,
             s.num_recomputed_tokens,
         )
-        results = _as_list(runner_output.sampled.get(s.request_id, []))
+        results = runner_output.sampled.get(s.request_id, [])
         if s.draft_token_ids and results:
             record.draft_token_ids = list(s.draft_token_ids)
             record.num_accepted_tokens = len(results) - 1
@@ -523,12 +523,6 @@ class EngineCore:
     def _num_prompt_tokens(self, request_id: str) -> int:
         request = self.get_request(request_id)
         return request.num_prompt_tokens if request else 0
-
-
-def _as_list(results: list[SampleResult] | SampleResult) -> list[SampleResult]:
-    """A runner's new tokens for one request (a bare SampleResult, from an executor written for
-    one token per step, is a list of one)."""
-    return results if isinstance(results, list) else [results]
 
 
 class StepTimer:

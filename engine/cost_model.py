@@ -87,9 +87,8 @@ class CostModel:
         self.layer_params = {k: v / self.tp for k, v in per_layer.items()}
         self.lm_head_params = c.vocab_size * h / self.tp
         self.kv_heads_per_gpu = max(c.num_kv_heads // self.tp, 1)  # replicated when N > KV heads
-        self.kv_bytes_per_token = (
-            2 * c.num_layers * self.kv_heads_per_gpu * d * self.dtype_bytes
-        )  # per GPU
+        # per GPU
+        self.kv_bytes_per_token = 2 * c.num_layers * self.kv_heads_per_gpu * d * self.dtype_bytes
         self.heads_per_gpu = c.num_heads / self.tp
 
     # -- the terms (seconds at 100 % of peak) -------------------------------------------------
@@ -114,9 +113,8 @@ class CostModel:
             attention += max(kv_read / hw.memory_bandwidth, flops / hw.peak_flops)
         allreduce_bytes = tokens * c.hidden_size * b
         ring = 2 * (self.tp - 1) / self.tp if self.tp > 1 else 0.0
-        link = (
-            hw.interconnect_bandwidth / 2 if hw.interconnect_bandwidth else float("inf")
-        )  # per direction
+        # per direction
+        link = hw.interconnect_bandwidth / 2 if hw.interconnect_bandwidth else float("inf")
         return {
             "tokens": tokens,
             "requests": len(batch),

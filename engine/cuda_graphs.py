@@ -80,9 +80,8 @@ class GraphStats:
 
     graph_steps: int = 0
     eager_steps: int = 0
-    captures: list[tuple[int, int]] = field(
-        default_factory=list
-    )  # (batch, blocks) in capture order
+    # (batch, blocks) in capture order
+    captures: list[tuple[int, int]] = field(default_factory=list)
     padded_rows: int = 0
 
 

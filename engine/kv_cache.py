@@ -100,9 +100,8 @@ class BlockPool:
             (b.block_id, b) for b in self.blocks
         )
         self.cached: dict[int, list[KVCacheBlock]] = {}  # block hash → blocks with that hash
-        self.cached_free: set[int] = (
-            set()
-        )  # ids of free blocks still holding cached K/V (for snapshots)
+        # ids of free blocks still holding cached K/V (for snapshots)
+        self.cached_free: set[int] = set()
         self.enable_caching = enable_caching
 
     @property

@@ -41,9 +41,8 @@ class ModelRunnerOutput:
     # Only requests whose scheduled tokens reached their end: the new tokens, in order. One for a
     # plain decode or prefill; with drafts, the accepted drafts and then the model's own token.
     sampled: dict[str, list[SampleResult]]
-    timings: dict[str, float] = field(
-        default_factory=dict
-    )  # seconds: prepare_inputs, forward, sample
+    # seconds: prepare_inputs, forward, sample (and swap)
+    timings: dict[str, float] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # request_id → why it could not be sampled
     simulated_duration: float | None = None  # a simulated executor's computed step time (seconds)
 

@@ -406,8 +406,8 @@ class Scheduler:
     ) -> list[Request]:
         """Advance each scheduled request, append its new tokens, stop it if it is done.
         `new_token_ids`: per request the tokens this step produced, in order (one, or with
-        speculative decoding the accepted drafts and the target's own token; a bare int is
-        taken as one token). Tokens after one that stops the request are dropped.
+        speculative decoding the accepted drafts and the target's own token). Tokens after one
+        that stops the request are dropped.
         `stop_strings`: requests whose text now contains a stop string at their last new token
         (the output processor found it). Returns the requests that finished in this step."""
         stop_strings = stop_strings or {}
@@ -421,7 +421,7 @@ class Scheduler:
             tokens = new_token_ids.get(s.request_id, [])
             status = self._append_tokens(
                 request,
-                [tokens] if isinstance(tokens, int) else tokens,
+                tokens,
                 stop_strings.get(s.request_id),
             )
             if s.draft_token_ids:

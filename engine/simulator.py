@@ -288,18 +288,13 @@ class SimulatedExecutor(Executor):
             len(producing),
         )
         self.costs.append(cost)
-        self.clock.step_duration = (
-            cost.total_s
-        )  # tokens of this step are stamped at its computed end
+        # tokens of this step are stamped at its computed end
+        self.clock.step_duration = cost.total_s
         sampled = {
-            s.request_id: SampleResult(self._next_token(s.request_id, s.sampling_params))
+            s.request_id: [SampleResult(self._next_token(s.request_id, s.sampling_params))]
             for s in producing
         }
-        timings = {
-            "prepare_inputs": 0.0,
-            "forward": cost.model_s,
-            "sample": 0.0,
-        }  # computed, not measured
+        timings = {"prepare_inputs": 0.0, "forward": cost.model_s, "sample": 0.0}  # computed
         return ModelRunnerOutput(sampled, timings, simulated_duration=cost.total_s)
 
     def _next_token(self, request_id: str, params: SamplingParams) -> int:
@@ -369,9 +364,8 @@ def make_simulated_engine(
     )
     tokenizer = SimTokenizer(preset.config.vocab_size, preset.bos_token_id, preset.eos_token_id)
     engine = EngineCore(config, executor=executor, model_config=preset.config, tokenizer=tokenizer)
-    engine.clock = (
-        executor.clock
-    )  # before any request exists: each request keeps its engine's clock
+    # before any request exists: each request keeps its engine's clock
+    engine.clock = executor.clock
     return engine
 
 

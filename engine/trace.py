@@ -46,9 +46,8 @@ class StepRecord:
     new_tokens: dict[str, list[int]]
     finished: dict[str, str]  # request_id → finish reason
     kv: KVSnapshot
-    outputs: list = field(
-        default_factory=list, repr=False
-    )  # RequestOutput per request that advanced
+    # RequestOutput per request that advanced
+    outputs: list = field(default_factory=list, repr=False)
     engine_start_time: float = (
         0.0  # on the engine clock (engine/clock.py): seconds since it started
     )

@@ -69,7 +69,7 @@ def step(sched: Scheduler, token: int = 5):
     """One fake engine step: every request that produces a token gets `token`."""
     out = sched.schedule()
     finished = sched.update_from_output(
-        out, {s.request_id: token for s in out.scheduled if s.produces_token}
+        out, {s.request_id: [token] for s in out.scheduled if s.produces_token}
     )
     return out, finished
 
@@ -280,7 +280,7 @@ class Driver:
         sampled = {}
         for s in out.scheduled:
             if s.produces_token:
-                sampled[s.request_id] = self.rng.randrange(VOCAB)
+                sampled[s.request_id] = [self.rng.randrange(VOCAB)]
         before_out = {
             rid: list(sched.requests[rid].output_token_ids)
             for rid in sampled
@@ -289,7 +289,7 @@ class Driver:
         finished = sched.update_from_output(out, sampled)
         for rid, tokens in before_out.items():
             request = sched.requests.get(rid) or next(r for r in finished if r.request_id == rid)
-            assert request.output_token_ids == tokens + [sampled[rid]]
+            assert request.output_token_ids == tokens + sampled[rid]
         for request in finished:
             self.check_finish(request)
             self.finished[request.request_id] = request
@@ -891,12 +891,12 @@ def test_eos_stop_tokens_min_tokens_and_max_model_len():
     out = sched.schedule()
     finished = {
         r.request_id: r
-        for r in sched.update_from_output(out, {rid: EOS for rid in out.num_scheduled_tokens})
+        for r in sched.update_from_output(out, {rid: [EOS] for rid in out.num_scheduled_tokens})
     }
     assert set(finished) == {"eos"} and finished["eos"].finish_reason == "stop"
     assert finished["eos"].stop_reason is None
     out = sched.schedule()
-    tokens = {"ignored": EOS, "stop_id": 5, "min": EOS, "ctx": 3}
+    tokens = {"ignored": [EOS], "stop_id": [5], "min": [EOS], "ctx": [3]}
     finished = {r.request_id: r for r in sched.update_from_output(out, tokens)}
     assert finished["ignored"].finish_reason == "length"
     assert finished["stop_id"].finish_reason == "stop" and finished["stop_id"].stop_reason == 5
@@ -924,7 +924,7 @@ def test_abort_while_the_step_runs_is_ignored_by_the_update():
     sched.add_request(make_req("b", 3))
     out = sched.schedule()
     sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
-    finished = sched.update_from_output(out, {"a": 4, "b": 4})
+    finished = sched.update_from_output(out, {"a": [4], "b": [4]})
     assert finished == [] and list(sched.requests) == ["b"]
     assert sched.requests["b"].output_token_ids == [4]
     check_kv(sched)
