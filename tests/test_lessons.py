@@ -1,4 +1,4 @@
-"""Lessons 00–08 that a learner can trust.
+"""Every written lesson (lessons/chNN.md) that a learner can trust.
 
 1. Every control a lesson names exists on its page. Lessons mark controls in one syntax,
    **[라벨]** (bold + brackets); the page, run under Streamlit's AppTest from app.py (so the
@@ -19,7 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS = ROOT / "lessons"
-CHAPTERS = [f"{i:02d}" for i in range(9)]
+# Every chapter whose lesson exists (00-14 as they land).
+CHAPTERS = sorted(p.stem[2:] for p in LESSONS.glob("ch[0-9][0-9].md"))
 MARK = re.compile(r"\*\*\[([^\]\n]+)\]\*\*")
 # Widget kinds whose label a learner can read and act on (AppTest accessor names).
 WIDGET_KINDS = (
