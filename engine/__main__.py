@@ -88,6 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         speculative_config=args.speculative_config,
         enforce_eager=args.enforce_eager,
     )
@@ -254,6 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
     p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    p.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        help="max prompt tokens one request may take per step, so a long prompt cannot starve "
+        "short ones (0: no cap)",
+    )
     p.add_argument("--log-level", default="info")
     p.add_argument("--speculative-config", type=speculative_config_arg, help=SPEC_HELP)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")

@@ -26,6 +26,9 @@ class EngineConfig:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # vLLM's name: with chunked prefill, no request takes more than this many prompt tokens in one
+    # step (0: no cap), so one long prompt cannot take the whole budget while short ones wait.
+    long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
     preemption_mode: str = "recompute"  # or "swap": a preempted request's K/V wait in host memory
     num_swap_blocks: int | None = None  # swap space in blocks; None = as many as the KV cache has

@@ -63,6 +63,11 @@ class EngineCore:
             self.max_model_len = min(self.max_model_len, self.model_config.sliding_window)
         if config.block_size < 1 or config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
             raise ValueError("block_size, max_num_batched_tokens and max_num_seqs must be positive")
+        if config.long_prefill_token_threshold < 0:
+            raise ValueError(
+                "long_prefill_token_threshold must be >= 0 (0: no cap), "
+                f"got {config.long_prefill_token_threshold}"
+            )
         if config.num_swap_blocks is not None and config.num_swap_blocks < 0:
             raise ValueError(f"num_swap_blocks must be >= 0, got {config.num_swap_blocks}")
         self.speculative_config = SpeculativeConfig.from_value(config.speculative_config)
@@ -108,6 +113,7 @@ class EngineCore:
                 policy=config.scheduling_policy,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 preemption_mode=config.preemption_mode,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
             ),
             self.kv_cache_manager,
         )

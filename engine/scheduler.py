@@ -48,6 +48,7 @@ class SchedulerConfig:
     policy: str = "fcfs"
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"  # or "swap"
+    long_prefill_token_threshold: int = 0  # max prompt tokens per request per step (0: no cap)
 
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -56,16 +57,27 @@ PREEMPTION_MODES = ("recompute", "swap")
 class TokenBudget:
     """The step's token budget: how many tokens are left, and how many a request may take."""
 
-    def __init__(self, max_num_batched_tokens: int, enable_chunked_prefill: bool):
+    def __init__(
+        self,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool,
+        long_prefill_token_threshold: int = 0,
+    ):
         self.remaining = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.long_prefill_token_threshold = long_prefill_token_threshold
 
     def fit(self, num_uncomputed_tokens: int) -> int:
         """Tokens a request may run now: all it has left, cut to the budget. Without chunked
-        prefill a request that does not fit whole gets none."""
-        if num_uncomputed_tokens > self.remaining and not self.enable_chunked_prefill:
-            return 0
-        return min(num_uncomputed_tokens, self.remaining)
+        prefill a request that does not fit whole gets none. With chunked prefill a long prompt
+        is also cut to `long_prefill_token_threshold` (if set), which leaves the rest of the
+        budget to the requests behind it: prefill fairness."""
+        if not self.enable_chunked_prefill:
+            return num_uncomputed_tokens if num_uncomputed_tokens <= self.remaining else 0
+        wanted = num_uncomputed_tokens
+        if 0 < self.long_prefill_token_threshold < wanted:
+            wanted = self.long_prefill_token_threshold
+        return min(wanted, self.remaining)
 
 
 @dataclass
@@ -210,7 +222,11 @@ class Scheduler:
         self.step_index += 1
         plan = StepPlan(
             self.step_index,
-            TokenBudget(self.config.max_num_batched_tokens, self.config.enable_chunked_prefill),
+            TokenBudget(
+                self.config.max_num_batched_tokens,
+                self.config.enable_chunked_prefill,
+                self.config.long_prefill_token_threshold,
+            ),
         )
         self._schedule_running(plan)
         self._schedule_waiting(plan)

@@ -430,6 +430,8 @@ def test_bad_preemption_settings_and_request_fields_are_refused(make_engine, eng
         make_engine(preemption_mode="swap", num_swap_blocks=-1)
     with pytest.raises(ValueError, match="preemption_mode"):
         make_engine(preemption_mode="drop")
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        make_engine(long_prefill_token_threshold=-1)
     for bad in ("high", 1.5, True, None):
         with pytest.raises(InvalidRequestError, match="priority"):
             engine.add_request(prompt_token_ids=[5], priority=bad)
