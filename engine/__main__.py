@@ -1,4 +1,4 @@
-"""Command line: python -m engine {artifact,generate,serve,bench,simulate,selfcheck}."""
+"""Command line: python -m engine {artifact,generate,serve,bench,quality,simulate,selfcheck}."""
 
 from __future__ import annotations
 
@@ -47,6 +47,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             model=args.model,
             device=args.device,
             dtype=args.dtype,
+            quantization=args.quantization,
+            quantization_group_size=args.quantization_group_size,
             speculative_config=args.speculative_config,
             enforce_eager=args.enforce_eager,
         )
@@ -89,6 +91,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
         speculative_config=args.speculative_config,
         enforce_eager=args.enforce_eager,
     )
@@ -131,6 +135,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from engine import bench
 
     return bench.main(args)
+
+
+def cmd_quality(args: argparse.Namespace) -> int:
+    from engine import quality
+
+    variants = [quality.Variant.parse(v) for v in args.variants] if args.variants else None
+    result = quality.evaluate(
+        args.model,
+        variants or quality.DEFAULT_VARIANTS,
+        text=open(args.text, encoding="utf-8").read() if args.text else None,
+        text_tokens=args.text_tokens,
+        max_tokens=args.max_tokens,
+        device=args.device,
+        greedy=not args.no_greedy,
+        log=lambda msg: print(msg, file=sys.stderr, flush=True),
+    )
+    print(quality.format_quality(result))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    return 0
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -186,6 +211,25 @@ SPEC_HELP = (
 )
 
 
+def add_quantization_args(p: argparse.ArgumentParser) -> None:
+    """--quantization / --quantization-group-size (engine/quantization.py), for generate, serve
+    and bench. The names are spelled out here so that --help does not load torch."""
+    p.add_argument(
+        "--quantization",
+        choices=["int8", "int4", "gguf"],
+        default=None,
+        help="weight-only quantization of the linears and lm_head: int8 (per output channel), "
+        "int4 (group-wise scale + min), gguf (the default artifact's own Q4_1 blocks); "
+        "default: off",
+    )
+    p.add_argument(
+        "--quantization-group-size",
+        type=int,
+        default=32,
+        help="input channels per int4 group (default 32; gguf: 32)",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m engine", description="A small vLLM-shaped inference engine."
@@ -211,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--speculative-config", type=speculative_config_arg, help=SPEC_HELP)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    add_quantization_args(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser(
@@ -265,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-level", default="info")
     p.add_argument("--speculative-config", type=speculative_config_arg, help=SPEC_HELP)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    add_quantization_args(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser(
@@ -340,6 +386,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help=SPEC_HELP + " (for --speculative; default k=3, n-gram 1 to 3)",
     )
+    add_quantization_args(p)
+    p.add_argument(
+        "--compare-quantization",
+        action="store_true",
+        help="also measure float32, bfloat16, int8, int4 and gguf side by side (section 9)",
+    )
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser(
@@ -398,6 +450,25 @@ def main(argv: list[str] | None = None) -> int:
         "--quick-calibration", action="store_true", help="with --calibrate: a smaller run"
     )
     p.set_defaults(func=cmd_simulate)
+    p = sub.add_parser(
+        "quality",
+        help="what dtype and quantization cost: agreement with float32, perplexity",
+    )
+    p.add_argument("--model", default=None, help="model directory (default: the embedded artifact)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        help="e.g. bfloat16 int8 bfloat16+int8 int4 int4/64 gguf (default: these six)",
+    )
+    p.add_argument("--text", default=None, help="text file for teacher forcing (default README.md)")
+    p.add_argument("--text-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt")
+    p.add_argument("--no-greedy", action="store_true", help="teacher-forced figures only")
+    p.add_argument("--json", default=None, help="also write the results here")
+    p.set_defaults(func=cmd_quality)
+
     p = sub.add_parser(
         "selfcheck",
         help="prove this device works: oracle, features, KV sizing, CUDA graphs, a quick bench",

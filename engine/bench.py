@@ -62,6 +62,7 @@ TARGETS = {
     "decode_roofline_fraction": 0.60,  # batch-1 decode tokens/s ÷ decode roofline
     "overhead_share_full_batch": 0.10,  # share of step time outside the forward, at full batch
     "int8_matvec_speedup": 1.8,  # our int8 matrix × vector ÷ the best float32 one, 1 row
+    "int8_decode_speedup": 1.8,  # the engine's batch-1 decode, int8 ÷ float32 (section 9)
 }
 
 
@@ -93,6 +94,11 @@ class BenchConfig:
     ceiling_repeats: int = 10
     skip_transformers: bool = False
     kernels: str = "auto"  # "auto": our C++ CPU kernels when they build; "torch": the reference
+    # weight-only quantization of the engine under test (engine/quantization.py); None: off
+    quantization: str | None = None
+    quantization_group_size: int = 32
+    # section 9 (`--compare-quantization`): these variants side by side, (dtype, quantization)
+    compare_variants: tuple[tuple[str, str | None], ...] | None = None
     kernel_section: bool = True  # section 6: our kernels against torch's, and the step both ways
     # speculative decoding (section 7, only with `--speculative ngram`)
     speculative: str | None = None  # "ngram" to run section 7
@@ -222,12 +228,15 @@ def measure_matvec(model, device: torch.device, repeats: int) -> dict:
     from engine.models.llama import linear
 
     w = model.w
-    names = [k for k, t in w.items() if t.dim() == 2 and k != "embed"]  # the embedding is looked up
+    from engine.quantization import is_quantized, weight_nbytes
+
+    # the embedding is looked up (a tied one is the lm_head matrix, counted there)
+    names = [k for k, t in w.items() if (is_quantized(t) or t.dim() == 2) and k != "embed"]
     matrices = [w[k] for k in names]
     inputs = {
-        m.shape[1]: torch.randn(1, m.shape[1], device=device, dtype=m.dtype) for m in matrices
+        m.shape[1]: torch.randn(1, m.shape[1], device=device, dtype=model.dtype) for m in matrices
     }
-    nbytes = sum(m.numel() * m.element_size() for m in matrices)
+    nbytes = sum(weight_nbytes(m) for m in matrices)
     seconds = _best_time(lambda: [linear(inputs[m.shape[1]], m) for m in matrices], device, repeats)
     return {
         "matvec_gb_s": nbytes / seconds / 1e9,
@@ -241,18 +250,23 @@ def measure_matvec(model, device: torch.device, repeats: int) -> dict:
 
 
 def model_numbers(model) -> dict:
-    """What one token costs the model: weights read per decode step, FLOP per token."""
+    """What one token costs the model: weights read per decode step (the bytes actually stored:
+    quantized matrices with their scales), FLOP per token."""
+    import math
+
+    from engine.quantization import _is_tied, decode_bytes_per_step
+
     w = model.w
     params = model.num_parameters()
     # An untied model's input embedding is looked up (one row per token), never multiplied.
-    tied = w["lm_head"].data_ptr() == w["embed"].data_ptr()
-    untied_embedding = 0 if tied else w["embed"].numel()
+    untied_embedding = 0 if _is_tied(w) else math.prod(w["embed"].shape)
     matmul_params = params - untied_embedding
+    step_bytes = decode_bytes_per_step(model)
     return {
         "num_parameters": params,
         "matmul_parameters": matmul_params,
-        "element_bytes": w["embed"].element_size(),
-        "weight_bytes_per_step": matmul_params * w["embed"].element_size(),
+        "element_bytes": step_bytes / matmul_params,  # average bytes per weight read
+        "weight_bytes_per_step": step_bytes,
         "flop_per_token": 2 * matmul_params,
     }
 
@@ -661,6 +675,130 @@ def measure_decode_both_paths(model_dir, config: "BenchConfig", vocab: int, spec
 
 
 # ---------------------------------------------------------------------------------------------
+# 9. dtype and weight-only quantization side by side (`--compare-quantization`)
+
+DEFAULT_VARIANTS: tuple[tuple[str, str | None], ...] = (
+    ("float32", None),
+    ("bfloat16", None),
+    ("float32", "int8"),
+    ("bfloat16", "int8"),
+    ("float32", "int4"),
+    ("float32", "gguf"),
+)
+
+
+def measure_variants(
+    model_dir, config: "BenchConfig", vocab: int, specials, bandwidth_gb_s: float, log=print
+) -> dict:
+    """Each (dtype, quantization) on the same probes, one after the other in this process: the
+    weight bytes a decode step actually reads, batch-1 decode tokens/s and its fraction of the
+    roofline those bytes allow, the linears' streaming rate, and offline throughput."""
+    import gc
+
+    from engine.llm import LLM
+    from engine.quantization import describe, gguf_source
+
+    workload = make_workload(
+        config.num_requests, config.prompt_len, config.output_len, config.seed, vocab, specials
+    )
+    rows = []
+    for dtype, method in config.compare_variants or DEFAULT_VARIANTS:
+        name = dtype + (f" + {method}" if method else "")
+        if method == "gguf":
+            try:
+                gguf_source(model_dir)
+            except ValueError as exc:
+                rows.append({"name": name, "skipped": str(exc)})
+                continue
+        log(f"      {name}")
+        llm = LLM(
+            model=str(model_dir),
+            device=config.device,
+            dtype=dtype,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            kernels=config.kernels,
+            quantization=method,
+            quantization_group_size=config.quantization_group_size,
+        )
+        engine = llm.engine
+        model = engine.executor.worker.model
+        numbers = model_numbers(model)
+        steps = []
+        for i in range(config.probe_repeats):
+            probe = probe_workload(
+                1,
+                config.probe_prompt_len,
+                config.probe_output_len,
+                config.seed + 100 + i,
+                vocab,
+                specials,
+            )
+            steps += run_steps(engine, probe)
+        b1 = step_breakdown(steps, 1)
+        roof = bandwidth_gb_s * 1e9 / numbers["weight_bytes_per_step"]
+        offline = run_engine_offline(llm, workload)
+        rows.append(
+            {
+                "name": name,
+                "dtype": dtype,
+                "quantization": method,
+                "describe": describe(model),
+                "weight_bytes": engine.weight_bytes(),
+                "weight_bytes_per_step": numbers["weight_bytes_per_step"],
+                "matvec": measure_matvec(model, engine.device, config.ceiling_repeats),
+                "decode_tokens_per_s": b1.get("tokens_per_s"),
+                "decode_step_ms": b1.get("step_ms"),
+                "roofline_tokens_per_s": roof,
+                "fraction_of_roofline": (b1["tokens_per_s"] / roof) if b1.get("steps") else None,
+                "offline_tokens_per_s": offline["output_tokens_per_s"],
+            }
+        )
+        del llm, engine, model
+        gc.collect()
+    base = next((r for r in rows if r["name"] == "float32" and "skipped" not in r), None)
+    for r in rows:
+        if base and "skipped" not in r:
+            r["decode_vs_float32"] = _ratio(r["decode_tokens_per_s"], base["decode_tokens_per_s"])
+            r["offline_vs_float32"] = _ratio(
+                r["offline_tokens_per_s"], base["offline_tokens_per_s"]
+            )
+    return {
+        "bandwidth_gb_s": bandwidth_gb_s,
+        "rows": rows,
+        "method": (
+            f"one engine per variant, same process; batch-1 decode: median step over "
+            f"{config.probe_repeats} probes of prompt {config.probe_prompt_len} + "
+            f"{config.probe_output_len} tokens; offline: the section-2 workload "
+            f"({config.num_requests} requests); roofline = read bandwidth ÷ weight bytes per step"
+        ),
+        "kind": "measured",
+    }
+
+
+def format_variants(v: dict) -> list[str]:
+    lines = [
+        "9. dtype and quantization side by side (measured one after the other; "
+        f"roofline at {v['bandwidth_gb_s']:.1f} GB/s)",
+        f"  {'variant':<20}{'MB/step':>9}{'matvec GB/s':>13}{'decode tok/s':>14}"
+        f"{'× fp32':>8}{'of roof':>9}{'offline tok/s':>15}{'× fp32':>8}",
+    ]
+    for r in v["rows"]:
+        if "skipped" in r:
+            lines.append(f"  {r['name']:<20}skipped: {r['skipped']}")
+            continue
+        frac = r["fraction_of_roofline"]
+        lines.append(
+            f"  {r['name']:<20}{r['weight_bytes_per_step'] / 1e6:9.1f}"
+            f"{r['matvec']['matvec_gb_s']:13.1f}{_fmt(r['decode_tokens_per_s'], '14.1f')}"
+            f"{_fmt(r.get('decode_vs_float32'), '8.2f')}"
+            f"{_fmt(frac and 100 * frac, '8.0f')}%{r['offline_tokens_per_s']:15.1f}"
+            f"{_fmt(r.get('offline_vs_float32'), '8.2f')}"
+        )
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
 # The whole run
 
 
@@ -698,6 +836,8 @@ def run_benchmark(config: BenchConfig, log=print) -> dict:
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         kernels=config.kernels,
+        quantization=config.quantization,
+        quantization_group_size=config.quantization_group_size,
     )
     engine = llm.engine
     device, dtype = engine.device, engine.dtype
@@ -709,8 +849,12 @@ def run_benchmark(config: BenchConfig, log=print) -> dict:
     dtype_name = str(dtype).removeprefix("torch.")
     from engine import kernels as kernel_lib
 
+    from engine import quantization as quant_lib
+
     kernels_line = f"{config.kernels} → {kernel_lib.describe(model.kernel_path)}"
     log(f"kernels: {kernels_line}")
+    quantization_line = quant_lib.describe(model)
+    log(f"quantization: {quantization_line}")
 
     results: dict = {
         "schema": 1,
@@ -729,6 +873,7 @@ def run_benchmark(config: BenchConfig, log=print) -> dict:
             "quick": config.quick,
             "seed": config.seed,
             "kernels": kernels_line,
+            "quantization": quantization_line,
             "engine": {
                 "max_num_seqs": config.max_num_seqs,
                 "max_num_batched_tokens": config.max_num_batched_tokens,
@@ -847,7 +992,12 @@ def run_benchmark(config: BenchConfig, log=print) -> dict:
         "runs": run_latency(engine, latency_workload, rates, config.seed + 400),
     }
 
-    if config.kernel_section and device.type == "cpu" and dtype == torch.float32:
+    if (
+        config.kernel_section
+        and device.type == "cpu"
+        and dtype == torch.float32
+        and config.quantization is None
+    ):
         log("[6] kernels: linear kernels, attention alone, decode steps with torch and auto")
         results["kernels"] = {
             "linear": measure_linear_kernels(model, config.ceiling_repeats),
@@ -859,6 +1009,10 @@ def run_benchmark(config: BenchConfig, log=print) -> dict:
     if config.speculative:
         log(f"[7] speculative decoding ({config.speculative}): with and without, same workloads")
         results["spec_decode"] = run_spec_decode(llm, config, specials)
+
+    if config.compare_variants:
+        log("[9] dtype and quantization side by side: batch-1 decode, offline throughput")
+        results["variants"] = measure_variants(model_dir, config, vocab, specials, read, log)
 
     results["targets"] = evaluate_targets(results)
     results["conditions"]["bench_seconds"] = time.perf_counter() - started
@@ -1064,6 +1218,17 @@ def evaluate_targets(results: dict) -> list[dict]:
                 int8 >= TARGETS["int8_matvec_speedup"],
             )
         )
+    by_name = {v["name"]: v for v in results.get("variants", {}).get("rows", [])}
+    int8_decode = by_name.get("float32 + int8", {}).get("decode_vs_float32")
+    if int8_decode is not None:
+        rows.append(
+            (
+                "int8 batch-1 decode ÷ float32's (engine, section 9)",
+                int8_decode,
+                TARGETS["int8_decode_speedup"],
+                int8_decode >= TARGETS["int8_decode_speedup"],
+            )
+        )
     return [{"name": n, "value": v, "target": t, "met": bool(m)} for n, v, t, m in rows]
 
 
@@ -1087,6 +1252,7 @@ def format_results(r: dict) -> str:
         f"output {c['workload']['output_len']} tokens, seed {c['seed']}; engine max_num_seqs "
         f"{c['engine']['max_num_seqs']}, token budget {c['engine']['max_num_batched_tokens']}",
         f"  kernels: {c.get('kernels', 'torch')}",
+        f"  quantization: {c.get('quantization', 'none')}",
         "",
         "1. Ceilings (measured, best of N) and rooflines (derived)",
     ]
@@ -1194,6 +1360,8 @@ def format_results(r: dict) -> str:
         )
     if "spec_decode" in r:
         lines += ["", *format_spec_decode(r["spec_decode"])]
+    if "variants" in r:
+        lines += ["", *format_variants(r["variants"])]
     lines.append(f"\n  bench took {c['bench_seconds']:.0f} s")
     return "\n".join(lines)
 
@@ -1272,6 +1440,11 @@ def main(args) -> int:
             kernels=getattr(args, "kernels", None),
             speculative=getattr(args, "speculative", None),
             speculative_config=getattr(args, "speculative_config", None),
+            quantization=getattr(args, "quantization", None),
+            quantization_group_size=getattr(args, "quantization_group_size", None),
+            compare_variants=DEFAULT_VARIANTS
+            if getattr(args, "compare_quantization", False)
+            else None,
         ).items()
         if v is not None
     }
@@ -1285,12 +1458,16 @@ def main(args) -> int:
     calibration_path = (
         Path(args.json) if args.json else LATEST_RESULTS
     ).parent / "calibration.json"
-    log("[8] simulator fidelity: calibrate on one workload, compare on the benchmark's")
-    results["simulator_fidelity"] = simulator_fidelity(config, calibration_path, log)
+    if config.quantization is None:
+        log("[8] simulator fidelity: calibrate on one workload, compare on the benchmark's")
+        results["simulator_fidelity"] = simulator_fidelity(config, calibration_path, log)
+    else:  # the cost model describes the float engine; a quantized run skips this section
+        log("[8] simulator fidelity: skipped (the cost model is calibrated for float weights)")
     path = save_results(results, args.json)
     print()
     print(format_results(results))
-    print(format_fidelity(results["simulator_fidelity"]))
+    if "simulator_fidelity" in results:
+        print(format_fidelity(results["simulator_fidelity"]))
     print(f"\nresults written to {path}")
     return 0
 

@@ -32,6 +32,11 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     preemption_mode: str = "recompute"  # or "swap": a preempted request's K/V wait in host memory
     num_swap_blocks: int | None = None  # swap space in blocks; None = as many as the KV cache has
+    # Weight-only quantization (engine/quantization.py): None, "int8" (per output channel),
+    # "int4" (group-wise scale + min, `quantization_group_size` input channels per group) or
+    # "gguf" (the default artifact's own Q4_1 blocks). Activations and KV stay in `dtype`.
+    quantization: str | None = None
+    quantization_group_size: int = 32
     kernels: str = "auto"  # "auto": our C++ CPU kernels if they build (CPU float32); "torch": never
     # vLLM's name: True runs every step eagerly; False lets decode-only steps on CUDA replay
     # captured CUDA graphs (engine/cuda_graphs.py). No effect on a CPU.

@@ -31,6 +31,7 @@ from engine.scheduler_output import Phase, ScheduledRequest, SchedulerOutput
 from engine.spec_decode import NgramProposer, SpeculativeConfig
 from engine.tokenizer import Tokenizer
 from engine.trace import ScheduledRecord, StepRecord
+from engine.quantization import check_quantization
 from engine.worker import Worker, resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -87,8 +88,23 @@ class EngineCore:
                 f"least max_model_len ({self.max_model_len})"
             )
 
+        check_quantization(
+            config.quantization,
+            config.quantization_group_size,
+            self.device,
+            self.model_config,
+            self.model_dir,
+        )
         self.executor = executor or UniProcExecutor(
-            Worker(self.model_dir, self.device, self.dtype, config.block_size, config.kernels)
+            Worker(
+                self.model_dir,
+                self.device,
+                self.dtype,
+                config.block_size,
+                config.kernels,
+                quantization=config.quantization,
+                quantization_group_size=config.quantization_group_size,
+            )
         )
         self.num_blocks = self.executor.initialize(
             self.max_model_len,

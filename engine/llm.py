@@ -35,10 +35,13 @@ class LLM:
         enable_prefix_caching: bool = True,
         scheduling_policy: str = "fcfs",
         speculative_config: dict | None = None,
+        quantization: str | None = None,
         **engine_kwargs,
     ):
         """`speculative_config`: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 3,
-        "prompt_lookup_max": 3, "prompt_lookup_min": 1}; None: no speculative decoding."""
+        "prompt_lookup_max": 3, "prompt_lookup_min": 1}; None: no speculative decoding.
+        `quantization`: None, "int8", "int4" or "gguf" (weight-only, engine/quantization.py; the
+        int4 group size is `quantization_group_size`, 32 by default)."""
         config = EngineConfig(
             model=model,
             device=device,
@@ -50,6 +53,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             scheduling_policy=scheduling_policy,
             speculative_config=speculative_config,
+            quantization=quantization,
             **engine_kwargs,
         )
         self.engine = EngineCore(config)

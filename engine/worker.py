@@ -115,8 +115,12 @@ class Worker:
         dtype: torch.dtype,
         block_size: int,
         kernels: str = "auto",
+        quantization: str | None = None,
+        quantization_group_size: int = 32,
     ):
         self.model_dir = Path(model_dir)
+        self.quantization = quantization  # weight-only int8/int4/gguf (engine/quantization.py)
+        self.quantization_group_size = quantization_group_size
         self.kernels = kernels  # "auto": our C++ kernels where they build and apply; "torch": never
         self.device = device
         self.dtype = dtype
@@ -127,7 +131,19 @@ class Worker:
 
     def load_model(self) -> None:
         # The weights are shared by every engine of the process; the kernel choice is this worker's.
-        self.model = load_model(self.model_dir, self.device, self.dtype).with_kernels(self.kernels)
+        if self.quantization:
+            from engine.quantization import load_quantized_model
+
+            model = load_quantized_model(
+                self.model_dir,
+                self.device,
+                self.dtype,
+                self.quantization,
+                self.quantization_group_size,
+            )
+        else:
+            model = load_model(self.model_dir, self.device, self.dtype)
+        self.model = model.with_kernels(self.kernels)
 
     @property
     def bytes_per_block(self) -> int:

@@ -33,6 +33,9 @@ class Int8Weight:
     def nbytes(self) -> int:
         return self.qweight.numel() + 4 * self.scales.numel()
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.qweight, self.scales)
+
 
 @dataclass
 class Int4Weight:
@@ -47,6 +50,9 @@ class Int4Weight:
 
     def nbytes(self) -> int:
         return self.packed.numel() + 4 * (self.scales.numel() + self.mins.numel())
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.packed, self.scales, self.mins)
 
 
 QuantizedWeight = Int8Weight | Int4Weight
@@ -106,6 +112,15 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     return dequantize_int8(qw) if isinstance(qw, Int8Weight) else dequantize_int4(qw)
 
 
+def dequantize_rows(qw: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor:
+    """Only the rows `rows` of W, dequantized to float32: an embedding lookup in a quantized
+    table (a tied embedding shares its matrix with the quantized output layer)."""
+    if isinstance(qw, Int8Weight):
+        return qw.qweight[rows].float() * qw.scales[rows].unsqueeze(-1)
+    sub = Int4Weight(qw.packed[rows], qw.scales[rows], qw.mins[rows], qw.group_size)
+    return dequantize_int4(sub)
+
+
 def reference_linear(
     x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -116,16 +131,20 @@ def reference_linear(
 def quantized_linear(
     x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """y = x @ Wᵀ (+ bias) with a quantized W: our kernel on a CPU in float32, else the reference.
-    x may have any leading dimensions ([..., in])."""
+    """y = x @ Wᵀ (+ bias) with a quantized W: our kernel on a CPU, else the reference.
+    x may have any leading dimensions ([..., in]). The kernel computes in float32: bfloat16 or
+    float16 activations are widened on the way in and narrowed on the way out (a few KB per decode
+    step; the weights, the bytes that matter, are read once either way)."""
     from engine import kernels
 
-    module = kernels.load() if x.is_cpu and x.dtype == torch.float32 else None
+    on_cpu = x.is_cpu and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    module = kernels.load() if on_cpu else None
     if module is None:
         return reference_linear(x, qw, bias)
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+    b = bias.float().contiguous() if bias is not None else None
     if isinstance(qw, Int8Weight):
-        y = module.int8_linear(x2, qw.qweight, qw.scales, bias)
+        y = module.int8_linear(x2, qw.qweight, qw.scales, b)
     else:
-        y = module.int4_linear(x2, qw.packed, qw.scales, qw.mins, qw.group_size, bias)
-    return y.view(*x.shape[:-1], y.shape[-1])
+        y = module.int4_linear(x2, qw.packed, qw.scales, qw.mins, qw.group_size, b)
+    return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)

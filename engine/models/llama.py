@@ -26,7 +26,7 @@ from safetensors import safe_open
 
 from engine import kernels as kernel_lib
 from engine.attention import AttentionMetadata, paged_attention
-from engine.kernels.quant import Int4Weight, Int8Weight, quantized_linear
+from engine.kernels.quant import Int4Weight, Int8Weight, dequantize_rows, quantized_linear
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,14 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     if ONEDNN_LINEAR and x.is_cpu and x.dtype == torch.float32:
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
     return F.linear(x, w, bias)
+
+
+def embedding(ids: torch.Tensor, w, dtype: torch.dtype) -> torch.Tensor:
+    """Look up one row of the embedding table per token. A quantized table (a tied embedding
+    shares the output layer's int8/int4 matrix) dequantizes just those rows."""
+    if isinstance(w, (Int8Weight, Int4Weight)):
+        return dequantize_rows(w, ids).to(dtype)
+    return F.embedding(ids, w)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -238,21 +246,27 @@ class LlamaModel:
             weights["lm_head"] = take("lm_head.weight")
         return cls(cfg, weights, device, dtype)
 
-    def distinct_weights(self) -> list[torch.Tensor]:
-        """Every weight tensor once (a tied lm_head shares the embedding's storage)."""
-        seen, tensors = set(), []
+    def distinct_weights(self) -> list:
+        """Every weight once (a tied lm_head shares the embedding's storage); a weight-only
+        quantized matrix (engine/kernels/quant.py, engine/quantization.py) counts as one."""
+        seen, weights = set(), []
         for t in self.w.values():
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                tensors.append(t)
-        return tensors
+            key = id(t) if isinstance(t, (Int8Weight, Int4Weight)) else t.data_ptr()
+            if key not in seen:
+                seen.add(key)
+                weights.append(t)
+        return weights
 
     def num_parameters(self) -> int:
-        return sum(t.numel() for t in self.distinct_weights())
+        return sum(math.prod(t.shape) for t in self.distinct_weights())
 
     def weight_bytes(self) -> int:
-        """Bytes the weights occupy on the device (what a decode step reads)."""
-        return sum(t.numel() * t.element_size() for t in self.distinct_weights())
+        """Bytes the weights occupy on the device (what a decode step reads); a quantized
+        matrix counts its packed values, scales and minimums."""
+        return sum(
+            t.nbytes() if isinstance(t, (Int8Weight, Int4Weight)) else t.numel() * t.element_size()
+            for t in self.distinct_weights()
+        )
 
     # -- forward -----------------------------------------------------------------------------
 
@@ -269,7 +283,7 @@ class LlamaModel:
         """Return logits [len(logits_indices), vocab]: the output layer runs only on those rows."""
         cfg, w = self.cfg, self.w
         cos, sin = self.rope_cos_sin(positions)
-        h = F.embedding(input_ids, w["embed"])
+        h = embedding(input_ids, w["embed"], self.dtype)
         for i in range(cfg.num_layers):
             h = h + self.attention(
                 i,
