@@ -257,26 +257,30 @@ def format_quality(result: dict) -> str:
 
 
 def outlier_demo(rows: int = 64, cols: int = 256, outliers: int = 4, seed: int = 0) -> dict:
-    """int8 per output channel on a matrix whose few rows hold one outlier weight each (as LLM
-    activations and some weights do): the outlier sets its row's scale, so every ordinary weight
-    of that row is rounded on a grid ~`magnitude`× coarser. Returns RMS errors of the ordinary
-    weights in clean rows and in outlier rows, for int8 per channel and int4 group 32."""
+    """int8 per output channel on a matrix whose few rows hold one outlier weight each (column 0,
+    100 × a typical weight): the outlier sets its row's scale, so every ordinary weight of that
+    row is rounded on a grid 100 × coarser. int4 with groups of 32 confines the damage to the
+    outlier's own group. RMS errors of the ordinary weights: in clean rows, in outlier rows next
+    to the outlier (columns 1..31) and in outlier rows away from it (columns 32..)."""
     from engine.kernels.quant import dequantize, quantize_int4, quantize_int8
 
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(rows, cols, generator=gen) * 0.02
     hit = torch.randperm(rows, generator=gen)[:outliers]
-    w[hit, 0] = 2.0  # 100 × the typical weight
-    mask = torch.ones_like(w, dtype=torch.bool)
-    mask[hit, 0] = False  # ordinary weights only
-    clean_rows = torch.ones(rows, dtype=torch.bool)
-    clean_rows[hit] = False
-    out = {}
+    w[hit, 0] = 2.0
+    clean = torch.ones(rows, dtype=torch.bool)
+    clean[hit] = False
+
+    def rms(x: torch.Tensor) -> float:
+        return x.pow(2).mean().sqrt().item()
+
+    out = {"weight_rms": rms(w[clean]), "outlier": 2.0}
     for name, qw in (("int8", quantize_int8(w)), ("int4/32", quantize_int4(w, 32))):
-        err = (dequantize(qw) - w).abs()
+        err = dequantize(qw) - w
         out[name] = {
-            "rms_clean_rows": err[clean_rows][mask[clean_rows]].pow(2).mean().sqrt().item(),
-            "rms_outlier_rows": err[~clean_rows][mask[~clean_rows]].pow(2).mean().sqrt().item(),
+            "rms_clean_rows": rms(err[clean]),
+            "rms_near_outlier": rms(err[hit, 1:32]),
+            "rms_far_from_outlier": rms(err[hit, 32:]),
+            "bits_per_weight": 8 * qw.nbytes() / w.numel(),
         }
-    out["weight_rms"] = w[mask].pow(2).mean().sqrt().item()
     return out
