@@ -28,6 +28,7 @@ _TEXTS = "_texts"  # key → {request_id: text so far}
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POLICIES = ("fcfs", "priority", "static")
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # weight-only (engine/quantization.py)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class EngineSettings:
     max_num_seqs: int = 8
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
+    quantization: str = "none"  # "none", "int8", "int4" (group 32) or "gguf" (Q4_1 blocks)
 
     def to_config(self, **overrides) -> EngineConfig:
         config = EngineConfig(
@@ -57,6 +59,7 @@ class EngineSettings:
             max_num_seqs=self.max_num_seqs,
             enable_prefix_caching=self.enable_prefix_caching,
             scheduling_policy=self.scheduling_policy,
+            quantization=None if self.quantization == "none" else self.quantization,
         )
         return replace(config, **overrides)  # an unknown setting raises TypeError
 
@@ -110,6 +113,14 @@ def engine_settings_sidebar(show_status: bool = True) -> EngineSettings:
             policy = c2.selectbox(
                 "정책", POLICIES, index=POLICIES.index(defaults.scheduling_policy), key="cfg_policy"
             )
+            quantization = st.selectbox(
+                "가중치 양자화",
+                QUANTIZATIONS,
+                index=QUANTIZATIONS.index(defaults.quantization),
+                key="cfg_quantization",
+                help="int8: 출력 채널마다 scale 하나 · int4: 32개 묶음마다 scale과 min · "
+                "gguf: 기본 모델 GGUF 파일의 Q4_1 블록 그대로 (11장)",
+            )
             submitted = st.form_submit_button("설정 적용 (엔진 재시작)", key="cfg_apply")
         if submitted:
             new = EngineSettings(
@@ -123,6 +134,7 @@ def engine_settings_sidebar(show_status: bool = True) -> EngineSettings:
                 int(max_seqs),
                 bool(prefix),
                 policy,
+                quantization=quantization,
             )
             new, note, ok = validate_settings(new)
             st.session_state[_SETTINGS_NOTE] = (note, ok)
@@ -201,7 +213,9 @@ def engine_status(key: str = "main") -> None:
         "할당됨" if worker is None or worker.kv_allocated else "(첫 스텝에서 할당)"
     )
     st.markdown(
-        f"- 장치 **{engine.device}** · dtype **{str(engine.dtype).replace('torch.', '')}**\n"
+        f"- 장치 **{engine.device}** · dtype **{str(engine.dtype).replace('torch.', '')}**"
+        + (f" · 양자화 **{engine.config.quantization}**" if engine.config.quantization else "")
+        + "\n"
         f"- KV 블록 **{snap.num_used}/{snap.num_blocks}** 사용 (캐시 보관 {snap.num_cached_free})\n"
         f"- {kv_state}\n"
         f"- 실행 중 **{len(engine.scheduler.running)}** · "
@@ -241,7 +255,14 @@ def build_engine(settings: EngineSettings | None = None, **overrides) -> EngineC
     model_dir = resolve_model_path(config.model)
 
     def build() -> EngineCore:
-        worker = LazyKVWorker(model_dir, device, dtype, config.block_size)
+        worker = LazyKVWorker(
+            model_dir,
+            device,
+            dtype,
+            config.block_size,
+            quantization=config.quantization,
+            quantization_group_size=config.quantization_group_size,
+        )
         return EngineCore(config, executor=UniProcExecutor(worker))
 
     if is_model_loaded(model_dir, device, dtype):

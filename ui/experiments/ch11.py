@@ -1,0 +1,206 @@
+"""Chapter 11 · quantization and dtype: what shrinking the numbers buys (bytes read per decode
+step, measured step time) and what it costs (agreement with float32, perplexity, visible loss)."""
+
+from __future__ import annotations
+
+import statistics
+
+import pandas as pd
+
+from ui.experiments.common import RequestSpec, RunResult, Workload, _r
+
+# label → EngineConfig overrides of one side of the lab
+VARIANTS: dict[str, dict] = {
+    "float32": {"dtype": "float32", "quantization": None},
+    "bfloat16": {"dtype": "bfloat16", "quantization": None},
+    "int8": {"dtype": "float32", "quantization": "int8"},
+    "int4": {"dtype": "float32", "quantization": "int4"},
+    "gguf (Q4_1)": {"dtype": "float32", "quantization": "gguf"},
+}
+DEFAULT_SIDES = ("float32", "int8", "int4")
+
+
+def decode_workload(prompt_len: int = 32, max_tokens: int = 24, batch: int = 1) -> Workload:
+    """`batch` requests arriving together: batch 1 is the case quantization is for."""
+    return Workload([RequestSpec(prompt_len, max_tokens, 0.0, f"요청-{i}") for i in range(batch)])
+
+
+# ---------------------------------------------------------------------------------------------
+# Bytes (computed from the model's shapes)
+
+
+def _matrices(cfg) -> list[tuple[str, int, int]]:
+    """(name, out, in) of every matrix one decode step multiplies (per layer × layers, lm_head)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layer = [
+        ("qkv", q + 2 * kv, cfg.hidden_size),
+        ("o", cfg.hidden_size, q),
+        ("gate_up", 2 * cfg.intermediate_size, cfg.hidden_size),
+        ("down", cfg.hidden_size, cfg.intermediate_size),
+    ]
+    return [m for m in layer for _ in range(cfg.num_layers)] + [
+        ("lm_head", cfg.vocab_size, cfg.hidden_size)
+    ]
+
+
+def format_bytes(out: int, inp: int, fmt: str, group: int = 32) -> int:
+    """Stored bytes of one [out, in] matrix: float32 4/weight, bfloat16 2, int8 1 + a float32
+    scale per row, int4 ½ + a float32 scale and min per group."""
+    n = out * inp
+    if fmt == "float32":
+        return 4 * n
+    if fmt == "bfloat16":
+        return 2 * n
+    if fmt == "int8":
+        return n + 4 * out
+    return n // 2 + 8 * out * (inp // group)
+
+
+def bytes_table(cfg, group: int = 32) -> pd.DataFrame:
+    """Per format: bits per weight and the weight bytes a batch-1 decode step reads. Quantized
+    engines keep lm_head in int8 (engine/quantization.py), so their total mixes two formats."""
+    mats = _matrices(cfg)
+    rows = []
+    for label, linear_fmt, head_fmt in (
+        ("float32", "float32", "float32"),
+        ("bfloat16", "bfloat16", "bfloat16"),
+        ("int8", "int8", "int8"),
+        (f"int4 (그룹 {group})", "int4", "int8"),
+    ):
+        linears = sum(format_bytes(o, i, linear_fmt, group) for n, o, i in mats if n != "lm_head")
+        head = sum(format_bytes(o, i, head_fmt, group) for n, o, i in mats if n == "lm_head")
+        params = sum(o * i for n, o, i in mats if n != "lm_head")
+        rows.append(
+            {
+                "형식": label,
+                "선형층 비트/가중치": round(8 * linears / params, 2),
+                "선형층 (MB)": round(linears / 1e6, 1),
+                "lm_head (MB)": round(head / 1e6, 1),
+                "디코드 스텝당 읽는 가중치 (MB)": round((linears + head) / 1e6, 1),
+            }
+        )
+    df = pd.DataFrame(rows)
+    base = df.loc[0, "디코드 스텝당 읽는 가중치 (MB)"]
+    df["float32 대비"] = (df["디코드 스텝당 읽는 가중치 (MB)"] / base).round(3)
+    return df
+
+
+# ---------------------------------------------------------------------------------------------
+# What the lab's runs measured
+
+
+def decode_summary(runs: dict[str, RunResult], weight_bytes: dict[str, int]) -> pd.DataFrame:
+    """Per side: measured median decode-step time (steps that only decode), tokens/s of the whole
+    run, weight bytes the engine holds, and GB/s = bytes per step ÷ step time (computed)."""
+    rows = []
+    base_ms = None
+    for label, res in runs.items():
+        steps = res.step_table()
+        decode = steps[(steps["kind"] == "decode")] if len(steps) else steps
+        ms = statistics.median(decode["duration_ms"]) if len(decode) else None
+        if base_ms is None:
+            base_ms = ms
+        wb = weight_bytes.get(label)
+        rows.append(
+            {
+                "엔진": label,
+                "가중치 (MB)": _r(wb / 1e6) if wb else None,
+                "디코드 스텝 중앙값 (ms)": _r(ms, 2),
+                "첫 엔진 대비 속도": _r(base_ms / ms, 2) if ms and base_ms else None,
+                "가중치 읽기 속도 (GB/s)": _r(wb / (ms / 1e3) / 1e9, 2) if wb and ms else None,
+                "출력 토큰/s": _r(res.throughput),
+                "디코드 스텝 수": int(len(decode)),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def greedy_agreement_table(runs: dict[str, RunResult]) -> pd.DataFrame:
+    """Each side's greedy tokens against the first side's (usually float32): share of positions
+    with the same token, and where the texts first part."""
+    from engine.quality import greedy_agreement
+
+    labels = list(runs)
+    ref = [list(r.output_token_ids) for r in runs[labels[0]].requests]
+    rows = []
+    for label in labels:
+        ours = [list(r.output_token_ids) for r in runs[label].requests]
+        g = greedy_agreement(ref, ours)
+        first = [f for f in g["first_divergence"] if f is not None]
+        rows.append(
+            {
+                "엔진": label,
+                f"{labels[0]}와 같은 토큰 비율": _r(100 * (g["token_agreement"] or 0), 1),
+                "처음 달라진 위치": min(first) if first else "끝까지 같음",
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quality beyond one run, and where quantization visibly loses
+
+
+def quality_table(model_dir, variant_names: list[str], text_tokens: int = 128) -> pd.DataFrame:
+    """Teacher-forced on README.md: top-1 agreement with float32, perplexity, mean KL
+    (engine/quality.py; greedy generation left to the lab's own runs)."""
+    from engine import quality
+
+    result = quality.evaluate(
+        model_dir,
+        [quality.Variant.parse(v) for v in variant_names],
+        text_tokens=text_tokens,
+        greedy=False,
+    )
+    return pd.DataFrame(
+        [
+            {
+                "변형": r["variant"],
+                "스텝당 가중치 (MB)": round(r["weight_bytes_per_step"] / 1e6, 1),
+                "top-1 일치 (%)": round(100 * r["top1_agreement"], 1),
+                "perplexity": round(r["perplexity"], 2),
+                "KL 평균": round(r["kl_mean"], 4),
+            }
+            for r in result["rows"]
+        ]
+    )
+
+
+def outlier_table(seed: int = 0) -> pd.DataFrame:
+    """engine.quality.outlier_demo as a table: RMS rounding error of ordinary weights."""
+    from engine.quality import outlier_demo
+
+    d = outlier_demo(seed=seed)
+    rows = []
+    for fmt in ("int8", "int4/32"):
+        e = d[fmt]
+        rows.append(
+            {
+                "형식": "int8 (행마다 scale)" if fmt == "int8" else "int4 (32개 묶음마다)",
+                "비트/가중치": round(e["bits_per_weight"], 2),
+                "이상치 없는 행": f"{e['rms_clean_rows']:.2e}",
+                "이상치 행, 같은 묶음": f"{e['rms_near_outlier']:.2e}",
+                "이상치 행, 먼 곳": f"{e['rms_far_from_outlier']:.2e}",
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def kernel_rows(results: dict | None) -> pd.DataFrame | None:
+    """The bench's kernel table (section 6) if a full bench ran: ms at 1 row and 32 rows."""
+    lin = ((results or {}).get("kernels") or {}).get("linear")
+    if not lin:
+        return None
+    return pd.DataFrame(
+        [
+            {
+                "커널": name,
+                "가중치 (MB)": round(e["weight_bytes"] / 1e6, 1),
+                "1행 (ms)": round(e["ms_1"], 2),
+                "1행 GB/s": round(e["gb_s_1"], 1),
+                "32행 (ms)": round(e["ms_32"], 2),
+                "32행 GFLOP/s": round(e["gflop_s_32"], 1),
+            }
+            for name, e in lin["kernels"].items()
+        ]
+    )
