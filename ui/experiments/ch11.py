@@ -60,7 +60,7 @@ def bytes_table(cfg, group: int = 32) -> pd.DataFrame:
     """Per format: bits per weight and the weight bytes a batch-1 decode step reads. Quantized
     engines keep lm_head in int8 (engine/quantization.py), so their total mixes two formats."""
     mats = _matrices(cfg)
-    rows = []
+    rows, totals = [], []
     for label, linear_fmt, head_fmt in (
         ("float32", "float32", "float32"),
         ("bfloat16", "bfloat16", "bfloat16"),
@@ -70,18 +70,18 @@ def bytes_table(cfg, group: int = 32) -> pd.DataFrame:
         linears = sum(format_bytes(o, i, linear_fmt, group) for n, o, i in mats if n != "lm_head")
         head = sum(format_bytes(o, i, head_fmt, group) for n, o, i in mats if n == "lm_head")
         params = sum(o * i for n, o, i in mats if n != "lm_head")
+        totals.append(linears + head)
         rows.append(
             {
                 "형식": label,
                 "선형층 비트/가중치": round(8 * linears / params, 2),
-                "선형층 (MB)": round(linears / 1e6, 1),
-                "lm_head (MB)": round(head / 1e6, 1),
-                "디코드 스텝당 읽는 가중치 (MB)": round((linears + head) / 1e6, 1),
+                "선형층 (MB)": round(linears / 1e6, 3),
+                "lm_head (MB)": round(head / 1e6, 3),
+                "디코드 스텝당 읽는 가중치 (MB)": round((linears + head) / 1e6, 3),
             }
         )
     df = pd.DataFrame(rows)
-    base = df.loc[0, "디코드 스텝당 읽는 가중치 (MB)"]
-    df["float32 대비"] = (df["디코드 스텝당 읽는 가중치 (MB)"] / base).round(3)
+    df["float32 대비"] = [round(t / totals[0], 3) for t in totals]
     return df
 
 
@@ -104,7 +104,7 @@ def decode_summary(runs: dict[str, RunResult], weight_bytes: dict[str, int]) -> 
         rows.append(
             {
                 "엔진": label,
-                "가중치 (MB)": _r(wb / 1e6) if wb else None,
+                "가중치 (MB)": _r(wb / 1e6, 3) if wb else None,
                 "디코드 스텝 중앙값 (ms)": _r(ms, 2),
                 "첫 엔진 대비 속도": _r(base_ms / ms, 2) if ms and base_ms else None,
                 "가중치 읽기 속도 (GB/s)": _r(wb / (ms / 1e3) / 1e9, 2) if wb and ms else None,
@@ -131,7 +131,7 @@ def greedy_agreement_table(runs: dict[str, RunResult]) -> pd.DataFrame:
             {
                 "엔진": label,
                 f"{labels[0]}와 같은 토큰 비율": _r(100 * (g["token_agreement"] or 0), 1),
-                "처음 달라진 위치": min(first) if first else "끝까지 같음",
+                "처음 달라진 위치": str(min(first)) if first else "끝까지 같음",
             }
         )
     return pd.DataFrame(rows)

@@ -1,0 +1,230 @@
+"""11 · 양자화와 dtype: the same request on float32, bfloat16, int8 and int4 engines stepped side
+by side (bytes read per decode step, measured step time, greedy agreement), the quality measured
+against float32, and where quantization visibly loses."""
+
+import plotly.graph_objects as go
+import streamlit as st
+
+from engine.kernels.quant import quantize_int4, quantize_int8
+from ui.experiments.ch11 import (
+    DEFAULT_SIDES,
+    VARIANTS,
+    bytes_table,
+    decode_summary,
+    decode_workload,
+    greedy_agreement_table,
+    kernel_rows,
+    outlier_table,
+    quality_table,
+)
+from ui.lab import LabContext, Side, run_results, run_workload_button
+from ui.lab import lab as engine_lab
+from ui.lesson import render_chapter
+from ui.predict import compare, predict
+from ui.session import current_settings
+from ui.widgets import evidence, show_code
+
+RESULT = "ch11_result"
+QUALITY = "ch11_quality"
+CHOICES = ["float32보다 느리다", "1~2배 빠르다", "2배 이상 빠르다"]
+
+
+def _model_dir():
+    from engine.artifact import resolve_model_path
+
+    return resolve_model_path(current_settings().model or None)
+
+
+def _has_gguf() -> bool:
+    from engine.quantization import gguf_source
+
+    try:
+        gguf_source(_model_dir())
+        return True
+    except Exception:  # noqa: BLE001 - any model without a GGUF source
+        return False
+
+
+def _sides(labels: list[str]) -> list[Side]:
+    sides = []
+    for label in labels:
+        slug = label.split()[0].replace("/", "_")
+        overrides = dict(VARIANTS[label], enable_prefix_caching=False)
+        sides.append(Side(f"ch11_{slug}", label, overrides))
+    return sides
+
+
+def _speed_choice(ratio: float) -> str:
+    return CHOICES[0] if ratio < 1.0 else CHOICES[1] if ratio < 2.0 else CHOICES[2]
+
+
+def _summary_view(ctx: LabContext) -> None:
+    first = ctx.engines[ctx.sides[0].key]
+    st.markdown("**디코드 스텝 하나가 읽는 가중치** (이 모델의 config.json 모양으로 계산)")
+    st.dataframe(bytes_table(first.model_config), hide_index=True)
+    evidence(
+        "계산값",
+        "행렬마다 out × in 가중치의 저장 바이트; 양자화 엔진의 lm_head는 int8",
+        formula="float32 4 B · bfloat16 2 B · int8 1 B + 행마다 scale 4 B · "
+        "int4 ½ B + 32개마다 scale·min 8 B",
+    )
+    runs = run_results(ctx, RESULT)
+    if runs is None:
+        st.info("모든 엔진이 워크로드를 끝내면 여기에 측정 요약이 나옵니다.")
+        return
+    weight_bytes = {s.label: ctx.engines[s.key].weight_bytes() for s in ctx.sides}
+    summary = decode_summary(runs, weight_bytes)
+    st.markdown("**측정 요약** (엔진 시계, 디코드만 한 스텝의 중앙값)")
+    st.dataframe(summary.astype(object).where(summary.notna(), "—"), hide_index=True)
+    fig = go.Figure(
+        go.Bar(
+            x=summary["엔진"],
+            y=summary["디코드 스텝 중앙값 (ms)"],
+            text=summary["가중치 (MB)"].map(lambda mb: f"가중치 {mb} MB"),
+            name="디코드 스텝 (ms)",
+        )
+    )
+    fig.update_layout(
+        height=300,
+        title="디코드 스텝 하나의 시간 (ms, 중앙값) — 막대 위: 엔진이 가진 가중치",
+        yaxis_title="ms",
+        margin=dict(l=10, r=10, t=40, b=10),
+    )
+    st.plotly_chart(fig, key="ch11_decode_fig")
+    agreement = greedy_agreement_table(runs)
+    st.markdown(f"**생성된 토큰이 {ctx.sides[0].label}와 얼마나 같은가** (greedy, 같은 프롬프트)")
+    st.dataframe(agreement, hide_index=True)
+    for side in ctx.sides:
+        res = runs[side.label]
+        evidence(
+            "측정값",
+            f"{side.label}: 스텝 {len(res.records)}개, 가중치 {weight_bytes[side.label] / 1e6:.1f} "
+            "MB (engine.weight_bytes())",
+            **res.conditions,
+            양자화=VARIANTS[side.label]["quantization"] or "없음",
+        )
+    evidence(
+        "계산값",
+        "가중치 읽기 속도 = 가중치 바이트 ÷ 디코드 스텝 시간 (스텝의 다른 일까지 포함한 하한)",
+        formula="weight_bytes / step_ms",
+    )
+    labels = list(summary["엔진"])
+    if "float32" in labels and "int8" in labels:
+        ms = summary.set_index("엔진")["디코드 스텝 중앙값 (ms)"]
+        if ms["float32"] and ms["int8"]:
+            compare("ch11_speed", _speed_choice(ms["float32"] / ms["int8"]))
+            st.caption(f"디코드 스텝: float32 {ms['float32']} ms, int8 {ms['int8']} ms")
+
+
+def _quality_section() -> None:
+    st.subheader("품질: float32와 얼마나 같은가")
+    options = ["bfloat16", "int8", "int4", "int4/64"] + (["gguf"] if _has_gguf() else [])
+    chosen = st.multiselect(
+        "품질을 잴 변형", options, default=["int8", "int4", "int4/64"], key="ch11_q_variants"
+    )
+    tokens = st.slider("teacher forcing 텍스트 길이 (토큰)", 32, 256, 96, step=32, key="ch11_q_len")
+    if st.button("품질 측정 실행", key="ch11_quality_run", disabled=not chosen):
+        with st.spinner("float32와 각 변형으로 같은 텍스트를 한 번씩 계산하는 중…"):
+            st.session_state[QUALITY] = (quality_table(_model_dir(), chosen, tokens), tokens)
+    stored = st.session_state.get(QUALITY)
+    if stored is None:
+        st.info("**[품질 측정 실행]**을 누르면 README.md 앞부분으로 각 변형을 잽니다.")
+    else:
+        table, n = stored
+        st.dataframe(table, hide_index=True)
+        fig = go.Figure(go.Bar(x=table["변형"], y=table["top-1 일치 (%)"], name="top-1 일치"))
+        fig.update_layout(
+            height=280,
+            title="teacher forcing: 다음 토큰 1순위가 float32와 같은 위치의 비율 (%)",
+            yaxis_title="%",
+            margin=dict(l=10, r=10, t=40, b=10),
+        )
+        st.plotly_chart(fig, key="ch11_quality_fig")
+        evidence(
+            "측정값",
+            "top-1 일치 = 1순위 토큰이 float32와 같은 위치의 비율; perplexity = exp(실제 다음 "
+            "토큰의 평균 교차 엔트로피); KL = float32 분포 대비 평균 KL",
+            텍스트=f"README.md 앞 {n}토큰",
+            모델=_model_dir().name,
+        )
+
+    st.subheader("정말로 잃는 경우: 이상치 하나가 행 전체를 거칠게 만든다")
+    st.dataframe(outlier_table(), hide_index=True)
+    evidence(
+        "측정값",
+        "64 × 256 무작위 행렬(표준편차 0.02)의 4개 행에 2.0짜리 가중치 하나씩; 평범한 가중치의 "
+        "반올림 오차 RMS",
+        행렬="seed 0, engine.quality.outlier_demo",
+    )
+
+
+def _kernel_section() -> None:
+    from ui.experiments.ch04 import latest_bench
+
+    st.subheader("커널이 없으면: 같은 바이트, 다른 속도")
+    results = latest_bench()
+    table = kernel_rows(results)
+    if table is None:
+        st.info(
+            "`python -m engine bench`(전체 실행)를 돌리면 여기에 행렬 커널 표(1행 GB/s, 32행 "
+            "GFLOP/s)가 나옵니다."
+        )
+        return
+    st.dataframe(table, hide_index=True)
+    c = results["conditions"]
+    evidence(
+        "측정값",
+        "30개 층의 선형 행렬 전부를 커널별로 곱한 시간 (bench 6절)",
+        장치=c.get("device_name"),
+        스레드=c.get("threads"),
+        날짜=c.get("date"),
+    )
+
+
+def lab() -> None:
+    st.subheader("같은 요청, 다른 숫자: float32 · bfloat16 · int8 · int4")
+    options = list(VARIANTS) if _has_gguf() else [v for v in VARIANTS if "gguf" not in v]
+    c1, c2, c3 = st.columns([2, 1, 1])
+    labels = c1.multiselect(
+        "비교할 엔진 (최대 3개)",
+        options,
+        default=list(DEFAULT_SIDES),
+        max_selections=3,
+        key="ch11_sides",
+    )
+    batch = c2.slider("동시 요청 수", 1, 8, 1, key="ch11_batch")
+    max_tokens = c3.slider("출력 토큰 수", 8, 64, 24, step=8, key="ch11_tokens")
+    if not labels:
+        st.info("비교할 엔진을 하나 이상 고르세요.")
+        return
+    workload = decode_workload(32, max_tokens, batch)
+    st.caption(
+        f"워크로드: 32토큰 프롬프트 {batch}개가 함께 도착, 각각 {max_tokens}토큰을 greedy로 "
+        "생성합니다. 한 스텝에 모든 엔진이 한 번씩 실행됩니다."
+    )
+
+    def before(ctx: LabContext) -> None:
+        predict(
+            "ch11_speed",
+            "동시 요청 1개일 때, int8 엔진의 디코드 스텝은 float32 엔진과 비교해 어떨까?",
+            options=CHOICES,
+            locked=ctx.started,
+        )
+        run_workload_button(ctx, workload)
+
+    engine_lab(
+        "ch11",
+        _sides(labels),
+        presets=None,
+        workload=workload,
+        before=before,
+        chapter_view=_summary_view,
+        show_code_panel=False,
+    )
+    show_code(quantize_int8, "int8 양자화: 행마다 scale 하나")
+    show_code(quantize_int4, "int4 양자화: 묶음마다 scale과 min")
+    _quality_section()
+    _kernel_section()
+
+
+render_chapter("11", lab)
