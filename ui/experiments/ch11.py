@@ -158,6 +158,8 @@ def quality_table(model_dir, variant_names: list[str], text_tokens: int = 128) -
                 "변형": r["variant"],
                 "스텝당 가중치 (MB)": round(r["weight_bytes_per_step"] / 1e6, 1),
                 "top-1 일치 (%)": round(100 * r["top1_agreement"], 1),
+                "동점 제외 일치 (%)": round(100 * r["top1_agreement_outside_ties"], 1),
+                "동점에 가까운 위치": r["near_ties"],
                 "perplexity": round(r["perplexity"], 2),
                 "KL 평균": round(r["kl_mean"], 4),
             }
