@@ -23,9 +23,9 @@ Engine and llama.cpp then multiply by literally the same 4-bit numbers.
 
 Where it runs: on a CPU our C++ kernels (float32 inside; bfloat16/float16 activations are widened
 per call); on CUDA, or where the kernels do not build, the reference path (dequantize, then the
-ordinary matmul in the compute dtype): correct everywhere, but on CUDA slower than plain bfloat16,
-since it writes a float copy of each matrix every step. Activations and the KV cache stay in the
-compute dtype.
+ordinary matmul in the compute dtype): correct everywhere, but on CUDA it cannot beat plain
+bfloat16 (it writes a float copy of each matrix every step; not measured here). Activations and
+the KV cache stay in the compute dtype.
 """
 
 from __future__ import annotations
