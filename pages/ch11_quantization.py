@@ -128,7 +128,7 @@ def _quality_section() -> None:
             st.session_state[QUALITY] = (quality_table(_model_dir(), chosen, tokens), tokens)
     stored = st.session_state.get(QUALITY)
     if stored is None:
-        st.info("**[품질 측정 실행]**을 누르면 README.md 앞부분으로 각 변형을 잽니다.")
+        st.info("버튼 **품질 측정 실행** 을 누르면 README.md 앞부분으로 각 변형을 잽니다.")
     else:
         table, n = stored
         st.dataframe(table, hide_index=True)

@@ -55,6 +55,6 @@ def test_ch11_lab_in_browser(page, app_url):
     traces = plot_traces(page)
     assert len(traces) >= before + 1 and all(n > 0 for n in traces[before:]), traces
     assert "측정 요약" in page.inner_text("body")
-    page.get_by_text("측정 요약").first.scroll_into_view_if_needed()
+    page.get_by_text("측정 요약").last.scroll_into_view_if_needed()
     page.wait_for_timeout(500)
     page.screenshot(path=str(SHOTS / "ch11_lab.png"))
