@@ -22,7 +22,7 @@ from engine.executor import Executor, UniProcExecutor
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunnerOutput
 from engine.models.llama import LlamaConfig
-from engine.output import OutputProcessor
+from engine.output import OutputProcessor, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.sampler import SampleResult
@@ -120,6 +120,9 @@ class EngineCore:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.finished_requests: OrderedDict[str, Request] = OrderedDict()
         self.live_requests: dict[str, Request] = {}
+        # False: no RequestOutput and no streamed text per step (a simulator, which reads only
+        # records, journeys and metrics, turns them off; stop strings are still checked).
+        self.emit_outputs = True
         self.stats = {
             "prompt_tokens": 0,
             "generation_tokens": 0,
@@ -340,6 +343,9 @@ class EngineCore:
             if request is None:
                 continue
             tokens = self.scheduler.cut_at_stop(request, [r.token_id for r in results])
+            if not (self.emit_outputs or request.sampling_params.stop):
+                new_tokens[request_id] = tokens
+                continue
             try:
                 new_tokens[request_id], stop = self._detokenize(request, tokens)
             except Exception as error:  # noqa: BLE001 — fail this request only
@@ -364,11 +370,11 @@ class EngineCore:
             if request is not None:
                 results = runner_output.sampled[request_id]
                 self._keep_logprobs(request, results[: len(tokens)])
-                outputs.append(
-                    self._emit_tokens(
-                        request, tokens, request_id in finished_ids, scheduler_output.step, now
-                    )
+                output = self._emit_tokens(
+                    request, tokens, request_id in finished_ids, scheduler_output.step, now
                 )
+                if output is not None:
+                    outputs.append(output)
         return outputs
 
     def _detokenize(self, request: Request, token_ids: list[int]) -> tuple[list[int], str | None]:
@@ -381,7 +387,7 @@ class EngineCore:
 
     def _emit_tokens(
         self, request: Request, tokens: list[int], is_finished: bool, step: int, now: float
-    ):
+    ) -> RequestOutput | None:
         """Journey events (one per token) and the RequestOutput for this step's new tokens
         (retires a finished request). Tokens verified together arrive at the same time."""
         for token in tokens:
@@ -394,9 +400,11 @@ class EngineCore:
         if is_finished:
             request.finish_time = now
             request.record("finished", step, reason=request.finish_reason)
-        output = self.output_processor.make_output(request, list(tokens), is_finished)
-        if output.delta_text:
-            request.record("streamed", step, chars=len(output.delta_text))
+        output = None
+        if self.emit_outputs:
+            output = self.output_processor.make_output(request, list(tokens), is_finished)
+            if output.delta_text:
+                request.record("streamed", step, chars=len(output.delta_text))
         if is_finished:
             self._retire(request)
         return output
@@ -522,6 +530,7 @@ class EngineCore:
 
     def _retire(self, request: Request) -> None:
         self.live_requests.pop(request.request_id, None)
+        self.output_processor.states.pop(request.request_id, None)  # (gone already if emitted)
         self.finished_requests[request.request_id] = request
         while len(self.finished_requests) > self.config.keep_finished:
             self.finished_requests.popitem(last=False)
