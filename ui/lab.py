@@ -447,6 +447,13 @@ def stream_texts(key: str, engine: EngineCore) -> None:
             st.text(text or "…")
 
 
+def evidence_kind(engine: EngineCore) -> str:
+    """측정값 for a real engine's timings, 계산값 for a simulated one's (ui/simulation.py)."""
+    from ui.simulation import is_simulated
+
+    return "계산값" if is_simulated(engine) else "측정값"
+
+
 def _last_step_evidence(ctx: LabContext) -> None:
     from ui.widgets import evidence
 
@@ -457,7 +464,7 @@ def _last_step_evidence(ctx: LabContext) -> None:
         last = records[-1]
         name = f"{side.label}: " if side.label else ""
         evidence(
-            "측정값",
+            evidence_kind(ctx.engines[side.key]),
             f"{name}마지막 스텝 {last.step}: {1000 * last.engine_duration:.1f} ms "
             f"(forward {1000 * last.timings.get('forward', 0):.1f} ms), "
             f"토큰 {last.total_tokens}개",

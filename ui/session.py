@@ -235,7 +235,12 @@ def build_engine(settings: EngineSettings | None = None, **overrides) -> EngineC
 
     from ui.registry import LazyKVWorker
 
+    simulation = overrides.pop("simulation", None)
     config = (settings or current_settings()).to_config(**overrides)
+    if simulation is not None:  # the same EngineCore over a cost model (ui/simulation.py)
+        from ui.simulation import build_simulated_engine
+
+        return build_simulated_engine(simulation, config)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     model_dir = resolve_model_path(config.model)
@@ -305,7 +310,9 @@ def get_engine(key: str = "main", **overrides) -> EngineCore:
         try:
             registry.check_room(sid, key, 0)  # the engine count, before spending a build on it
             engine = build_engine(settings, **overrides)  # no KV tensors yet: nothing to undo
-            registry.admit(sid, key, engine, planned_kv_bytes(engine))
+            # a simulated engine's KV cache is a number, not memory: it counts for nothing
+            simulated = "simulation" in overrides
+            registry.admit(sid, key, engine, 0 if simulated else planned_kv_bytes(engine))
         except ClassroomFull as exc:
             _classroom_full(exc)
         engines[key] = {
@@ -382,7 +389,12 @@ def engine_overrides(key: str = "main") -> dict:
 
 
 def conditions_of(engine: EngineCore, **extra) -> dict:
-    """Measurement conditions for a 측정값 label: device, dtype, model, date (+ batch etc.)."""
+    """Measurement conditions for a 측정값 label: device, dtype, model, date (+ batch etc.).
+    For a simulated engine: the presets and efficiency factors of its 계산값 instead."""
+    from ui.simulation import is_simulated, simulated_conditions
+
+    if is_simulated(engine):
+        return {**simulated_conditions(engine), **extra}
     cond = {
         "장치": str(engine.device),
         "dtype": str(engine.dtype).replace("torch.", ""),
