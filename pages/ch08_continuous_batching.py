@@ -19,7 +19,13 @@ from ui.lab import lab as engine_lab
 from ui.lesson import render_chapter
 from ui.predict import compare, predict
 from ui.session import current_settings
-from ui.simulation import simulation_caption, simulation_overrides, simulation_picker
+from ui.simulation import (
+    DEFAULT_HARDWARE,
+    DEFAULT_MODEL_PRESET,
+    simulation_caption,
+    simulation_overrides,
+    simulation_picker,
+)
 from ui.widgets import decision_table, evidence, show_code
 
 RESULT = "ch08_result"
@@ -159,12 +165,18 @@ def _budget_sweep_view(spec: dict) -> None:
         f"{', '.join(map(str, SWEEP_BUDGETS))}로 한 번씩 돌립니다. chunked prefill 켬."
     )
     cache = st.session_state.setdefault("ch08_sweeps", {})
-    sweep_key = (spec["model_preset"], spec["hardware"], rate, num)
+    tp = spec.get("tensor_parallel_size", 1)
+    sweep_key = (spec["model_preset"], spec["hardware"], tp, rate, num)
     if st.button("예산 훑기 실행", key="ch08_sweep_run", icon=":material/query_stats:"):
         progress = Progress(len(SWEEP_BUDGETS), "예산")
         try:
             cache[sweep_key] = budget_sweep(
-                spec["model_preset"], spec["hardware"], rate, num_requests=num, progress=progress
+                spec["model_preset"],
+                spec["hardware"],
+                rate,
+                num_requests=num,
+                tensor_parallel_size=tp,
+                progress=progress,
             )
         finally:
             progress.close()
@@ -269,8 +281,8 @@ def lab() -> None:
         chapter_view=_summary_view,
         show_code_panel=False,
     )
-    if spec is not None:
-        _budget_sweep_view(spec)
+    # the sweep runs the simulator whatever the lab above runs (its presets, or the defaults)
+    _budget_sweep_view(spec or {"model_preset": DEFAULT_MODEL_PRESET, "hardware": DEFAULT_HARDWARE})
     show_code(Scheduler.schedule, "방금 실행된 코드 (스케줄러의 결정)")
 
 

@@ -47,8 +47,7 @@ def simulation_picker(key: str, default_model: str = DEFAULT_MODEL_PRESET) -> di
         help="시뮬레이션: 같은 스케줄러·KV 관리자를 돌리되, 스텝 시간은 모델 모양과 GPU 사양에서 "
         "비용 모델이 계산합니다 (가중치를 읽지 않음).",
     )
-    if mode == MODE_REAL:
-        return None
+    real = mode == MODE_REAL  # the pickers stay visible (greyed out) so the lab's layout holds
     models = model_preset_choices()
     gpus = hardware_choices()
     c1, c2, c3 = st.columns([2, 2, 1])
@@ -58,6 +57,7 @@ def simulation_picker(key: str, default_model: str = DEFAULT_MODEL_PRESET) -> di
         index=models.index(default_model) if default_model in models else 0,
         key=f"{key}_sim_model",
         format_func=lambda k: load_model_preset(k).name,
+        disabled=real,
     )
     hardware = c2.selectbox(
         "하드웨어 프리셋",
@@ -65,13 +65,17 @@ def simulation_picker(key: str, default_model: str = DEFAULT_MODEL_PRESET) -> di
         index=gpus.index(DEFAULT_HARDWARE) if DEFAULT_HARDWARE in gpus else 0,
         key=f"{key}_sim_hardware",
         format_func=lambda k: load_hardware_preset(k).name,
+        disabled=real,
     )
     tp = c3.selectbox(
         "GPU 수 (텐서 병렬)",
         [1, 2, 4, 8],
         key=f"{key}_sim_tp",
         help="가중치와 KV 헤드를 GPU들이 나눠 갖고, 층마다 all-reduce 두 번이 더해집니다.",
+        disabled=real,
     )
+    if real:
+        return None
     spec = {"model_preset": model, "hardware": hardware, "tensor_parallel_size": tp}
     st.caption(simulation_caption(spec))
     return spec

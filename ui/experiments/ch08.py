@@ -136,6 +136,7 @@ def budget_sweep(
     prompt_len: tuple[int, int] = (256, 4096),
     output_len: tuple[int, int] = (32, 256),
     seed: int = 0,
+    tensor_parallel_size: int = 1,
     progress=None,
 ) -> pd.DataFrame:
     """TTFT and ITL percentiles (ms, engine clock, 계산값) of the same Poisson workload on a
@@ -155,6 +156,7 @@ def budget_sweep(
             prompt_len=prompt_len,
             output_len=output_len,
             seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
             max_num_batched_tokens=budget,
             enable_chunked_prefill=True,
         )
