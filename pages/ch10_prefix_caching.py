@@ -38,6 +38,7 @@ SIDE_KEYS = {"prefix caching 켬": "ch10_on", "prefix caching 끔": "ch10_off"}
 ON, OFF = list(SIDE_KEYS)
 MAX_TOKENS = 8
 BUDGET = 512
+LRU_CHOICES = ["꽉 찬 블록 전부", "앞쪽 일부만", "하나도 못 찾음"]
 
 
 def _table(df):
@@ -128,6 +129,15 @@ def _summary_view(ctx: LabContext) -> None:
         "TTFT 차이 = 끔의 TTFT − 켬의 TTFT",
         formula="꽉 찬 블록만 캐시, 마지막 토큰은 항상 계산",
     )
+    diff = table["TTFT 차이 (끔−켬, ms)"].dropna()
+    saved = int(table["히트 토큰 (켬)"].sum())
+    if len(diff) and saved and diff.mean() <= 0:
+        st.warning(
+            f"이번 측정에서는 캐시를 켠 쪽의 TTFT가 더 길었습니다(평균 차이 {diff.mean():.1f} ms). "
+            f"켠 엔진은 프롬프트 {saved}토큰을 덜 계산했지만, 스텝 시간은 이 기계의 다른 일에 따라 "
+            "흔들립니다. 위의 요청 여정과 스텝 결정에서 두 엔진의 스텝 시간을 비교하고 다시 "
+            "실행해 보세요."
+        )
     dec_on, dec_off = table["decode 스텝 (켬)"], table["decode 스텝 (끔)"]
     if len(table) and (dec_on == dec_off).all():
         st.success(
@@ -216,6 +226,14 @@ def _lru_section(block_size: int) -> None:
         f"KV 블록 {n}개(블록당 {block_size}토큰)인 엔진에 A(꽉 찬 블록 4개 + 덜 찬 블록 1개) → "
         "다른 프롬프트 B(블록 6개) → A를 다시, 차례로 보냅니다. 각 요청은 끝난 뒤 다음이 옵니다."
     )
+    res = st.session_state.get("ch10_lru")
+    predict(
+        "ch10_lru",
+        f"블록 {n}개짜리 캐시에서 B가 지나간 뒤 A를 다시 보내면, A는 자기 앞부분을 얼마나 "
+        "찾을까요?",
+        options=LRU_CHOICES,
+        locked=res is not None and res.num_blocks == n,
+    )
     if st.button("LRU 실험 실행", key="ch10_lru_run"):
         bar = Progress(3, "요청")
         try:
@@ -227,13 +245,29 @@ def _lru_section(block_size: int) -> None:
     if res is None:
         return
     st.dataframe(_table(res.rows), hide_index=True)
-    cols = st.columns(len(res.snapshots))
-    for i, (col, (stage, snap)) in enumerate(zip(cols, res.snapshots.items())):
-        with col:
-            st.plotly_chart(
-                shared_grid_figure(snap, title=stage, columns=min(res.num_blocks, 6)),
-                key=f"ch10_lru_grid_{i}",
-            )
+    measured = (
+        LRU_CHOICES[0]
+        if res.resent_hit_tokens >= res.expected_full_hit
+        else LRU_CHOICES[2]
+        if res.resent_hit_tokens == 0
+        else LRU_CHOICES[1]
+    )
+    compare("ch10_lru", measured)
+    st.caption(
+        "각 단계가 끝난 뒤의 블록들. 칸의 글자는 그 블록이 들고 있는 내용입니다 (A0 = 프롬프트 "
+        "A의 첫 블록). 초록은 아무도 쓰지 않지만 다시 찾을 수 있는 캐시 보관 블록입니다."
+    )
+    for i, (stage, snap) in enumerate(res.snapshots.items()):
+        st.plotly_chart(
+            shared_grid_figure(
+                snap,
+                title=f"{stage}: 캐시 보관 {snap.num_cached_free}/{res.num_blocks} 블록",
+                columns=res.num_blocks,
+                labels=res.contents.get(stage),
+                height=150,
+            ),
+            key=f"ch10_lru_grid_{i}",
+        )
     evidence(
         "측정값",
         f"KV 블록 {res.num_blocks}개: A를 다시 보냈을 때 히트 {res.resent_hit_tokens}토큰 "

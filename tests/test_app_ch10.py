@@ -143,6 +143,11 @@ def test_lru_evicts_a_cached_prefix_tail_first(make_engine, num_blocks, resent_h
         f"{resent_hits // B}/4",
     ]
     assert len(r.snapshots) == 3
+    after_b = list(r.contents.values())[1]
+    kept = sorted(v for v in after_b.values() if v.startswith("A"))
+    assert kept == [f"A{i}" for i in range(resent_hits // B)]  # the head of A survives
+    fig = ch10.shared_grid_figure(list(r.snapshots.values())[1], labels=after_b)
+    assert set(kept) <= {t for row in fig.data[0].text for t in row}
 
 
 def test_salts_isolate_equal_prompts(make_engine):

@@ -239,9 +239,17 @@ CACHED_COLOR = "#c7e9c0"
 REF_COLORS = ["#9ecae1", "#fd8d3c", "#d94801"]  # ref_cnt 1, 2, ≥3
 
 
-def shared_grid_figure(snapshot: KVSnapshot, title: str = "", columns: int = 16) -> go.Figure:
+def shared_grid_figure(
+    snapshot: KVSnapshot,
+    title: str = "",
+    columns: int = 16,
+    labels: dict[int, str] | None = None,
+    height: int | None = None,
+) -> go.Figure:
     """The KV blocks coloured by reference count: how many requests' block tables list each block
-    (≥ 2 = one copy of K/V read by several requests)."""
+    (≥ 2 = one copy of K/V read by several requests). `labels` (block id → text) names what a
+    block holds, e.g. "A2" for the third block of prompt A."""
+    labels = labels or {}
     n = snapshot.num_blocks
     columns = max(1, min(columns, n))
     rows = math.ceil(n / columns)
@@ -257,16 +265,19 @@ def shared_grid_figure(snapshot: KVSnapshot, title: str = "", columns: int = 16)
         r, c = divmod(b.block_id, columns)
         if b.ref_cnt:
             z[r][c] = 1 + min(b.ref_cnt, 3)
-            text[r][c] = str(b.ref_cnt)
+            text[r][c] = labels.get(b.block_id, str(b.ref_cnt))
             state = f"사용 중 · ref_cnt {b.ref_cnt}"
         elif b.status == "cached":
             z[r][c] = 1
-            text[r][c] = "·"
+            text[r][c] = labels.get(b.block_id, "·")
             state = "빈 블록 (prefix 캐시 보관, ref_cnt 0)"
         else:
             z[r][c] = 0
             state = "빈 블록"
-        hover[r][c] = f"블록 #{b.block_id}<br>{state}<br>소유: {', '.join(b.owners) or '없음'}"
+        held = f"<br>내용: {labels[b.block_id]}" if b.block_id in labels else ""
+        hover[r][c] = (
+            f"블록 #{b.block_id}<br>{state}<br>소유: {', '.join(b.owners) or '없음'}{held}"
+        )
     fig = go.Figure(
         go.Heatmap(
             z=z,
@@ -307,7 +318,7 @@ def shared_grid_figure(snapshot: KVSnapshot, title: str = "", columns: int = 16)
         title=title
         or f"블록별 참조 수: 공유 블록 {num_shared_blocks(snapshot)}개, 캐시 보관 "
         f"{snapshot.num_cached_free}개",
-        height=max(180, 100 + 30 * rows),
+        height=height or max(180, 100 + 30 * rows),
         margin=dict(l=10, r=10, t=40, b=10),
         legend=dict(yanchor="top", y=1.0, x=1.01, font=dict(size=11)),
         plot_bgcolor="white",
@@ -335,6 +346,7 @@ def hit_rate_figure(records: list[StepRecord], title: str = "") -> go.Figure:
         height=300,
         title=title or "스텝별 prefix 캐시 조회와 히트 (막대 위: 그 스텝의 히트율)",
         xaxis_title="스텝",
+        xaxis=dict(type="category"),
         yaxis_title="토큰",
         margin=dict(l=10, r=10, t=40, b=10),
     )
@@ -416,6 +428,7 @@ def hash_chain_figure(chains: dict[str, list[BlockLink]], block_size: int) -> go
                 y1=y + 0.35,
                 fillcolor=color,
                 line=dict(color="#555", width=1),
+                layer="below",
             )
             xs.append((x0 + x1) / 2)
             ys.append(y)
@@ -458,11 +471,12 @@ def hash_chain_figure(chains: dict[str, list[BlockLink]], block_size: int) -> go
         )
     )
     width = max((len(c) for c in chains.values()), default=1)
-    fig.update_xaxes(visible=False, range=[-2.6, width * 1.2])
+    fig.update_xaxes(visible=False, range=[-1.8, width * 1.2])
     fig.update_yaxes(visible=False, range=[-len(names) + 0.4, 0.6])
     fig.update_layout(
         height=110 + 90 * len(names),
-        title="블록별 해시 사슬: 앞 블록의 해시 + 이 블록의 토큰 → 이 블록의 해시",
+        title="블록별 해시 사슬 (앞 블록의 해시 + 이 블록의 토큰 → 이 블록의 해시) · 초록: 첫 줄과 "
+        "같은 해시 · 빨강: 다른 해시 · 회색: 덜 찬 블록 (해시 없음)",
         margin=dict(l=10, r=10, t=40, b=10),
         plot_bgcolor="white",
     )
@@ -568,6 +582,7 @@ class LruResult:
     block_size: int
     rows: pd.DataFrame  # one row per stage
     snapshots: dict[str, KVSnapshot]  # stage → snapshot after it
+    contents: dict[str, dict[int, str]]  # stage → {block id: "A0", "B3", ...} cached then
     resent_hit_tokens: int
     expected_full_hit: int  # 계산값: A's hit tokens if nothing had been evicted
 
@@ -599,6 +614,17 @@ def lru_experiment(
     b = seed_prompt(engine, b_len, 3)
     rows, snaps = [], {}
     chain = [link.block_hash for link in block_chain(a, block_size) if link.full]
+    chain_b = [link.block_hash for link in block_chain(b, block_size) if link.full]
+    contents = {}
+
+    def holders() -> dict[int, str]:
+        """Which cached block holds which prompt's block i (read from the engine's cache)."""
+        found = {}
+        for name, hashes in (("A", chain), ("B", chain_b)):
+            for i, h in enumerate(hashes):
+                for block in engine.kv_cache_manager.block_pool.cached.get(h, ()):
+                    found[block.block_id] = f"{name}{i}"
+        return found
 
     def a_cached() -> int:
         """A's full blocks whose K/V the cache still holds (looked up by A's chained hashes)."""
@@ -615,6 +641,7 @@ def lru_experiment(
         if progress is not None:
             progress()
         snaps[stage] = sent[-1].snapshot
+        contents[stage] = holders()
         rows.append(
             {
                 "단계": stage,
@@ -628,6 +655,7 @@ def lru_experiment(
         block_size,
         pd.DataFrame(rows),
         snaps,
+        contents,
         sent[-1].hit_tokens,
         expected_hit_tokens(a_len, a_len, block_size),
     )
