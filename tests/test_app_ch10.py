@@ -224,3 +224,21 @@ def test_chat_scenario_runs(app):
     table = app.session_state["ch10_result"].table
     assert list(table["요청"])[:2] == ["턴-1", "턴-2"]
     assert list(table["히트 토큰 (켬)"]) == list(table["최대 가능 히트 (계산값)"])
+
+
+def test_workload_specs_carry_exact_prompts_and_salts(tiny_config):
+    from ui.experiments.common import RequestSpec, Workload
+
+    ids = list(range(200, 200 + 3 * B + 5))
+
+    def hits(salts):
+        specs = [
+            RequestSpec(len(ids), 3, 1000.0 * i, f"r{i}", prompt_token_ids=ids, cache_salt=s)
+            for i, s in enumerate(salts)
+        ]
+        res = run_workload(tiny_config, Workload(specs), "켬")
+        assert [r.prompt_token_ids for r in res.requests] == [ids] * len(salts)
+        return [ch10.hit_tokens_by_request(res.records)[f"r{i}"] for i in range(len(salts))]
+
+    assert hits(["t1", "t2"]) == [0, 0]
+    assert hits(["t1", "t1"]) == [0, 3 * B]

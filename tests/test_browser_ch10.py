@@ -1,8 +1,8 @@
 """Chapter 10 in a real browser: `streamlit run app.py` (the real default model), Playwright with
 Debian's Chromium. The lab's 실행 runs the shared-system-prompt workload with prefix caching on and
-off, the hash-chain experiment runs below it, their plots render with data, and a screenshot of the
-lab is saved as tests/screenshots/ch10_lab.png. Skips only where no Chromium (or Playwright) can be
-found."""
+off, the hash-chain and LRU experiments run below it, their plots render with data, and screenshots
+are saved as tests/screenshots/ch10_lab.png (the lab) and ch10_experiments.png. Skips only where no
+Chromium (or Playwright) can be found."""
 
 from __future__ import annotations
 
@@ -73,6 +73,12 @@ def test_ch10_lab_in_browser(page, app_url):
     body = page.inner_text("body")
     assert "같은 프롬프트 다시" in body
     assert len(plot_traces(page)) >= lab_plots + 1
+    click(page, "LRU 실험 실행")
+    assert "캐시에 남은 A의 꽉 찬 블록" in page.inner_text("body")
+    assert len(plot_traces(page)) >= lab_plots + 4  # the chain and three LRU grids
+    page.get_by_text("LRU 축출", exact=False).first.scroll_into_view_if_needed()
+    page.wait_for_timeout(500)
+    page.screenshot(path=str(SHOTS / "ch10_experiments.png"))
     hits = page.locator(".js-plotly-plot").nth(before)
     hits.scroll_into_view_if_needed()
     page.wait_for_timeout(500)
