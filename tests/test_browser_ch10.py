@@ -74,9 +74,9 @@ def test_ch10_lab_in_browser(page, app_url):
     assert "같은 프롬프트 다시" in body
     assert len(plot_traces(page)) >= lab_plots + 1
     click(page, "LRU 실험 실행")
-    assert "캐시에 남은 A의 꽉 찬 블록" in page.inner_text("body")
+    assert "A를 다시 보냈을 때 히트" in page.inner_text("body")  # (tables are canvases)
     assert len(plot_traces(page)) >= lab_plots + 4  # the chain and three LRU grids
-    page.get_by_text("LRU 축출", exact=False).first.scroll_into_view_if_needed()
+    page.get_by_text("LRU 축출: 작은 캐시에서는", exact=False).first.scroll_into_view_if_needed()
     page.wait_for_timeout(500)
     page.screenshot(path=str(SHOTS / "ch10_experiments.png"))
     hits = page.locator(".js-plotly-plot").nth(before)
