@@ -47,6 +47,8 @@ class RequestSpec:
     arrival_ms: float = 0.0  # offset on the engine clock from the run's start
     name: str | None = None
     priority: int = 0
+    prompt_token_ids: list[int] | None = None  # the exact prompt (default: cut from SEED_TEXT)
+    cache_salt: str | None = None  # prefix-cache isolation (EngineCore.add_request)
 
 
 @dataclass
@@ -104,7 +106,10 @@ class WorkloadFeeder:
         self.requests: list[Request | None] = [None] * len(self.specs)
         self.rejected: dict[str, str] = {}
         self.start = engine.clock.now()  # engine seconds; arrivals are offsets from here
-        self._prompts = [prompt_ids(engine, s.prompt_len, i) for i, s in enumerate(self.specs)]
+        self._prompts = [
+            list(s.prompt_token_ids) if s.prompt_token_ids else prompt_ids(engine, s.prompt_len, i)
+            for i, s in enumerate(self.specs)
+        ]
 
     def _due(self, i: int) -> float:
         return self.start + self.specs[i].arrival_ms / 1000
@@ -123,6 +128,7 @@ class WorkloadFeeder:
                     prompt_token_ids=self._prompts[i],
                     priority=spec.priority,
                     engine_arrival_time=self._due(i),
+                    cache_salt=spec.cache_salt,
                 )
             except InvalidRequestError as exc:
                 self.rejected[self.names[i]] = str(exc)
