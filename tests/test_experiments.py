@@ -41,7 +41,7 @@ def test_param_counts_match_model_cards():
 
 def test_required_models_and_gpus_present():
     names = " ".join(MODELS)
-    for m in ("Llama-3.1-8B", "Llama-3.1-70B", "Qwen2.5-7B", "Mistral-7B-v0.1", "SmolLM2-135M"):
+    for m in ("Llama-3.1-8B", "Llama-3.1-70B", "Qwen2.5-7B", "Mistral-7B-v0.3", "SmolLM2-135M"):
         assert m in names
     for g in ("H100", "H200", "A100 40GB", "A100 80GB", "L4", "RTX 4090"):
         assert any(g in name for name in GPUS)
