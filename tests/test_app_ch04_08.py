@@ -235,3 +235,17 @@ def test_ch07_simulation_switch_compares_the_three_ways_on_a_simulated_gpu(app):
     text = " ".join(m.value for m in app.markdown)
     assert "계산값" in text and "H200" in text
     app.radio(key="ch07_target").set_value("실제 엔진").run()
+
+
+def test_ch05_capacity_simulation_runs_the_calculators_budget(app):
+    """② runs the calculator's choice on the simulated engine: more requests than fit at full
+    length are admitted, then preempted as they grow (the chapter's common mistake)."""
+    app.switch_page(PAGES["05"][0])
+    app.run()
+    app.slider(key="ch05_sim_requests").set_value(150).run()
+    app.button(key="ch05_sim_run").click().run()
+    assert not app.exception, [e.value for e in app.exception]
+    (run,) = app.session_state["ch05_capacity"].values()
+    assert run.model == "Llama-3.1-8B" and run.planned_requests > 0
+    assert run.peak_running > run.planned_requests and run.preemptions > 0
+    assert_charts(app, ["ch05_sim_kv"])

@@ -119,6 +119,9 @@ def _gpu_spec(key: str) -> GPUSpec:
 
 MODELS: dict[str, ModelSpec] = {m.name: m for m in map(_model_spec, MODEL_PRESETS)}
 GPUS: dict[str, GPUSpec] = {g.name: g for g in map(_gpu_spec, GPU_PRESETS)}
+# display name → preset key (what the simulator takes)
+MODEL_KEYS = {name: key for key, (name, _) in MODEL_PRESETS.items()}
+GPU_KEYS = {name: key for key, name in GPU_PRESETS.items()}
 
 
 @dataclass

@@ -116,3 +116,86 @@ def measure_dtype(
             engine, 배치=1, 프롬프트=f"{request.num_prompt_tokens} 토큰", 출력=f"{n} 토큰 (greedy)"
         ),
     )
+
+
+# -- the budget in motion: the real scheduler on a simulated GPU --------------------------------
+
+
+@dataclass
+class CapacityRun:
+    """One simulated run of `num_requests` requests of length L arriving together."""
+
+    model: str
+    hardware: str
+    num_blocks: int  # the KV cache the memory plan gave (계산값)
+    block_size: int
+    kv_budget_bytes: int
+    activation_bytes: int
+    planned_requests: int  # KV tokens ÷ L: how many fit at once if each grows to L (계산값)
+    peak_running: int  # the most requests the scheduler ran at once
+    preemptions: int
+    steps: int
+    ttft_p50_s: float | None
+    ttft_p90_s: float | None
+    duration_s: float
+    records: list = field(repr=False, default_factory=list)
+
+
+def simulate_capacity(
+    model_preset: str,
+    hardware: str,
+    utilization: float,
+    seq_len: int,
+    num_requests: int,
+    output_len: int = 256,
+    max_num_batched_tokens: int = 8192,
+) -> CapacityRun:
+    """The calculator's budget, run: `num_requests` requests of `seq_len` tokens (prompt +
+    `output_len`) arrive at once on a simulated engine whose KV cache comes from the same memory
+    budget (engine/simulator.py's plan). The real scheduler then admits, queues and preempts
+    them; this reports what it did. Times are 계산값 (the cost model)."""
+    from engine.presets import load_model_preset
+    from engine.simulator import SimRequest, simulate
+
+    preset = load_model_preset(model_preset)
+    seq_len = min(seq_len, preset.config.max_position_embeddings)
+    output_len = min(output_len, seq_len // 2)
+    prompt_len = seq_len - output_len
+    filler = 1000 % preset.config.vocab_size
+    workload = [
+        # distinct prompts (a different first token each), so the prefix cache shares nothing
+        SimRequest([(filler + i) % preset.config.vocab_size] * prompt_len, output_len)
+        for i in range(num_requests)
+    ]
+    result = simulate(
+        model_preset,
+        hardware,
+        rate=None,
+        workload=workload,
+        max_model_len=seq_len,
+        max_num_seqs=max(num_requests, 1),
+        max_num_batched_tokens=max(max_num_batched_tokens, seq_len // 4),
+        gpu_memory_utilization=utilization,
+        enable_prefix_caching=False,
+    )
+    kv = result.conditions["kv_cache"]
+    running = [r.num_running for r in result.records]
+    summary = result.summary
+    return CapacityRun(
+        model=result.conditions["model"]["name"],
+        hardware=result.conditions["hardware"]["name"],
+        num_blocks=kv["num_blocks"],
+        block_size=kv["block_size"],
+        kv_budget_bytes=kv["usable_bytes"]
+        - kv["weight_bytes_per_gpu"]
+        - kv["activation_reserve_bytes"],
+        activation_bytes=kv["activation_reserve_bytes"],
+        planned_requests=kv["num_blocks"] * kv["block_size"] // seq_len,
+        peak_running=max(running, default=0),
+        preemptions=summary["preemptions"],
+        steps=summary["steps"],
+        ttft_p50_s=summary["ttft_s"]["p50"],
+        ttft_p90_s=summary["ttft_s"]["p90"],
+        duration_s=summary["duration_s"],
+        records=result.records,
+    )
