@@ -258,6 +258,14 @@ def _measure_table(results: dict[str, DtypeMeasurement]) -> pd.DataFrame:
                 "출력": r.text[:60],
             }
         )
+        if r.device_allocated_bytes is not None:  # on a GPU: the allocator's own counters
+            rows[-1].update(
+                {
+                    "GPU 할당 증가 (MB)": round(r.device_allocated_bytes / 1e6, 1),
+                    "그중 KV (MB)": round(r.kv_cache_bytes / 1e6, 1),
+                    "decode 활성값 최대 (MB)": round(r.activation_peak_bytes / 1e6, 2),
+                }
+            )
     return pd.DataFrame(rows)
 
 
@@ -329,6 +337,21 @@ def measurement() -> None:
             f"{dt}: 로드된 텐서 {r.tensor_bytes / 1e6:.1f} MB, TPOT {r.tpot_ms:.1f} ms "
             f"({r.decode_tokens_per_s:.1f} 토큰/s)",
             **r.conditions,
+        )
+    on_gpu = [r for r in results.values() if r.device_allocated_bytes is not None]
+    for r in on_gpu:
+        evidence(
+            "측정값",
+            f"{r.dtype}: 엔진을 만들며 GPU에 할당 {r.device_allocated_bytes / 1e6:.1f} MB "
+            f"(그중 KV 캐시 {r.kv_cache_bytes / 1e6:.1f} MB; 가중치가 이미 올라 있었다면 KV만), "
+            f"decode 중 활성값 최대 {r.activation_peak_bytes / 1e6:.2f} MB",
+            출처="torch.cuda.memory_allocated / max_memory_allocated",
+            **r.conditions,
+        )
+    if not on_gpu:
+        st.caption(
+            "GPU에서는 이 표에 torch.cuda가 센 할당량(가중치+KV, KV, decode 활성값 최대)이 "
+            "붙습니다. CPU에는 그런 계수기가 없어 프로세스 RSS 증가만 보입니다."
         )
     if "float32" in results and "bfloat16" in results:
         ratio = results["bfloat16"].decode_tokens_per_s / max(

@@ -120,6 +120,39 @@ def test_measure_dtype_bytes_and_agreement(cfg):
     assert bf16.first_divergence is None or 0 <= bf16.first_divergence < 4
 
 
+def test_measure_dtype_on_a_cpu_has_no_device_counters(cfg):
+    r = ex.measure_dtype(cfg, "float32", num_tokens=2)
+    assert r.device_allocated_bytes is None and r.activation_peak_bytes is None
+
+
+def test_measure_dtype_reads_the_gpu_allocator_when_there_is_one(cfg, monkeypatch):
+    """The GPU path's arithmetic, with a stand-in for torch.cuda's counters (the real one runs
+    only on a GPU): allocated before/after building the engine, the peak during the decode."""
+    from ui.experiments import ch05
+
+    class FakeCuda:
+        source = "fake"
+
+        def __init__(self, device):
+            self.now, self.top = 1_000, 1_000
+
+        def allocated(self) -> int:
+            self.now += 7_000  # the engine build (weights + KV) happened since the last read
+            self.top = max(self.top, self.now)
+            return self.now
+
+        def reset_peak(self) -> None:
+            self.top = self.now
+
+        def peak(self) -> int:
+            return self.top + 300  # the decode's activations
+
+    monkeypatch.setattr(ch05, "memory_probe", lambda device: FakeCuda(device))
+    r = ex.measure_dtype(cfg, "float32", num_tokens=2)
+    assert r.device_allocated_bytes == 7_000 and r.activation_peak_bytes == 300
+    assert r.kv_cache_bytes > 0  # the engine's own KV tensors, counted
+
+
 # -- chapter 06 ----------------------------------------------------------------------------------
 
 

@@ -26,6 +26,39 @@ def _rss_bytes() -> int | None:
             return None
 
 
+class CudaMemoryProbe:
+    """The CUDA caching allocator's own counters for one device (measured, this process):
+    what torch has allocated now, and the highest it reached since the last reset."""
+
+    source = "torch.cuda.memory_allocated / max_memory_allocated"
+
+    def __init__(self, device):
+        self.device = device
+
+    def allocated(self) -> int:
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
+    def reset_peak(self) -> None:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
+
+
+def memory_probe(device) -> CudaMemoryProbe | None:
+    """A probe of the device's allocator on a GPU; None on a CPU (the process RSS is all there
+    is, and it cannot tell activations from anything else)."""
+    return CudaMemoryProbe(device) if device.type == "cuda" else None
+
+
 @dataclass
 class DtypeMeasurement:
     dtype: str
@@ -40,6 +73,12 @@ class DtypeMeasurement:
     num_tokens: int
     token_ids: list[int]
     text: str
+    # On a GPU (torch.cuda's counters, measured): allocated by building the engine (weights if
+    # not loaded yet, plus the KV cache), the KV cache alone, and the decode's activation peak
+    # above that. None on a CPU.
+    device_allocated_bytes: int | None = None
+    kv_cache_bytes: int | None = None
+    activation_peak_bytes: int | None = None
     agree_with: str | None = None
     first_divergence: int | None = None  # index of the first token that differs from the reference
     conditions: dict = field(default_factory=dict)
@@ -76,11 +115,16 @@ def measure_dtype(
     model_dir = resolve_model_path(config.model)
     already = is_model_loaded(model_dir, device, torch_dtype)
     config = make_config(config, num_kv_blocks=cdiv(256, config.block_size))
+    probe = memory_probe(device)
+    allocated0 = probe.allocated() if probe else None
     rss0 = _rss_bytes()
     t = time.perf_counter()
     engine = EngineCore(config)  # loads the weights (once per process) and allocates the KV cache
     load_s = None if already else time.perf_counter() - t
     rss1 = _rss_bytes()
+    allocated1 = probe.allocated() if probe else None
+    if probe:
+        probe.reset_peak()
     rss_delta = None if already or rss0 is None or rss1 is None else rss1 - rss0
     nbytes = engine.weight_bytes()
     element = torch.tensor([], dtype=torch_dtype).element_size()
@@ -89,6 +133,7 @@ def measure_dtype(
     request = engine.add_request(prompt, params_s)
     while engine.has_unfinished_requests():
         engine.step()
+    activation_peak = probe.peak() - allocated1 if probe else None
     m = request.metrics(clock="engine")
     n = m.num_output_tokens
     tpot = m.tpot if m.tpot is not None else 0.0
@@ -110,6 +155,9 @@ def measure_dtype(
         num_tokens=n,
         token_ids=list(request.output_token_ids),
         text=text,
+        device_allocated_bytes=allocated1 - allocated0 if probe else None,
+        kv_cache_bytes=engine.kv_cache_bytes() if probe else None,
+        activation_peak_bytes=activation_peak,
         agree_with=reference.dtype if reference else None,
         first_divergence=divergence,
         conditions=measurement_conditions(
