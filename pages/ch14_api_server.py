@@ -53,7 +53,8 @@ LOAD = "_ch14_load"
 CURVE = "_ch14_curve"
 STREAMCMP = "_ch14_streamcmp"
 DISCONNECT = "_ch14_disconnect"
-CURVE_DRAIN_S = 3.0
+CURVE_DRAIN_S = 4.0
+CURVE_RATES = [0.5, 1.0, 2.0, 4.0, 8.0, 16.0]
 
 
 # -- part 1: prefill fairness on the lab component -------------------------------------------
@@ -278,11 +279,22 @@ def _load_view(live) -> None:
         f"**부하 결과** — 도착률 {res.rate} 요청/s, 사용자 {p['요청']}명 도착, 완료 {p['완료']}, "
         f"상한에서 끊음 {p['끊음']}, 오류 {p['오류']} · 걸린 시간 {res.wall_s:.1f} s"
     )
+    if p["완료"] == 0:
+        st.warning(
+            "상한 안에 끝난 요청이 하나도 없습니다. 이 기계에서는 도착률이나 출력 길이, 사용자 "
+            "수를 줄이거나 측정 시간 상한을 늘려 보세요."
+        )
+    elif p["끊음"]:
+        st.caption(
+            f"{p['끊음']}개는 상한에서 연결을 끊었습니다(그중 첫 조각도 못 받은 요청 "
+            f"{p['첫 조각 없음']}개). 끊긴 요청도 첫 조각을 받았다면 TTFT·ITL에 들어가고, E2E에는 "
+            "끝난 요청만 들어갑니다."
+        )
     _live_figure(
         res.samples, "ch14_live", "서버의 /metrics: 실행 중·대기 요청 수와 KV 사용률 (폴링)"
     )
     c1, c2 = st.columns(2)
-    c1.markdown("**지연 백분위수** (클라이언트 측, 완료된 요청)")
+    c1.markdown("**지연 백분위수** (클라이언트 측)")
     c1.dataframe(res.percentile_table().astype(object).fillna("—"), hide_index=True)
     server = res.server_means_ms()
     c2.markdown("**서버가 스스로 잰 평균** (/metrics 히스토그램의 합 ÷ 개수, 이번 부하의 증가분)")
@@ -351,7 +363,7 @@ def _load_view(live) -> None:
             사용자=res.max_users,
             프롬프트=f"{res.prompt_tokens}토큰",
             출력=f"{res.max_tokens}토큰",
-            상한=f"도착 {res.duration_s:.0f}s + 마무리 {res.duration_s:.0f}s",
+            상한=f"도착 {res.duration_s:.0f}s + 마무리 {2 * res.duration_s:.0f}s",
         ),
     )
     evidence(
@@ -443,18 +455,36 @@ def _stream_view(live) -> None:
     )
 
 
-def _disconnect_view(live) -> None:
+def _stream_state(stream: BackgroundStream) -> str:
+    if stream.alive:
+        return "살아 있음 (조각을 받는 중)"
+    if stream.finished:
+        return "끝남 (답을 다 받음)"
+    if stream.error:
+        return f"오류 ({stream.error})"
+    return "끊김 (연결을 닫음)"
+
+
+def _stream_status() -> None:
+    """The background stream as it grows: refreshed every 0.5 s while it is live."""
     stream = st.session_state.get(STREAM)
-    if stream is not None:
-        state = (
-            "살아 있음 (조각을 받는 중)"
-            if stream.alive
-            else "끝남 (답을 다 받음)"
-            if stream.finished
-            else "끊김"
-        )
-        st.markdown(f"**긴 스트림**: {state} · 받은 조각 {len(stream.chunks)}개")
-        st.text(stream.text[-400:] or "…")
+    live_now = stream is not None and stream.alive
+
+    @st.fragment(run_every=0.5 if live_now else None)
+    def _status() -> None:
+        current = st.session_state.get(STREAM)
+        if current is None:
+            return
+        st.markdown(f"**긴 스트림**: {_stream_state(current)} · 받은 조각 {len(current.chunks)}개")
+        st.text(current.text[-400:] or "…")
+        if live_now and not current.alive:
+            st.rerun(scope="app")  # it ended: stop the timer with a full rerun
+
+    _status()
+
+
+def _disconnect_view(live) -> None:
+    _stream_status()
     result = st.session_state.get(DISCONNECT)
     if result is None:
         return
@@ -510,16 +540,16 @@ def server_lab() -> None:
 
     st.markdown("#### 가상 사용자들")
     c1, c2, c3, c4, c5 = st.columns(5)
-    users = c1.slider("사용자 수 (N)", 1, 40, 16, key="ch14s_users")
-    rate = c2.slider("도착률 (요청/초)", 0.5, 20.0, 4.0, step=0.5, key="ch14s_rate")
+    users = c1.slider("사용자 수 (N)", 1, 40, 12, key="ch14s_users")
+    rate = c2.slider("도착률 (요청/초)", 0.5, 20.0, 2.0, step=0.5, key="ch14s_rate")
     duration = c3.slider("측정 시간 상한 (초)", 1, 6, 3, key="ch14s_duration")
-    max_tokens = c4.slider("출력 길이 (max_tokens)", 4, 64, 16, step=4, key="ch14s_max_tokens")
+    max_tokens = c4.slider("출력 길이 (max_tokens)", 4, 64, 8, step=4, key="ch14s_max_tokens")
     prompt_len = c5.slider("프롬프트 길이 (토큰)", 8, 256, 32, step=8, key="ch14s_prompt_len")
     st.caption(
         f"사용자마다 요청 하나: /v1/completions, stream=true, greedy, 출력 정확히 {max_tokens}토큰 "
         f"(ignore_eos). 도착은 포아송 과정(평균 간격 {1 / rate:.2f} s), 도착은 {duration} s "
         "안에서만, "
-        f"그 뒤 최대 {duration} s 더 기다리고 남은 요청은 연결을 끊습니다."
+        f"그 뒤 최대 {2 * duration} s 더 기다리고 남은 요청은 연결을 끊습니다."
     )
     predict(
         "ch14_knee",
@@ -543,13 +573,14 @@ def server_lab() -> None:
             float(duration),
             max_tokens,
             prompt_len,
+            drain_s=2.0 * duration,
             on_tick=tick,
         )
         bar.empty()
     rates = c2.multiselect(
         "곡선의 도착률들 (요청/초)",
-        [0.5, 1.0, 2.0, 4.0, 8.0, 16.0],
-        default=[1.0, 2.0, 4.0, 8.0],
+        CURVE_RATES,
+        default=[0.5, 1.0, 2.0, 4.0],
         key="ch14s_rates",
     )
     if c2.button("부하-지연 곡선 측정", key="ch14s_curve", width="stretch"):
@@ -603,7 +634,7 @@ def server_lab() -> None:
         st.session_state[STREAMCMP] = stream_vs_nonstream(
             live.url,
             _prompts(live, prompt_len, 1)[0],
-            max(max_tokens, 32),
+            max(max_tokens, 16),
             repeats=3,
             on_tick=lambda p: tick({**p, "cap_s": 0}),
         )

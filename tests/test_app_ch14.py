@@ -178,6 +178,22 @@ def test_disconnect_frees_the_blocks(live):
     assert aborted  # counted under finished_reason="abort" (summed over labels here)
 
 
+def test_disconnect_at_once_needs_no_chunk_to_arrive(live):
+    # a cut must not wait for the next chunk: with 3 s steps the next one is far away
+    slow = SlowSteps(3.0)
+    live.async_llm.step_listeners.append(slow)
+    stream = ch14.BackgroundStream(live.url, ch14.request_body(prompts(live, 1)[0], 100, True))
+    deadline = time.monotonic() + 20
+    while ch14.fetch_metrics(live.url)[ch14.RUNNING] < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert stream.disconnect(timeout=1.5)  # returns long before the next chunk could arrive
+    assert not stream.alive and stream.disconnected and not stream.finished
+    slow.delay = 0.0
+    while ch14.fetch_metrics(live.url)[ch14.RUNNING] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ch14.fetch_metrics(live.url)[ch14.KV_USAGE] == 0
+
+
 def test_stream_and_nonstream_return_the_same_answer(live):
     table = ch14.stream_vs_nonstream(live.url, prompts(live, 1)[0], 12, repeats=2)
     assert len(table) == 4 and table["_text"].nunique() == 1

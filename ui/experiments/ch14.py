@@ -446,21 +446,25 @@ class LoadResult:
         )
 
     def percentiles(self) -> dict:
-        """TTFT, ITL and E2E percentiles (ms) over the completed requests (client side)."""
+        """TTFT and ITL percentiles (ms) over every request that got that far (cut ones too),
+        E2E over the completed ones; all client side. "첫 조각 없음" counts the requests cut
+        before their first chunk (their TTFT is only known to be longer than the cap)."""
         done = self.completed
-        ttft = [1000 * c.first_visible_s for c in done if c.first_visible_s is not None]
-        itl = [1000 * x for c in done for x in c.itl_s]
+        seen = [c for c in self.clients if not c.error]
+        ttft = [1000 * c.first_visible_s for c in seen if c.first_visible_s is not None]
+        itl = [1000 * x for c in seen for x in c.itl_s]
         e2e = [1000 * c.e2e_s for c in done if c.e2e_s is not None]
         out: dict = {
             "요청": len(self.clients),
             "완료": len(done),
             "끊음": sum(c.cut for c in self.clients),
             "오류": sum(bool(c.error) for c in self.clients),
+            "첫 조각 없음": sum(c.first_visible_s is None and not c.error for c in self.clients),
         }
         for name, values in (("TTFT", ttft), ("ITL", itl), ("E2E", e2e)):
             for q in (50, 90, 99):
                 out[f"{name} p{q} (ms)"] = _r(float(np.percentile(values, q))) if values else None
-        tokens = sum(len(c.chunk_times) for c in done)
+        tokens = sum(len(c.chunk_times) for c in seen)
         out["처리량 (조각/s)"] = _r(tokens / self.wall_s) if self.wall_s > 0 else None
         out["최대 대기"] = max((s.waiting for s in self.samples), default=None)
         out["최대 KV 사용률 (%)"] = _r(100 * max((s.kv_usage for s in self.samples), default=0))
@@ -743,10 +747,11 @@ def stream_summary(table: pd.DataFrame) -> pd.DataFrame:
 
 
 class BackgroundStream:
-    """One streamed completion read in a background thread, so that it outlives a Streamlit
-    rerun. disconnect() closes the connection mid-stream (as a browser tab closing would); the
-    server then aborts the request and frees its KV blocks. The thread ends by itself when the
-    answer is complete, and at the latest after `max_s` seconds."""
+    """One streamed completion read in a background thread (its own event loop), so that it
+    outlives a Streamlit rerun. disconnect() cancels the read at once, which closes the
+    connection mid-stream (as a closing browser tab would); the server then aborts the request
+    and frees its KV blocks. The thread ends by itself when the answer is complete, and at the
+    latest after `max_s` seconds."""
 
     def __init__(self, url: str, body: dict, max_s: float = 60.0):
         self.url, self.body, self.max_s = url, dict(body, stream=True), max_s
@@ -756,35 +761,42 @@ class BackgroundStream:
         self.disconnected = False
         self.error: str | None = None
         self.disconnect_s: float | None = None
-        self._stop = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._ready = threading.Event()
         self._t0 = time.perf_counter()
         self.thread = threading.Thread(target=self._run, name="ch14-stream", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
         import httpx
 
+        self._loop, self._task = asyncio.get_running_loop(), asyncio.current_task()
+        self._ready.set()
         try:
-            with httpx.Client(timeout=httpx.Timeout(self.max_s, connect=5.0)) as client:
-                with client.stream("POST", f"{self.url}/v1/completions", json=self.body) as resp:
-                    self.status = resp.status_code
-                    if resp.status_code != 200:
-                        self.error = f"HTTP {resp.status_code}"
-                        return
-                    for line in resp.iter_lines():
-                        if self._stop.is_set() or time.perf_counter() - self._t0 > self.max_s:
-                            self.disconnected = True
-                            self.disconnect_s = time.perf_counter() - self._t0
-                            return  # leaving the `with` closes the connection mid-stream
-                        if not line.startswith("data: "):
-                            continue
-                        data = line[len("data: ") :]
-                        if data == "[DONE]":
-                            self.finished = True
+            async with asyncio.timeout(self.max_s):
+                async with httpx.AsyncClient(timeout=httpx.Timeout(self.max_s, connect=5)) as c:
+                    async with c.stream("POST", f"{self.url}/v1/completions", json=self.body) as r:
+                        self.status = r.status_code
+                        if r.status_code != 200:
+                            self.error = f"HTTP {r.status_code}"
                             return
-                        text = _chunk_text(json.loads(data))
-                        if text:
-                            self.chunks.append((time.perf_counter() - self._t0, text))
+                        async for line in r.aiter_lines():
+                            if not line.startswith("data: "):
+                                continue
+                            data = line[len("data: ") :]
+                            if data == "[DONE]":
+                                self.finished = True
+                                return
+                            text = _chunk_text(json.loads(data))
+                            if text:
+                                self.chunks.append((time.perf_counter() - self._t0, text))
+        except (asyncio.CancelledError, TimeoutError):  # disconnect() or max_s: connection closed
+            self.disconnected = True
+            self.disconnect_s = time.perf_counter() - self._t0
         except Exception as exc:  # noqa: BLE001 - shown to the learner as this stream's state
             self.error = type(exc).__name__
 
@@ -799,7 +811,11 @@ class BackgroundStream:
     def disconnect(self, timeout: float = 10.0) -> bool:
         """Close the connection now. True if the stream was still live (it was cut)."""
         live = self.alive
-        self._stop.set()
+        if live and self._ready.wait(5.0) and self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._task.cancel)
+            except RuntimeError:  # the loop closed meanwhile: the stream had ended
+                pass
         self.thread.join(timeout)
         return live and self.disconnected
 
