@@ -249,7 +249,9 @@ def _live_figure(samples, key: str, title: str, marker_s: float | None = None) -
     fig.update_layout(height=320, title=title, margin=dict(l=10, r=10, t=40, b=10))
     fig.update_xaxes(title_text="시각 (s)")
     fig.update_yaxes(title_text="요청 수", secondary_y=False)
-    fig.update_yaxes(title_text="KV %", range=[0, 105], secondary_y=True)
+    fig.update_yaxes(
+        title_text="KV %", range=[0, 105], tickvals=[0, 25, 50, 75, 100], secondary_y=True
+    )
     st.plotly_chart(fig, key=key)
 
 
@@ -300,7 +302,11 @@ def _load_view(live) -> None:
     c2.markdown("**서버가 스스로 잰 평균** (/metrics 히스토그램의 합 ÷ 개수, 이번 부하의 증가분)")
     c2.dataframe(
         [
-            {"지표": k, "평균 (ms)": server[k], "관측 수": server[f"{k} 관측 수"]}
+            {
+                "지표": k,
+                "평균 (ms)": "—" if server[k] is None else server[k],
+                "관측 수": server[f"{k} 관측 수"],
+            }
             for k in ("TTFT", "ITL", "E2E")
         ],
         hide_index=True,

@@ -217,6 +217,7 @@ def test_latency_vs_load_runs_each_rate(live):
     assert (table["완료"] == table["요청"]).all()
     assert ch14.capacity_estimate(4, 500.0) == pytest.approx(8.0)
     assert ch14.capacity_estimate(4, None) is None
+    assert ch14.capacity_estimate(4, float("nan")) is None
 
 
 # -- the page under AppTest ----------------------------------------------------------------------

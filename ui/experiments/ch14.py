@@ -682,7 +682,7 @@ def capacity_estimate(max_num_seqs: int, e2e_ms_alone: float | None) -> float | 
     """계산값: requests per second the server could finish if max_num_seqs requests ran at once,
     each taking the E2E measured at the lowest load. Past it, arrivals queue (the knee). An upper
     bound: a fuller batch makes each step a little longer."""
-    if not e2e_ms_alone or e2e_ms_alone <= 0:
+    if e2e_ms_alone is None or not e2e_ms_alone > 0:  # None, NaN, 0
         return None
     return max_num_seqs / (e2e_ms_alone / 1000)
 
