@@ -113,6 +113,20 @@ def test_start_is_bound_to_localhost_and_stop_ends_its_threads(make_engine):
     assert not any(t.is_alive() for t in threads) and not server.alive
 
 
+def test_an_idle_server_stops_itself(make_engine):
+    server = ch14.start_live_server(make_engine(num_kv_blocks=16), idle_s=0.4)
+    threads = server.threads
+    assert server.alive
+    deadline = time.monotonic() + 20
+    while server.alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not server.alive
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
+    server.stop()  # stopping again is harmless
+
+
 def test_load_test_measures_every_user_and_polls_the_server(live):
     live.async_llm.step_listeners.append(SlowSteps(0.01))
     ticks = []

@@ -157,14 +157,36 @@ def direction(new: float | None, old: float | None, tol: float = 0.2) -> str | N
 # -- part 2: the live server -----------------------------------------------------------------
 
 
+IDLE_STOP_S = 600.0  # a server nobody used for this long stops itself (an abandoned tab)
+
+
 @dataclass
 class LiveServer:
     """The learner's OpenAIServer in a uvicorn thread (engine/server.py's ServerHandle). The
-    server owns its AsyncLLM, so stop() also ends the engine loop thread."""
+    server owns its AsyncLLM, so stop() also ends the engine loop thread. A watchdog stops it
+    after `idle_s` without an engine step, so a closed browser tab does not leave it running."""
 
     handle: object  # engine.server.ServerHandle
     engine: object  # engine.core.EngineCore
     signature: tuple = ()
+    idle_s: float = IDLE_STOP_S
+    last_active: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self._stopped = threading.Event()
+        self.async_llm.step_listeners.append(self._touch)
+        self.watchdog = threading.Thread(target=self._watch, name="ch14-watchdog", daemon=True)
+        self.watchdog.start()
+
+    def _touch(self, _record=None) -> None:
+        self.last_active = time.monotonic()
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(min(5.0, self.idle_s / 4)):
+            idle = time.monotonic() - self.last_active
+            if idle > self.idle_s and not self.engine.has_unfinished_requests():
+                self.stop()
+                return
 
     @property
     def url(self) -> str:
@@ -176,25 +198,28 @@ class LiveServer:
 
     @property
     def threads(self) -> list[threading.Thread]:
-        return [self.handle.thread, self.async_llm._thread]
+        return [self.handle.thread, self.async_llm._thread, self.watchdog]
 
     @property
     def alive(self) -> bool:
         return self.handle.thread.is_alive() and self.async_llm.is_running
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop uvicorn (its lifespan shuts the AsyncLLM down) and wait for both threads."""
+        """Stop uvicorn (its lifespan shuts the AsyncLLM down) and wait for the threads."""
+        self._stopped.set()
         self.handle.stop(timeout)
         if self.async_llm._thread.is_alive():  # the lifespan did not run (e.g. startup failed)
             self.async_llm.shutdown()
+        if self.watchdog is not threading.current_thread():
+            self.watchdog.join(timeout)
 
 
-def start_live_server(engine, signature: tuple = ()) -> LiveServer:
+def start_live_server(engine, signature: tuple = (), idle_s: float = IDLE_STOP_S) -> LiveServer:
     """Serve `engine` on 127.0.0.1, a free port (never another interface)."""
     from engine.server import start_server_in_thread
 
     handle = start_server_in_thread(engine, host="127.0.0.1", port=0)
-    return LiveServer(handle, engine, signature)
+    return LiveServer(handle, engine, signature, idle_s)
 
 
 # -- /metrics ---------------------------------------------------------------------------------
