@@ -219,6 +219,21 @@ def test_stream_and_nonstream_return_the_same_answer(live):
     assert (streamed["조각 수"] > 1).all() and (whole["조각 수"] == 1).all()
     assert (whole["첫 글자가 보이기까지 (ms)"] == whole["전체 답 (E2E, ms)"]).all()
     assert len(ch14.stream_summary(table)) == 2
+    assert ch14.stream_e2e_verdict(table) in ch14.CHOICES
+
+
+def test_stream_verdict_treats_overlapping_ranges_as_similar():
+    import pandas as pd
+
+    def table(streamed, whole):
+        rows = [{"방식": "스트리밍 (stream=true)", "전체 답 (E2E, ms)": v} for v in streamed]
+        rows += [{"방식": "비스트리밍 (stream=false)", "전체 답 (E2E, ms)": v} for v in whole]
+        return pd.DataFrame(rows)
+
+    assert ch14.stream_e2e_verdict(table([100, 300, 200], [250, 400, 500])) == "비슷하다"
+    assert ch14.stream_e2e_verdict(table([100, 110, 120], [300, 310, 320])) == "줄어든다"
+    assert ch14.stream_e2e_verdict(table([300, 310, 320], [100, 110, 120])) == "늘어난다"
+    assert ch14.stream_e2e_verdict(table([], [1.0])) is None
 
 
 def test_latency_vs_load_runs_each_rate(live):

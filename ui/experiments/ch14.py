@@ -768,6 +768,20 @@ def stream_summary(table: pd.DataFrame) -> pd.DataFrame:
     return med
 
 
+def stream_e2e_verdict(table: pd.DataFrame) -> str | None:
+    """Streaming's E2E against non-streaming's: '비슷하다' when the two modes' E2E ranges over
+    the tries overlap (the difference is within this machine's noise), else the direction of the
+    medians (±20%)."""
+    col = "전체 답 (E2E, ms)"
+    streamed = table.loc[table["방식"].str.startswith("스트리밍"), col].dropna()
+    whole = table.loc[table["방식"].str.startswith("비스트리밍"), col].dropna()
+    if streamed.empty or whole.empty:
+        return None
+    if streamed.min() <= whole.max() and whole.min() <= streamed.max():
+        return CHOICES[1]
+    return direction(float(streamed.median()), float(whole.median()))
+
+
 # -- a live stream the learner disconnects ---------------------------------------------------
 
 
