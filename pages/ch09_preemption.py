@@ -155,8 +155,13 @@ def _swap_view(ctx: LabContext) -> None:
             else SWAP_CHOICES[1]
         )
         compare("ch09_swap", measured)
+    elif costs.loc[labels[1], "선점 횟수"] and not costs.loc[labels[1], "스왑 아웃 블록"]:
+        st.warning(
+            "스왑 공간이 모자라 스왑 엔진도 모든 선점을 재계산으로 처리했습니다 (스왑한 블록 "
+            "0개). 스왑 공간을 늘리면 두 방식의 비용을 비교할 수 있습니다."
+        )
     else:
-        st.caption("이번 실행에서는 한쪽에 선점이 없어 두 비용을 비교할 수 없습니다.")
+        st.caption("이번 실행에서는 선점이 없어 두 비용을 비교할 수 없습니다.")
     per = swap_cost_per_block(result.runs)
     for label, res in result.runs.items():
         evidence(

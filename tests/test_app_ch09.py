@@ -205,6 +205,9 @@ def test_figures_carry_data(burst, policies):
     fair = ch09.fairness_figure(policies.waits)
     assert [t.name for t in fair.data] == list(ch09.POLICIES)
     assert list(ch09.thrash_figure(history).data[0].x) == [8, 12]
+    again = pd.concat([history, history.assign(**{"출력 토큰": 16})], ignore_index=True)
+    lines = ch09.thrash_figure(again).data
+    assert [t.name for t in lines] == ["요청 5개 · 출력 16토큰", "요청 5개 · 출력 24토큰"]
 
 
 # -- the page ------------------------------------------------------------------------------------
@@ -275,3 +278,18 @@ def test_page_policy_comparison_runs_three_engines(app):
         "static",
     }
     assert any("예측 ↔ 측정" in m.value for m in app.markdown)
+
+
+def test_page_recompute_vs_swap_and_a_full_swap_space(app):
+    app.radio(key="ch09_exp").set_value("② 재계산 vs 스왑").run()
+    app.button(key="ch09_run").click().run()
+    assert not app.exception, [e.value for e in app.exception]
+    assert_charts(app, ["ch09_swap_cost", "ch09_cost2", "ch09_swap_kvgrid"])
+    costs = app.session_state["ch09_result_swap"].costs.set_index("실행")
+    assert costs.loc[SWAP, "스왑 아웃 블록"] > 0 and costs.loc[SWAP, "재계산 토큰"] == 0
+    assert any("블록 하나(= 16토큰) 복사" in m.value for m in app.markdown)
+    app.slider(key="ch09_swap_blocks").set_value(0).run()
+    app.button(key="ch09_run").click().run()
+    costs = app.session_state["ch09_result_swap"].costs.set_index("실행")
+    assert costs.loc[SWAP, "스왑 아웃 블록"] == 0 and costs.loc[SWAP, "재계산 토큰"] > 0
+    assert any("재계산으로 처리했습니다" in w.value for w in app.warning)

@@ -375,14 +375,14 @@ def token_cost_figure(costs: pd.DataFrame) -> go.Figure:
 def thrash_figure(history: pd.DataFrame) -> go.Figure:
     """The learner's runs: recomputed / useful tokens (%) against KV blocks, one point a run."""
     fig = go.Figure()
-    for n, group in history.groupby("요청 수"):
-        group = group.sort_values("KV 블록")
+    for (n, tokens), group in history.groupby(["요청 수", "출력 토큰"]):
+        group = group.drop_duplicates("KV 블록", keep="last").sort_values("KV 블록")
         fig.add_trace(
             go.Scatter(
                 x=group["KV 블록"],
                 y=group["재계산 / 유용한 토큰 (%)"],
                 mode="lines+markers",
-                name=f"요청 {n}개",
+                name=f"요청 {n}개 · 출력 {tokens}토큰",
                 customdata=group[["선점 횟수", "출력 토큰"]],
                 hovertemplate=(
                     "KV 블록 %{x} · 재계산 %{y:.1f}%<br>선점 %{customdata[0]}회 · "
