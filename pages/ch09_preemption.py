@@ -299,12 +299,20 @@ def lab() -> None:
             f"프롬프트 {workload.requests[0].prompt_len}토큰, 출력 {max_tokens}토큰)가 모두 "
             "0 ms에 이 순서로 도착합니다."
         )
-    need = blocks_needed(workload)
     st.caption(
-        note
-        + f" 모두 끝까지 함께 돌면 KV 블록이 {need}개 필요하고(계산값: Σ ⌈(프롬프트 + 출력 − 1)"
-        f" / 16⌉), 캐시에는 {blocks}개(= {blocks * 16}토큰)뿐입니다. 토큰 예산은 128, prefix "
-        "caching은 꺼 두었습니다(재계산 비용이 가려지지 않도록)."
+        note + " 토큰 예산은 128, prefix caching은 꺼 두었습니다(재계산 비용이 가려지지 않도록)."
+    )
+    need = blocks_needed(workload)
+    verdict = (
+        "모자라므로, 어딘가에서 선점이 일어납니다"
+        if need > blocks
+        else "모두 들어가므로 선점은 없어야 합니다"
+    )
+    evidence(
+        "계산값",
+        f"모든 요청이 끝까지 함께 돌면 KV 블록 {need}개가 필요하고, 캐시는 {blocks}개"
+        f"(= {blocks * 16}토큰)입니다: {verdict}",
+        formula="Σ ⌈(프롬프트 + 출력 − 1) / 블록 크기 16⌉",
     )
 
     def before(ctx: LabContext) -> None:
