@@ -5,9 +5,9 @@ static batching with a per-priority view of the waiting times; all on the real e
 import pandas as pd
 import streamlit as st
 
-from engine.scheduler import Scheduler
 from ui.experiments.ch09 import (
     NOBODY,
+    PREEMPTION_CODE,
     POLICIES,
     PREEMPTION_MODES,
     PRIORITY_KO,
@@ -351,9 +351,8 @@ def lab() -> None:
         chapter_view=views[exp],
         show_code_panel=False,
     )
-    show_code(
-        Scheduler._preempt, "방금 실행된 코드 (선점: 희생자의 블록을 돌려받고 대기열 맨 앞으로)"
-    )
+    for title, function in PREEMPTION_CODE.items():
+        show_code(function, f"방금 실행된 코드 ({title})")
 
 
 render_chapter("09", lab)

@@ -11,6 +11,7 @@ import plotly.graph_objects as go
 
 from engine.core import EngineCore
 from engine.request import Request, RequestStatus
+from engine.scheduler import Scheduler
 from engine.trace import StepRecord
 from ui.experiments.common import (
     ConfigLike,
@@ -33,6 +34,14 @@ POLICIES = {"FCFS": "fcfs", "우선순위 (priority)": "priority", "정적 배�
 # first, so FCFS serves the important ones last.
 POLICY_PRIORITIES = [2, 1, 0, 2, 1, 0]
 PRIORITY_KO = {0: "0 (가장 중요)", 1: "1", 2: "2 (가장 덜 중요)"}
+
+# The scheduler code the page shows under the lab ("방금 실행된 코드"): making room for a running
+# request's next tokens, and preempting the victim. Named here so that the page itself reaches
+# no private engine name.
+PREEMPTION_CODE = {
+    "블록 확보 (모자라면 희생자를 고름)": Scheduler._make_room,
+    "선점 (블록 회수, 대기열 맨 앞으로)": Scheduler._preempt,
+}
 
 # EngineConfig fields a lab Side carries (its overrides).
 FIELDS = (
