@@ -28,11 +28,12 @@ from ui.experiments.ch09 import (
     wrap_costs,
     wrap_policies,
 )
-from ui.lab import LabContext, Side, run_results, run_workload_button
+from ui.lab import LabContext, Side, evidence_kind, run_results, run_workload_button
 from ui.lab import lab as engine_lab
 from ui.lesson import render_chapter
 from ui.predict import compare, predict
 from ui.session import current_settings
+from ui.simulation import simulation_overrides, simulation_picker
 from ui.widgets import evidence, show_code
 
 EXP_BURST = "① 누가 선점되나"
@@ -109,7 +110,7 @@ def _burst_view(ctx: LabContext) -> None:
     row = result.costs.iloc[0]
     st.plotly_chart(token_cost_figure(result.costs), key="ch09_cost")
     evidence(
-        "측정값",
+        evidence_kind(ctx.engines[ctx.sides[0].key]),
         f"선점 {row['선점 횟수']}회, 유용한 토큰 {row['유용한 토큰']}개, "
         f"재계산 토큰 {row['재계산 토큰']}개 (엔진의 스텝 기록에서 센 값)",
         **res.conditions,
@@ -228,9 +229,9 @@ def _policy_view(ctx: LabContext) -> None:
         )
         compare("ch09_policy", measured)
         st.caption(f"우선순위 0 요청의 평균 대기: FCFS {fcfs:.0f} ms, 우선순위 정책 {prio:.0f} ms")
-    for label, res in result.runs.items():
+    for side, (label, res) in zip(ctx.sides, result.runs.items()):
         evidence(
-            "측정값",
+            evidence_kind(ctx.engines[side.key]),
             f"{label}: 스텝 {len(res.records)}개, 선점 {int(s.loc[label, '선점 횟수'])}회, "
             f"전체 {res.elapsed_s:.2f} s (엔진 시계)",
             **res.conditions,
@@ -248,10 +249,14 @@ def _policy_view(ctx: LabContext) -> None:
 def lab() -> None:
     st.subheader("KV 캐시가 모자랄 때, 누가 양보하나")
     exp = st.radio("실험", EXPERIMENTS, horizontal=True, key="ch09_exp")
+    # 시뮬레이션: the same scenario (the same small KV cache) with a large model's computed step
+    # times; not for ② (the simulator has no cost for swap copies)
+    spec = simulation_picker("ch09") if exp != EXP_SWAP else None
     settings = current_settings()
     base = settings.to_config()
     c1, c2, c3 = st.columns(3)
     blocks = c1.slider("KV 블록 수", 4, 16, 8, key="ch09_blocks")
+    sim = simulation_overrides(spec and {**spec, "num_kv_blocks": blocks})
     if exp == EXP_POLICY:
         seqs = c2.slider("최대 동시 요청 수 (max_num_seqs)", 1, 6, 3, key="ch09_seqs")
         max_tokens = c3.slider("출력 토큰 수 (max_tokens)", 8, 32, 24, step=4, key="ch09_p_tokens")
@@ -260,7 +265,8 @@ def lab() -> None:
             Side(
                 f"ch09_{policy}",
                 label,
-                overrides_of(preemption_config(base, blocks, policy=policy, max_num_seqs=seqs)),
+                overrides_of(preemption_config(base, blocks, policy=policy, max_num_seqs=seqs))
+                | sim,
             )
             for label, policy in POLICIES.items()
         ]
@@ -274,7 +280,7 @@ def lab() -> None:
         workload = burst_workload(num, max_tokens)
         if exp == EXP_BURST:
             cfg = preemption_config(base, blocks)
-            sides = [Side("ch09_one", f"재계산 · KV {blocks}블록", overrides_of(cfg))]
+            sides = [Side("ch09_one", f"재계산 · KV {blocks}블록", overrides_of(cfg) | sim)]
         else:
             swap_blocks = st.slider(
                 "스왑 공간 (블록)",

@@ -296,3 +296,27 @@ def test_page_recompute_vs_swap_and_a_full_swap_space(app):
     costs = app.session_state["ch09_result_swap"].costs.set_index("실행")
     assert costs.loc[SWAP, "스왑 아웃 블록"] == 0 and costs.loc[SWAP, "재계산 토큰"] > 0
     assert any("재계산으로 처리했습니다" in w.value for w in app.warning)
+
+
+def test_page_policy_comparison_in_simulation_keeps_the_decisions(app):
+    """실행 대상 → 시뮬레이션: the same small KV cache and arrivals on a simulated Llama-3.1-8B
+    on an H100: the scheduler decides exactly as on the real engine (same victims), only the
+    step times are computed (labelled 계산값)."""
+    from ui.simulation import is_simulated
+
+    app.radio(key="ch09_exp").set_value("③ FCFS vs 우선순위 vs 정적").run()
+    app.button(key="ch09_run").click().run()
+    real = app.session_state["ch09_result_policy"]
+    real_preempted = {k: [r.preempted for r in res.records] for k, res in real.runs.items()}
+    app.radio(key="ch09_target").set_value("시뮬레이션").run()
+    app.button(key="ch09_run").click().run()
+    assert not app.exception, [e.value for e in app.exception]
+    sim = app.session_state["ch09_result_policy"]
+    assert sim is not real
+    keys = {f"ch09_{policy}" for policy in ch09.POLICIES.values()}
+    engines = [e["engine"] for k, e in app.session_state["_engines"].items() if k in keys]
+    assert engines and all(is_simulated(e) for e in engines)
+    assert {k: [r.preempted for r in res.records] for k, res in sim.runs.items()} == real_preempted
+    assert all(r.conditions["모델 프리셋"] == "Llama-3.1-8B" for r in sim.runs.values())
+    app.radio(key="ch09_target").set_value("실제 엔진").run()
+    assert not app.exception, [e.value for e in app.exception]
