@@ -237,7 +237,8 @@ def _speed_section(spec: dict, k: int) -> None:
         evidence(
             "측정값",
             f"배치 {row['배치 (요청 수)']}: 속도 향상 {row['속도 향상 (끔 시간 / 켬 시간)']:.2f}배 "
-            "(끔 시간 ÷ 켬 시간; 1보다 크면 켬이 빠르고, 작으면 느림), "
+            "(끔 시간 ÷ 켬 시간; 1보다 크면 켬이 빠르고, 작으면 느림), prefill을 뺀 decode "
+            f"스텝만으로는 {fmt_value(row['decode만 속도 향상'])}배, "
             f"α = {fmt_value(row['α (받아들임 비율)'])}, "
             f"greedy 출력 같음: {fmt_value(row['출력 같음'])}",
             **cond,
@@ -307,7 +308,8 @@ def lab() -> None:
     def before(ctx: LabContext) -> None:
         predict(
             f"{KEY}_tps",
-            f"'목록 그대로 옮기기'에서 추측 디코딩을 켜면 (k={k}), 초안을 검증한 스텝 하나에 평균 "
+            f"고른 예시 프롬프트(처음엔 '목록 그대로 옮기기')에서 추측 디코딩을 켜면 (k={k}), "
+            "초안을 검증한 스텝 하나에 평균 "
             f"몇 토큰이 나올까요? (공식의 최댓값은 k+1 = {k + 1}, α=0.5면 "
             f"{expected_tokens_per_step(0.5, k):.2f})",
             unit="토큰/스텝",

@@ -144,6 +144,17 @@ def test_speedup_table_compares_the_same_requests(tiny_model_dir):
     assert big["속도 향상 (끔 시간 / 켬 시간)"] == pytest.approx(
         runs[(3, False)].elapsed_s / runs[(3, True)].elapsed_s, abs=0.01
     )
+    assert big["decode만 속도 향상"] == pytest.approx(
+        ch13.decode_seconds(runs[(3, False)].records)
+        / ch13.decode_seconds(runs[(3, True)].records),
+        abs=0.01,
+    )
+    prefill_steps = [
+        r for r in runs[(3, True)].records if any(s.phase != "decode" for s in r.scheduled)
+    ]
+    assert (
+        prefill_steps and ch13.decode_seconds(runs[(3, True)].records) < runs[(3, True)].elapsed_s
+    )
     shown = ch13.display_table(table)
     assert all(isinstance(v, str) for v in shown.to_numpy().ravel())
     assert set(shown["출력 같음"]) <= {"예", "—"}

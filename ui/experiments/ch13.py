@@ -460,9 +460,20 @@ def measure_speedup(
     return runs
 
 
+def decode_seconds(records: list[StepRecord]) -> float:
+    """Engine seconds of the steps that only decoded (the prompts' prefill left out: it is the
+    same work with and without drafts)."""
+    return sum(
+        r.engine_duration
+        for r in records
+        if r.scheduled and all(s.phase == "decode" for s in r.scheduled)
+    )
+
+
 def speed_table(runs: dict[tuple[int, bool], PromptRun], k: int) -> pd.DataFrame:
-    """One row per (batch, on/off): steps, tokens, engine time, tokens/s, alpha; the speedup
-    (time off / time on) and whether the outputs were identical on the 'on' row."""
+    """One row per (batch, on/off): steps, tokens, engine time (all, and decode steps only),
+    tokens/s, alpha; on the 'on' row the speedups (time off / time on, all and decode only) and
+    whether the outputs were identical."""
     rows = []
     for (batch, on), run in sorted(runs.items(), key=lambda kv: kv[0]):
         stats = spec_stats(run.records, k)
@@ -479,12 +490,17 @@ def speed_table(runs: dict[tuple[int, bool], PromptRun], k: int) -> pd.DataFrame
             "평균 스텝 시간 (ms)": round(1000 * run.elapsed_s / len(run.records), 1)
             if run.records
             else None,
+            "decode 시간 (s)": round(decode_seconds(run.records), 3),
             "α (받아들임 비율)": None if stats.alpha is None else round(stats.alpha, 2),
             "속도 향상 (끔 시간 / 켬 시간)": None,
+            "decode만 속도 향상": None,
             "출력 같음": None,
         }
         if on and off is not None and run.elapsed_s > 0:
             row["속도 향상 (끔 시간 / 켬 시간)"] = round(off.elapsed_s / run.elapsed_s, 2)
+            decode_on = decode_seconds(run.records)
+            if decode_on > 0:
+                row["decode만 속도 향상"] = round(decode_seconds(off.records) / decode_on, 2)
             row["출력 같음"] = compare_outputs(off.outputs, run.outputs)["all_equal"]
         rows.append(row)
     return pd.DataFrame(rows)
