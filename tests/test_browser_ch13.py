@@ -83,13 +83,12 @@ def test_ch13_lab_in_browser(page, app_url):
     page.screenshot(path=str(SHOTS / "ch13_lab.png"))
 
     # the speed comparison, kept short: 8 output tokens per request
-    box = page.locator("[data-testid='stSlider']", has_text="출력 토큰 수 (요청마다)")
-    slider = box.get_by_role("slider")
+    slider = page.get_by_role("slider", name="출력 토큰 수 (요청마다)")
     slider.scroll_into_view_if_needed()
     slider.focus()
     page.keyboard.press("Home")
     wait_idle(page)
-    assert slider.get_attribute("aria-valuenow") == "8"
+    assert slider.get_attribute("aria-valuetext") == "8"
     speed = page.get_by_role("button", name="속도 재기", exact=True)
     speed.click()
     wait_idle(page)

@@ -232,7 +232,6 @@ def draft_grid_figure(table: pd.DataFrame, k: int, max_rows: int = 16) -> go.Fig
         height=max(220, 60 + 30 * len(table)),
         margin=dict(l=10, r=10, t=40, b=10),
         yaxis=dict(autorange="reversed"),
-        xaxis=dict(side="top"),
     )
     return fig
 
