@@ -44,6 +44,22 @@ class EngineSettings:
     max_num_seqs: int = 8
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
+    # Speculative decoding (chapter 13): "" = off, "ngram" = prompt lookup drafts.
+    speculative_method: str = ""
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+
+    def speculative_config(self) -> dict | None:
+        """vLLM's `speculative_config` dict for these settings (None: speculation off)."""
+        if not self.speculative_method:
+            return None
+        return {
+            "method": self.speculative_method,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "prompt_lookup_max": self.prompt_lookup_max,
+            "prompt_lookup_min": self.prompt_lookup_min,
+        }
 
     def to_config(self, **overrides) -> EngineConfig:
         config = EngineConfig(
@@ -58,6 +74,7 @@ class EngineSettings:
             enable_prefix_caching=self.enable_prefix_caching,
             scheduling_policy=self.scheduling_policy,
         )
+        config = replace(config, speculative_config=self.speculative_config())
         return replace(config, **overrides)  # an unknown setting raises TypeError
 
 
@@ -110,6 +127,7 @@ def engine_settings_sidebar(show_status: bool = True) -> EngineSettings:
             policy = c2.selectbox(
                 "정책", POLICIES, index=POLICIES.index(defaults.scheduling_policy), key="cfg_policy"
             )
+            speculative = _speculative_inputs(defaults)
             submitted = st.form_submit_button("설정 적용 (엔진 재시작)", key="cfg_apply")
         if submitted:
             new = EngineSettings(
@@ -124,6 +142,7 @@ def engine_settings_sidebar(show_status: bool = True) -> EngineSettings:
                 bool(prefix),
                 policy,
             )
+            new = replace(new, **speculative)
             new, note, ok = validate_settings(new)
             st.session_state[_SETTINGS_NOTE] = (note, ok)
             if ok and new != defaults:
@@ -138,6 +157,53 @@ def engine_settings_sidebar(show_status: bool = True) -> EngineSettings:
     return defaults
 
 
+SPEC_METHODS = {"끔": "", "ngram (prompt lookup)": "ngram"}  # sidebar label → method
+
+
+def _speculative_inputs(defaults: EngineSettings) -> dict:
+    """The sidebar's speculative decoding fields (chapter 13), as EngineSettings fields."""
+    labels = list(SPEC_METHODS)
+    current = next(k for k, v in SPEC_METHODS.items() if v == defaults.speculative_method)
+    method = st.selectbox(
+        "추측 디코딩 (speculative decoding)",
+        labels,
+        index=labels.index(current),
+        key="cfg_spec_method",
+        help="ngram: 요청 자신의 글에서 다음 토큰 후보(초안)를 찾아 한 forward로 검증합니다",
+    )
+    c1, c2, c3 = st.columns(3)
+    k = c1.number_input(
+        "초안 k",
+        1,
+        16,
+        defaults.num_speculative_tokens,
+        key="cfg_spec_k",
+        help="num_speculative_tokens: 한 스텝에 검증할 초안 토큰 수",
+    )
+    lookup_max = c2.number_input(
+        "n-gram 최대",
+        1,
+        8,
+        defaults.prompt_lookup_max,
+        key="cfg_spec_max",
+        help="prompt_lookup_max: 찾아볼 가장 긴 n-gram",
+    )
+    lookup_min = c3.number_input(
+        "n-gram 최소",
+        1,
+        8,
+        defaults.prompt_lookup_min,
+        key="cfg_spec_min",
+        help="prompt_lookup_min: 찾아볼 가장 짧은 n-gram",
+    )
+    return {
+        "speculative_method": SPEC_METHODS[method],
+        "num_speculative_tokens": int(k),
+        "prompt_lookup_max": int(lookup_max),
+        "prompt_lookup_min": int(lookup_min),
+    }
+
+
 _SETTINGS_NOTE = "_settings_note"  # (Korean note on the last 설정 적용, whether it was applied)
 MIN_MAX_MODEL_LEN = 16
 
@@ -148,6 +214,16 @@ def validate_settings(settings: EngineSettings) -> tuple[EngineSettings, str, bo
     Returns (settings to apply, a Korean note or "", whether to apply). A KV cache that cannot hold
     one request of max_model_len gets max_model_len lowered to what its blocks hold (with a note);
     a cache too small for even a short request is refused with the fix named."""
+    if settings.speculative_method and settings.prompt_lookup_min > settings.prompt_lookup_max:
+        return (
+            settings,
+            (
+                f"n-gram 최소({settings.prompt_lookup_min})가 n-gram 최대"
+                f"({settings.prompt_lookup_max})보다 큽니다. 최소를 최대 이하로 낮추세요. "
+                "설정은 바꾸지 않았습니다."
+            ),
+            False,
+        )
     slots = settings.num_kv_blocks * settings.block_size
     if slots < MIN_MAX_MODEL_LEN:
         need = -(-MIN_MAX_MODEL_LEN // settings.block_size)
