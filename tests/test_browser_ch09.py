@@ -8,37 +8,15 @@ from __future__ import annotations
 
 import pytest
 
-from _browser import SHOTS, browser_page, streamlit_server
-from _browser import wait_idle as _wait_idle
+from _browser import SHOTS, LabDriver, chapter_fixtures
 
 pytestmark = pytest.mark.browser
 
 STEP_TIMEOUT_MS = 300_000
 
 
-@pytest.fixture(scope="module")
-def app_url(default_model_dir, tmp_path_factory):
-    with streamlit_server(tmp_path_factory.mktemp("streamlit_ch09") / "streamlit.log") as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def page(app_url):
-    with browser_page(app_url, STEP_TIMEOUT_MS) as pg:
-        yield pg
-
-
-def wait_idle(pg) -> None:
-    _wait_idle(pg, STEP_TIMEOUT_MS, settle_ms=500)
-
-
-def no_exception(pg) -> None:
-    errors = pg.locator("[data-testid='stException']")
-    assert errors.count() == 0, errors.first.inner_text()
-
-
-def plot_traces(pg) -> list[int]:
-    return pg.locator(".js-plotly-plot").evaluate_all("els => els.map(e => (e.data || []).length)")
+app_url, page = chapter_fixtures("ch09", STEP_TIMEOUT_MS)
+lab = LabDriver(STEP_TIMEOUT_MS)
 
 
 def plot_titles(pg) -> list[str]:
@@ -47,40 +25,26 @@ def plot_titles(pg) -> list[str]:
     )
 
 
-def click(pg, name: str) -> None:
-    button = pg.get_by_role("button", name=name, exact=True).first
-    button.scroll_into_view_if_needed()
-    button.click()
-    wait_idle(pg)
-    no_exception(pg)
-
-
 def test_burst_lab_preempts_and_measures_the_cost(page, app_url):
-    page.goto(f"{app_url}/ch09")
-    page.wait_for_selector("[data-testid='stApp']")
-    wait_idle(page)
-    if page.locator("[role=dialog]").count():
-        page.keyboard.press("Escape")
-        page.wait_for_timeout(300)
-    no_exception(page)
+    lab.open_chapter(page, app_url, "ch09")
     assert "KV 캐시가 모자랄 때, 누가 양보하나" in page.inner_text("body")
 
     # predict the victim (the second radio group: the first is the experiment picker)
     page.get_by_role("radiogroup").nth(1).get_by_text("D", exact=True).click()
-    wait_idle(page)
-    click(page, "워크로드 넣기")
+    lab.wait_idle(page)
+    lab.click(page, "워크로드 넣기")
     steps = page.get_by_label("N", exact=True)
     steps.fill("10")
     steps.press("Enter")
-    wait_idle(page)
-    click(page, "N 스텝")
+    lab.wait_idle(page)
+    lab.click(page, "N 스텝")
     body = page.inner_text("body")
     assert "스텝 10 · KV 블록 6/8 · 실행 2 · 대기 3" in " ".join(body.split()), body[:2000]
 
-    click(page, "끝까지")
+    lab.click(page, "끝까지")
     body = page.inner_text("body")
     assert "예측 ↔ 측정" in body and "측정값" in body and "계산값" in body
-    traces = plot_traces(page)
+    traces = lab.plot_traces(page)
     titles = plot_titles(page)
     found = {
         key: [i for i, t in enumerate(titles) if t.startswith(key)]

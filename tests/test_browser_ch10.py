@@ -8,74 +8,38 @@ from __future__ import annotations
 
 import pytest
 
-from _browser import SHOTS, browser_page, streamlit_server
-from _browser import wait_idle as _wait_idle
+from _browser import SHOTS, LabDriver, chapter_fixtures
 
 pytestmark = pytest.mark.browser
 
 STEP_TIMEOUT_MS = 400_000
 
 
-@pytest.fixture(scope="module")
-def app_url(default_model_dir, tmp_path_factory):
-    with streamlit_server(tmp_path_factory.mktemp("streamlit_ch10") / "streamlit.log") as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def page(app_url):
-    with browser_page(app_url, STEP_TIMEOUT_MS) as pg:
-        yield pg
-
-
-def wait_idle(pg) -> None:
-    _wait_idle(pg, STEP_TIMEOUT_MS, settle_ms=500)
-
-
-def no_exception(pg) -> None:
-    errors = pg.locator("[data-testid='stException'], [data-testid='stAlertContentError']")
-    assert errors.count() == 0, errors.first.inner_text()
-
-
-def plot_traces(pg) -> list[int]:
-    return pg.locator(".js-plotly-plot").evaluate_all("els => els.map(e => (e.data || []).length)")
-
-
-def click(pg, name: str) -> None:
-    button = pg.get_by_role("button", name=name, exact=True).first
-    button.scroll_into_view_if_needed()
-    button.click()
-    wait_idle(pg)
-    no_exception(pg)
+app_url, page = chapter_fixtures("ch10", STEP_TIMEOUT_MS)
+lab = LabDriver(STEP_TIMEOUT_MS, error_alerts=True)
 
 
 def test_ch10_lab_in_browser(page, app_url):
-    page.goto(f"{app_url}/ch10")
-    page.wait_for_selector("[data-testid='stApp']")
-    wait_idle(page)
-    if page.locator("[role=dialog]").count():
-        page.keyboard.press("Escape")
-        page.wait_for_timeout(300)
-    no_exception(page)
+    lab.open_chapter(page, app_url, "ch10")
     body = page.inner_text("body")
     assert "같은 앞부분을 가진 요청들" in body and "해시 사슬" in body
-    before = len(plot_traces(page))
-    click(page, "실행")
+    before = len(lab.plot_traces(page))
+    lab.click(page, "실행")
     body = page.inner_text("body")
     assert "요청별 비교" in body and "측정값" in body
     assert "decode 스텝은 켬·끔 모두" in body  # the output is still computed
-    traces = plot_traces(page)
+    traces = lab.plot_traces(page)
     # the on/off lab views, the per-step hits, the shared-block grid and the TTFT bars
     assert len(traces) >= before + 3, traces
     assert all(n > 0 for n in traces[before:]), traces
     lab_plots = len(traces)
-    click(page, "해시 사슬 실행")
+    lab.click(page, "해시 사슬 실행")
     body = page.inner_text("body")
     assert "같은 프롬프트 다시" in body
-    assert len(plot_traces(page)) >= lab_plots + 1
-    click(page, "LRU 실험 실행")
+    assert len(lab.plot_traces(page)) >= lab_plots + 1
+    lab.click(page, "LRU 실험 실행")
     assert "A를 다시 보냈을 때 히트" in page.inner_text("body")  # (tables are canvases)
-    assert len(plot_traces(page)) >= lab_plots + 4  # the chain and three LRU grids
+    assert len(lab.plot_traces(page)) >= lab_plots + 4  # the chain and three LRU grids
     page.get_by_text("LRU 축출: 작은 캐시에서는", exact=False).first.scroll_into_view_if_needed()
     page.wait_for_timeout(500)
     page.screenshot(path=str(SHOTS / "ch10_experiments.png"))

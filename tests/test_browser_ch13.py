@@ -9,33 +9,15 @@ from __future__ import annotations
 
 import pytest
 
-from _browser import SHOTS, browser_page, streamlit_server
-from _browser import wait_idle as _wait_idle
+from _browser import SHOTS, LabDriver, chapter_fixtures
 
 pytestmark = pytest.mark.browser
 
 STEP_TIMEOUT_MS = 600_000
 
 
-@pytest.fixture(scope="module")
-def app_url(default_model_dir, tmp_path_factory):
-    with streamlit_server(tmp_path_factory.mktemp("streamlit_ch13") / "streamlit.log") as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def page(app_url):
-    with browser_page(app_url, STEP_TIMEOUT_MS) as pg:
-        yield pg
-
-
-def wait_idle(pg) -> None:
-    _wait_idle(pg, STEP_TIMEOUT_MS, settle_ms=500)
-
-
-def no_exception(pg) -> None:
-    errors = pg.locator("[data-testid='stException']")
-    assert errors.count() == 0, errors.first.inner_text()
+app_url, page = chapter_fixtures("ch13", STEP_TIMEOUT_MS)
+lab = LabDriver(STEP_TIMEOUT_MS)
 
 
 def plot_traces(pg) -> list[list[dict]]:
@@ -55,20 +37,14 @@ def is_draft_grid(traces) -> bool:
 
 
 def test_ch13_lab_in_browser(page, app_url):
-    page.goto(f"{app_url}/ch13")
-    page.wait_for_selector("[data-testid='stApp']")
-    wait_idle(page)
-    if page.locator("[role=dialog]").count():
-        page.keyboard.press("Escape")
-        page.wait_for_timeout(300)
-    no_exception(page)
+    lab.open_chapter(page, app_url, "ch13")
     assert "같은 요청, 추측 디코딩 켬·끔" in page.inner_text("body")
 
     button = page.get_by_role("button", name="실행", exact=True).first
     button.scroll_into_view_if_needed()
     button.click()
-    wait_idle(page)
-    no_exception(page)
+    lab.wait_idle(page)
+    lab.no_exception(page)
     body = page.inner_text("body")
     assert "토큰 하나하나까지 같습니다" in body, body[-3000:]
     grid_index = find_plot(page, is_draft_grid)
@@ -87,12 +63,12 @@ def test_ch13_lab_in_browser(page, app_url):
     slider.scroll_into_view_if_needed()
     slider.focus()
     page.keyboard.press("Home")
-    wait_idle(page)
+    lab.wait_idle(page)
     assert slider.get_attribute("aria-valuetext") == "8"
     speed = page.get_by_role("button", name="속도 재기", exact=True)
     speed.click()
-    wait_idle(page)
-    no_exception(page)
+    lab.wait_idle(page)
+    lab.no_exception(page)
     body = page.inner_text("body")
     assert "속도 향상" in body and "배치 8" in body
     bars = find_plot(
