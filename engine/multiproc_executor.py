@@ -68,6 +68,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from engine.config import DEFAULT_CPU_KV_CACHE_BYTES
 from engine.executor import Executor, ExecutorDiedError
 from engine.model_runner import ModelRunner, ModelRunnerOutput
 from engine.models.llama import LlamaConfig, LlamaModel, linear, rms_norm
@@ -710,10 +711,14 @@ class MultiprocExecutor(Executor):
     # -- Executor ------------------------------------------------------------------------------
 
     def initialize(self, max_model_len: int, num_swap_blocks: int | None = 0, **cache_args) -> int:
-        """Start the workers; each sizes its own KV cache for its heads and layers (a byte budget,
-        kv_cache_memory, is per worker, as gpu_memory_utilization is per GPU); the engine uses
-        the smallest block count, so that every rank can hold every block the scheduler hands
-        out."""
+        """Start the workers; each sizes its own KV cache for its heads and layers; the engine
+        uses the smallest block count, so that every rank can hold every block the scheduler
+        hands out. On CUDA each worker profiles its own GPU (gpu_memory_utilization is per GPU,
+        as in vLLM); on a CPU the workers share one memory, so the byte budget (kv_cache_memory,
+        default DEFAULT_CPU_KV_CACHE_BYTES) is split evenly among them."""
+        if self.spec["device"].type == "cpu" and cache_args.get("num_kv_blocks") is None:
+            budget = cache_args.get("kv_cache_memory") or DEFAULT_CPU_KV_CACHE_BYTES
+            cache_args = {**cache_args, "kv_cache_memory": budget // self.world_size}
         self._start()
         self._gather(STARTUP_TIMEOUT_S, "start-up")
         self._broadcast("num_blocks", (max_model_len, cache_args))

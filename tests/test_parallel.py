@@ -211,3 +211,50 @@ def test_a_dead_worker_makes_the_engine_raise_not_hang(make_engine):
     assert alive(pids) == []
     with pytest.raises(ExecutorDiedError, match="stopped"):
         engine.step()
+
+
+def test_bench_section_runs_both_sizes_on_the_same_requests(tiny_model_dir):
+    from engine.bench import BenchConfig
+    from engine.llm import LLM
+    from engine.parallel_bench import format_parallel, run_parallel
+
+    config = BenchConfig.quick_config(
+        model=str(tiny_model_dir), device="cpu", num_requests=4, prompt_len=(8, 40),
+        output_len=(4, 8), probe_prompt_len=8, probe_output_len=4, kernels="torch",
+        tensor_parallel_size=2,
+    )  # fmt: skip
+    llm = LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=32, max_model_len=128)
+    result = run_parallel(llm, config, log=lambda _: None)
+    assert result["identical_outputs"]
+    base, par = result["rows"]["tp1"], result["rows"]["tp2_pp1"]
+    assert base["comm_share"] is None and 0 < par["comm_share"] < 1
+    assert par["all_reduces_per_step"] == result["derived_all_reduces_per_step"] == 4
+    assert par["offline_steps"] == base["offline_steps"]
+    assert len(result["layout"]) == 2
+    text = "\n".join(format_parallel(result))
+    assert "9. Parallel: tp 2 × pp 1" in text and "tp2_pp1" in text
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.slow
+def test_default_model_tp3_equals_tp1(default_model_dir):
+    """The real model: 9 query heads and 3 KV heads, so tp 3 gives each rank 3 and 1."""
+    from engine.core import EngineConfig, EngineCore
+
+    config = EngineConfig(
+        model=str(default_model_dir), device="cpu", num_kv_blocks=24, max_model_len=256,
+        max_num_batched_tokens=48, kernels="torch",
+    )  # fmt: skip
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small"]
+    outputs = []
+    for tp in (1, 3):
+        engine = EngineCore(config, tensor_parallel_size=tp)
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        for i, text in enumerate(texts * 2):  # the repeats hit the prefix cache
+            engine.add_request(text, params, request_id=str(i))
+        _, final, _ = run_engine(engine)
+        outputs.append({rid: out.token_ids for rid, out in final.items()})
+        if tp == 3:
+            assert [r["kv_heads"] for r in engine.executor.layout()] == [[0, 1], [1, 2], [2, 3]]
+        engine.shutdown()
+    assert outputs[0] == outputs[1]
