@@ -14,6 +14,7 @@ import signal
 import socket
 import time
 
+import pandas as pd
 import psutil
 import pytest
 import torch
@@ -258,3 +259,28 @@ def test_default_model_tp3_equals_tp1(default_model_dir):
             assert [r["kv_heads"] for r in engine.executor.layout()] == [[0, 1], [1, 2], [2, 3]]
         engine.shutdown()
     assert outputs[0] == outputs[1]
+
+
+def test_chapter12_experiment_tables(tiny_model_dir):
+    """ui/experiments/ch12.py: the same workload on tp 1, tp 2 and pp 2, tables for the page."""
+    from ui.experiments.ch12 import communication_table, compare_layouts, shard_table
+    from ui.experiments.common import Workload
+
+    config = dict(
+        model=str(tiny_model_dir), device="cpu", num_kv_blocks=32, max_model_len=128,
+        kernels="torch",
+    )  # fmt: skip
+    result = compare_layouts(config, Workload.uniform(3, 20, 6), sizes=((1, 1), (2, 1), (1, 2)))
+    summary = result.summary.set_index("실행")
+    assert list(summary.index) == ["tp 1 × pp 1", "tp 2 × pp 1", "tp 1 × pp 2"]
+    assert summary["tp 1과 같은 출력"].all()
+    assert list(summary["스텝당 all-reduce (측정)"]) == [0, 4, 0]
+    assert pd.isna(summary.loc["tp 1 × pp 1", "통신 비율 (%)"])  # no communication at all
+    assert 0 < summary.loc["tp 2 × pp 1", "통신 비율 (%)"] < 100
+    tp2 = result.runs["tp 2 × pp 1"]
+    shards = shard_table(tp2.layout)
+    assert list(shards["qkv"]) == ["64 × 64", "64 × 64"]  # (2 q + 2 × 1 kv heads) × 16 rows
+    assert list(shards["down"]) == ["64 × 64", "64 × 64"]  # MLP width 128 cut in 2
+    comm = communication_table(tp2.result.records)
+    assert set(comm["rank"]) == {0, 1} and (comm["all_reduce_count"] == 4).all()
+    assert multiprocessing.active_children() == []
