@@ -44,8 +44,9 @@ on this machine; running ranks on other machines would need that channel over th
 
 Failure: every receive has a timeout and checks that every worker is alive, so a worker that
 dies (or raises) makes the engine raise ExecutorDiedError (a RuntimeError) instead of hanging.
-Workers are daemon processes, die with their parent (PR_SET_PDEATHSIG on Linux, and an EOF on
-their pipe), and are stopped by `shutdown()`, by garbage collection of the executor and at exit.
+Workers are daemon processes, exit when their parent dies (a watchdog thread on the parent pid,
+and an EOF on their pipe), and are stopped by `shutdown()`, by garbage collection of the
+executor and at interpreter exit.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ import math
 import multiprocessing.connection
 import os
 import pickle
-import signal
 import socket
+import threading
 import time
 import traceback
 import weakref
@@ -424,15 +425,19 @@ class ParallelWorker(Worker):
 # -- the worker process --------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel sends SIGKILL to this process when its parent dies (even by SIGKILL)."""
-    try:
-        import ctypes
+def _die_with_parent(interval_s: float = 1.0) -> None:
+    """Exit when the engine's process is gone (killed, even by SIGKILL), whatever this worker is
+    doing: a daemon thread watches the parent pid. (Linux's PR_SET_PDEATHSIG would fire when the
+    *thread* that started the worker ends, e.g. a Streamlit script run, so it is not used.)"""
+    parent = os.getppid()
 
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    def watch() -> None:
+        while True:
+            time.sleep(interval_s)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
 def _worker_main(rank: int, tp: int, pp: int, env: dict, spec: dict, conn, threads: int) -> None:

@@ -284,3 +284,34 @@ def test_chapter12_experiment_tables(tiny_model_dir):
     comm = communication_table(tp2.result.records)
     assert set(comm["rank"]) == {0, 1} and (comm["all_reduce_count"] == 4).all()
     assert multiprocessing.active_children() == []
+
+
+def test_workers_exit_when_the_engine_process_is_killed(tiny_model_dir):
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from engine.core import EngineCore\n"
+        "if __name__ == '__main__':\n"
+        f"    engine = EngineCore(model={str(tiny_model_dir)!r}, device='cpu', num_kv_blocks=16,\n"
+        "                        max_model_len=128, kernels='torch', tensor_parallel_size=2)\n"
+        "    print(*engine.executor.worker_pids(), flush=True)\n"
+        "    sys.stdin.read()\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(alive(pids)) == 2
+        parent.send_signal(signal.SIGKILL)  # no atexit, no finalizer: only the watchdog is left
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while alive(pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert alive(pids) == []
+    finally:
+        parent.kill()
