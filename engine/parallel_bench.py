@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from engine.multiproc_executor import all_reduces_per_step
 
 
@@ -90,6 +92,9 @@ def run_parallel(llm, config, log=print) -> dict:
         layout = parallel.engine.executor.layout()
     finally:
         parallel.shutdown()
+    threads = torch.get_num_threads()
+    rows["tp1"]["threads_per_process"] = threads
+    rows[f"tp{tp}_pp{pp}"]["threads_per_process"] = max(1, threads // (tp * pp))
     base, par = rows["tp1"], rows[f"tp{tp}_pp{pp}"]
     identical = base.pop("tokens") == par.pop("tokens")
     return {
@@ -134,10 +139,14 @@ def format_parallel(r: dict | None) -> list[str]:
             f"{row['all_reduces_per_step']:17.1f}{row['weight_bytes'] / 1e6:12.1f}"
         )
     speed = r["speedup_offline"]
-    lines.append(
+    lines += [
         f"  speed-up offline {speed or 0:.2f}×, batch-1 decode "
         f"{r['speedup_decode_batch1'] or 0:.2f}×; all-reduces per step derived "
         f"{r['derived_all_reduces_per_step']} (2 per layer); identical outputs: "
-        f"{r['identical_outputs']}"
-    )
+        f"{r['identical_outputs']}",
+        f"  threads: tp 1 {r['rows']['tp1']['threads_per_process']} in one process; each worker "
+        f"{next(reversed(r['rows'].values()))['threads_per_process']} (on a CPU the workers "
+        "share the same cores; on a busy machine more processes also get more of its time, so "
+        "a speed-up here says little about devices)",
+    ]
     return lines

@@ -233,7 +233,7 @@ def test_bench_section_runs_both_sizes_on_the_same_requests(tiny_model_dir):
     assert par["offline_steps"] == base["offline_steps"]
     assert len(result["layout"]) == 2
     text = "\n".join(format_parallel(result))
-    assert "9. Parallel: tp 2 × pp 1" in text and "tp2_pp1" in text
+    assert "9. Parallel: tp 2 × pp 1" in text and "tp2_pp1" in text and "threads: tp 1" in text
     assert multiprocessing.active_children() == []
 
 
