@@ -30,7 +30,7 @@ from engine.multiproc_executor import (
     valid_tensor_parallel_sizes,
 )
 
-GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
 # A cache of 8 blocks of 16 tokens and a 24-token budget: chunked prefill and preemption happen.
 SMALL = dict(num_kv_blocks=8, max_model_len=128, max_num_batched_tokens=24, kernels="torch")
 
@@ -52,6 +52,18 @@ def generate(engine):
     return records, {rid: out.token_ids for rid, out in final.items()}
 
 
+def logprobs_of(engine) -> dict[str, list[float]]:
+    """Each request's chosen-token logprobs and its top-3 logprobs, flattened."""
+    return {
+        rid: [
+            value
+            for entry in engine.get_request(rid).output_logprobs
+            for value in (entry["logprob"], *sorted(entry["top_logprobs"].values()))
+        ]
+        for rid in prompts()
+    }
+
+
 def alive(pids: list[int]) -> list[int]:
     return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
 
@@ -65,7 +77,7 @@ def reference(make_engine):
     assert any(s.phase == "chunked_prefill" for r in records for s in r.scheduled)
     assert sum(r.prefix_cache_hits for r in records) > 0
     assert all(not r.workers for r in records)
-    return tokens, engine.weight_bytes(), engine.model_config
+    return tokens, engine.weight_bytes(), engine.model_config, logprobs_of(engine)
 
 
 def replicated_bytes(cfg: LlamaConfig, tp: int, pp: int) -> int:
@@ -89,12 +101,16 @@ def replicated_bytes(cfg: LlamaConfig, tp: int, pp: int) -> int:
     "tp, pp", [(2, 1), (1, 2), (4, 1)], ids=["tp2", "pp2", "tp4_kv_replicated"]
 )
 def test_parallel_greedy_equals_tp1_and_layout_adds_up(make_engine, reference, tp, pp):
-    ref_tokens, ref_bytes, cfg = reference
+    ref_tokens, ref_bytes, cfg, ref_logprobs = reference
     engine = make_engine(**SMALL, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     pids = engine.executor.worker_pids()
     assert len(alive(pids)) == tp * pp
     records, tokens = generate(engine)
     assert tokens == ref_tokens
+    # the logits agree within float tolerance (the all-reduce sums in another order)
+    for rid, values in logprobs_of(engine).items():
+        assert len(values) == 12 * 4  # 12 tokens × (chosen + top 3)
+        assert values == pytest.approx(ref_logprobs[rid], abs=1e-4), rid
     assert engine.scheduler.num_preemptions > 0
 
     # every rank reports every step; 2 all-reduces per layer it runs when tp > 1
