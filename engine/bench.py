@@ -99,6 +99,10 @@ class BenchConfig:
     speculative_config: dict | None = None  # None: DEFAULT_SPEC_CONFIG
     spec_num_requests: int = 8
     spec_output_len: int = 128
+    # tensor / pipeline parallel (section 9, only when either is > 1): the same requests on
+    # tp × pp worker processes against tp 1 (engine/parallel_bench.py)
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     @classmethod
     def quick_config(cls, **overrides) -> "BenchConfig":
@@ -860,6 +864,15 @@ def run_benchmark(config: BenchConfig, log=print) -> dict:
         log(f"[7] speculative decoding ({config.speculative}): with and without, same workloads")
         results["spec_decode"] = run_spec_decode(llm, config, specials)
 
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        from engine.parallel_bench import run_parallel
+
+        log(
+            f"[9] parallel: tp {config.tensor_parallel_size} × pp "
+            f"{config.pipeline_parallel_size} worker processes against tp 1"
+        )
+        results["parallel"] = run_parallel(llm, config, log)
+
     results["targets"] = evaluate_targets(results)
     results["conditions"]["bench_seconds"] = time.perf_counter() - started
     return results
@@ -1194,6 +1207,10 @@ def format_results(r: dict) -> str:
         )
     if "spec_decode" in r:
         lines += ["", *format_spec_decode(r["spec_decode"])]
+    if "parallel" in r:
+        from engine.parallel_bench import format_parallel
+
+        lines += format_parallel(r["parallel"])
     lines.append(f"\n  bench took {c['bench_seconds']:.0f} s")
     return "\n".join(lines)
 
@@ -1272,6 +1289,8 @@ def main(args) -> int:
             kernels=getattr(args, "kernels", None),
             speculative=getattr(args, "speculative", None),
             speculative_config=getattr(args, "speculative_config", None),
+            tensor_parallel_size=getattr(args, "tensor_parallel_size", None),
+            pipeline_parallel_size=getattr(args, "pipeline_parallel_size", None),
         ).items()
         if v is not None
     }

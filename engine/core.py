@@ -18,7 +18,7 @@ from collections import OrderedDict
 from engine.artifact import resolve_model_path
 from engine.clock import EngineClock
 from engine.config import EngineConfig
-from engine.executor import Executor, UniProcExecutor
+from engine.executor import Executor, ExecutorDiedError, UniProcExecutor
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunnerOutput
 from engine.models.llama import LlamaConfig
@@ -87,9 +87,9 @@ class EngineCore:
                 f"least max_model_len ({self.max_model_len})"
             )
 
-        self.executor = executor or UniProcExecutor(
-            Worker(self.model_dir, self.device, self.dtype, config.block_size, config.kernels)
-        )
+        if executor is None:
+            executor = self._make_executor(config)
+        self.executor = executor
         self.num_blocks = self.executor.initialize(
             self.max_model_len,
             num_kv_blocks=config.num_kv_blocks,
@@ -141,6 +141,25 @@ class EngineCore:
         self._ids = itertools.count()
         self.clock = EngineClock()
         self._prefix_cache_counts = (0, 0)  # (queries, hits) at the last step's end
+
+    def _make_executor(self, config: EngineConfig) -> Executor:
+        """One worker in this process, or (tensor / pipeline parallel) one process per rank."""
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        if (tp, pp) != (1, 1):
+            from engine.multiproc_executor import MultiprocExecutor
+
+            return MultiprocExecutor(
+                self.model_dir, self.model_config, self.device, self.dtype, config.block_size,
+                config.kernels, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+            )  # fmt: skip
+        return UniProcExecutor(
+            Worker(self.model_dir, self.device, self.dtype, config.block_size, config.kernels)
+        )
+
+    def shutdown(self) -> None:
+        """Stop the executor's worker processes (if any). Also happens when the engine is
+        garbage-collected and at interpreter exit."""
+        self.executor.shutdown()
 
     def _configure_cuda_graphs(self) -> str:
         """Decode steps replay CUDA graphs on a GPU unless `enforce_eager`
@@ -322,6 +341,8 @@ class EngineCore:
         """Run the model. If the forward itself fails, only the step's requests fail."""
         try:
             return self.executor.execute_model(scheduler_output)
+        except ExecutorDiedError:  # no worker left to run the next step: the engine stops
+            raise
         except Exception as error:  # noqa: BLE001 — one bad step must not stop the engine loop
             logger.exception("step %d: the forward pass failed", scheduler_output.step)
             message = f"the model failed in step {scheduler_output.step} ({type(error).__name__})"
@@ -498,6 +519,7 @@ class EngineCore:
             swap_seconds=runner_output.timings.get("swap", 0.0),
             prefix_cache_queries=kv.prefix_cache_queries - queries,
             prefix_cache_hits=kv.prefix_cache_hits - hits,
+            workers=runner_output.workers,
         )
 
     def _scheduled_record(
