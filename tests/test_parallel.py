@@ -230,6 +230,7 @@ def test_a_dead_worker_makes_the_engine_raise_not_hang(make_engine):
         engine.step()
 
 
+@pytest.mark.slow  # spawns workers for seconds: the full suite runs it, the fast tier not
 def test_bench_section_runs_both_sizes_on_the_same_requests(tiny_model_dir):
     from engine.bench import BenchConfig
     from engine.llm import LLM
@@ -277,6 +278,7 @@ def test_default_model_tp3_equals_tp1(default_model_dir):
     assert outputs[0] == outputs[1]
 
 
+@pytest.mark.slow  # spawns workers for seconds: the full suite runs it, the fast tier not
 def test_chapter12_experiment_tables(tiny_model_dir):
     """ui/experiments/ch12.py: the same workload on tp 1, tp 2 and pp 2, tables for the page."""
     from ui.experiments.ch12 import communication_table, compare_layouts, shard_table
@@ -302,6 +304,7 @@ def test_chapter12_experiment_tables(tiny_model_dir):
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.slow  # spawns workers for seconds: the full suite runs it, the fast tier not
 def test_workers_exit_when_the_engine_process_is_killed(tiny_model_dir):
     import subprocess
     import sys
