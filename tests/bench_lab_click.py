@@ -71,6 +71,7 @@ def main() -> int:
     ap.add_argument("--warm", type=int, default=20, help="steps before measuring")
     ap.add_argument("--clicks", type=int, default=10, help="measured clicks")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=3, choices=[1, 2, 3], help="prompts queued")
     ap.add_argument("--profile", type=Path, help="cProfile the measured clicks' lab runs to here")
     args = ap.parse_args()
 
@@ -92,7 +93,7 @@ def main() -> int:
     at = AppTest.from_file(str(ROOT / "tests" / "classroom_fragment_app.py"), default_timeout=600)
     at.run()
     at.number_input(key="main_max_tokens").set_value(args.max_tokens).run()
-    for prompt in PROMPTS:
+    for prompt in PROMPTS[: args.requests]:
         at.text_area(key="main_custom").input(prompt)
         at.button(key="main_add_custom").click().run()
     for _ in range(args.warm):
@@ -111,7 +112,7 @@ def main() -> int:
     med = statistics.median
     load = os.getloadavg()
     print(
-        f"{args.clicks} clicks after {args.warm} warm steps (3 requests, max_tokens "
+        f"{args.clicks} clicks after {args.warm} warm steps ({args.requests} requests, max_tokens "
         f"{args.max_tokens}), load average {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}, "
         f"{time.strftime('%H:%M:%S')}"
     )
