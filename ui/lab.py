@@ -9,7 +9,8 @@
 - two or three engines side by side in lockstep (one 다음 스텝 advances each),
 - a slot for the chapter's own view and its predict → run → compare box.
 
-The component runs inside st.fragment: a step reruns the lab only, not the lesson around it.
+The component runs inside st.fragment: a step reruns the lab only, not the lesson around it, and
+the lab's figures go to Streamlit as plain dicts with the journey kept between clicks (views()).
 Engine errors become Korean messages (ui.errors); the page stays usable.
 """
 
