@@ -35,6 +35,9 @@ case "$cmd" in
     setup
     # Serving settings (headless, 127.0.0.1, no file watcher, no usage statistics, session TTL)
     # come from .streamlit/config.toml in this directory; flags in "$@" override them.
+    # Idle torch threads sleep instead of spinning between operations: with several learners on
+    # few cores, spinning threads doubled a click's CPU (README, "Classroom"). Override to ACTIVE.
+    export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
     exec "$VENV/bin/python" -m streamlit run app.py "$@"
     ;;
   test)

@@ -26,6 +26,33 @@ def speculative_config_arg(text: str) -> dict:
     return value
 
 
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's flags: worker processes that split the model (engine/multiproc_executor.py)."""
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="worker processes that split every layer (heads, MLP columns); default 1",
+    )
+    p.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=1,
+        help="pipeline stages (runs of layers), one worker process each per tp rank; default 1",
+    )
+
+
+def _report_layout(engine) -> None:
+    """Which worker holds which layers and heads (multi-process executor only)."""
+    layout = getattr(engine.executor, "layout", None)
+    if layout is not None:
+        from engine.multiproc_executor import describe_layout
+
+        print(describe_layout(layout()), file=sys.stderr)
+
+
 def cmd_artifact(args: argparse.Namespace) -> int:
     from engine import artifact
 
@@ -51,9 +78,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             quantization_group_size=args.quantization_group_size,
             speculative_config=args.speculative_config,
             enforce_eager=args.enforce_eager,
+            tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
         )
     )
     _report_cuda_graphs(engine)
+    _report_layout(engine)
     prompt = args.prompt
     if not args.raw:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -74,6 +104,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     f"(measured, {engine.device.type}, {str(engine.dtype).removeprefix('torch.')})",
                     file=sys.stderr,
                 )
+    engine.shutdown()
     return 0 if request.finish_reason != "abort" else 1
 
 
@@ -95,9 +126,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         quantization_group_size=args.quantization_group_size,
         speculative_config=args.speculative_config,
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
     )
     engine = EngineCore(config)
     _report_cuda_graphs(engine)
+    _report_layout(engine)
     name = args.served_model_name or engine.model_dir.name
     print(
         f"serving {name} ({engine.device.type}, {str(engine.dtype).removeprefix('torch.')}, "
@@ -256,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speculative-config", type=speculative_config_arg, help=SPEC_HELP)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     add_quantization_args(p)
+    add_parallel_args(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser(
@@ -311,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speculative-config", type=speculative_config_arg, help=SPEC_HELP)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     add_quantization_args(p)
+    add_parallel_args(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser(
@@ -390,8 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--compare-quantization",
         action="store_true",
-        help="also measure float32, bfloat16, int8, int4 and gguf side by side (section 9)",
+        help="also measure float32, bfloat16, int8, int4 and gguf side by side (section 10)",
     )
+    add_parallel_args(p)  # > 1: also the same workload at this size against tp 1 (section 9)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser(

@@ -62,7 +62,7 @@ TARGETS = {
     "decode_roofline_fraction": 0.60,  # batch-1 decode tokens/s ÷ decode roofline
     "overhead_share_full_batch": 0.10,  # share of step time outside the forward, at full batch
     "int8_matvec_speedup": 1.8,  # our int8 matrix × vector ÷ the best float32 one, 1 row
-    "int8_decode_speedup": 1.8,  # the engine's batch-1 decode, int8 ÷ float32 (section 9)
+    "int8_decode_speedup": 1.8,  # the engine's batch-1 decode, int8 ÷ float32 (section 10)
 }
 
 
@@ -97,7 +97,7 @@ class BenchConfig:
     # weight-only quantization of the engine under test (engine/quantization.py); None: off
     quantization: str | None = None
     quantization_group_size: int = 32
-    # section 9 (`--compare-quantization`): these variants side by side, (dtype, quantization)
+    # section 10 (`--compare-quantization`): these variants side by side, (dtype, quantization)
     compare_variants: tuple[tuple[str, str | None], ...] | None = None
     kernel_section: bool = True  # section 6: our kernels against torch's, and the step both ways
     # speculative decoding (section 7, only with `--speculative ngram`)
@@ -105,6 +105,10 @@ class BenchConfig:
     speculative_config: dict | None = None  # None: DEFAULT_SPEC_CONFIG
     spec_num_requests: int = 8
     spec_output_len: int = 128
+    # tensor / pipeline parallel (section 9, only when either is > 1): the same requests on
+    # tp × pp worker processes against tp 1 (engine/parallel_bench.py)
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     @classmethod
     def quick_config(cls, **overrides) -> "BenchConfig":
@@ -675,7 +679,7 @@ def measure_decode_both_paths(model_dir, config: "BenchConfig", vocab: int, spec
 
 
 # ---------------------------------------------------------------------------------------------
-# 9. dtype and weight-only quantization side by side (`--compare-quantization`)
+# 10. dtype and weight-only quantization side by side (`--compare-quantization`)
 
 DEFAULT_VARIANTS: tuple[tuple[str, str | None], ...] = (
     ("float32", None),
@@ -778,7 +782,7 @@ def measure_variants(
 
 def format_variants(v: dict) -> list[str]:
     lines = [
-        "9. dtype and quantization side by side (measured one after the other; "
+        "10. dtype and quantization side by side (measured one after the other; "
         f"roofline at {v['bandwidth_gb_s']:.1f} GB/s)",
         f"  {'variant':<20}{'MB/step':>9}{'matvec GB/s':>13}{'decode tok/s':>14}"
         f"{'× fp32':>8}{'of roof':>9}{'offline tok/s':>15}{'× fp32':>8}",
@@ -1011,8 +1015,16 @@ def run_benchmark(config: BenchConfig, log=print) -> dict:
         results["spec_decode"] = run_spec_decode(llm, config, specials)
 
     if config.compare_variants:
-        log("[9] dtype and quantization side by side: batch-1 decode, offline throughput")
+        log("[10] dtype and quantization side by side: batch-1 decode, offline throughput")
         results["variants"] = measure_variants(model_dir, config, vocab, specials, read, log)
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        from engine.parallel_bench import run_parallel
+
+        log(
+            f"[9] parallel: tp {config.tensor_parallel_size} × pp "
+            f"{config.pipeline_parallel_size} worker processes against tp 1"
+        )
+        results["parallel"] = run_parallel(llm, config, log)
 
     results["targets"] = evaluate_targets(results)
     results["conditions"]["bench_seconds"] = time.perf_counter() - started
@@ -1223,7 +1235,7 @@ def evaluate_targets(results: dict) -> list[dict]:
     if int8_decode is not None:
         rows.append(
             (
-                "int8 batch-1 decode ÷ float32's (engine, section 9)",
+                "int8 batch-1 decode ÷ float32's (engine, section 10)",
                 int8_decode,
                 TARGETS["int8_decode_speedup"],
                 int8_decode >= TARGETS["int8_decode_speedup"],
@@ -1362,6 +1374,10 @@ def format_results(r: dict) -> str:
         lines += ["", *format_spec_decode(r["spec_decode"])]
     if "variants" in r:
         lines += ["", *format_variants(r["variants"])]
+    if "parallel" in r:
+        from engine.parallel_bench import format_parallel
+
+        lines += format_parallel(r["parallel"])
     lines.append(f"\n  bench took {c['bench_seconds']:.0f} s")
     return "\n".join(lines)
 
@@ -1445,6 +1461,8 @@ def main(args) -> int:
             compare_variants=DEFAULT_VARIANTS
             if getattr(args, "compare_quantization", False)
             else None,
+            tensor_parallel_size=getattr(args, "tensor_parallel_size", None),
+            pipeline_parallel_size=getattr(args, "pipeline_parallel_size", None),
         ).items()
         if v is not None
     }

@@ -45,3 +45,8 @@ class EngineConfig:
     # Speculative decoding, as vLLM takes it: {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_max": n, "prompt_lookup_min": m} (engine/spec_decode/). None: off.
     speculative_config: dict | None = None
+    # vLLM's names: worker processes that split the model (engine/multiproc_executor.py). tp cuts
+    # every layer's heads and MLP columns across ranks; pp gives each rank a run of layers.
+    # 1 × 1: one worker in this process (UniProcExecutor).
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1

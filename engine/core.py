@@ -18,11 +18,11 @@ from collections import OrderedDict
 from engine.artifact import resolve_model_path
 from engine.clock import EngineClock
 from engine.config import EngineConfig
-from engine.executor import Executor, UniProcExecutor
+from engine.executor import Executor, ExecutorDiedError, UniProcExecutor
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunnerOutput
 from engine.models.llama import LlamaConfig
-from engine.output import OutputProcessor
+from engine.output import OutputProcessor, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.sampler import SampleResult
@@ -95,17 +95,9 @@ class EngineCore:
             self.model_config,
             self.model_dir,
         )
-        self.executor = executor or UniProcExecutor(
-            Worker(
-                self.model_dir,
-                self.device,
-                self.dtype,
-                config.block_size,
-                config.kernels,
-                quantization=config.quantization,
-                quantization_group_size=config.quantization_group_size,
-            )
-        )
+        if executor is None:
+            executor = self._make_executor(config)
+        self.executor = executor
         self.num_blocks = self.executor.initialize(
             self.max_model_len,
             num_kv_blocks=config.num_kv_blocks,
@@ -136,6 +128,9 @@ class EngineCore:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.finished_requests: OrderedDict[str, Request] = OrderedDict()
         self.live_requests: dict[str, Request] = {}
+        # False: no RequestOutput and no streamed text per step (a simulator, which reads only
+        # records, journeys and metrics, turns them off; stop strings are still checked).
+        self.emit_outputs = True
         self.stats = {
             "prompt_tokens": 0,
             "generation_tokens": 0,
@@ -154,6 +149,39 @@ class EngineCore:
         self._ids = itertools.count()
         self.clock = EngineClock()
         self._prefix_cache_counts = (0, 0)  # (queries, hits) at the last step's end
+
+    def _make_executor(self, config: EngineConfig) -> Executor:
+        """One worker in this process, or (tensor / pipeline parallel) one process per rank."""
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        if (tp, pp) != (1, 1):
+            from engine.multiproc_executor import MultiprocExecutor
+
+            if config.quantization:
+                raise ValueError(
+                    f"quantization {config.quantization!r} runs with one worker only; "
+                    "supported: tensor_parallel_size=1 and pipeline_parallel_size=1"
+                )
+
+            return MultiprocExecutor(
+                self.model_dir, self.model_config, self.device, self.dtype, config.block_size,
+                config.kernels, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+            )  # fmt: skip
+        return UniProcExecutor(
+            Worker(
+                self.model_dir,
+                self.device,
+                self.dtype,
+                config.block_size,
+                config.kernels,
+                quantization=config.quantization,
+                quantization_group_size=config.quantization_group_size,
+            )
+        )
+
+    def shutdown(self) -> None:
+        """Stop the executor's worker processes (if any). Also happens when the engine is
+        garbage-collected and at interpreter exit."""
+        self.executor.shutdown()
 
     def _configure_cuda_graphs(self) -> str:
         """Decode steps replay CUDA graphs on a GPU unless `enforce_eager`
@@ -335,6 +363,8 @@ class EngineCore:
         """Run the model. If the forward itself fails, only the step's requests fail."""
         try:
             return self.executor.execute_model(scheduler_output)
+        except ExecutorDiedError:  # no worker left to run the next step: the engine stops
+            raise
         except Exception as error:  # noqa: BLE001 — one bad step must not stop the engine loop
             logger.exception("step %d: the forward pass failed", scheduler_output.step)
             message = f"the model failed in step {scheduler_output.step} ({type(error).__name__})"
@@ -356,6 +386,9 @@ class EngineCore:
             if request is None:
                 continue
             tokens = self.scheduler.cut_at_stop(request, [r.token_id for r in results])
+            if not (self.emit_outputs or request.sampling_params.stop):
+                new_tokens[request_id] = tokens
+                continue
             try:
                 new_tokens[request_id], stop = self._detokenize(request, tokens)
             except Exception as error:  # noqa: BLE001 — fail this request only
@@ -380,11 +413,11 @@ class EngineCore:
             if request is not None:
                 results = runner_output.sampled[request_id]
                 self._keep_logprobs(request, results[: len(tokens)])
-                outputs.append(
-                    self._emit_tokens(
-                        request, tokens, request_id in finished_ids, scheduler_output.step, now
-                    )
+                output = self._emit_tokens(
+                    request, tokens, request_id in finished_ids, scheduler_output.step, now
                 )
+                if output is not None:
+                    outputs.append(output)
         return outputs
 
     def _detokenize(self, request: Request, token_ids: list[int]) -> tuple[list[int], str | None]:
@@ -397,7 +430,7 @@ class EngineCore:
 
     def _emit_tokens(
         self, request: Request, tokens: list[int], is_finished: bool, step: int, now: float
-    ):
+    ) -> RequestOutput | None:
         """Journey events (one per token) and the RequestOutput for this step's new tokens
         (retires a finished request). Tokens verified together arrive at the same time."""
         for token in tokens:
@@ -410,9 +443,11 @@ class EngineCore:
         if is_finished:
             request.finish_time = now
             request.record("finished", step, reason=request.finish_reason)
-        output = self.output_processor.make_output(request, list(tokens), is_finished)
-        if output.delta_text:
-            request.record("streamed", step, chars=len(output.delta_text))
+        output = None
+        if self.emit_outputs:
+            output = self.output_processor.make_output(request, list(tokens), is_finished)
+            if output.delta_text:
+                request.record("streamed", step, chars=len(output.delta_text))
         if is_finished:
             self._retire(request)
         return output
@@ -506,6 +541,7 @@ class EngineCore:
             swap_seconds=runner_output.timings.get("swap", 0.0),
             prefix_cache_queries=kv.prefix_cache_queries - queries,
             prefix_cache_hits=kv.prefix_cache_hits - hits,
+            workers=runner_output.workers,
         )
 
     def _scheduled_record(
@@ -538,6 +574,7 @@ class EngineCore:
 
     def _retire(self, request: Request) -> None:
         self.live_requests.pop(request.request_id, None)
+        self.output_processor.states.pop(request.request_id, None)  # (gone already if emitted)
         self.finished_requests[request.request_id] = request
         while len(self.finished_requests) > self.config.keep_finished:
             self.finished_requests.popitem(last=False)

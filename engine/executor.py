@@ -1,8 +1,8 @@
 """The executor: hands each step to the worker(s) and returns what they produced.
 
-Only the in-process, single-worker executor exists now. The interface is what a multi-process
-tensor-parallel executor (one worker per device, the same step broadcast to all, rank 0's
-samples returned) or a simulated executor (timings from a cost model, no tensors) would implement.
+`UniProcExecutor` runs one worker in this process. engine/multiproc_executor.py runs one worker
+process per rank (tensor and pipeline parallel; the same step broadcast to all, the output
+rank's samples returned); engine/simulator.py has a simulated one (timings from a cost model).
 """
 
 from __future__ import annotations
@@ -12,6 +12,10 @@ from abc import ABC, abstractmethod
 from engine.model_runner import ModelRunnerOutput
 from engine.scheduler_output import SchedulerOutput
 from engine.worker import Worker
+
+
+class ExecutorDiedError(RuntimeError):
+    """The executor cannot go on (a worker process died, failed or hung); the engine stops."""
 
 
 class Executor(ABC):

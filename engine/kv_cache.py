@@ -62,7 +62,7 @@ class KVSnapshot:
     num_blocks: int
     block_size: int
     block_tables: dict[str, list[int]]
-    cached_free_ids: list[int]  # free blocks still holding reusable prefix K/V
+    cached_free_ids: tuple[int, ...]  # free blocks still holding reusable prefix K/V
     num_used: int
     num_cached_free: int
     num_free: int
@@ -100,9 +100,25 @@ class BlockPool:
             (b.block_id, b) for b in self.blocks
         )
         self.cached: dict[int, list[KVCacheBlock]] = {}  # block hash → blocks with that hash
-        # ids of free blocks still holding cached K/V (for snapshots)
+        # ids of free blocks still holding cached K/V (for snapshots), and a frozen copy of it
+        # that snapshots share until it changes (a long run holds thousands of them)
         self.cached_free: set[int] = set()
+        self._cached_free_view: tuple[int, ...] | None = ()
         self.enable_caching = enable_caching
+
+    def cached_free_view(self) -> tuple[int, ...]:
+        if self._cached_free_view is None:
+            self._cached_free_view = tuple(self.cached_free)
+        return self._cached_free_view
+
+    def _mark_cached_free(self, block_id: int) -> None:
+        self.cached_free.add(block_id)
+        self._cached_free_view = None
+
+    def _unmark_cached_free(self, block_id: int) -> None:
+        if block_id in self.cached_free:
+            self.cached_free.remove(block_id)
+            self._cached_free_view = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -116,7 +132,7 @@ class BlockPool:
         taken = []
         for _ in range(n):
             _, block = self.free_queue.popitem(last=False)
-            self.cached_free.discard(block.block_id)
+            self._unmark_cached_free(block.block_id)
             self._evict(block)
             block.ref_cnt = 1
             taken.append(block)
@@ -128,7 +144,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 del self.free_queue[block.block_id]
-                self.cached_free.discard(block.block_id)
+                self._unmark_cached_free(block.block_id)
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
@@ -140,7 +156,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
                 if block.block_hash is not None:
-                    self.cached_free.add(block.block_id)
+                    self._mark_cached_free(block.block_id)
 
     def lookup(
         self,
@@ -178,7 +194,7 @@ class BlockPool:
         block.parent_key = _parent_key(parent, salt)
         self.cached.setdefault(block_hash, []).append(block)
         if block.ref_cnt == 0:
-            self.cached_free.add(block.block_id)
+            self._mark_cached_free(block.block_id)
         return block
 
     def _evict(self, block: KVCacheBlock) -> None:
@@ -300,9 +316,8 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(request.request_id, [])
         hashes = self.req_to_hashes.setdefault(request.request_id, [])
         num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
-        tokens = request.all_token_ids
         for i in range(len(hashes), num_full):
-            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+            chunk = tuple(request.token_ids(i * self.block_size, (i + 1) * self.block_size))
             parent_hash = hashes[i - 1] if i else first_parent_hash(request.cache_salt)
             block_hash = self.hash_fn(parent_hash, chunk)
             hashes.append(block_hash)
@@ -387,7 +402,7 @@ class KVCacheManager:
         block_tables = {
             rid: [b.block_id for b in blocks] for rid, blocks in self.req_to_blocks.items()
         }
-        cached_free = list(self.block_pool.cached_free)
+        cached_free = self.block_pool.cached_free_view()
         num_used = self.num_blocks - self.block_pool.num_free_blocks
         return KVSnapshot(
             num_blocks=self.num_blocks,

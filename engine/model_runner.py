@@ -45,6 +45,9 @@ class ModelRunnerOutput:
     timings: dict[str, float] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # request_id → why it could not be sampled
     simulated_duration: float | None = None  # a simulated executor's computed step time (seconds)
+    # multi-process executor: one dict per worker rank (compute vs communication seconds,
+    # all-reduce count and bytes; engine/multiproc_executor.py)
+    workers: list[dict] = field(default_factory=list)
 
 
 class ModelRunner:

@@ -93,6 +93,16 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens start..end of prompt + output (what all_token_ids[start:end] holds), without
+        building the whole list: a decode step needs one token of a long context."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

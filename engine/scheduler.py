@@ -375,7 +375,7 @@ class Scheduler:
             phase=phase,
             num_tokens=num_new + len(drafts),
             num_computed_tokens=start,
-            token_ids=request.all_token_ids[start:end] + drafts,
+            token_ids=request.token_ids(start, end) + drafts,
             block_ids=self.kv_cache_manager.block_ids(request.request_id),
             sampling_params=request.sampling_params,
             produces_token=end == request.num_tokens,

@@ -52,6 +52,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, AsyncIterator, Literal
 
+import h11
 import jinja2
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -61,6 +62,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from engine.metrics import ServerMetrics
 from engine.output import RequestOutput
@@ -84,15 +86,69 @@ DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # 2 MiB: far above any prompt that fit
 # tokenizing: a 10 MB prompt costs a length check, not seconds of a worker thread.
 MAX_CHARS_PER_TOKEN = 32
 API_KEY_ENV = "LLM_LAB_API_KEY"  # `python -m engine serve` reads it when --api-key is not given
-# uvicorn's limits, stated (it has no header-read timeout of its own): a header block that grows
-# past 16 KiB unfinished gets a 400; idle keep-alive connections close after 5 s; shutdown waits
-# 3 s for open streams. A client that sends its headers very slowly (slowloris) needs a proxy.
+# uvicorn's limits, stated: a header block that grows past 16 KiB unfinished gets a 400; idle
+# keep-alive connections close after 5 s; shutdown waits 3 s for open streams. uvicorn has no
+# header-read timeout of its own, so the protocol below adds one (HEADER_READ_TIMEOUT_S).
 UVICORN_LIMITS = dict(
-    http="h11",
     h11_max_incomplete_event_size=16 * 1024,
     timeout_keep_alive=5,
     timeout_graceful_shutdown=3,
 )
+HEADER_READ_TIMEOUT_S = 10.0
+
+
+class HeaderTimeoutH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol plus a header-read deadline (nginx's client_header_timeout).
+
+    A client must finish a request's header block within `header_timeout` seconds of connecting
+    (or of the previous response on a kept-alive connection); otherwise the connection is closed.
+    Without it a client that trickles one header byte every few seconds (slowloris) holds a
+    connection forever, and enough of them exhaust the server's sockets. The deadline runs from
+    the start, not from the last byte, so trickling does not extend it."""
+
+    header_timeout: float = HEADER_READ_TIMEOUT_S
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:  # the request head has arrived
+            self._cancel_header_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_header_deadline()  # the next request on this connection gets a deadline too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_deadline()
+        super().connection_lost(exc)
+
+    def _arm_header_deadline(self) -> None:
+        self._cancel_header_deadline()
+        self._header_deadline = self.loop.call_later(self.header_timeout, self._header_timed_out)
+
+    def _cancel_header_deadline(self) -> None:
+        deadline = getattr(self, "_header_deadline", None)
+        if deadline is not None:
+            deadline.cancel()
+            self._header_deadline = None
+
+    def _header_timed_out(self) -> None:
+        self._header_deadline = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            logger.info("closing a connection that sent no complete request head in time")
+            self.transport.close()
+
+
+def uvicorn_config(app, header_timeout: float = HEADER_READ_TIMEOUT_S, **kwargs) -> uvicorn.Config:
+    """uvicorn's Config with our limits and the header-read timeout."""
+    protocol = type(
+        "HeaderTimeoutH11Protocol", (HeaderTimeoutH11Protocol,), {"header_timeout": header_timeout}
+    )
+    return uvicorn.Config(app, http=protocol, **UVICORN_LIMITS, **kwargs)
 
 
 # -- errors ------------------------------------------------------------------------------------
@@ -1149,6 +1205,7 @@ def start_server_in_thread(
     api_key: str | None = None,
     log_level: str = "warning",
     startup_timeout: float = 30.0,
+    header_timeout: float = HEADER_READ_TIMEOUT_S,
 ) -> ServerHandle:
     """Serve `app_or_engine` (a FastAPI app, or anything build_app takes) with uvicorn in a daemon
     thread. port=0 picks a free port; the handle's .url says which."""
@@ -1161,9 +1218,7 @@ def start_server_in_thread(
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(app, log_level=log_level, lifespan="on", **UVICORN_LIMITS)
-    )
+    server = uvicorn.Server(uvicorn_config(app, header_timeout, log_level=log_level, lifespan="on"))
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{port}", daemon=True
     )
@@ -1192,9 +1247,7 @@ def serve(
     loop cannot be revived in-process, so the server stops and lets a supervisor (systemd,
     Docker's restart policy, Kubernetes) start a fresh one, rather than answer 503 forever."""
     app = build_app(engine_or_async_llm, api_key=api_key, **app_options)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=host, port=port, log_level=log_level, **UVICORN_LIMITS)
-    )
+    server = uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level=log_level))
     async_llm = app.state.server.async_llm
     watchdog = threading.Thread(
         target=_stop_when_engine_dies, args=(async_llm, server), name="engine-watchdog", daemon=True

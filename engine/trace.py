@@ -61,6 +61,10 @@ class StepRecord:
     swap_seconds: float = 0.0  # measured time of those copies
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache in this step (admissions)
     prefix_cache_hits: int = 0  # of those, found
+    # Multi-process executor (tensor / pipeline parallel): per worker rank, measured in the step:
+    # rank, tp_rank, pp_rank, step_s, compute_s, comm_s, all_reduce_count, all_reduce_bytes,
+    # p2p_bytes, control_bytes, round_trip_s. Empty with the in-process executor.
+    workers: list[dict] = field(default_factory=list)
 
     @property
     def prefix_cache_hit_rate(self) -> float | None:

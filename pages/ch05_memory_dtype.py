@@ -5,12 +5,14 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from ui.experiments.ch05 import DtypeMeasurement, measure_dtype
-from ui.hardware_data import GB, GPUS, MODELS, memory_budget
+from ui import figures
+from ui.experiments.ch05 import DtypeMeasurement, measure_dtype, simulate_capacity
+from ui.hardware_data import GB, GPU_KEYS, GPUS, MODEL_KEYS, MODELS, memory_budget
 from ui.lab import Progress
 from ui.lesson import render_chapter
 from ui.predict import compare, predict
 from ui.session import current_settings
+from ui.errors import show_error
 from ui.widgets import evidence, show_code
 
 MEASURED = "ch05_measured"  # dtype → DtypeMeasurement
@@ -65,7 +67,8 @@ def _requests_figure(
     return fig
 
 
-def calculator() -> None:
+def calculator() -> tuple[str, str, float, int]:
+    """The budget calculator; returns its model, GPU, utilization and L for the next section."""
     st.subheader("① 메모리 예산 계산기 (계산값)")
     c1, c2, c3 = st.columns(3)
     model = c1.selectbox("모델", list(MODELS), index=1, key="ch05_model")
@@ -166,6 +169,66 @@ def calculator() -> None:
             ),
             hide_index=True,
         )
+    return model, gpu, util, seq_len
+
+
+CAPACITY = "ch05_capacity"  # settings → CapacityRun
+
+
+def capacity_simulation(model: str, gpu: str, util: float, seq_len: int) -> None:
+    """The budget above, run by the real scheduler on a simulated GPU."""
+    st.subheader("② 이 예산에 요청을 실제로 넣으면 (시뮬레이션, 계산값)")
+    st.caption(
+        f"위 계산기의 {model} · {gpu} · 사용률 {util:.2f} · 길이 L={seq_len:,}으로 KV 캐시를 잡은 "
+        "엔진(같은 스케줄러와 KV 관리자, 스텝 시간은 비용 모델)에 길이 L인 요청을 한꺼번에 "
+        "넣습니다. 요청은 프롬프트 L − 256토큰으로 시작해 출력 256토큰만큼 자랍니다."
+    )
+    if gpu not in GPU_KEYS:
+        st.info("이 GPU는 시뮬레이터 프리셋이 없습니다.")
+        return
+    num = st.slider("한꺼번에 도착하는 요청 수", 10, 300, 150, step=10, key="ch05_sim_requests")
+    key = (model, gpu, util, seq_len, num)
+    runs = st.session_state.setdefault(CAPACITY, {})
+    if st.button("시뮬레이션 실행", key="ch05_sim_run", icon=":material/play_arrow:"):
+        with st.spinner("시뮬레이션 중…"):
+            try:
+                runs[key] = simulate_capacity(MODEL_KEYS[model], GPU_KEYS[gpu], util, seq_len, num)
+            except ValueError as exc:  # the weights alone do not fit, or L is too long
+                show_error(exc, "시뮬레이션")
+                return
+    run = runs.get(key)
+    if run is None:
+        st.info(
+            "계산기가 말한 '동시 요청 수'보다 요청을 많이 넣으면 스케줄러가 무엇을 할지 예측한 뒤 "
+            "**시뮬레이션 실행**을 누르세요."
+        )
+        return
+    cols = st.columns(4)
+    cols[0].metric("KV 블록 (메모리 계획)", f"{run.num_blocks:,}")
+    cols[1].metric("L까지 자라도 들어가는 요청", f"{run.planned_requests:,}")
+    cols[2].metric("스케줄러가 한때 함께 돌린 요청", f"{run.peak_running:,}")
+    cols[3].metric("선점", f"{run.preemptions:,}")
+    st.plotly_chart(figures.kv_usage_figure(run.records), key="ch05_sim_kv")
+    evidence(
+        "계산값",
+        f"KV 블록 {run.num_blocks:,}개 × {run.block_size}토큰 ÷ L {seq_len:,} = 요청 "
+        f"{run.planned_requests:,}개 (활성값 예약 {run.activation_bytes / GB:.2f} GB는 위 "
+        "슬라이더가 아니라 시뮬레이터가 가장 큰 스텝에서 계산)",
+        formula="블록 = (메모리 × 사용률 − 가중치 − 활성값 예약) ÷ 블록당 KV 바이트",
+    )
+    evidence(
+        "계산값",
+        f"한때 {run.peak_running}개 실행, 선점 {run.preemptions}번, 스텝 {run.steps}개, "
+        f"TTFT p50 {1000 * (run.ttft_p50_s or 0):,.0f} ms · "
+        f"p90 {1000 * (run.ttft_p90_s or 0):,.0f} ms, 전체 {run.duration_s:.1f} s (가상 시계)",
+        formula="실제 스케줄러의 결정 + 비용 모델의 스텝 시간 (효율 계수는 가정값)",
+    )
+    if run.peak_running > run.planned_requests:
+        st.caption(
+            "스케줄러는 요청이 지금 차지한 만큼만 보고 받아들입니다. 요청들이 자라며 블록이 "
+            "모자라면 가장 늦게 들어온 요청부터 선점됩니다(09장) — KV가 토큰마다 자란다는 것을 "
+            "잊은 계산이 틀리는 지점입니다."
+        )
 
 
 def _measure_table(results: dict[str, DtypeMeasurement]) -> pd.DataFrame:
@@ -195,11 +258,19 @@ def _measure_table(results: dict[str, DtypeMeasurement]) -> pd.DataFrame:
                 "출력": r.text[:60],
             }
         )
+        if r.device_allocated_bytes is not None:  # on a GPU: the allocator's own counters
+            rows[-1].update(
+                {
+                    "GPU 할당 증가 (MB)": round(r.device_allocated_bytes / 1e6, 1),
+                    "그중 KV (MB)": round(r.kv_cache_bytes / 1e6, 1),
+                    "decode 활성값 최대 (MB)": round(r.activation_peak_bytes / 1e6, 2),
+                }
+            )
     return pd.DataFrame(rows)
 
 
 def measurement() -> None:
-    st.subheader("② 우리 모델을 fp32 · bf16 · fp16으로 올려 재기 (측정값)")
+    st.subheader("③ 우리 모델을 fp32 · bf16 · fp16으로 올려 재기 (측정값)")
     st.caption(
         "각 dtype마다 가중치를 한 번 올리고(프로세스 안에서 공유되므로 두 번째부터는 '이미 "
         "로드됨'), 같은 프롬프트로 greedy 생성을 해 TPOT를 잽니다. CPU에서 bf16/fp16은 빠른 커널이 "
@@ -267,6 +338,21 @@ def measurement() -> None:
             f"({r.decode_tokens_per_s:.1f} 토큰/s)",
             **r.conditions,
         )
+    on_gpu = [r for r in results.values() if r.device_allocated_bytes is not None]
+    for r in on_gpu:
+        evidence(
+            "측정값",
+            f"{r.dtype}: 엔진을 만들며 GPU에 할당 {r.device_allocated_bytes / 1e6:.1f} MB "
+            f"(그중 KV 캐시 {r.kv_cache_bytes / 1e6:.1f} MB; 가중치가 이미 올라 있었다면 KV만), "
+            f"decode 중 활성값 최대 {r.activation_peak_bytes / 1e6:.2f} MB",
+            출처="torch.cuda.memory_allocated / max_memory_allocated",
+            **r.conditions,
+        )
+    if not on_gpu:
+        st.caption(
+            "GPU에서는 이 표에 torch.cuda가 센 할당량(가중치+KV, KV, decode 활성값 최대)이 "
+            "붙습니다. CPU에는 그런 계수기가 없어 프로세스 RSS 증가만 보입니다."
+        )
     if "float32" in results and "bfloat16" in results:
         ratio = results["bfloat16"].decode_tokens_per_s / max(
             results["float32"].decode_tokens_per_s, 1e-9
@@ -290,7 +376,9 @@ def measurement() -> None:
 
 
 def lab() -> None:
-    calculator()
+    chosen = calculator()
+    st.divider()
+    capacity_simulation(*chosen)
     st.divider()
     measurement()
 

@@ -12,11 +12,12 @@ from ui.experiments.ch07 import (
     batching_workload,
     compare_batching,
 )
-from ui.lab import LabContext, Side, run_results, run_workload_button
+from ui.lab import LabContext, Side, evidence_kind, run_results, run_workload_button
 from ui.lab import lab as engine_lab
 from ui.lesson import render_chapter
 from ui.predict import compare, predict
 from ui.session import current_settings
+from ui.simulation import simulation_overrides, simulation_picker
 from ui.widgets import evidence, show_code
 
 RESULTS = "ch07_results"
@@ -27,7 +28,7 @@ SIDE_KEYS = {
 }
 
 
-def _sides(batch: int) -> list[Side]:
+def _sides(batch: int, spec: dict | None) -> list[Side]:
     base = current_settings().to_config(enable_prefix_caching=False)
     sides = []
     for label, key in SIDE_KEYS.items():
@@ -36,7 +37,7 @@ def _sides(batch: int) -> list[Side]:
             scheduling_policy=cfg.scheduling_policy,
             max_num_seqs=cfg.max_num_seqs,
             enable_prefix_caching=False,
-        )
+        ) | simulation_overrides(spec)
         sides.append(Side(key, label, overrides))
     return sides
 
@@ -86,9 +87,9 @@ def _summary_view(ctx: LabContext) -> None:
     c2.plotly_chart(fig, key="ch07_waste")
     best = summary.loc[summary["처리량 (토큰/s)"].idxmax(), "방식"]
     compare("ch07_best", best)
-    for label, res in results.items():
+    for side, (label, res) in zip(ctx.sides, results.items()):
         evidence(
-            "측정값",
+            evidence_kind(ctx.engines[side.key]),
             f"{label}: 전체 {res.elapsed_s:.2f} s (엔진 시계), "
             f"처리량 {res.throughput:.1f} 토큰/s, "
             f"스텝 {len(res.records)}개",
@@ -115,6 +116,7 @@ def _summary_view(ctx: LabContext) -> None:
 
 def lab() -> None:
     st.subheader("같은 워크로드, 세 가지 방식을 나란히")
+    spec = simulation_picker("ch07")
     c1, c2, c3 = st.columns(3)
     n = c1.slider("요청 수", 3, 8, 6, key="ch07_n")
     batch = c2.slider("배치 크기 (최대 동시 요청 수)", 2, 6, 4, key="ch07_batch")
@@ -136,7 +138,7 @@ def lab() -> None:
 
     engine_lab(
         "ch07",
-        _sides(batch),
+        _sides(batch, spec),
         presets=None,
         workload=workload,
         workload_note=note,

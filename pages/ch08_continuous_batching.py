@@ -7,16 +7,25 @@ import streamlit as st
 from engine.scheduler import Scheduler
 from ui.experiments.ch08 import (
     CHUNKED_MODES,
+    SWEEP_BUDGETS,
+    budget_sweep,
     ChunkedComparison,
     chunked_config,
     chunked_summary,
     long_prompt_workload,
 )
-from ui.lab import LabContext, Side, run_results, run_workload_button
+from ui.lab import LabContext, Progress, Side, evidence_kind, run_results, run_workload_button
 from ui.lab import lab as engine_lab
 from ui.lesson import render_chapter
 from ui.predict import compare, predict
 from ui.session import current_settings
+from ui.simulation import (
+    DEFAULT_HARDWARE,
+    DEFAULT_MODEL_PRESET,
+    simulation_caption,
+    simulation_overrides,
+    simulation_picker,
+)
 from ui.widgets import decision_table, evidence, show_code
 
 RESULT = "ch08_result"
@@ -32,14 +41,18 @@ FIELDS = (
 )
 
 
-def _sides(labels: list[str], budget: int, seqs: int) -> list[Side]:
+def _sides(labels: list[str], budget: int, seqs: int, spec: dict | None) -> list[Side]:
     settings = current_settings()
     blocks = max(settings.num_kv_blocks, 1024 // settings.block_size)
-    base = settings.to_config(max_model_len=1024, num_kv_blocks=blocks)
+    # simulated: a long context, and the KV capacity from the GPU's memory budget
+    base = settings.to_config(
+        max_model_len=8192 if spec else 1024, num_kv_blocks=None if spec else blocks
+    )
     sides = []
     for label in labels:
         cfg = chunked_config(base, CHUNKED_MODES[label], budget, seqs)
-        sides.append(Side(SIDE_KEYS[label], label, {f: getattr(cfg, f) for f in FIELDS}))
+        overrides = {f: getattr(cfg, f) for f in FIELDS} | simulation_overrides(spec)
+        sides.append(Side(SIDE_KEYS[label], label, overrides))
     return sides
 
 
@@ -115,9 +128,9 @@ def _summary_view(ctx: LabContext) -> None:
             )
             compare("ch08_itl", measured)
             st.caption(f"짧은 요청 ITL 최대: 켬 {on:.1f} ms, 끔 {off:.1f} ms")
-    for label, res in result.runs.items():
+    for side, (label, res) in zip(ctx.sides, result.runs.items()):
         evidence(
-            "측정값",
+            evidence_kind(ctx.engines[side.key]),
             f"{label}: 스텝 {len(res.records)}개, 전체 {res.elapsed_s:.2f} s (엔진 시계)",
             **res.conditions,
         )
@@ -141,14 +154,83 @@ def _summary_view(ctx: LabContext) -> None:
             st.dataframe(decision_table(blocked[0]).astype(object).fillna("—"), hide_index=True)
 
 
+def _budget_sweep_view(spec: dict) -> None:
+    """At 8B/70B scale: TTFT vs ITL as the token budget moves (simulated, 계산값)."""
+    st.subheader("규모를 키우면: 토큰 예산에 따른 TTFT와 ITL (시뮬레이션)")
+    c1, c2 = st.columns(2)
+    rate = c1.slider("요청 도착률 (초당)", 1.0, 16.0, 4.0, step=1.0, key="ch08_sweep_rate")
+    num = c2.slider("요청 수", 40, 200, 80, step=20, key="ch08_sweep_requests")
+    st.caption(
+        f"같은 Poisson 워크로드(프롬프트 256–4096, 출력 32–256토큰)를 토큰 예산 "
+        f"{', '.join(map(str, SWEEP_BUDGETS))}로 한 번씩 돌립니다. chunked prefill 켬."
+    )
+    cache = st.session_state.setdefault("ch08_sweeps", {})
+    tp = spec.get("tensor_parallel_size", 1)
+    sweep_key = (spec["model_preset"], spec["hardware"], tp, rate, num)
+    if st.button("예산 훑기 실행", key="ch08_sweep_run", icon=":material/query_stats:"):
+        progress = Progress(len(SWEEP_BUDGETS), "예산")
+        try:
+            cache[sweep_key] = budget_sweep(
+                spec["model_preset"],
+                spec["hardware"],
+                rate,
+                num_requests=num,
+                tensor_parallel_size=tp,
+                progress=progress,
+            )
+        finally:
+            progress.close()
+    table = cache.get(sweep_key)
+    if table is None:
+        st.info("버튼을 누르면 예산마다 시뮬레이션을 한 번씩 돌려 표와 그림을 그립니다.")
+        return
+    fig = go.Figure()
+    for col, dash in (("TTFT p50 (ms)", "solid"), ("TTFT p90 (ms)", "dot")):
+        fig.add_trace(go.Scatter(x=table["토큰 예산"], y=table[col], name=col, line_dash=dash))
+    for col, dash in (("ITL p50 (ms)", "solid"), ("ITL p99 (ms)", "dot")):
+        fig.add_trace(
+            go.Scatter(x=table["토큰 예산"], y=table[col], name=col, line_dash=dash, yaxis="y2")
+        )
+    fig.update_layout(
+        height=340,
+        title="예산이 크면 TTFT는 줄고 ITL 꼬리는 길어진다",
+        xaxis=dict(title="max_num_batched_tokens", type="log"),
+        yaxis=dict(title="TTFT (ms)"),
+        yaxis2=dict(title="ITL (ms)", overlaying="y", side="right"),
+        margin=dict(l=10, r=10, t=40, b=10),
+    )
+    st.plotly_chart(fig, key="ch08_sweep_fig")
+    st.dataframe(table, hide_index=True)
+    evidence(
+        "계산값",
+        "TTFT·ITL 백분위, 처리량: 시뮬레이션 엔진 시계 (실제 스케줄러, 비용 모델의 스텝 시간)",
+        formula="스텝 시간 = max(가중치 바이트/대역폭, FLOPs/최대 FLOP/s)/효율 + 어텐션 + 고정",
+    )
+    st.caption(simulation_caption(spec))
+
+
 def lab() -> None:
     st.subheader("긴 프롬프트가 decode 중인 요청들 사이에 끼어들 때")
+    spec = simulation_picker("ch08")
     c1, c2, c3, c4 = st.columns(4)
-    budget = c1.slider(
-        "토큰 예산 (max_num_batched_tokens)", 16, 512, 64, step=16, key="ch08_budget"
-    )
+    if spec is None:
+        budget = c1.slider(
+            "토큰 예산 (max_num_batched_tokens)", 16, 512, 64, step=16, key="ch08_budget"
+        )
+        long_len = c3.slider("긴 프롬프트 길이 (토큰)", 100, 600, 420, step=20, key="ch08_long")
+    else:  # a GPU-scale engine: GPU-scale budgets and prompts
+        budget = c1.slider(
+            "토큰 예산 (max_num_batched_tokens)",
+            256,
+            8192,
+            512,
+            step=256,
+            key="ch08_budget_sim",
+        )
+        long_len = c3.slider(
+            "긴 프롬프트 길이 (토큰)", 1000, 8000, 6000, step=500, key="ch08_long_sim"
+        )
     seqs = c2.slider("최대 동시 요청 수 (max_num_seqs)", 1, 8, 4, key="ch08_seqs")
-    long_len = c3.slider("긴 프롬프트 길이 (토큰)", 100, 600, 420, step=20, key="ch08_long")
     arrival = c4.slider("긴 프롬프트 도착 (ms)", 0, 500, 250, step=50, key="ch08_arrival")
     c1, c2 = st.columns(2)
     chunked = c1.toggle(
@@ -192,13 +274,15 @@ def lab() -> None:
 
     engine_lab(
         "ch08",
-        _sides(labels, budget, seqs),
+        _sides(labels, budget, seqs, spec),
         presets=None,
         workload=workload,
         before=before,
         chapter_view=_summary_view,
         show_code_panel=False,
     )
+    # the sweep runs the simulator whatever the lab above runs (its presets, or the defaults)
+    _budget_sweep_view(spec or {"model_preset": DEFAULT_MODEL_PRESET, "hardware": DEFAULT_HARDWARE})
     show_code(Scheduler.schedule, "방금 실행된 코드 (스케줄러의 결정)")
 
 

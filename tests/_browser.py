@@ -141,3 +141,70 @@ def wait_idle(page, timeout_ms: int, settle_ms: int = 300) -> None:
         pass
     page.wait_for_selector(IDLE, timeout=timeout_ms)
     page.wait_for_timeout(settle_ms)
+
+
+def chapter_fixtures(name: str, timeout_ms: int):
+    """A chapter test module's two fixtures: `app_url` (its own `streamlit run app.py` on the real
+    default model) and `page` (one Chromium page, i.e. one Streamlit session, for the module).
+    Use as `app_url, page = chapter_fixtures("ch09", TIMEOUT_MS)` at module level."""
+
+    @pytest.fixture(scope="module")
+    def app_url(default_model_dir, tmp_path_factory):
+        with streamlit_server(
+            tmp_path_factory.mktemp(f"streamlit_{name}") / "streamlit.log"
+        ) as url:
+            yield url
+
+    @pytest.fixture(scope="module")
+    def page(app_url):
+        with browser_page(app_url, timeout_ms) as pg:
+            yield pg
+
+    return app_url, page
+
+
+class LabDriver:
+    """What a chapter's browser test does on its page, with one timeout for every script run:
+    wait for a run to finish, fail on an exception (and, with error_alerts, on an st.error),
+    click a button by its label, count the traces of each rendered plot, open a chapter. A lab
+    that failed as a whole (its Korean error in place of the lab) fails the test too."""
+
+    def __init__(self, timeout_ms: int, error_alerts: bool = False):
+        self.timeout_ms = timeout_ms
+        self.errors = "[data-testid='stException']" + (
+            ", [data-testid='stAlertContentError']" if error_alerts else ""
+        )
+
+    def wait_idle(self, pg) -> None:
+        wait_idle(pg, self.timeout_ms, settle_ms=500)
+
+    def no_exception(self, pg) -> None:
+        errors = pg.locator(self.errors)
+        assert errors.count() == 0, errors.first.inner_text()
+        # the lab's own catch-all (ui/lesson.py): the page survived, the lab did not
+        failed = pg.get_by_text("실험실을 그리지 못했습니다")
+        assert failed.count() == 0, failed.first.inner_text()
+
+    @staticmethod
+    def plot_traces(pg) -> list[int]:
+        return pg.locator(".js-plotly-plot").evaluate_all(
+            "els => els.map(e => (e.data || []).length)"
+        )
+
+    def click(self, pg, name: str) -> None:
+        button = pg.get_by_role("button", name=name, exact=True).first
+        button.scroll_into_view_if_needed()
+        button.click()
+        self.wait_idle(pg)
+        self.no_exception(pg)
+
+    def open_chapter(self, pg, app_url: str, chapter: str) -> None:
+        """Go to /chNN and wait for its first run; close the "page not found" dialog Streamlit
+        shows over a direct chapter link (see ui/lesson.py's Chapter.url_path)."""
+        pg.goto(f"{app_url}/{chapter}")
+        pg.wait_for_selector("[data-testid='stApp']")
+        self.wait_idle(pg)
+        if pg.locator("[role=dialog]").count():
+            pg.keyboard.press("Escape")
+            pg.wait_for_timeout(300)
+        self.no_exception(pg)

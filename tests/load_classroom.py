@@ -12,6 +12,8 @@ browser context (its own Streamlit session), queues a prompt carrying its own ma
   /proc/<pid>/stat), server RSS at start, with one learner, at the wave's peak and after the wave
   left (the reaper releases engines LLM_LAB_SESSION_TTL_S after a tab closes; this script sets
   a short TTL when it starts the server), and whether each learner saw only its own request.
+The server it starts gets OMP_WAIT_POLICY=PASSIVE (the classroom's serving setting, README) unless
+--omp-wait-policy says otherwise.
 
 Needs Chromium (Debian's /usr/bin/chromium or $CHROMIUM) and playwright (requirements.txt).
 Client browsers run on the same machine as the server: on a small box they compete for its CPU.
@@ -80,6 +82,7 @@ class Learner:
     errors: list[str] = field(default_factory=list)
     saw_own: bool = False
     body: str = ""
+    clicks_cpu_s: float | None = None  # server CPU over this learner's clicks (alone: per click)
 
 
 async def _wait_run(page, timeout_ms: int) -> None:
@@ -107,6 +110,7 @@ async def run_learner(
     start: asyncio.Event,
     timeout_ms: int,
     keep_open: asyncio.Event | None = None,
+    pid: int | None = None,
 ) -> None:
     context = await browser.new_context(viewport={"width": 1280, "height": 900}, locale="ko-KR")
     page = await context.new_page()
@@ -122,8 +126,11 @@ async def run_learner(
         )
         await _click(page, "요청 추가", timeout_ms)
         await start.wait()  # everybody clicks together
+        cpu0 = cpu_seconds(pid) if pid else None
         for _ in range(steps):
             learner.clicks_s.append(await _click(page, "다음 스텝", timeout_ms))
+        if cpu0 is not None:
+            learner.clicks_cpu_s = cpu_seconds(pid) - cpu0
         body = await page.inner_text("body")
         learner.saw_own = learner.marker in body
         exceptions = page.locator("[data-testid='stException']")
@@ -181,7 +188,12 @@ async def classroom(
             "fonts-noto-cjk) or set $CHROMIUM"
         )
     tag = uuid.uuid4().hex[:6]
-    result: dict = {"learners": learners, "steps": steps, "rss_start_mb": rss_mb(pid)}
+    result: dict = {
+        "learners": learners,
+        "steps": steps,
+        "rss_start_mb": rss_mb(pid),
+        "load_average_start": os.getloadavg(),
+    }
     async with async_playwright() as p:
         browser = await p.chromium.launch(
             executable_path=chromium, headless=True, args=CHROMIUM_ARGS
@@ -190,11 +202,15 @@ async def classroom(
         go = asyncio.Event()
         go.set()
         warm = Learner(-1, f"워밍업{tag}")
-        await run_learner(browser, url, warm, steps, go, timeout_ms)
+        await run_learner(browser, url, warm, steps, go, timeout_ms, pid=pid)
         result["one_learner_click_p50_s"] = percentile(warm.clicks_s, 0.5)
+        result["one_learner_cpu_per_click_s"] = (warm.clicks_cpu_s or 0.0) / max(
+            len(warm.clicks_s), 1
+        )
         result["rss_one_learner_mb"] = rss_mb(pid)
         log(
             f"one learner: click p50 {result['one_learner_click_p50_s']:.2f} s, "
+            f"{result['one_learner_cpu_per_click_s']:.3f} server CPU-s per click, "
             f"RSS {result['rss_one_learner_mb']:.0f} MB, errors {warm.errors or 'none'}"
         )
         # Let the reaper release the warm-up engine first, so that its gc and malloc_trim are not
@@ -240,6 +256,7 @@ async def classroom(
     result["learner_bodies"] = {lr.index: lr.body for lr in loaded}
     result["markers"] = {lr.index: lr.marker for lr in loaded}
     # 3. Everybody has left. Nobody else connects: only the reaper can give the memory back.
+    result["load_average_wave"] = os.getloadavg()
     result["engines_released_after_s"] = await _wait_engines_released(status, reap_wait_s)
     result["rss_after_mb"] = rss_mb(pid)
     result["status_after"] = status() if status else None
@@ -257,7 +274,13 @@ def report(r: dict) -> str:
         f"(one learner alone: p50 {r['one_learner_click_p50_s']:.2f} s)",
         f"  page load p50  {r['page_load_p50_s']:.2f} s",
         f"  server CPU     {r['server_cpu_s']:.1f} s over {r['wave_wall_s']:.1f} s wall = "
-        f"{r['server_cpu_per_click_s']:.2f} CPU-s per click",
+        f"{r['server_cpu_per_click_s']:.3f} CPU-s per click "
+        f"(one learner alone: {r['one_learner_cpu_per_click_s']:.3f})",
+        "  load average   "
+        + " → ".join(
+            "/".join(f"{x:.1f}" for x in r[k]) for k in ("load_average_start", "load_average_wave")
+        )
+        + " (1/5/15 min, at the start and after the wave; other jobs share the machine)",
         f"  server RSS     start {r['rss_start_mb']:.0f} MB, "
         f"one learner {r['rss_one_learner_mb']:.0f} MB, "
         f"wave peak {r['rss_peak_mb']:.0f} MB, after the wave left {r['rss_after_mb']:.0f} MB "
@@ -282,6 +305,12 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=300, help="seconds one click may take")
     ap.add_argument("--json", help="also write the figures here")
     ap.add_argument(
+        "--omp-wait-policy",
+        default="PASSIVE",
+        help="OMP_WAIT_POLICY of the server started here (README, Classroom: idle OpenMP threads "
+        "sleep instead of spinning on cores the other learners need); '' inherits this shell's",
+    )
+    ap.add_argument(
         "--app",
         default="app.py",
         help="the app file to start "
@@ -296,6 +325,8 @@ def main() -> int:
     else:
         log = Path(tempfile.mkdtemp(prefix="llm-lab-")) / "streamlit.log"
         env = {"LLM_LAB_SESSION_TTL_S": str(args.ttl), "LLM_LAB_REAP_INTERVAL_S": "2"}
+        if args.omp_wait_policy:
+            env["OMP_WAIT_POLICY"] = args.omp_wait_policy
         server = Server(log, env, app=args.app)
         url, pid, status = server.url, server.pid, server.status
         print(f"server {url} pid {pid} (log {log})")

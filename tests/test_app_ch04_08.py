@@ -179,3 +179,73 @@ def test_ch08_chunking_off_keeps_the_budget(app):
     assert off.config.max_num_batched_tokens == 208 == off.max_model_len
     assert any("token_budget" in r.unscheduled.values() for r in off.records)
     assert any("최대 길이(max_model_len)를 208토큰으로 낮췄습니다" in i.value for i in app.info)
+
+
+def test_ch08_simulation_switch_runs_the_same_lab_at_8b_scale(app):
+    """실행 대상 → 시뮬레이션: the same lab steps a simulated Llama-3.1-8B on an H100 (the real
+    scheduler over the cost model), its timings labelled 계산값, and the budget sweep draws the
+    TTFT/ITL trade-off from real simulator runs."""
+    from ui.simulation import is_simulated
+
+    app.switch_page(PAGES["08"][0])
+    app.run()
+    app.radio(key="ch08_target").set_value("시뮬레이션").run()
+    assert not app.exception, [e.value for e in app.exception]
+    app.slider(key="ch08_budget_sim").set_value(1024).run()
+    app.button(key="ch08_run").click().run()
+    assert not app.exception, [e.value for e in app.exception]
+    on = app.session_state["ch08_result"].runs["chunked prefill 켬"]
+    assert on.config.max_num_batched_tokens == 1024
+    assert max(r.total_tokens for r in on.records) <= 1024
+    long_prefills = [s for r in on.records for s in r.scheduled if s.request_id == "긴-프롬프트"]
+    assert sum(s.num_tokens for s in long_prefills) >= 6000  # the 6,000-token prompt, in chunks
+    engines = [e["engine"] for e in app.session_state["_engines"].values()]
+    assert any(is_simulated(e) and e.num_blocks > 10_000 for e in engines)  # H100's KV budget
+    text = " ".join(m.value for m in app.markdown)
+    assert "계산값" in text and "Llama-3.1-8B" in text
+    app.slider(key="ch08_sweep_requests").set_value(40).run()
+    app.button(key="ch08_sweep_run").click().run()
+    assert not app.exception, [e.value for e in app.exception]
+    (table,) = app.session_state["ch08_sweeps"].values()
+    assert list(table["토큰 예산"]) == [256, 512, 1024, 2048, 4096, 8192]
+    # the trade-off itself: a larger budget shortens TTFT and lengthens the ITL tail
+    assert table["TTFT p50 (ms)"].iloc[-1] < table["TTFT p50 (ms)"].iloc[0]
+    assert table["ITL p99 (ms)"].iloc[-1] > table["ITL p99 (ms)"].iloc[0]
+    assert_charts(app, ["ch08_sweep_fig", "ch08_on_schedule"])
+    app.radio(key="ch08_target").set_value("실제 엔진").run()
+    assert not app.exception, [e.value for e in app.exception]
+
+
+def test_ch07_simulation_switch_compares_the_three_ways_on_a_simulated_gpu(app):
+    app.switch_page(PAGES["07"][0])
+    app.run()
+    app.radio(key="ch07_target").set_value("시뮬레이션").run()
+    app.selectbox(key="ch07_sim_model").set_value("llama-3.1-70b").run()
+    app.selectbox(key="ch07_sim_hardware").set_value("h200").run()
+    # 70B in bfloat16 (141 GB) does not fit one 141 GB H200: a Korean message, no traceback
+    assert any("들어가지 않습니다" in e.value for e in app.error)
+    app.selectbox(key="ch07_sim_tp").set_value(2).run()
+    assert not app.error, [e.value for e in app.error]
+    app.button(key="ch07_run").click().run()
+    assert not app.exception, [e.value for e in app.exception]
+    results = app.session_state["ch07_results"]
+    assert set(results) == {"순차 실행", "정적 배칭", "continuous batching"}
+    assert all(r.conditions["모델 프리셋"] == "Llama-3.1-70B" for r in results.values())
+    assert all(len(r.requests) == len(r.specs) for r in results.values())  # everyone finished
+    text = " ".join(m.value for m in app.markdown)
+    assert "계산값" in text and "H200" in text
+    app.radio(key="ch07_target").set_value("실제 엔진").run()
+
+
+def test_ch05_capacity_simulation_runs_the_calculators_budget(app):
+    """② runs the calculator's choice on the simulated engine: more requests than fit at full
+    length are admitted, then preempted as they grow (the chapter's common mistake)."""
+    app.switch_page(PAGES["05"][0])
+    app.run()
+    app.slider(key="ch05_sim_requests").set_value(150).run()
+    app.button(key="ch05_sim_run").click().run()
+    assert not app.exception, [e.value for e in app.exception]
+    (run,) = app.session_state["ch05_capacity"].values()
+    assert run.model == "Llama-3.1-8B" and run.planned_requests > 0
+    assert run.peak_running > run.planned_requests and run.preemptions > 0
+    assert_charts(app, ["ch05_sim_kv"])

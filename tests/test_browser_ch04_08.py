@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from _browser import SHOTS, browser_page, streamlit_server
-from _browser import wait_idle as _wait_idle
+from _browser import SHOTS, LabDriver, chapter_fixtures
 
 pytestmark = pytest.mark.browser
 
@@ -24,49 +23,22 @@ CHAPTERS = {
 }
 
 
-@pytest.fixture(scope="module")
-def app_url(default_model_dir, tmp_path_factory):
-    with streamlit_server(tmp_path_factory.mktemp("streamlit_ch04_08") / "streamlit.log") as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def page(app_url):
-    with browser_page(app_url, STEP_TIMEOUT_MS) as pg:
-        yield pg
-
-
-def wait_idle(pg) -> None:
-    _wait_idle(pg, STEP_TIMEOUT_MS, settle_ms=500)
-
-
-def no_exception(pg) -> None:
-    errors = pg.locator("[data-testid='stException']")
-    assert errors.count() == 0, errors.first.inner_text()
-
-
-def plot_traces(pg) -> list[int]:
-    return pg.locator(".js-plotly-plot").evaluate_all("els => els.map(e => (e.data || []).length)")
+app_url, page = chapter_fixtures("ch04_08", STEP_TIMEOUT_MS)
+lab = LabDriver(STEP_TIMEOUT_MS)
 
 
 @pytest.mark.parametrize("chapter", list(CHAPTERS))
 def test_chapter_lab_in_browser(page, app_url, chapter):
     text, min_plots = CHAPTERS[chapter]
-    page.goto(f"{app_url}/{chapter}")
-    page.wait_for_selector("[data-testid='stApp']")
-    wait_idle(page)
-    if page.locator("[role=dialog]").count():
-        page.keyboard.press("Escape")
-        page.wait_for_timeout(300)
-    no_exception(page)
+    lab.open_chapter(page, app_url, chapter)
     assert text in page.inner_text("body")
-    before = len(plot_traces(page))
+    before = len(lab.plot_traces(page))
     button = page.get_by_role("button", name="실행", exact=True).first
     button.scroll_into_view_if_needed()
     button.click()
-    wait_idle(page)
-    no_exception(page)
-    traces = plot_traces(page)
+    lab.wait_idle(page)
+    lab.no_exception(page)
+    traces = lab.plot_traces(page)
     assert len(traces) >= max(min_plots, before + 1), traces
     # the plots the run added carry data (the step-by-step lab of ch06 may still be empty above
     # them)

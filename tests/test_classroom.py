@@ -3,6 +3,7 @@ the learner's "교실이 가득 찼습니다" message under AppTest (ui/registry
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from pathlib import Path
@@ -212,6 +213,37 @@ def test_admission_is_atomic_under_concurrent_learners():
     for t in threads:
         t.join()
     assert len(admitted) == 5 and len(refused) == 15 and r.usage()[0] == 5
+
+
+def test_engines_freeze_the_heap_and_the_reaper_thaws_it_to_collect(monkeypatch):
+    freezes, trims = [], []
+    r = SessionRegistry(
+        ClassroomLimits(max_engines=4, max_kv_bytes=100 * MB, session_ttl_s=60),
+        is_connected=lambda sid: None,
+        trim=lambda: trims.append(1),
+        freeze=lambda: freezes.append(gc.get_freeze_count()),
+    )
+    r.admit("a", "main", FakeEngine(), MB)
+    assert len(freezes) == 1  # each admitted engine: what lives now is long-lived
+    gc.freeze()  # as a served process would have done
+    assert gc.get_freeze_count() > 0
+    try:
+        r.release_session("a")
+        # The reaper thawed everything before collecting (a released engine's cycles may have
+        # been frozen with it), then froze again and trimmed.
+        assert freezes[-1] == 0 and len(freezes) == 2 and trims == [1]
+    finally:
+        gc.unfreeze()
+    # Outside a `streamlit run` server (pytest, AppTest) the real one freezes nothing...
+    assert not reg.is_served() and reg.freeze_heap() is False and gc.get_freeze_count() == 0
+    # ...and where it is served it does, unless LLM_LAB_GC_FREEZE=0.
+    monkeypatch.setattr(reg, "is_served", lambda: True)
+    try:
+        assert reg.freeze_heap() is True and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+    monkeypatch.setenv("LLM_LAB_GC_FREEZE", "0")
+    assert reg.freeze_heap() is False and gc.get_freeze_count() == 0
 
 
 def test_malloc_trim_is_callable_here():

@@ -41,7 +41,7 @@ def test_param_counts_match_model_cards():
 
 def test_required_models_and_gpus_present():
     names = " ".join(MODELS)
-    for m in ("Llama-3.1-8B", "Llama-3.1-70B", "Qwen2.5-7B", "Mistral-7B-v0.1", "SmolLM2-135M"):
+    for m in ("Llama-3.1-8B", "Llama-3.1-70B", "Qwen2.5-7B", "Mistral-7B-v0.3", "SmolLM2-135M"):
         assert m in names
     for g in ("H100", "H200", "A100 40GB", "A100 80GB", "L4", "RTX 4090"):
         assert any(g in name for name in GPUS)
@@ -118,6 +118,39 @@ def test_measure_dtype_bytes_and_agreement(cfg):
     assert fp32.num_tokens == bf16.num_tokens == 4 and fp32.tpot_ms > 0
     assert bf16.agree_with == "float32"
     assert bf16.first_divergence is None or 0 <= bf16.first_divergence < 4
+
+
+def test_measure_dtype_on_a_cpu_has_no_device_counters(cfg):
+    r = ex.measure_dtype(cfg, "float32", num_tokens=2)
+    assert r.device_allocated_bytes is None and r.activation_peak_bytes is None
+
+
+def test_measure_dtype_reads_the_gpu_allocator_when_there_is_one(cfg, monkeypatch):
+    """The GPU path's arithmetic, with a stand-in for torch.cuda's counters (the real one runs
+    only on a GPU): allocated before/after building the engine, the peak during the decode."""
+    from ui.experiments import ch05
+
+    class FakeCuda:
+        source = "fake"
+
+        def __init__(self, device):
+            self.now, self.top = 1_000, 1_000
+
+        def allocated(self) -> int:
+            self.now += 7_000  # the engine build (weights + KV) happened since the last read
+            self.top = max(self.top, self.now)
+            return self.now
+
+        def reset_peak(self) -> None:
+            self.top = self.now
+
+        def peak(self) -> int:
+            return self.top + 300  # the decode's activations
+
+    monkeypatch.setattr(ch05, "memory_probe", lambda device: FakeCuda(device))
+    r = ex.measure_dtype(cfg, "float32", num_tokens=2)
+    assert r.device_allocated_bytes == 7_000 and r.activation_peak_bytes == 300
+    assert r.kv_cache_bytes > 0  # the engine's own KV tensors, counted
 
 
 # -- chapter 06 ----------------------------------------------------------------------------------

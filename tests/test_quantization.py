@@ -350,7 +350,7 @@ def test_bench_with_quantization_and_variants_on_the_tiny_model(tiny_model_dir, 
         roof = results["variants"]["bandwidth_gb_s"] * 1e9 / r["weight_bytes_per_step"]
         assert math.isclose(r["roofline_tokens_per_s"], roof)
         assert r["decode_tokens_per_s"] > 0 and r["offline_tokens_per_s"] > 0
-    assert "9. dtype and quantization side by side" in out.getvalue()
+    assert "10. dtype and quantization side by side" in out.getvalue()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,3 +404,8 @@ def test_near_tie_rule_excuses_only_the_reference_runner_up():
     r = compare_logits(ref, out, [0, 0, 0, 0])  # the last position has no next token
     assert r["positions"] == 3 and r["top1_agreement"] == 0.0
     assert r["near_ties"] == 2 and r["top1_agreement_outside_ties"] == pytest.approx(1 / 3)
+
+
+def test_quantization_with_parallel_workers_is_refused(make_engine):
+    with pytest.raises(ValueError, match="supported: tensor_parallel_size=1"):
+        make_engine(quantization="int8", tensor_parallel_size=2)

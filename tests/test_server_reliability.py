@@ -246,6 +246,37 @@ def test_endless_headers_are_cut_off_by_uvicorn(server):
     assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
 
 
+def test_slow_headers_are_cut_off_by_the_header_read_timeout(async_llm):
+    """A client that trickles its request head (slowloris) is disconnected once the header
+    deadline passes, however often it sends a byte; a kept-alive connection gets a fresh deadline
+    after each response; everyone else is served meanwhile."""
+    app = build_app(async_llm, api_key=API_KEY)
+    with start_server_in_thread(app, header_timeout=1.0) as handle:
+        with socket.create_connection((handle.host, handle.port), timeout=10) as slow:
+            slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            start = time.monotonic()
+            closed_after = None
+            with contextlib.suppress(ConnectionError, OSError):
+                while time.monotonic() - start < 5:
+                    slow.sendall(b"X-Slow: 1\r\n")  # one header line every 0.2 s, never the end
+                    assert httpx.get(f"{handle.url}/health", timeout=5).status_code == 200
+                    time.sleep(0.2)
+            slow.settimeout(2)
+            with contextlib.suppress(ConnectionError, OSError):
+                assert slow.recv(1024) == b""  # closed by the server, nothing answered
+            closed_after = time.monotonic() - start
+            assert closed_after < 4.5, closed_after
+        with socket.create_connection((handle.host, handle.port), timeout=10) as kept:
+            kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            reply = b""
+            while b'"ok"' not in reply:  # the head and the body may come in separate reads
+                reply += kept.recv(4096)
+            assert reply.startswith(b"HTTP/1.1 200")
+            kept.sendall(b"GET /health HTTP/1.1\r\n")  # a second, unfinished request head
+            kept.settimeout(4)
+            assert kept.recv(4096) == b""  # closed by the deadline (1 s), before keep-alive's 5 s
+
+
 def test_long_prompt_under_the_body_cap_is_refused_before_tokenizing(server):
     """1.5 MB of text cannot fit 1024 tokens: a 400 from a length check, not a tokenizer run."""
     for response in (

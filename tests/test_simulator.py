@@ -341,6 +341,25 @@ def test_simulated_decisions_equal_the_real_engines(tiny_model_dir, config):
         assert any(r.preempted for r in real_records)
 
 
+def test_runs_without_per_step_outputs_decide_and_journey_the_same(tiny_model_dir):
+    """run_workload turns the engine's per-step RequestOutputs off (the simulator reads records,
+    journeys and metrics only): the decisions, tokens and journeys stay those of a run with them,
+    no output state is left behind, and the engine's own setting is restored."""
+    from engine.core import EngineCore
+
+    workload = poisson_workload(6, None, (5, 40), (5, 20), TINY_VOCAB_SIZE, seed=3)
+    work = [SimRequest(w.prompt_token_ids, w.output_len, 0.0, w.output_len) for w in workload]
+    runs = {}
+    for keep in (True, False):
+        engine = EngineCore(model=str(tiny_model_dir), device="cpu", dtype="float32")
+        records, requests = run_workload(engine, work, keep_outputs=keep)
+        assert engine.emit_outputs is True and not engine.output_processor.states
+        assert any(r.outputs for r in records) == keep
+        journeys = [[e.kind for e in r.journey if e.kind != "streamed"] for r in requests]
+        runs[keep] = (decisions(records), [r.output_token_ids for r in requests], journeys)
+    assert runs[True] == runs[False]
+
+
 # -- the command line -----------------------------------------------------------------------------
 
 

@@ -10,7 +10,15 @@ def korean_error(exc: BaseException) -> str:
     from engine.sampling_params import InvalidRequestError
     from engine.worker import CacheTooSmallError
 
+    from engine.presets import PresetError
+
     text = str(exc)
+    if isinstance(exc, PresetError) and "does not fit" in text:
+        return (
+            "이 모델의 가중치가 이 GPU 메모리에 들어가지 않습니다 (KV 캐시를 두기도 전에). "
+            "GPU 수(텐서 병렬)를 늘리거나 메모리가 더 큰 GPU를 고르세요. 모자란 양은 아래 "
+            "원문에 있습니다."
+        )
     if isinstance(exc, CacheTooSmallError):
         tokens = exc.num_blocks * exc.block_size
         return (

@@ -1,9 +1,10 @@
-"""Model shapes and GPU memory sizes kept as data, for chapter 05's memory calculator.
+"""Model shapes and GPU memory sizes for chapter 05's memory calculator.
 
-Model numbers are copied from each model's public `config.json` on the Hugging Face Hub (the
-source is named per entry); the parameter count used by the calculator is *computed* from those
-numbers (`param_count`), and the model card's rounded count is kept beside it for comparison.
-GPU memory sizes are vendor-reported (product data sheets), in the vendor's GB (10⁹ B).
+The numbers are the engine's own presets (engine/presets/: each model's public `config.json`
+shapes and each GPU's data-sheet figures, with their sources), the same ones the simulator runs;
+this module only names them for the page. The parameter count used by the calculator is
+*computed* from the shapes (`param_count`), and the model card's rounded count is kept beside it
+for comparison. GPU memory sizes are vendor-reported, in the vendor's GB (10⁹ B).
 No Streamlit import here: the data and formulas are testable on their own.
 """
 
@@ -68,89 +69,59 @@ class GPUSpec:
         return int(self.memory_gb * GB)
 
 
-MODELS: dict[str, ModelSpec] = {
-    m.name: m
-    for m in [
-        ModelSpec(
-            "SmolLM2-135M-Instruct (우리 모델)",
-            30,
-            576,
-            9,
-            3,
-            64,
-            1536,
-            49152,
-            True,
-            0.1345e9,
-            "HuggingFaceTB/SmolLM2-135M-Instruct config.json",
-        ),
-        ModelSpec(
-            "Llama-3.1-8B",
-            32,
-            4096,
-            32,
-            8,
-            128,
-            14336,
-            128256,
-            False,
-            8.03e9,
-            "meta-llama/Llama-3.1-8B config.json",
-        ),
-        ModelSpec(
-            "Llama-3.1-70B",
-            80,
-            8192,
-            64,
-            8,
-            128,
-            28672,
-            128256,
-            False,
-            70.6e9,
-            "meta-llama/Llama-3.1-70B config.json",
-        ),
-        ModelSpec(
-            "Qwen2.5-7B",
-            28,
-            3584,
-            28,
-            4,
-            128,
-            18944,
-            152064,
-            False,
-            7.62e9,
-            "Qwen/Qwen2.5-7B config.json",
-            qkv_bias=True,
-        ),
-        ModelSpec(
-            "Mistral-7B-v0.1",
-            32,
-            4096,
-            32,
-            8,
-            128,
-            14336,
-            32000,
-            False,
-            7.24e9,
-            "mistralai/Mistral-7B-v0.1 config.json",
-        ),
-    ]
+# The calculator's names for the engine's presets (engine/presets/: config.json shapes, vendor
+# figures, each with its source), and each model card's rounded parameter count (보고값).
+MODEL_PRESETS = {
+    "smollm2-135m-instruct": ("SmolLM2-135M-Instruct (우리 모델)", 0.1345e9),
+    "llama-3.1-8b": ("Llama-3.1-8B", 8.03e9),
+    "llama-3.1-70b": ("Llama-3.1-70B", 70.6e9),
+    "qwen2.5-7b": ("Qwen2.5-7B", 7.62e9),
+    "mistral-7b-v0.3": ("Mistral-7B-v0.3", 7.25e9),
+}
+GPU_PRESETS = {
+    "h100-sxm": "H100 SXM 80GB",
+    "h200": "H200 141GB",
+    "a100-40gb-sxm": "A100 40GB",
+    "a100-80gb-sxm": "A100 80GB",
+    "l4": "L4 24GB",
+    "rtx-4090": "RTX 4090 24GB",
 }
 
-GPUS: dict[str, GPUSpec] = {
-    g.name: g
-    for g in [
-        GPUSpec("H100 SXM 80GB", 80, 3350, "NVIDIA H100 Tensor Core GPU data sheet"),
-        GPUSpec("H200 141GB", 141, 4800, "NVIDIA H200 Tensor Core GPU data sheet"),
-        GPUSpec("A100 40GB", 40, 1555, "NVIDIA A100 Tensor Core GPU data sheet"),
-        GPUSpec("A100 80GB", 80, 2039, "NVIDIA A100 Tensor Core GPU data sheet (SXM)"),
-        GPUSpec("L4 24GB", 24, 300, "NVIDIA L4 Tensor Core GPU data sheet"),
-        GPUSpec("RTX 4090 24GB", 24, 1008, "NVIDIA GeForce RTX 4090 specifications"),
-    ]
-}
+
+def _model_spec(key: str) -> ModelSpec:
+    from engine.presets import load_model_preset
+
+    preset = load_model_preset(key)
+    c = preset.config
+    name, reported = MODEL_PRESETS[key]
+    return ModelSpec(
+        name,
+        c.num_layers,
+        c.hidden_size,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.intermediate_size,
+        c.vocab_size,
+        c.tie_word_embeddings,
+        reported,
+        preset.source,
+        qkv_bias=c.attention_bias,
+    )
+
+
+def _gpu_spec(key: str) -> GPUSpec:
+    from engine.presets import load_hardware_preset
+
+    hw = load_hardware_preset(key)
+    return GPUSpec(GPU_PRESETS[key], hw.memory_bytes / GB, hw.memory_bandwidth / 1e9, hw.source)
+
+
+MODELS: dict[str, ModelSpec] = {m.name: m for m in map(_model_spec, MODEL_PRESETS)}
+GPUS: dict[str, GPUSpec] = {g.name: g for g in map(_gpu_spec, GPU_PRESETS)}
+# display name → preset key (what the simulator takes)
+MODEL_KEYS = {name: key for key, (name, _) in MODEL_PRESETS.items()}
+GPU_KEYS = {name: key for key, name in GPU_PRESETS.items()}
 
 
 @dataclass

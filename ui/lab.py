@@ -9,7 +9,8 @@
 - two or three engines side by side in lockstep (one 다음 스텝 advances each),
 - a slot for the chapter's own view and its predict → run → compare box.
 
-The component runs inside st.fragment: a step reruns the lab only, not the lesson around it.
+The component runs inside st.fragment: a step reruns the lab only, not the lesson around it, and
+the lab's figures go to Streamlit as plain dicts with the journey kept between clicks (views()).
 Engine errors become Korean messages (ui.errors); the page stays usable.
 """
 
@@ -40,6 +41,7 @@ from ui.session import (
 ACTIVE_KEY = "_active_engine_key"  # the engine the sidebar's 엔진 상태 shows (the page's lab)
 _FEEDERS = "_lab_feeders"  # engine key → WorkloadFeeder
 _PLAYING = "_playing_{}"
+_JOURNEYS = "_lab_journeys"  # engine key → (id of its engine, figures.JourneyBuilder)
 SPEEDS = [0.25, 0.5, 1.0, 2.0]
 MAX_STEPS = 2000
 
@@ -399,23 +401,38 @@ def show_decision(record: StepRecord | None, names: dict[str, str] | None = None
     st.dataframe(table.astype(object).where(table.notna(), "—"), hide_index=True, width="stretch")
 
 
+def journey_builder(key: str, engine: EngineCore) -> figures.JourneyBuilder:
+    """This engine's journey segments, kept in the session between clicks (a new engine, e.g.
+    after 리셋, starts a new one): a step scans only the events it added."""
+    builders = st.session_state.setdefault(_JOURNEYS, {})
+    entry = builders.get(key)
+    if entry is None or entry[0] != id(engine):
+        entry = builders[key] = (id(engine), figures.JourneyBuilder())
+    return entry[1]
+
+
 def views(key: str, engine: EngineCore, records: list[StepRecord]) -> None:
     """Journey swimlanes, scheduler decisions, KV grid + occupancy of one engine (plot keys
-    f"{key}_journey", f"{key}_schedule", f"{key}_kvgrid", f"{key}_kvusage")."""
+    f"{key}_journey", f"{key}_schedule", f"{key}_kvgrid", f"{key}_kvusage").
+
+    Redrawn on every click, so the figures go to Streamlit as plain dicts (figures.prebuilt):
+    the same charts as figures.*_figure without building and validating plotly objects."""
     requests = engine.all_requests()
     names = figures.short_names(r.request_id for r in requests)
+    journey = figures.journey_spec(requests, clock="engine", builder=journey_builder(key, engine))
     tab1, tab2, tab3 = st.tabs(["요청 여정", "스케줄러 결정", "KV 캐시"])
     with tab1:
-        st.plotly_chart(
-            figures.journey_figure(requests, clock="engine"), width="stretch", key=f"{key}_journey"
-        )
+        st.plotly_chart(figures.prebuilt(journey), width="stretch", key=f"{key}_journey")
     with tab2:
-        st.plotly_chart(figures.schedule_figure(records), width="stretch", key=f"{key}_schedule")
+        schedule = figures.schedule_spec(records)
+        st.plotly_chart(figures.prebuilt(schedule), width="stretch", key=f"{key}_schedule")
         show_decision(records[-1] if records else None, names)
     with tab3:
         snapshot = records[-1].kv if records else engine.kv_cache_manager.snapshot()
-        st.plotly_chart(figures.kv_grid_figure(snapshot), width="stretch", key=f"{key}_kvgrid")
-        st.plotly_chart(figures.kv_usage_figure(records), width="stretch", key=f"{key}_kvusage")
+        grid = figures.kv_grid_spec(snapshot)
+        st.plotly_chart(figures.prebuilt(grid), width="stretch", key=f"{key}_kvgrid")
+        usage = figures.kv_usage_spec(records)
+        st.plotly_chart(figures.prebuilt(usage), width="stretch", key=f"{key}_kvusage")
 
 
 def stream_texts(key: str, engine: EngineCore) -> None:
@@ -447,6 +464,13 @@ def stream_texts(key: str, engine: EngineCore) -> None:
             st.text(text or "…")
 
 
+def evidence_kind(engine: EngineCore) -> str:
+    """측정값 for a real engine's timings, 계산값 for a simulated one's (ui/simulation.py)."""
+    from ui.simulation import is_simulated
+
+    return "계산값" if is_simulated(engine) else "측정값"
+
+
 def _last_step_evidence(ctx: LabContext) -> None:
     from ui.widgets import evidence
 
@@ -457,7 +481,7 @@ def _last_step_evidence(ctx: LabContext) -> None:
         last = records[-1]
         name = f"{side.label}: " if side.label else ""
         evidence(
-            "측정값",
+            evidence_kind(ctx.engines[side.key]),
             f"{name}마지막 스텝 {last.step}: {1000 * last.engine_duration:.1f} ms "
             f"(forward {1000 * last.timings.get('forward', 0):.1f} ms), "
             f"토큰 {last.total_tokens}개",

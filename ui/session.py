@@ -46,6 +46,22 @@ class EngineSettings:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     quantization: str = "none"  # "none", "int8", "int4" (group 32) or "gguf" (Q4_1 blocks)
+    # Speculative decoding (chapter 13): "" = off, "ngram" = prompt lookup drafts.
+    speculative_method: str = ""
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+
+    def speculative_config(self) -> dict | None:
+        """vLLM's `speculative_config` dict for these settings (None: speculation off)."""
+        if not self.speculative_method:
+            return None
+        return {
+            "method": self.speculative_method,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "prompt_lookup_max": self.prompt_lookup_max,
+            "prompt_lookup_min": self.prompt_lookup_min,
+        }
 
     def to_config(self, **overrides) -> EngineConfig:
         config = EngineConfig(
@@ -61,6 +77,7 @@ class EngineSettings:
             scheduling_policy=self.scheduling_policy,
             quantization=None if self.quantization == "none" else self.quantization,
         )
+        config = replace(config, speculative_config=self.speculative_config())
         return replace(config, **overrides)  # an unknown setting raises TypeError
 
 
@@ -121,6 +138,7 @@ def engine_settings_sidebar(show_status: bool = True) -> EngineSettings:
                 help="int8: 출력 채널마다 scale 하나 · int4: 32개 묶음마다 scale과 min · "
                 "gguf: 기본 모델 GGUF 파일의 Q4_1 블록 그대로 (11장)",
             )
+            speculative = _speculative_inputs(defaults)
             submitted = st.form_submit_button("설정 적용 (엔진 재시작)", key="cfg_apply")
         if submitted:
             new = EngineSettings(
@@ -136,6 +154,7 @@ def engine_settings_sidebar(show_status: bool = True) -> EngineSettings:
                 policy,
                 quantization=quantization,
             )
+            new = replace(new, **speculative)
             new, note, ok = validate_settings(new)
             st.session_state[_SETTINGS_NOTE] = (note, ok)
             if ok and new != defaults:
@@ -150,6 +169,53 @@ def engine_settings_sidebar(show_status: bool = True) -> EngineSettings:
     return defaults
 
 
+SPEC_METHODS = {"끔": "", "ngram (prompt lookup)": "ngram"}  # sidebar label → method
+
+
+def _speculative_inputs(defaults: EngineSettings) -> dict:
+    """The sidebar's speculative decoding fields (chapter 13), as EngineSettings fields."""
+    labels = list(SPEC_METHODS)
+    current = next(k for k, v in SPEC_METHODS.items() if v == defaults.speculative_method)
+    method = st.selectbox(
+        "추측 디코딩 (speculative decoding)",
+        labels,
+        index=labels.index(current),
+        key="cfg_spec_method",
+        help="ngram: 요청 자신의 글에서 다음 토큰 후보(초안)를 찾아 한 forward로 검증합니다",
+    )
+    c1, c2, c3 = st.columns(3)
+    k = c1.number_input(
+        "초안 k",
+        1,
+        16,
+        defaults.num_speculative_tokens,
+        key="cfg_spec_k",
+        help="num_speculative_tokens: 한 스텝에 검증할 초안 토큰 수",
+    )
+    lookup_max = c2.number_input(
+        "n-gram 최대",
+        1,
+        8,
+        defaults.prompt_lookup_max,
+        key="cfg_spec_max",
+        help="prompt_lookup_max: 찾아볼 가장 긴 n-gram",
+    )
+    lookup_min = c3.number_input(
+        "n-gram 최소",
+        1,
+        8,
+        defaults.prompt_lookup_min,
+        key="cfg_spec_min",
+        help="prompt_lookup_min: 찾아볼 가장 짧은 n-gram",
+    )
+    return {
+        "speculative_method": SPEC_METHODS[method],
+        "num_speculative_tokens": int(k),
+        "prompt_lookup_max": int(lookup_max),
+        "prompt_lookup_min": int(lookup_min),
+    }
+
+
 _SETTINGS_NOTE = "_settings_note"  # (Korean note on the last 설정 적용, whether it was applied)
 MIN_MAX_MODEL_LEN = 16
 
@@ -160,6 +226,16 @@ def validate_settings(settings: EngineSettings) -> tuple[EngineSettings, str, bo
     Returns (settings to apply, a Korean note or "", whether to apply). A KV cache that cannot hold
     one request of max_model_len gets max_model_len lowered to what its blocks hold (with a note);
     a cache too small for even a short request is refused with the fix named."""
+    if settings.speculative_method and settings.prompt_lookup_min > settings.prompt_lookup_max:
+        return (
+            settings,
+            (
+                f"n-gram 최소({settings.prompt_lookup_min})가 n-gram 최대"
+                f"({settings.prompt_lookup_max})보다 큽니다. 최소를 최대 이하로 낮추세요. "
+                "설정은 바꾸지 않았습니다."
+            ),
+            False,
+        )
     slots = settings.num_kv_blocks * settings.block_size
     if slots < MIN_MAX_MODEL_LEN:
         need = -(-MIN_MAX_MODEL_LEN // settings.block_size)
@@ -249,7 +325,12 @@ def build_engine(settings: EngineSettings | None = None, **overrides) -> EngineC
 
     from ui.registry import LazyKVWorker
 
+    simulation = overrides.pop("simulation", None)
     config = (settings or current_settings()).to_config(**overrides)
+    if simulation is not None:  # the same EngineCore over a cost model (ui/simulation.py)
+        from ui.simulation import build_simulated_engine
+
+        return build_simulated_engine(simulation, config)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     model_dir = resolve_model_path(config.model)
@@ -326,7 +407,9 @@ def get_engine(key: str = "main", **overrides) -> EngineCore:
         try:
             registry.check_room(sid, key, 0)  # the engine count, before spending a build on it
             engine = build_engine(settings, **overrides)  # no KV tensors yet: nothing to undo
-            registry.admit(sid, key, engine, planned_kv_bytes(engine))
+            # a simulated engine's KV cache is a number, not memory: it counts for nothing
+            simulated = "simulation" in overrides
+            registry.admit(sid, key, engine, 0 if simulated else planned_kv_bytes(engine))
         except ClassroomFull as exc:
             _classroom_full(exc)
         engines[key] = {
@@ -403,7 +486,12 @@ def engine_overrides(key: str = "main") -> dict:
 
 
 def conditions_of(engine: EngineCore, **extra) -> dict:
-    """Measurement conditions for a 측정값 label: device, dtype, model, date (+ batch etc.)."""
+    """Measurement conditions for a 측정값 label: device, dtype, model, date (+ batch etc.).
+    For a simulated engine: the presets and efficiency factors of its 계산값 instead."""
+    from ui.simulation import is_simulated, simulated_conditions
+
+    if is_simulated(engine):
+        return {**simulated_conditions(engine), **extra}
     cond = {
         "장치": str(engine.device),
         "dtype": str(engine.dtype).replace("torch.", ""),

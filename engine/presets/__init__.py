@@ -7,8 +7,8 @@
   with any figure we are not sure of listed under `uncertain`. "This machine" is not a file: its
   figures are measured by the benchmark's ceilings (engine/calibration.py builds it).
 
-Note: ui/hardware_data.py keeps an older copy of some model and GPU numbers for chapter 05's
-calculator; these files are the engine's own (the integrator may point the UI here).
+Chapter 05's memory calculator (ui/hardware_data.py) reads these same files: one copy of every
+number, for the calculator and the simulator alike.
 """
 
 from __future__ import annotations

@@ -120,3 +120,60 @@ def compare_chunked_prefill(
         for label, chunked in CHUNKED_MODES.items()
     }
     return ChunkedComparison(runs, chunked_summary(runs))
+
+
+# -- at scale: the token-budget trade-off on a simulated GPU ------------------------------------
+
+SWEEP_BUDGETS = (256, 512, 1024, 2048, 4096, 8192)
+
+
+def budget_sweep(
+    model_preset: str,
+    hardware: str,
+    rate: float,
+    budgets=SWEEP_BUDGETS,
+    num_requests: int = 80,
+    prompt_len: tuple[int, int] = (256, 4096),
+    output_len: tuple[int, int] = (32, 256),
+    seed: int = 0,
+    tensor_parallel_size: int = 1,
+    progress=None,
+) -> pd.DataFrame:
+    """TTFT and ITL percentiles (ms, engine clock, 계산값) of the same Poisson workload on a
+    simulated engine, one run per max_num_batched_tokens: the chunked-prefill trade-off at
+    8B/70B scale. A small budget cuts long prompts into many chunks (ITL of the others stays
+    low, TTFT of the long ones grows); a large one does the reverse."""
+    from engine.bench import percentiles
+    from engine.simulator import simulate
+
+    rows = []
+    for i, budget in enumerate(budgets):
+        result = simulate(
+            model_preset,
+            hardware,
+            rate=rate,
+            num_requests=num_requests,
+            prompt_len=prompt_len,
+            output_len=output_len,
+            seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            max_num_batched_tokens=budget,
+            enable_chunked_prefill=True,
+        )
+        itl = percentiles([x for m in result.metrics for x in m.itl])
+        ttft = result.summary["ttft_s"]
+        rows.append(
+            {
+                "토큰 예산": budget,
+                "TTFT p50 (ms)": _r(1000 * ttft["p50"]),
+                "TTFT p90 (ms)": _r(1000 * ttft["p90"]),
+                "ITL p50 (ms)": _r(1000 * itl["p50"]),
+                "ITL p99 (ms)": _r(1000 * itl["p99"]),
+                "처리량 (토큰/s)": _r(result.summary["output_tokens_per_s"], 0),
+                "선점": result.summary["preemptions"],
+                "스텝": result.summary["steps"],
+            }
+        )
+        if progress is not None:
+            progress(i + 1, len(budgets))
+    return pd.DataFrame(rows)

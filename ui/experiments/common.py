@@ -47,6 +47,8 @@ class RequestSpec:
     arrival_ms: float = 0.0  # offset on the engine clock from the run's start
     name: str | None = None
     priority: int = 0
+    prompt_token_ids: list[int] | None = None  # the exact prompt (default: cut from SEED_TEXT)
+    cache_salt: str | None = None  # prefix-cache isolation (EngineCore.add_request)
 
 
 @dataclass
@@ -104,7 +106,10 @@ class WorkloadFeeder:
         self.requests: list[Request | None] = [None] * len(self.specs)
         self.rejected: dict[str, str] = {}
         self.start = engine.clock.now()  # engine seconds; arrivals are offsets from here
-        self._prompts = [prompt_ids(engine, s.prompt_len, i) for i, s in enumerate(self.specs)]
+        self._prompts = [
+            list(s.prompt_token_ids) if s.prompt_token_ids else prompt_ids(engine, s.prompt_len, i)
+            for i, s in enumerate(self.specs)
+        ]
 
     def _due(self, i: int) -> float:
         return self.start + self.specs[i].arrival_ms / 1000
@@ -123,6 +128,7 @@ class WorkloadFeeder:
                     prompt_token_ids=self._prompts[i],
                     priority=spec.priority,
                     engine_arrival_time=self._due(i),
+                    cache_salt=spec.cache_salt,
                 )
             except InvalidRequestError as exc:
                 self.rejected[self.names[i]] = str(exc)
@@ -306,9 +312,32 @@ def _r(x, nd: int = 1):
     return None if x is None or (isinstance(x, float) and np.isnan(x)) else round(float(x), nd)
 
 
+def is_simulated(engine) -> bool:
+    """Whether the engine runs on engine/simulator.py's cost model (its times are 계산값)."""
+    from engine.simulator import SimulatedExecutor
+
+    return isinstance(getattr(engine, "executor", None), SimulatedExecutor)
+
+
+def simulated_conditions(engine) -> dict:
+    """The 계산값 conditions of a simulated engine: presets, efficiency factors, KV capacity."""
+    executor = engine.executor
+    return {
+        "모델 프리셋": executor.preset.name,
+        "하드웨어": f"{executor.hardware.name} × {executor.tp} ({executor.hardware.evidence})",
+        "효율 계수": "가정값" if "assumed" in executor.cost_model.efficiency.evidence else "보정값",
+        "KV 블록": f"{engine.num_blocks:,}",
+        "시계": "가상 시계 (비용 모델)",
+    }
+
+
 def measurement_conditions(engine: EngineCore, **extra) -> dict:
-    """Device, dtype, model, threads, clock and date: what a 측정값 must name."""
+    """Device, dtype, model, threads, clock and date: what a 측정값 must name (for a simulated
+    engine, what its 계산값 assumed)."""
     import torch
+
+    if is_simulated(engine):
+        return {**simulated_conditions(engine), **extra}
 
     cond = {
         "장치": str(engine.device),

@@ -213,10 +213,6 @@ torch::Tensor quantized_linear(const torch::Tensor& x, int64_t n,
   return y;
 }
 
-struct NoFusedDot {  // for formats without a fused one-row path
-  float operator()(int64_t, const float*) const { return 0.f; }
-};
-
 void check_x(const torch::Tensor& x, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
               "quantized linear: x must be a contiguous float32 [M, K]");
@@ -282,7 +278,37 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
       }
     }
   };
-  return quantized_linear(x, n, bias, widen, static_cast<const NoFusedDot*>(nullptr));
+  // Batch 1, fused: sum_e x*(q*scale + min) = scale * sum_e x*q + min * sum_e x. The second
+  // sum depends only on the activation, so it is computed once per group for all N channels;
+  // each channel then reads its packed bytes once, widening the nibbles in registers.
+  std::vector<float> xsum;
+  if (x.size(0) == 1) {
+    const float* x0 = x.data_ptr<float>();
+    xsum.resize(groups);
+    for (int64_t g = 0; g < groups; ++g) {
+      float t = 0.f;
+#pragma omp simd reduction(+ : t)
+      for (int64_t e = 0; e < group_size; ++e) t += x0[g * group_size + e];
+      xsum[g] = t;
+    }
+  }
+  auto dot1 = [&](int64_t j, const float* x0) {
+    const uint8_t* b = wp + j * (k / 2);
+    const float* sc = scp + j * groups;
+    const float* mn = mnp + j * groups;
+    float total = 0.f;
+    for (int64_t g = 0; g < groups; ++g, b += half) {
+      const float* lo = x0 + g * group_size;
+      const float* hi = lo + half;
+      float a = 0.f;
+#pragma omp simd reduction(+ : a)
+      for (int64_t e = 0; e < half; ++e)
+        a += lo[e] * static_cast<float>(b[e] & 0x0F) + hi[e] * static_cast<float>(b[e] >> 4);
+      total += sc[g] * a + mn[g] * xsum[g];
+    }
+    return total;
+  };
+  return quantized_linear(x, n, bias, widen, &dot1);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

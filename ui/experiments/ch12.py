@@ -1,0 +1,160 @@
+"""Chapter 12 · executor and workers: the same workload on tp 1, tp N and pp M worker layouts.
+
+Plain functions returning data (no Streamlit): what each worker holds (shard shapes, bytes),
+per step and per rank compute vs communication (measured in the workers), the all-reduce count
+per step measured beside the derived 2 per layer, and the speed-up against tp 1 measured on this
+machine (where the workers share the same CPU cores, so it is no "N devices = N× faster").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+
+from engine.core import EngineCore
+from engine.multiproc_executor import all_reduces_per_step
+from ui.experiments.common import ConfigLike, RunResult, Workload, _r, make_config, run_workload
+
+MB = 1e6
+
+
+def shard_table(layout: list[dict]) -> pd.DataFrame:
+    """One row per rank: which layers and heads it holds, the shapes of its first layer's
+    matrices, and its bytes (from executor.layout(), measured on the workers' tensors)."""
+    rows = []
+    for r in layout:
+        shapes = r["shapes"]
+        rows.append(
+            {
+                "rank": r["rank"],
+                "tp rank": r["tp_rank"],
+                "pp stage": r["pp_rank"],
+                "층": f"{r['layers'][0]}–{r['layers'][1] - 1}",
+                "query 헤드": f"{r['q_heads'][0]}–{r['q_heads'][1] - 1}",
+                "KV 헤드": f"{r['kv_heads'][0]}–{r['kv_heads'][1] - 1}",
+                **{k: " × ".join(map(str, shapes[k])) for k in ("qkv", "o", "gate_up", "down")},
+                "가중치 (MB)": _r(r["weight_bytes"] / MB, 2),
+                "중복 보관 (MB)": _r(r["replicated_bytes"] / MB, 2),
+                "KV 캐시 (MB)": _r(r["kv_cache_bytes"] / MB, 2),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def communication_table(records) -> pd.DataFrame:
+    """One row per (step that ran a forward, rank): compute vs communication, measured."""
+    rows = [
+        {
+            "step": rec.step,
+            "rank": w["rank"],
+            "num_tokens": rec.total_tokens,
+            "compute_ms": 1000 * w["compute_s"],
+            "comm_ms": 1000 * w["comm_s"],
+            "all_reduce_count": w["all_reduce_count"],
+            "all_reduce_kb": w["all_reduce_bytes"] / 1e3,
+            "p2p_kb": w["p2p_bytes"] / 1e3,
+        }
+        for rec in records
+        if rec.scheduled
+        for w in rec.workers
+    ]
+    columns = ["step", "rank", "num_tokens", "compute_ms", "comm_ms", "all_reduce_count"]
+    return pd.DataFrame(rows, columns=columns + ["all_reduce_kb", "p2p_kb"])
+
+
+@dataclass
+class ParallelRun:
+    tp: int
+    pp: int
+    result: RunResult
+    layout: list[dict]  # empty for tp 1 × pp 1 (one worker in the engine's process)
+    tokens: dict[str, list[int]]
+
+
+@dataclass
+class ParallelComparison:
+    runs: dict[str, ParallelRun]
+    summary: pd.DataFrame
+
+
+def warm_up(engine: EngineCore) -> None:
+    """One short request before measuring: the first steps of a process pay one-off costs
+    (weights paged in, kernels' first calls); measured here, a cold tp 1 run took twice as long
+    as a warm one on the same requests."""
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request(prompt_token_ids=[5] * 16, sampling_params=params, request_id="warm-up")
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def run_layout(
+    config: ConfigLike | None, workload: Workload, tp: int, pp: int, warm: bool = True
+) -> ParallelRun:
+    """Run the workload on tp × pp workers (after a warm-up request, unless `warm` is False);
+    the worker processes are stopped before returning."""
+    engines: list[EngineCore] = []
+
+    def factory(cfg):
+        engines.append(EngineCore(cfg))
+        if warm:
+            warm_up(engines[-1])
+        return engines[-1]
+
+    cfg = make_config(config, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    label = f"tp {tp} × pp {pp}"
+    try:
+        result = run_workload(cfg, workload, label, engine_factory=factory)
+        executor = engines[0].executor
+        layout = executor.layout() if hasattr(executor, "layout") else []
+    finally:
+        for engine in engines:
+            engine.shutdown()
+    tokens = {name: r.output_token_ids for name, r in zip(workload.names(), result.requests)}
+    return ParallelRun(tp, pp, result, layout, tokens)
+
+
+def compare_layouts(
+    config: ConfigLike | None, workload: Workload, sizes=((1, 1), (3, 1), (1, 2))
+) -> ParallelComparison:
+    """The same workload on each (tp, pp); the first size is the baseline of the speed ratio."""
+    runs = {}
+    for tp, pp in sizes:
+        run = run_layout(config, workload, tp, pp)
+        runs[run.result.label] = run
+    return ParallelComparison(runs, parallel_summary(runs))
+
+
+def parallel_summary(runs: dict[str, ParallelRun]) -> pd.DataFrame:
+    base = next(iter(runs.values()))
+    rows = []
+    for label, run in runs.items():
+        res = run.result
+        comm = communication_table(res.records)
+        steps = comm[comm["rank"] == 0]
+        compute, spent = comm["compute_ms"].sum(), comm["comm_ms"].sum()
+        rows.append(
+            {
+                "실행": label,
+                "워커 수": run.tp * run.pp,
+                "벽시계 시간 (s)": _r(res.wall_s, 2),
+                "출력 토큰/s": _r(res.output_tokens / res.wall_s if res.wall_s else 0.0),
+                "tp 1 대비 속도": _r(base.result.wall_s / res.wall_s, 2) if res.wall_s else None,
+                "통신 비율 (%)": _r(100 * spent / (compute + spent)) if compute + spent else None,
+                "스텝당 all-reduce (측정)": _r(steps["all_reduce_count"].mean())
+                if len(steps)
+                else 0,
+                "가중치 합 (MB)": _r(sum(r["weight_bytes"] for r in run.layout) / MB, 2)
+                if run.layout
+                else None,
+                "tp 1과 같은 출력": run.tokens == base.tokens,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def derived_all_reduces(model_config, tp: int, pp: int) -> int:
+    """계산값: 2 all-reduces per layer a rank runs (after o, after down), 0 at tp 1."""
+    return all_reduces_per_step(model_config, tp, pp)
