@@ -260,9 +260,20 @@ def page_link(chapter_id: str, label: str | None = None) -> None:
         st.caption(f"다음 장: {ch.title} (왼쪽 메뉴에서 여세요)")
 
 
+# A control named in a lesson, **[라벨]**. Markdown cannot close bold right after "]" when a Korean
+# particle follows ("**[실행]**을" shows its asterisks: CommonMark's flanking rule), so lessons
+# are rendered with the control as an HTML <strong>; the lesson files keep the markdown form
+# (tests/test_lessons.py reads it).
+CONTROL_MARK = re.compile(r"\*\*\[([^\]\n]+)\]\*\*")
+
+
+def lesson_markdown(text: str) -> None:
+    st.markdown(CONTROL_MARK.sub(r"<strong>[\1]</strong>", text), unsafe_allow_html=True)
+
+
 def render_chapter(chapter_id: str, lab: Callable[[], None]) -> None:
     before, rest, next_part = lesson_parts(chapter_id)
-    st.markdown(before)
+    lesson_markdown(before)
     st.divider()
     st.header("실험실")
     try:
@@ -272,11 +283,11 @@ def render_chapter(chapter_id: str, lab: Callable[[], None]) -> None:
 
         show_error(exc, "실험실을 그리지 못했습니다")
     st.divider()
-    st.markdown(rest)
+    lesson_markdown(rest)
     st.markdown("## 확인 문제")
     quiz(chapter_id)
     if next_part:
-        st.markdown(next_part)
+        lesson_markdown(next_part)
     nxt = next_chapter(chapter_id)
     if nxt is not None:
         page_link(nxt.id)
@@ -294,7 +305,7 @@ def coming_soon(ch: Chapter) -> Callable[[], None]:
         if path.is_file():
             st.caption("아래는 미리 써 둔 본문입니다 (실험실 없이).")
             before, rest, next_part = lesson_parts(ch.id)
-            st.markdown(before + rest + next_part)
+            lesson_markdown(before + rest + next_part)
         st.page_link(
             PAGES.get("00", "pages/ch00_intro.py"),
             label="00 · 코스 안내로 돌아가기",
