@@ -241,11 +241,14 @@ def _summary_view(ctx: LabContext, tp: int) -> None:
         run = result.runs[side.label]
         evidence(
             evidence_kind(ctx.engines[side.key]),
-            f"{side.label}: 스텝 {len(run.result.records)}개, 벽시계 {run.result.wall_s:.2f} s",
+            f"{side.label}: 스텝 {len(run.result.records)}개, 스텝 시간 합 "
+            f"{sum(r.engine_duration for r in run.result.records):.2f} s",
             **ctx_conditions(ctx, side.key),
             스레드="워커마다 (이 프로세스의 스레드 수 ÷ 워커 수)",
         )
     st.caption(
+        "엔진들은 한 스텝씩 번갈아 실행되므로(나란히 비교), 한 엔진의 벽시계 시간에는 다른 "
+        "엔진의 스텝도 들어갑니다. 그래서 비교는 엔진마다 자기 스텝 시간으로 합니다. "
         "이 실험실의 워커들은 한 기계의 CPU를 나눠 쓰는 프로세스입니다. 워커마다 계산은 1/N로 "
         "줄지만 스레드도 1/N로 줄고, 층마다 두 번씩 서로를 기다립니다. GPU 여러 장이 빨라지는 "
         "것은 장치마다 자기 연산기와 메모리 대역폭이 따로 있기 때문입니다."

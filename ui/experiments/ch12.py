@@ -235,12 +235,21 @@ def lab_run(result: RunResult, engine: EngineCore) -> ParallelRun:
 
 
 def lab_comparison(runs: dict[str, ParallelRun]) -> ParallelComparison:
-    """parallel_summary plus the steady decode step time of each run (the first run is the base)."""
-    summary = parallel_summary(runs)
-    summary["decode 스텝 중앙값 (ms)"] = [
-        _r(steady_step_ms(run.result), 1) if steady_step_ms(run.result) is not None else None
-        for run in runs.values()
-    ]
+    """parallel_summary for runs stepped in lockstep by the lab: one engine's wall clock there
+    spans the other engines' steps too, so its time columns are replaced by the sum of its own
+    step times and the median decode step (the first run is the base of the ratio)."""
+    summary = parallel_summary(runs).drop(
+        columns=["벽시계 시간 (s)", "출력 토큰/s", "tp 1 대비 속도"]
+    )
+    medians = [steady_step_ms(run.result) for run in runs.values()]
+    base = medians[0]
+    summary.insert(2, "스텝 시간 합 (s)", [
+        _r(sum(r.engine_duration for r in run.result.records), 2) for run in runs.values()
+    ])  # fmt: skip
+    summary.insert(3, "decode 스텝 중앙값 (ms)", [_r(m, 1) if m else None for m in medians])
+    summary.insert(4, "tp 1 대비 속도 (decode)", [
+        _r(base / m, 2) if base and m else None for m in medians
+    ])  # fmt: skip
     return ParallelComparison(runs, summary)
 
 
