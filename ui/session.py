@@ -331,6 +331,14 @@ def build_engine(settings: EngineSettings | None = None, **overrides) -> EngineC
         from ui.simulation import build_simulated_engine
 
         return build_simulated_engine(simulation, config)
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        # chapter 12: EngineCore starts one worker process per rank (MultiprocExecutor); they
+        # load their own shards and KV caches, and engine.shutdown() (the registry) stops them
+        with st.spinner(
+            f"워커 프로세스 {config.tensor_parallel_size * config.pipeline_parallel_size}개를 "
+            "시작하는 중… (각자 자기 몫의 가중치를 불러옵니다)"
+        ):
+            return EngineCore(config)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     model_dir = resolve_model_path(config.model)

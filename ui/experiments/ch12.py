@@ -158,3 +158,108 @@ def parallel_summary(runs: dict[str, ParallelRun]) -> pd.DataFrame:
 def derived_all_reduces(model_config, tp: int, pp: int) -> int:
     """계산값: 2 all-reduces per layer a rank runs (after o, after down), 0 at tp 1."""
     return all_reduces_per_step(model_config, tp, pp)
+
+
+# -- for the page's lab (runs stepped by ui/lab.py, not by run_layout) -------------------------
+
+# Which way each matrix is cut (Megatron-LM's split): column-parallel matrices are cut along their
+# output features, row-parallel ones along their input features.
+MATRICES = {
+    "qkv": ("열 분할 (column-parallel)", "out"),
+    "o": ("행 분할 (row-parallel)", "in"),
+    "gate_up": ("열 분할 (column-parallel)", "out"),
+    "down": ("행 분할 (row-parallel)", "in"),
+}
+
+
+def full_shapes(model_config) -> dict[str, tuple[int, int]]:
+    """The whole first-layer matrices as PyTorch stores them: [output features, input features]."""
+    c = model_config
+    return {
+        "qkv": ((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size),
+        "o": (c.hidden_size, c.num_heads * c.head_dim),
+        "gate_up": (2 * c.intermediate_size, c.hidden_size),
+        "down": (c.hidden_size, c.intermediate_size),
+    }
+
+
+def matrix_cuts(model_config, layout: list[dict]) -> pd.DataFrame:
+    """One row per (matrix, tp rank of the first stage): the piece that rank holds, cut from the
+    whole matrix along the output (column-parallel) or input (row-parallel) features. The shard
+    shapes are the workers' own tensors (layout()); tp 1 (empty layout) holds the whole matrix."""
+    full = full_shapes(model_config)
+    stage = [r for r in layout if r["pp_rank"] == 0] or [
+        {"tp_rank": 0, "shapes": {k: list(v) for k, v in full.items()}}
+    ]
+    rows = []
+    for name, (kind, axis) in MATRICES.items():
+        start = 0
+        for r in sorted(stage, key=lambda r: r["tp_rank"]):
+            out_f, in_f = r["shapes"][name]
+            size = out_f if axis == "out" else in_f
+            rows.append(
+                {
+                    "행렬": name,
+                    "분할": kind,
+                    "tp rank": r["tp_rank"],
+                    "전체 모양": " × ".join(map(str, full[name])),
+                    "조각 모양": f"{out_f} × {in_f}",
+                    "자른 축": "출력" if axis == "out" else "입력",
+                    "시작": start,
+                    "크기": size,
+                    "전체 출력": full[name][0],
+                    "전체 입력": full[name][1],
+                }
+            )
+            start += size
+    return pd.DataFrame(rows)
+
+
+def steady_step_ms(result: RunResult) -> float | None:
+    """Median duration (ms) of the decode-only steps after the first two steps of the run (the
+    first steps pay one-off costs); None when there are none."""
+    steps = result.step_table()
+    if steps.empty:
+        return None
+    decode = steps[(steps["kind"] == "decode") & (steps.index >= 2)]
+    return float(decode["duration_ms"].median()) if len(decode) else None
+
+
+def lab_run(result: RunResult, engine: EngineCore) -> ParallelRun:
+    """A ParallelRun from a lab side's finished workload (its engine still running, for layout)."""
+    cfg = engine.config
+    executor = engine.executor
+    layout = executor.layout() if hasattr(executor, "layout") else []
+    tokens = {r.request_id: list(r.output_token_ids) for r in result.requests}
+    return ParallelRun(cfg.tensor_parallel_size, cfg.pipeline_parallel_size, result, layout, tokens)
+
+
+def lab_comparison(runs: dict[str, ParallelRun]) -> ParallelComparison:
+    """parallel_summary for runs stepped in lockstep by the lab: one engine's wall clock there
+    spans the other engines' steps too, so its time columns are replaced by the sum of its own
+    step times and the median decode step (the first run is the base of the ratio)."""
+    summary = parallel_summary(runs).drop(
+        columns=["벽시계 시간 (s)", "출력 토큰/s", "tp 1 대비 속도"]
+    )
+    medians = [steady_step_ms(run.result) for run in runs.values()]
+    base = medians[0]
+    summary.insert(2, "스텝 시간 합 (s)", [
+        _r(sum(r.engine_duration for r in run.result.records), 2) for run in runs.values()
+    ])  # fmt: skip
+    summary.insert(3, "decode 스텝 중앙값 (ms)", [_r(m, 1) if m else None for m in medians])
+    summary.insert(4, "tp 1 대비 속도 (decode)", [
+        _r(base / m, 2) if base and m else None for m in medians
+    ])  # fmt: skip
+    return ParallelComparison(runs, summary)
+
+
+SPEED_CHOICES = ["워커 수만큼 빨라진다", "조금 빨라진다", "비슷하거나 느려진다"]
+
+
+def speed_verdict(speedup: float, workers: int) -> str:
+    """Which SPEED_CHOICES a measured speed-up (base time / this time) is."""
+    if speedup >= 0.8 * workers:
+        return SPEED_CHOICES[0]
+    if speedup >= 1.15:
+        return SPEED_CHOICES[1]
+    return SPEED_CHOICES[2]

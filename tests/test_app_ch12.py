@@ -1,0 +1,111 @@
+"""Chapter 12 (executor and workers) under Streamlit's AppTest: the page opens from app.py, its lab
+runs the same requests on tp 1 and tp 2 (the tiny model's 4 query / 2 KV heads divide by 2; one
+worker process per rank), draws the shard figure, the per-step compute vs all-reduce figure and the
+step times, and every worker process is gone once the engines are shut down.
+
+One lab run only: each tp engine spawns worker processes (each imports torch), seconds apiece."""
+
+from __future__ import annotations
+
+import base64
+import json
+import multiprocessing
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("streamlit")
+from streamlit.testing.v1 import AppTest  # noqa: E402
+
+from ui.experiments.ch12 import full_shapes, matrix_cuts, speed_verdict  # noqa: E402
+from ui.session import SETTINGS_KEY, EngineSettings  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = "pages/ch12_distributed.py"
+TIMEOUT = 300
+
+
+def charts(at: AppTest) -> dict[str, dict]:
+    return {c.proto.id: json.loads(c.proto.spec) for c in at.get("plotly_chart")}
+
+
+def chart(at: AppTest, key: str) -> dict:
+    match = [spec for element_id, spec in charts(at).items() if key in element_id]
+    assert match, f"plot {key} missing; ids: {list(charts(at))}"
+    return match[0]
+
+
+def values(field) -> list:
+    """A plotly trace's x or y as a list (plotly sends numeric arrays as base64 `bdata`)."""
+    if isinstance(field, dict) and "bdata" in field:
+        return np.frombuffer(base64.b64decode(field["bdata"]), dtype=field["dtype"]).tolist()
+    return list(field or [])
+
+
+def shutdown_all(at: AppTest) -> None:
+    for entry in at.session_state["_engines"].values():
+        entry["engine"].shutdown()
+
+
+def test_matrix_cuts_follow_the_layout():
+    from engine.models.llama import LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4, rope_scaling=None,
+        max_position_embeddings=128, tie_word_embeddings=True, attention_bias=False,
+    )  # fmt: skip
+    full = full_shapes(cfg)
+    assert full == {"qkv": (128, 64), "o": (64, 64), "gate_up": (256, 64), "down": (64, 128)}
+    layout = [
+        {"tp_rank": r, "pp_rank": 0, "shapes": {"qkv": [64, 64], "o": [64, 32],
+         "gate_up": [128, 64], "down": [64, 64]}}
+        for r in (1, 0)
+    ]  # fmt: skip
+    cuts = matrix_cuts(cfg, layout).set_index(["행렬", "tp rank"])
+    assert cuts.loc[("qkv", 1), "시작"] == 64 and cuts.loc[("qkv", 1), "자른 축"] == "출력"
+    assert cuts.loc[("down", 1), "시작"] == 64 and cuts.loc[("down", 1), "자른 축"] == "입력"
+    assert cuts.loc[("o", 0), "크기"] == 32
+    whole = matrix_cuts(cfg, [])  # tp 1: one piece per matrix, the whole matrix
+    assert len(whole) == 4 and list(whole["크기"]) == [128, 64, 256, 128]
+    assert speed_verdict(1.9, 2) == "워커 수만큼 빨라진다"
+    assert speed_verdict(1.3, 2) == "조금 빨라진다"
+    assert speed_verdict(0.7, 3) == "비슷하거나 느려진다"
+
+
+def test_lab_runs_tp1_and_tp2_and_leaves_no_workers(tiny_model_dir):
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=TIMEOUT)
+    at.session_state[SETTINGS_KEY] = EngineSettings(model=str(tiny_model_dir), device="cpu")
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    try:
+        at.switch_page(PAGE)
+        at.run()
+        assert not at.exception, [e.value for e in at.exception]
+        assert any("실험실" in h.value for h in at.header)
+        assert at.selectbox(key="ch12_tp").options == ["2", "4"]
+        at.selectbox(key="ch12_tp").set_value(2).run()
+        assert not at.exception, [e.value for e in at.exception]
+        at.slider(key="ch12_out").set_value(8).run()
+        # the shard figure is there before any step: two ranks, four matrices
+        shards = chart(at, "ch12_shards")["data"]
+        assert len(shards) == 8 and all(t["x"] for t in shards)
+        at.button(key="ch12_run").click().run()
+        assert not at.exception, [e.value for e in at.exception]
+
+        result = at.session_state["ch12_result"]
+        summary = result.summary.set_index("실행")
+        assert list(summary.index) == ["tp 1 × pp 1", "tp 2 × pp 1"]
+        assert summary["tp 1과 같은 출력"].all()  # greedy tokens agree
+        assert list(summary["스텝당 all-reduce (측정)"]) == [0, 4]  # 2 layers × 2
+        comm = chart(at, "ch12_comm")["data"]
+        counts = values(next(t for t in comm if t["name"].startswith("all-reduce 횟수"))["y"])
+        assert counts and set(counts) == {4}
+        assert all(values(t["y"]) for t in chart(at, "ch12_step_times")["data"])
+        text = " ".join(m.value for m in at.markdown)
+        assert "측정값" in text and "계산값" in text and "보고값" in text
+        assert "all-reduce 4번" in text  # derived: 2 × 2 layers
+    finally:
+        shutdown_all(at)
+    assert multiprocessing.active_children() == []
