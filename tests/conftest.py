@@ -41,6 +41,20 @@ TINY_CONFIG = dict(
 )
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_app_engines():
+    """When a test module ends, release every engine its AppTest sessions registered in the
+    process-wide classroom registry (ui/registry.py), as the reaper does for closed tabs: engines
+    of earlier modules never fill the registry's caps for later ones (a page would then show
+    "교실이 가득 찼습니다" instead of its lab), and tensor-parallel worker processes stop."""
+    yield
+    registry_module = sys.modules.get("ui.registry")
+    registry = getattr(registry_module, "_registry", None)
+    if registry is not None:
+        for session_id in registry.session_ids():
+            registry.release_session(session_id, trim=False)
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The real SmolLM2-135M-Instruct artifact (built by `./run.sh test` before pytest starts)."""

@@ -29,8 +29,10 @@ def test_burst_lab_preempts_and_measures_the_cost(page, app_url):
     lab.open_chapter(page, app_url, "ch09")
     assert "KV 캐시가 모자랄 때, 누가 양보하나" in page.inner_text("body")
 
-    # predict the victim (the second radio group: the first is the experiment picker)
-    page.get_by_role("radiogroup").nth(1).get_by_text("D", exact=True).click()
+    # predict the victim (the radio group whose options end with 'nobody')
+    page.get_by_role("radiogroup").filter(has_text="아무도 선점되지 않는다").get_by_text(
+        "D", exact=True
+    ).click()
     lab.wait_idle(page)
     lab.click(page, "워크로드 넣기")
     steps = page.get_by_label("N", exact=True)
