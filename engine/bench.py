@@ -728,18 +728,7 @@ def measure_variants(
         engine = llm.engine
         model = engine.executor.worker.model
         numbers = model_numbers(model)
-        steps = []
-        for i in range(config.probe_repeats):
-            probe = probe_workload(
-                1,
-                config.probe_prompt_len,
-                config.probe_output_len,
-                config.seed + 100 + i,
-                vocab,
-                specials,
-            )
-            steps += run_steps(engine, probe)
-        b1 = step_breakdown(steps, 1)
+        b1 = step_breakdown(batch1_steps(engine, config, vocab, specials), 1)
         roof = bandwidth_gb_s * 1e9 / numbers["weight_bytes_per_step"]
         offline = run_engine_offline(llm, workload)
         rows.append(
@@ -820,6 +809,22 @@ def _device_name(device: torch.device) -> str:
     import os
 
     return f"{name} ({os.cpu_count()} logical CPUs)"
+
+
+def batch1_steps(engine, config: BenchConfig, vocab: int, specials) -> list:
+    """The step records of `probe_repeats` single requests run alone (decode at batch 1)."""
+    steps = []
+    for i in range(config.probe_repeats):
+        probe = probe_workload(
+            1,
+            config.probe_prompt_len,
+            config.probe_output_len,
+            config.seed + 100 + i,
+            vocab,
+            specials,
+        )
+        steps += run_steps(engine, probe)
+    return steps
 
 
 def run_benchmark(config: BenchConfig, log=print) -> dict:
@@ -936,18 +941,7 @@ def run_benchmark(config: BenchConfig, log=print) -> dict:
     results["rooflines"] = rooflines(ceilings, numbers, dtype)
 
     log("[3/5] decode at batch 1")
-    b1_steps = []
-    for i in range(config.probe_repeats):
-        probe = probe_workload(
-            1,
-            config.probe_prompt_len,
-            config.probe_output_len,
-            config.seed + 100 + i,
-            vocab,
-            specials,
-        )
-        b1_steps += run_steps(engine, probe)
-    batch1 = step_breakdown(b1_steps, 1)
+    batch1 = step_breakdown(batch1_steps(engine, config, vocab, specials), 1)
     roof = results["rooflines"]["decode_tokens_per_s"]
     results["decode_batch1"] = {
         "tokens_per_s": batch1.get("tokens_per_s"),

@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from engine.bench import SPEC_WORDS
 from engine.core import EngineCore
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -42,24 +43,7 @@ PASSAGE = (
     "every summer it shrinks to a thin silver line. The farmers plant late to wait for the water "
     "to go."
 )
-WORDS = [
-    "apple",
-    "river",
-    "stone",
-    "cloud",
-    "lamp",
-    "tiger",
-    "paper",
-    "glass",
-    "orange",
-    "window",
-    "garden",
-    "silver",
-    "bridge",
-    "candle",
-    "forest",
-    "rocket",
-]
+WORDS = SPEC_WORDS  # the bench's repetitive-workload words (engine/bench.py)
 TOPICS = [
     "a robot who learns to paint",
     "a lighthouse keeper and a storm",
