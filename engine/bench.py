@@ -63,6 +63,7 @@ TARGETS = {
     "overhead_share_full_batch": 0.10,  # share of step time outside the forward, at full batch
     "int8_matvec_speedup": 1.8,  # our int8 matrix × vector ÷ the best float32 one, 1 row
     "int8_decode_speedup": 1.8,  # the engine's batch-1 decode, int8 ÷ float32 (section 10)
+    "int4_vs_llama_cpp": 1.0,  # the engine's best 4-bit batch-1 decode ÷ llama.cpp Q4_1's
 }
 
 
@@ -791,6 +792,21 @@ def format_variants(v: dict) -> list[str]:
     return lines
 
 
+def format_llama_cpp(peer: dict, r: dict) -> list[str]:
+    head = ["", "Peer: llama.cpp on the same GGUF file, batch-1 decode"]
+    if "skipped" in peer:
+        return [*head, f"  skipped: {peer['skipped']}"]
+    ours = r["decode_batch1"].get("tokens_per_s")
+    label = r["conditions"].get("quantization_method") or r["conditions"]["dtype"]
+    return [
+        *head,
+        f"  llama.cpp Q4_1  decode {peer['decode_tokens_per_s']:.1f} tokens/s "
+        f"({peer['decode_step_ms']:.1f} ms/step), prefill {peer['prefill_tokens_per_s']:.0f} "
+        f"tokens/s; the engine's section-3 decode ({label}) ÷ llama.cpp's = "
+        f"{_fmt(_ratio(ours, peer['decode_tokens_per_s']), '.2f')} ({peer['method']})",
+    ]
+
+
 # ---------------------------------------------------------------------------------------------
 # The whole run
 
@@ -825,6 +841,32 @@ def batch1_steps(engine, config: BenchConfig, vocab: int, specials) -> list:
         )
         steps += run_steps(engine, probe)
     return steps
+
+
+def llama_cpp_peer(model_dir, config: BenchConfig, vocab: int, specials) -> dict:
+    """llama.cpp on the GGUF file the default artifact came from, on the prompts of the batch-1
+    probe (engine/llama_cpp_peer.py); a dict with "skipped" when it cannot run here."""
+    from engine.llama_cpp_peer import measure_llama_cpp
+    from engine.quantization import gguf_source
+
+    if torch.device(config.device if config.device != "auto" else "cpu").type != "cpu":
+        return {"skipped": "the llama.cpp peer runs on the CPU only"}
+    try:
+        path = gguf_source(model_dir)
+    except ValueError as exc:
+        return {"skipped": str(exc)}
+    prompts = [
+        probe_workload(
+            1,
+            config.probe_prompt_len,
+            config.probe_output_len,
+            config.seed + 100 + i,
+            vocab,
+            specials,
+        )[0].prompt_token_ids
+        for i in range(config.probe_repeats)
+    ]
+    return measure_llama_cpp(path, prompts, config.probe_output_len, torch.get_num_threads())
 
 
 def run_benchmark(config: BenchConfig, log=print) -> dict:
@@ -883,6 +925,7 @@ def run_benchmark(config: BenchConfig, log=print) -> dict:
             "seed": config.seed,
             "kernels": kernels_line,
             "quantization": quantization_line,
+            "quantization_method": config.quantization,
             "engine": {
                 "max_num_seqs": config.max_num_seqs,
                 "max_num_batched_tokens": config.max_num_batched_tokens,
@@ -1011,6 +1054,9 @@ def run_benchmark(config: BenchConfig, log=print) -> dict:
     if config.compare_variants:
         log("[10] dtype and quantization side by side: batch-1 decode, offline throughput")
         results["variants"] = measure_variants(model_dir, config, vocab, specials, read, log)
+    if config.compare_variants or config.quantization in ("int4", "gguf"):
+        log("[10] llama.cpp peer: the same GGUF file, batch-1 decode")
+        results["llama_cpp"] = llama_cpp_peer(model_dir, config, vocab, specials)
     if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
         from engine.parallel_bench import run_parallel
 
@@ -1224,6 +1270,24 @@ def evaluate_targets(results: dict) -> list[dict]:
                 int8 >= TARGETS["int8_matvec_speedup"],
             )
         )
+    peer = results.get("llama_cpp", {}).get("decode_tokens_per_s")
+    four_bit = [
+        v["decode_tokens_per_s"]
+        for v in results.get("variants", {}).get("rows", [])
+        if v.get("quantization") in ("int4", "gguf") and v.get("decode_tokens_per_s")
+    ]
+    if results["conditions"].get("quantization_method") in ("int4", "gguf"):
+        four_bit.append(results["decode_batch1"].get("tokens_per_s") or 0.0)
+    if peer and four_bit:
+        vs_peer = max(four_bit) / peer
+        rows.append(
+            (
+                "4-bit batch-1 decode (best of int4 / gguf) ÷ llama.cpp Q4_1's",
+                vs_peer,
+                TARGETS["int4_vs_llama_cpp"],
+                vs_peer >= TARGETS["int4_vs_llama_cpp"],
+            )
+        )
     by_name = {v["name"]: v for v in results.get("variants", {}).get("rows", [])}
     int8_decode = by_name.get("float32 + int8", {}).get("decode_vs_float32")
     if int8_decode is not None:
@@ -1368,6 +1432,8 @@ def format_results(r: dict) -> str:
         lines += ["", *format_spec_decode(r["spec_decode"])]
     if "variants" in r:
         lines += ["", *format_variants(r["variants"])]
+    if "llama_cpp" in r:
+        lines += format_llama_cpp(r["llama_cpp"], r)
     if "parallel" in r:
         from engine.parallel_bench import format_parallel
 

@@ -44,6 +44,28 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
+def descendants_cpu_seconds(root: int) -> float:
+    """CPU seconds of every live process below `root` (here: the headless Chromium's browser,
+    GPU and renderer processes under this script): what the learners' browsers cost."""
+    parent: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    total = 0.0
+    for pid in parent:
+        p, seen = pid, 0
+        while p in parent and p != root and seen < 64:
+            p, seen = parent[p], seen + 1
+        if p == root and pid != root:
+            try:
+                total += cpu_seconds(pid)
+            except (OSError, ValueError, IndexError):
+                pass
+    return total
+
+
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -93,12 +115,32 @@ async def _wait_run(page, timeout_ms: int) -> None:
     await page.wait_for_selector(IDLE, timeout=timeout_ms)
 
 
+# Armed before the click, in the page: resolves when the app's script state has gone to
+# "running" and back to "notRunning". A MutationObserver sees every change of the attribute, so a
+# run that starts and ends between two polls is not missed (polling for "running" first, as
+# _wait_run does, waits out its 1.5 s timeout when the run was already over).
+_ARM_RUN_WATCH = """() => {
+  const app = document.querySelector("[data-testid='stApp']");
+  window.__llmLabRunDone = new Promise((resolve) => {
+    let ran = false;
+    const observer = new MutationObserver(() => {
+      const state = app.getAttribute("data-test-script-state");
+      if (state === "running") ran = true;
+      else if (ran && state === "notRunning") { observer.disconnect(); resolve(); }
+    });
+    observer.observe(app, {attributes: true, attributeFilter: ["data-test-script-state"]});
+  });
+}"""
+
+
 async def _click(page, name: str, timeout_ms: int) -> float:
+    """Seconds from the click until the app is idle again after the run the click started."""
     button = page.get_by_role("button", name=name, exact=True).first
     await button.scroll_into_view_if_needed()
+    await page.evaluate(_ARM_RUN_WATCH)
     t0 = time.perf_counter()
     await button.click()
-    await _wait_run(page, timeout_ms)
+    await asyncio.wait_for(page.evaluate("window.__llmLabRunDone"), timeout_ms / 1000)
     return time.perf_counter() - t0
 
 
@@ -229,11 +271,12 @@ async def classroom(
         while sum(1 for lr in loaded if lr.load_s) < learners and not all(t.done() for t in tasks):
             await asyncio.sleep(0.2)
         await asyncio.sleep(1.0)
-        cpu0, t0 = cpu_seconds(pid), time.perf_counter()
+        me = os.getpid()
+        cpu0, t0, client0 = cpu_seconds(pid), time.perf_counter(), descendants_cpu_seconds(me)
         go.set()
         while any(len(lr.clicks_s) < steps and not lr.errors for lr in loaded):
             await asyncio.sleep(0.1)
-        cpu1, t1 = cpu_seconds(pid), time.perf_counter()
+        cpu1, t1, client1 = cpu_seconds(pid), time.perf_counter(), descendants_cpu_seconds(me)
         result["rss_peak_mb"] = rss_mb(pid)
         closing.set()
         await asyncio.gather(*tasks)
@@ -246,6 +289,8 @@ async def classroom(
         wave_wall_s=t1 - t0,
         server_cpu_s=cpu1 - cpu0,
         server_cpu_per_click_s=(cpu1 - cpu0) / max(len(clicks), 1),
+        client_cpu_per_click_s=(client1 - client0) / max(len(clicks), 1),
+        clicks_s=sorted(round(c, 3) for c in clicks),
         page_load_p50_s=percentile([lr.load_s for lr in loaded if lr.load_s], 0.5),
         errors={lr.index: lr.errors for lr in loaded if lr.errors},
         isolation_ok=all(
@@ -276,6 +321,8 @@ def report(r: dict) -> str:
         f"  server CPU     {r['server_cpu_s']:.1f} s over {r['wave_wall_s']:.1f} s wall = "
         f"{r['server_cpu_per_click_s']:.3f} CPU-s per click "
         f"(one learner alone: {r['one_learner_cpu_per_click_s']:.3f})",
+        f"  browsers' CPU  {r['client_cpu_per_click_s']:.3f} CPU-s per click (the headless "
+        "Chromium processes of this script, on the same cores)",
         "  load average   "
         + " → ".join(
             "/".join(f"{x:.1f}" for x in r[k]) for k in ("load_average_start", "load_average_wave")

@@ -353,3 +353,21 @@ def test_a_learner_gets_a_lazy_engine_admitted_and_released_on_reset(
     assert not engine.executor.worker.kv_allocated  # the old engine's KV went back at once
     fresh = at.session_state["_engines"]["main"]["engine"]
     assert fresh is not engine and r.usage()[0] == 1
+
+
+def test_several_clicking_learners_get_one_thread_per_step(monkeypatch):
+    """A lone learner's step uses torch's threads; two learners clicking within the window get one
+    each; a learner who stopped clicking no longer counts; a number in the environment wins."""
+    monkeypatch.delenv("LLM_LAB_STEP_THREADS", raising=False)
+    r, clock, _, _ = make_registry()
+    r.touch("a/1")
+    assert r.active_sessions() == 1
+    assert reg.step_threads(r.active_sessions()) == reg.DEFAULT_THREADS
+    r.touch("b/1")
+    assert reg.step_threads(r.active_sessions()) == 1
+    clock.now += reg.ACTIVE_WINDOW_S + 1
+    r.touch("b/1")
+    assert r.active_sessions() == 1
+    assert reg.step_threads(r.active_sessions()) == reg.DEFAULT_THREADS
+    assert reg.step_threads(5, "3") == 3
+    assert reg.step_threads(1, "nonsense") == reg.DEFAULT_THREADS

@@ -27,6 +27,7 @@ from engine.core import EngineCore
 from engine.trace import StepRecord
 from ui import figures
 from ui.errors import show_error
+from ui.registry import apply_step_threads
 from ui.experiments.common import Workload, WorkloadFeeder
 from ui.session import (
     conditions_of,
@@ -100,6 +101,7 @@ def has_work(engine: EngineCore, feeder: WorkloadFeeder | None) -> bool:
 
 def step_once(key: str, engine: EngineCore, feeder: WorkloadFeeder | None) -> StepRecord | None:
     """One step of one engine (through its workload feeder if it has one); recorded."""
+    apply_step_threads()  # one thread per step while several learners click (ui/registry.py)
     if feeder is not None:
         record = feeder.step()
     elif engine.has_unfinished_requests():
