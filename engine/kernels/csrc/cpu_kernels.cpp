@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -62,7 +63,42 @@ inline void axpy(float* y, float a, const float* x, int64_t n) {
 //
 // One work item = one tile x one KV head. The query heads that share the KV head (grouped-query
 // attention) are handled together, so every K and V row is read once per tile, straight from its
-// block: no copy of the context is ever made.
+// block: no copy of the context is ever made. Keys are walked block by block (one table lookup per
+// block, no division per key), the queries are copied next to each other and pre-scaled, and the
+// softmax's exponentials run vectorised (exp_nonpositive below).
+
+namespace {
+
+// exp(x) for x <= 0, as the softmax needs it after subtracting the maximum: 2^(x log2 e) split
+// into 2^n (written into the float's exponent bits) times 2^f, f in [-0.5, 0.5], by its Taylor
+// polynomial of degree 6 (relative error < 2e-7, below float32's own rounding of the sum). Plain
+// float arithmetic, so GCC vectorises the loop that calls it, which it cannot do with std::exp.
+#pragma omp declare simd notinbranch
+inline float exp_nonpositive(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float t = x * 1.44269504f;          // x in powers of two
+  const float n = std::floor(t + 0.5f);     // nearest integer
+  const float f = (t - n) * 0.693147181f;   // back to e: the remainder, |f| <= ln 2 / 2
+  float p = 1.f / 720;
+  p = p * f + 1.f / 120;
+  p = p * f + 1.f / 24;
+  p = p * f + 1.f / 6;
+  p = p * f + 0.5f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n as a float
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// Scratch of one thread, reused from item to item.
+struct AttentionScratch {
+  std::vector<float> queries, scores, acc, inv_sum;
+};
+
+}  // namespace
+
 void paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                      const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                      const torch::Tensor& tiles, double scale, torch::Tensor& out) {
@@ -98,48 +134,60 @@ void paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
     const int64_t num_keys = pos0 + num_rows;  // the last row sees this many keys
     const int64_t rows = num_rows * group;     // query vectors of this item
 
-    // Scratch per thread: scores [rows, num_keys], accumulators [rows, head_dim].
-    thread_local std::vector<float> scores, acc;
+    thread_local AttentionScratch scratch;
+    std::vector<float>& queries = scratch.queries;  // [rows, head_dim], scaled
+    std::vector<float>& scores = scratch.scores;    // [rows, num_keys]
+    std::vector<float>& acc = scratch.acc;          // [rows, head_dim]
+    std::vector<float>& inv_sum = scratch.inv_sum;  // [rows]
+    queries.resize(rows * head_dim);
     scores.resize(rows * num_keys);
     acc.assign(rows * head_dim, 0.f);
+    inv_sum.resize(rows);
 
     // Query vector r = (row i, head g of the group): q[row0 + i, h * group + g, :].
-    auto query = [&](int64_t r) {
-      return qp + ((row0 + r / group) * num_heads + h * group + r % group) * head_dim;
-    };
-    auto slot = [&](int64_t j) {  // cache row of key j: its block from the table, then the offset
-      return (static_cast<int64_t>(table[j / block_size]) * block_size + j % block_size) *
-                 token_stride + h * head_dim;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* src = qp + ((row0 + r / group) * num_heads + h * group + r % group) * head_dim;
+      float* dst = queries.data() + r * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = src[d] * fscale;
+    }
+    // Visit keys 0 .. num_keys - 1 where they lie: fn(j, offset of key j's row in the cache).
+    auto for_each_key = [&](auto&& fn) {
+      for (int64_t first = 0, b = 0; first < num_keys; first += block_size, ++b) {
+        const int64_t base = static_cast<int64_t>(table[b]) * block_size * token_stride +
+                             h * head_dim;
+        const int64_t n = std::min<int64_t>(block_size, num_keys - first);
+        for (int64_t o = 0; o < n; ++o) fn(first + o, base + o * token_stride);
+      }
     };
 
     // 1. Scores: each key is read once and dotted with every query of the tile that may see it.
-    for (int64_t j = 0; j < num_keys; ++j) {
-      const float* key = kp + slot(j);
+    for_each_key([&](int64_t j, int64_t at) {
+      const float* key = kp + at;
       const int64_t first_row = std::max<int64_t>(j - pos0, 0);  // rows before it cannot see j
       for (int64_t r = first_row * group; r < rows; ++r)
-        scores[r * num_keys + j] = dot(query(r), key, head_dim) * fscale;
-    }
+        scores[r * num_keys + j] = dot(queries.data() + r * head_dim, key, head_dim);
+    });
     // 2. Softmax of each query's scores over the keys it sees (0 .. pos0 + i).
-    std::vector<float> inv_sum(rows);
     for (int64_t r = 0; r < rows; ++r) {
       float* s = scores.data() + r * num_keys;
       const int64_t n = pos0 + r / group + 1;
       float m = -std::numeric_limits<float>::infinity();
       for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
       float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
       for (int64_t j = 0; j < n; ++j) {
-        s[j] = std::exp(s[j] - m);
+        s[j] = exp_nonpositive(s[j] - m);
         sum += s[j];
       }
       inv_sum[r] = 1.f / sum;
     }
     // 3. Weighted sum of the values, each V row read once for the whole tile.
-    for (int64_t j = 0; j < num_keys; ++j) {
-      const float* value = vp + slot(j);
+    for_each_key([&](int64_t j, int64_t at) {
+      const float* value = vp + at;
       const int64_t first_row = std::max<int64_t>(j - pos0, 0);
       for (int64_t r = first_row * group; r < rows; ++r)
         axpy(acc.data() + r * head_dim, scores[r * num_keys + j], value, head_dim);
-    }
+    });
     for (int64_t r = 0; r < rows; ++r) {
       float* o = op + ((row0 + r / group) * num_heads + h * group + r % group) * head_dim;
       const float* a = acc.data() + r * head_dim;
