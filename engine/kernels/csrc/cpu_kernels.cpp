@@ -189,6 +189,14 @@ struct Vec {
   static Vec zero() { return {_mm512_setzero_ps()}; }
   static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
   static Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a*b + c
+  static Vec set1(float f) { return {_mm512_set1_ps(f)}; }
+  // `width` packed int4 bytes -> their low (SHIFT 0) or high (SHIFT 4) nibbles as floats
+  template <int SHIFT>
+  static Vec nibbles(const uint8_t* p) {
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512i nibble = _mm512_and_si512(_mm512_srli_epi32(q, SHIFT), _mm512_set1_epi32(15));
+    return {_mm512_cvtepi32_ps(nibble)};
+  }
   float sum() const { return _mm512_reduce_add_ps(v); }
 };
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -199,6 +207,13 @@ struct Vec {
   static Vec zero() { return {_mm256_setzero_ps()}; }
   static Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
   static Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  static Vec set1(float f) { return {_mm256_set1_ps(f)}; }
+  template <int SHIFT>
+  static Vec nibbles(const uint8_t* p) {
+    const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i nibble = _mm256_and_si256(_mm256_srli_epi32(q, SHIFT), _mm256_set1_epi32(15));
+    return {_mm256_cvtepi32_ps(nibble)};
+  }
   float sum() const {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -213,6 +228,9 @@ struct Vec {
   static Vec zero() { return {0.f}; }
   static Vec load(const float* p) { return {*p}; }
   static Vec fma(Vec a, Vec b, Vec c) { return {a.v * b.v + c.v}; }
+  static Vec set1(float f) { return {f}; }
+  template <int SHIFT>
+  static Vec nibbles(const uint8_t* p) { return {static_cast<float>((*p >> SHIFT) & 15)}; }
   float sum() const { return v; }
 };
 #endif
@@ -377,17 +395,27 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
     const uint8_t* b = wp + j * (k / 2);
     const float* sc = scp + j * groups;
     const float* mn = mnp + j * groups;
+    // Vector lanes run along the group; `acc` collects scale * (x . q) of all groups lane by lane
+    // and is summed across lanes once per channel (a sum across lanes per group would cost more
+    // than the group's arithmetic). A group whose half is no multiple of the width ends in scalars.
+    Vec acc = Vec::zero();
     float total = 0.f;
     for (int64_t g = 0; g < groups; ++g, b += half) {
       const float* lo = x0 + g * group_size;
       const float* hi = lo + half;
-      float a = 0.f;
-#pragma omp simd reduction(+ : a)
-      for (int64_t e = 0; e < half; ++e)
-        a += lo[e] * static_cast<float>(b[e] & 0x0F) + hi[e] * static_cast<float>(b[e] >> 4);
-      total += sc[g] * a + mn[g] * xsum[g];
+      Vec a = Vec::zero();
+      int64_t e = 0;
+      for (; e + Vec::width <= half; e += Vec::width) {
+        a = Vec::fma(Vec::load(lo + e), Vec::nibbles<0>(b + e), a);
+        a = Vec::fma(Vec::load(hi + e), Vec::nibbles<4>(b + e), a);
+      }
+      float tail = 0.f;
+      for (; e < half; ++e)
+        tail += lo[e] * static_cast<float>(b[e] & 0x0F) + hi[e] * static_cast<float>(b[e] >> 4);
+      acc = Vec::fma(Vec::set1(sc[g]), a, acc);
+      total += sc[g] * tail + mn[g] * xsum[g];
     }
-    return total;
+    return total + acc.sum();
   };
   return quantized_linear(x, n, bias, widen, dot1);
 }
