@@ -299,6 +299,8 @@ def test_int8_engine_greedy_tokens_equal_on_both_paths(ext, make_engine):
     outputs = {}
     for mode in ("torch", "auto"):
         engine = make_engine(quantization="int8", kernels=mode)
+        path = engine.executor.worker.model.linear_kernel_path
+        assert path == ("cpu" if mode == "auto" else "torch")
         outputs[mode] = _greedy_batch(engine, PROMPTS, 16) + _greedy_batch(engine, PROMPTS[:1], 16)
     assert outputs["auto"] == outputs["torch"]
     assert all(len(tokens) == 16 for tokens in outputs["auto"])
