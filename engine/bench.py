@@ -557,8 +557,13 @@ def run_latency(engine, workload: list[WorkItem], rates: list[float], seed: int)
 
 def measure_linear_kernels(model, repeats: int) -> dict:
     """Every layer's weight matrices (qkv, o, gate_up, down of all layers; not the embedding or
-    the output layer) through each kernel: GB/s of weights streamed at 1 row (a decode step at
-    batch 1) and GFLOP/s at 32 rows (a decode step at batch 32). CPU only."""
+    the output layer) through each path: GB/s of weights streamed at 1 row (a decode step at
+    batch 1: the path's own weight bytes ÷ time) and GFLOP/s at 32 rows (a decode step at batch
+    32: 2 × weights × 32 ÷ time). Paths: torch's float32 (MKL's F.linear and oneDNN, the engine's
+    `linear`), bfloat16, and int8 / int4 (group 32) both through our C++ kernels ("ours") and
+    through the readable torch reference (dequantize, then F.linear) that kernels="torch" runs.
+    CPU only; the "ours" rows are left out when the extension does not build."""
+    from engine import kernels as kernel_lib
     from engine.kernels.quant import quantize_int4, quantize_int8, quantized_linear
     from engine.models.llama import ONEDNN_LINEAR, linear
 
@@ -567,22 +572,27 @@ def measure_linear_kernels(model, repeats: int) -> dict:
     bf16 = [m.to(torch.bfloat16) for m in mats]
     q8 = [quantize_int8(m) for m in mats]
     q4 = [quantize_int4(m, 32) for m in mats]
+    q8_bytes, q4_bytes = sum(q.nbytes() for q in q8), sum(q.nbytes() for q in q4)
+    ext = kernel_lib.load()
     variants = {  # name: (one call per matrix, activation dtype, weight bytes)
         "float32 F.linear (MKL)": (lambda x, i: F.linear(x, mats[i]), torch.float32, 4 * params),
-        "bfloat16 F.linear": (lambda x, i: F.linear(x, bf16[i]), torch.bfloat16, 2 * params),
-        "int8 ours": (
-            lambda x, i: quantized_linear(x, q8[i]),
-            torch.float32,
-            sum(q.nbytes() for q in q8),
-        ),
-        "int4 ours (group 32)": (
-            lambda x, i: quantized_linear(x, q4[i]),
-            torch.float32,
-            sum(q.nbytes() for q in q4),
-        ),
     }
     if ONEDNN_LINEAR:
         variants["float32 oneDNN"] = (lambda x, i: linear(x, mats[i]), torch.float32, 4 * params)
+    variants["bfloat16 F.linear"] = (lambda x, i: F.linear(x, bf16[i]), torch.bfloat16, 2 * params)
+    for fmt, label, qws, nbytes in (
+        ("int8", "", q8, q8_bytes),
+        ("int4", " (group 32)", q4, q4_bytes),
+    ):
+        for path, ext_or_none in (("ours", ext), ("torch reference", None)):
+            if path == "ours" and ext is None:
+                continue
+
+            def run(x, i, qws=qws, ext_or_none=ext_or_none):
+                return quantized_linear(x, qws[i], kernels=ext_or_none)
+
+            name = f"{fmt} ours{label}" if path == "ours" else f"{fmt} torch reference"
+            variants[name] = (run, torch.float32, nbytes)
     rows = {}
     for name, (fn, dtype, nbytes) in variants.items():
         entry = {"weight_bytes": nbytes}
@@ -597,12 +607,32 @@ def measure_linear_kernels(model, repeats: int) -> dict:
         entry["gb_s_1"] = nbytes / entry["ms_1"] / 1e6
         entry["gflop_s_32"] = 2 * params * 32 / entry["ms_32"] / 1e6
         rows[name] = entry
-    best_f32 = min(v["ms_1"] for k, v in rows.items() if k.startswith("float32"))
+    float32_ms = [v for k, v in rows.items() if k.startswith("float32")]
+    best_f32 = {b: min(v[f"ms_{b}"] for v in float32_ms) for b in (1, 32)}
+
+    def ratio(a: str, b: str | None, batch: int) -> float | None:
+        """How many times faster `a` runs than `b` (None: the best float32), None if missing."""
+        if a not in rows:
+            return None
+        return (rows[b][f"ms_{batch}"] if b else best_f32[batch]) / rows[a][f"ms_{batch}"]
+
+    ours = {  # format: (our kernel's row, its torch reference's row)
+        "int8": ("int8 ours", "int8 torch reference"),
+        "int4": ("int4 ours (group 32)", "int4 torch reference"),
+    }
     return {
         "params": params,
         "kernels": rows,
-        "int8_speedup_vs_float32_1row": best_f32 / rows["int8 ours"]["ms_1"],
-        "int4_speedup_vs_float32_1row": best_f32 / rows["int4 ours (group 32)"]["ms_1"],
+        "extension": kernel_lib.describe("cpu" if ext is not None else "torch"),
+        "int8_speedup_vs_float32_1row": ratio("int8 ours", None, 1),
+        "int4_speedup_vs_float32_1row": ratio("int4 ours (group 32)", None, 1),
+        # ours ÷ the torch reference of the same format, and ÷ the best float32, at 1 and 32 rows
+        "ours_vs_reference": {
+            fmt: {f"rows_{b}": ratio(a, ref, b) for b in (1, 32)} for fmt, (a, ref) in ours.items()
+        },
+        "ours_vs_float32": {
+            fmt: {f"rows_{b}": ratio(a, None, b) for b in (1, 32)} for fmt, (a, _) in ours.items()
+        },
         "method": f"{len(mats)} layer matrices, {params / 1e6:.1f} M weights; best of {repeats}",
         "kind": "measured",
     }
@@ -1449,7 +1479,7 @@ def format_kernels(k: dict | None) -> list[str]:
     lines = [
         "",
         f"6. Kernels ({lin['method']})",
-        f"  {'kernel':<24}{'weights MB':>11}{'1 row ms':>10}{'GB/s':>8}"
+        f"  {'path':<24}{'weights MB':>11}{'1 row ms':>10}{'GB/s':>8}"
         f"{'32 rows ms':>12}{'GFLOP/s':>9}",
     ]
     for name, e in lin["kernels"].items():
@@ -1457,10 +1487,17 @@ def format_kernels(k: dict | None) -> list[str]:
             f"  {name:<24}{e['weight_bytes'] / 1e6:11.1f}{e['ms_1']:10.1f}"
             f"{e['gb_s_1']:8.1f}{e['ms_32']:12.1f}{e['gflop_s_32']:9.1f}"
         )
-    lines.append(
-        f"  1 row, vs the best float32: int8 {lin['int8_speedup_vs_float32_1row']:.2f}×, "
-        f"int4 {lin['int4_speedup_vs_float32_1row']:.2f}×"
-    )
+    if lin.get("extension"):
+        lines.append(f"  our kernels: {lin['extension']}")
+    for fmt in ("int8", "int4"):
+        vs_ref = lin.get("ours_vs_reference", {}).get(fmt, {})
+        vs_f32 = lin.get("ours_vs_float32", {}).get(fmt, {})
+        lines.append(
+            f"  {fmt} ours, 1 row / 32 rows: {_fmt(vs_ref.get('rows_1'), '.2f')}× / "
+            f"{_fmt(vs_ref.get('rows_32'), '.2f')}× its torch reference's speed, "
+            f"{_fmt(vs_f32.get('rows_1'), '.2f')}× / {_fmt(vs_f32.get('rows_32'), '.2f')}× "
+            "the best float32's"
+        )
     a = k["attention"]
     kernel = f"our kernel {a['kernel_ms']:.1f} ms" if "kernel_ms" in a else "kernel unavailable"
     lines.append(

@@ -21,11 +21,12 @@ weight j low and weight j + 16 high), so only the float16 d and m widen to float
 stores Q and K rows permuted for its rope layout and the rows are put back in Hugging Face order.
 Engine and llama.cpp then multiply by literally the same 4-bit numbers.
 
-Where it runs: on a CPU our C++ kernels (float32 inside; bfloat16/float16 activations are widened
-per call); on CUDA, or where the kernels do not build, the reference path (dequantize, then the
-ordinary matmul in the compute dtype): correct everywhere, but on CUDA it cannot beat plain
-bfloat16 (it writes a float copy of each matrix every step; not measured here). Activations and
-the KV cache stay in the compute dtype.
+Where it runs: with EngineConfig(kernels="auto") on a CPU, our C++ kernels (float32 inside;
+bfloat16/float16 activations are widened per call); with kernels="torch", on CUDA, or where the
+kernels do not build, the reference path (dequantize, then the ordinary matmul in the compute
+dtype): correct everywhere, but on CUDA it cannot beat plain bfloat16 (it writes a float copy of
+each matrix every step; not measured here). Activations and the KV cache stay in the compute
+dtype.
 """
 
 from __future__ import annotations

@@ -4,8 +4,10 @@
   random flat batches (decodes, first prefill chunks, chunks after a cached prefix), shuffled
   non-contiguous block tables, GQA ratios 1, 3, 4, context lengths 1, block boundary ± 1 and
   several hundred, with junk in every cache slot nobody owns;
-- int8 / int4 weight-only linear against dequantize-then-matmul;
-- the fallback: "torch" never uses the extension, a failed build leaves the torch path;
+- int8 / int4 weight-only linear against dequantize-then-matmul, every row count 1..40 (the
+  fused one-row path and the register tiles with their remainders);
+- the fallback: "torch" never uses the extension, a failed build leaves the torch path; an
+  engine's `kernels=` setting reaches its quantized linears (spied), engines side by side;
 - the whole engine: greedy tokens with kernels="auto" equal kernels="torch" token for token (slow).
 
 The extension is built once per session (a minute or two on 2 cores the very first time, then
@@ -157,35 +159,56 @@ def test_int4_packing_puts_the_group_halves_in_the_two_nibbles():
     assert q4.packed[0, 0].item() == expected[0] | (expected[16] << 4)
 
 
+def _check_quantized_linear(ext, rows, out_features, in_features, group_size, bits, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=g) * 0.05
+    x = torch.randn(rows, in_features, generator=g)
+    b = torch.randn(out_features, generator=g) if bias else None
+    qw = quantize_int8(w) if bits == 8 else quantize_int4(w, group_size)
+    torch.testing.assert_close(
+        quantized_linear(x, qw, b, kernels=ext), reference_linear(x, qw, b), atol=1e-4, rtol=1e-4
+    )
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_linear_every_row_count_from_1_to_40(ext, bits):
+    """Batch 1 takes the fused path; 2..40 rows the register tiles (4 rows × a few channels), so
+    every remainder of rows modulo the tile shows up, with output channels that end mid-tile and
+    mid-work-item (37) and, for int8, an input width that ends mid-vector (83 = 5 × 16 + 3); for
+    int4 odd numbers of groups (3 × 16, and 5 × 6 whose half-groups of 3 nibbles are odd)."""
+    for rows in range(1, 41):
+        if bits == 8:
+            _check_quantized_linear(ext, rows, 37, 83, 0, 8, rows % 2 == 0, seed=rows)
+        else:
+            _check_quantized_linear(ext, rows, 37, 48, 16, 4, rows % 2 == 0, seed=rows)
+            _check_quantized_linear(ext, rows, 21, 30, 6, 4, rows % 3 == 0, seed=rows + 100)
+
+
 @HYPOTHESIS
 @given(
     rows=st.integers(1, 40),
     out_features=st.integers(1, 300),
-    groups=st.integers(1, 24),
-    group_size=st.sampled_from([32, 64, 16]),
+    groups=st.integers(1, 25),
+    group_size=st.sampled_from([32, 64, 16, 6, 2]),
     bits=st.sampled_from([8, 4]),
+    int8_width=st.integers(1, 400),
     with_bias=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_quantized_linear_matches_dequantize_then_matmul(
-    ext, rows, out_features, groups, group_size, bits, with_bias, seed
+    ext, rows, out_features, groups, group_size, bits, int8_width, with_bias, seed
 ):
-    g = torch.Generator().manual_seed(seed)
-    in_features = groups * group_size
-    w = torch.randn(out_features, in_features, generator=g) * 0.05
-    x = torch.randn(rows, in_features, generator=g)
-    bias = torch.randn(out_features, generator=g) if with_bias else None
-    qw = quantize_int8(w) if bits == 8 else quantize_int4(w, group_size)
-    torch.testing.assert_close(
-        quantized_linear(x, qw, bias), reference_linear(x, qw, bias), atol=1e-4, rtol=1e-4
-    )
+    """Random shapes: row counts 1..40 (tile remainders), odd and even group counts, int8 input
+    widths that are no multiple of the vector width."""
+    in_features = groups * group_size if bits == 4 else int8_width
+    _check_quantized_linear(ext, rows, out_features, in_features, group_size, bits, with_bias, seed)
 
 
 def test_quantized_linear_keeps_leading_dimensions(ext):
     w = torch.randn(24, 64)
     x = torch.randn(2, 3, 64)
     for qw in (quantize_int8(w), quantize_int4(w)):
-        y = quantized_linear(x, qw)
+        y = quantized_linear(x, qw, kernels=ext)
         assert y.shape == (2, 3, 24)
         torch.testing.assert_close(y, reference_linear(x, qw), atol=1e-4, rtol=1e-4)
 
@@ -218,6 +241,78 @@ def test_a_failed_build_falls_back_to_torch(monkeypatch, caplog):
     caplog.clear()
     assert kernels.load() is None  # not tried again, not logged again
     assert caplog.text == ""
+
+
+@pytest.fixture
+def spy(ext, monkeypatch):
+    """Counts calls of the compiled int8/int4 linears (the model holds this same module)."""
+    calls = {"int8_linear": 0, "int4_linear": 0}
+    for name in calls:
+        real = getattr(ext, name)
+
+        def counting(*args, name=name, real=real):
+            calls[name] += 1
+            return real(*args)
+
+        monkeypatch.setattr(ext, name, counting)
+    return calls
+
+
+def _greedy_batch(engine, prompts: list[str], n: int) -> list[list[int]]:
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    requests = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished_requests():
+        engine.step()
+    return [list(r.output_token_ids) for r in requests]
+
+
+PROMPTS = ["모델의 가중치는", "The KV cache holds", "블록 테이블"]
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_kernels_setting_reaches_the_quantized_linears(ext, spy, make_engine, quantization):
+    """kernels="torch" and "auto" engines side by side in one process, sharing one quantized
+    model: the torch one never calls the compiled int8/int4 ops, the auto one does, and running
+    the auto engine does not switch the torch one over (no process-wide setting)."""
+    op = "int8_linear" if quantization == "int8" else "int4_linear"
+    torch_engine = make_engine(quantization=quantization, kernels="torch")
+    auto_engine = make_engine(quantization=quantization, kernels="auto")
+    torch_model = torch_engine.executor.worker.model
+    auto_model = auto_engine.executor.worker.model
+    assert torch_model.w["0.qkv"] is auto_model.w["0.qkv"]  # the same packed weights
+    assert (torch_model.linear_kernel_path, auto_model.linear_kernel_path) == ("torch", "cpu")
+
+    _greedy_batch(torch_engine, PROMPTS, 4)
+    assert spy[op] == 0
+    _greedy_batch(auto_engine, PROMPTS, 4)
+    after_auto = spy[op]
+    assert after_auto > 0
+    _greedy_batch(torch_engine, PROMPTS[:1], 4)
+    assert spy[op] == after_auto
+
+
+def test_int8_engine_greedy_tokens_equal_on_both_paths(ext, make_engine):
+    """The tiny model in int8: a batch of three (prefill and decode through the register tiles)
+    and one request alone (the fused one-row path): the same greedy tokens on both paths."""
+    outputs = {}
+    for mode in ("torch", "auto"):
+        engine = make_engine(quantization="int8", kernels=mode)
+        path = engine.executor.worker.model.linear_kernel_path
+        assert path == ("cpu" if mode == "auto" else "torch")
+        outputs[mode] = _greedy_batch(engine, PROMPTS, 16) + _greedy_batch(engine, PROMPTS[:1], 16)
+    assert outputs["auto"] == outputs["torch"]
+    assert all(len(tokens) == 16 for tokens in outputs["auto"])
+
+
+def test_resolve_linear_serves_bfloat16_on_a_cpu_and_nothing_in_torch_mode():
+    assert kernels.resolve_linear("torch", torch.device("cpu"), torch.float32) == "torch"
+    assert kernels.resolve_linear("auto", torch.device("cuda"), torch.bfloat16) == "torch"
+    expected = "cpu" if kernels.load() is not None else "torch"
+    assert kernels.resolve_linear("auto", torch.device("cpu"), torch.bfloat16) == expected
+    with pytest.raises(ValueError):
+        kernels.resolve_linear("fast", torch.device("cpu"), torch.float32)
 
 
 # -- the whole engine -----------------------------------------------------------------------

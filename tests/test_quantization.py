@@ -126,16 +126,20 @@ def test_dequantized_rows_are_the_rows_of_the_dequantized_matrix():
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_quantized_linear_matches_the_reference_in_float32_and_bfloat16(fmt, dtype):
     """The C++ kernel computes in float32; bfloat16 activations are widened and narrowed around
-    it. Either way it agrees with dequantize + matmul in that dtype."""
+    it. Either way (and on the reference path, kernels=None) it agrees with dequantize + matmul
+    in float32."""
+    from engine import kernels
+
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(48, 64, generator=gen)
     qw = quantize_int8(w) if fmt == "int8" else quantize_int4(w, 32)
     x = torch.randn(5, 64, generator=gen).to(dtype)
-    y = quantized_linear(x, qw)
-    assert y.dtype == dtype and y.shape == (5, 48)
     ref = reference_linear(x.float(), qw)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
-    assert torch.allclose(y.float(), ref, atol=tol * ref.abs().max().item(), rtol=0)
+    for ext in {kernels.load(), None}:
+        y = quantized_linear(x, qw, kernels=ext)
+        assert y.dtype == dtype and y.shape == (5, 48)
+        assert torch.allclose(y.float(), ref, atol=tol * ref.abs().max().item(), rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,8 +7,12 @@ What it holds (engine/kernels/csrc/cpu_kernels.cpp):
   defined in engine/kernels/quant.py next to their pure-torch reference.
 
 The pure-torch code stays the reference and the fallback. `EngineConfig(kernels="auto")` uses the
-compiled kernels when they build (CPU, float32); "torch" never does. A machine without a compiler
-still works: the failed build is logged once and the torch path runs.
+compiled kernels when they build (attention: CPU, float32; the quantized linears: CPU, any float
+activation dtype); "torch" never does. The choice is made per engine (`resolve`,
+`resolve_linear`; engine/models/llama.py `LlamaModel.with_kernels` keeps the result on the
+engine's model), never by a process-wide switch: the app runs "auto" and "torch" engines side by
+side. A machine without a compiler still works: the failed build is logged once and the torch
+path runs.
 
 The build uses torch.utils.cpp_extension (g++ and ninja) with -O3 -march=native, in a cache
 directory keyed by the CPU's instruction-set flags and the torch version, so a binary built on an
@@ -121,6 +125,21 @@ def resolve(mode: str, device: torch.device, dtype: torch.dtype) -> str:
     if mode not in KERNEL_MODES:
         raise ValueError(f"kernels must be one of {KERNEL_MODES}, not {mode!r}")
     if mode == "torch" or device.type != "cpu" or dtype != torch.float32:
+        return "torch"
+    return "cpu" if load() is not None else "torch"
+
+
+LINEAR_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def resolve_linear(mode: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Which path the weight-only int8/int4 linears take: "cpu" (our C++ kernels) or "torch"
+    (dequantize, then an ordinary matmul: engine/kernels/quant.py `reference_linear`). The
+    kernels compute in float32, so on a CPU they also serve bfloat16 and float16 activations
+    (widened on the way in, narrowed on the way out)."""
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"kernels must be one of {KERNEL_MODES}, not {mode!r}")
+    if mode == "torch" or device.type != "cpu" or dtype not in LINEAR_KERNEL_DTYPES:
         return "torch"
     return "cpu" if load() is not None else "torch"
 

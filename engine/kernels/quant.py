@@ -129,22 +129,25 @@ def reference_linear(
 
 
 def quantized_linear(
-    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None, kernels=None
 ) -> torch.Tensor:
-    """y = x @ Wᵀ (+ bias) with a quantized W: our kernel on a CPU, else the reference.
-    x may have any leading dimensions ([..., in]). The kernel computes in float32: bfloat16 or
-    float16 activations are widened on the way in and narrowed on the way out (a few KB per decode
-    step; the weights, the bytes that matter, are read once either way)."""
-    from engine import kernels
-
-    on_cpu = x.is_cpu and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-    module = kernels.load() if on_cpu else None
-    if module is None:
+    """y = x @ Wᵀ (+ bias) with a quantized W. x may have any leading dimensions ([..., in]).
+    `kernels`: the compiled extension (engine.kernels.load()) to run our C++ kernel, None for the
+    reference above; the caller chooses (a model resolves it once per engine, see
+    engine/kernels/__init__.py `resolve_linear`). Off a CPU, or in a dtype the kernel does not
+    take, the reference runs whatever `kernels` is. The kernel computes in float32: bfloat16 or
+    float16 activations are widened on the way in and narrowed on the way out (a few KB per
+    decode step; the weights, the bytes that matter, are read once either way)."""
+    if (
+        kernels is None
+        or not x.is_cpu
+        or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+    ):
         return reference_linear(x, qw, bias)
     x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
     b = bias.float().contiguous() if bias is not None else None
     if isinstance(qw, Int8Weight):
-        y = module.int8_linear(x2, qw.qweight, qw.scales, b)
+        y = kernels.int8_linear(x2, qw.qweight, qw.scales, b)
     else:
-        y = module.int4_linear(x2, qw.packed, qw.scales, qw.mins, qw.group_size, b)
+        y = kernels.int4_linear(x2, qw.packed, qw.scales, qw.mins, qw.group_size, b)
     return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)

@@ -104,12 +104,14 @@ def _onednn_linear_works() -> bool:
 ONEDNN_LINEAR = _onednn_linear_works()
 
 
-def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, kernels=None) -> torch.Tensor:
     """A linear layer, y = x @ Wᵀ (+ bias), with W as checkpoints store it: [out, in].
     One matmul for all tokens of the step. W may also be a weight-only int8/int4 quantized matrix
-    (engine/kernels/quant.py): then our kernel runs on a CPU, dequantize + matmul elsewhere."""
+    (engine/kernels/quant.py): then `kernels` (the compiled extension, or None) decides between
+    our C++ kernel and the reference, dequantize + matmul. The model passes its own choice
+    (`LlamaModel.linear_kernels`), made once per engine from EngineConfig(kernels=...)."""
     if isinstance(w, (Int8Weight, Int4Weight)):
-        return quantized_linear(x, w, bias)
+        return quantized_linear(x, w, bias, kernels)
     if ONEDNN_LINEAR and x.is_cpu and x.dtype == torch.float32:
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
     return F.linear(x, w, bias)
@@ -189,15 +191,25 @@ class LlamaModel:
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.kernel_path = "torch"  # which attention runs: "torch" (reference) or "cpu" (C++)
         self.kernels = None  # the compiled extension when kernel_path == "cpu"
+        # The same for the weight-only int8/int4 linears (they also take bfloat16 activations).
+        self.linear_kernel_path = "torch"
+        self.linear_kernels = None
 
     def with_kernels(self, mode: str) -> "LlamaModel":
-        """This model (same weight tensors, no copy) with its attention on our C++ kernels
-        (mode "auto", when they build and apply: CPU, float32) or on the torch reference ("torch").
-        A shallow copy, so that engines sharing one set of weights may each choose."""
+        """This model (same weight tensors, no copy) with its attention and its quantized
+        linears on our C++ kernels (mode "auto", when they build and apply: CPU; float32 for the
+        attention) or on the torch reference ("torch"). A shallow copy, so that engines sharing
+        one set of weights may each choose: the choice lives on the copy, not in a global."""
         model = copy.copy(self)
         model.kernel_path = kernel_lib.resolve(mode, self.device, self.dtype)
         model.kernels = kernel_lib.load() if model.kernel_path == "cpu" else None
         logger.info("kernels=%r: %s", mode, kernel_lib.describe(model.kernel_path))
+        if getattr(self, "quantization", None):  # set by engine/quantization.py quantize_model
+            model.linear_kernel_path = kernel_lib.resolve_linear(mode, self.device, self.dtype)
+            model.linear_kernels = kernel_lib.load() if model.linear_kernel_path == "cpu" else None
+            logger.info("kernels=%r: quantized linears on %s", mode, model.linear_kernel_path)
+        else:  # float weights: no quantized linear to run (and nothing to build for bfloat16)
+            model.linear_kernel_path, model.linear_kernels = "torch", None
         return model
 
     # -- loading -----------------------------------------------------------------------------
@@ -295,7 +307,7 @@ class LlamaModel:
             )
             h = h + self.mlp(i, rms_norm(h, w[f"{i}.post_norm"], cfg.rms_norm_eps))
         h = rms_norm(h[logits_indices], w["final_norm"], cfg.rms_norm_eps)
-        return linear(h, w["lm_head"]).float()
+        return linear(h, w["lm_head"], kernels=self.linear_kernels).float()
 
     def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [tokens, d/2]
@@ -308,19 +320,19 @@ class LlamaModel:
         self, i: int, x, cos, sin, kv_cache, attn_meta: AttentionMetadata
     ) -> torch.Tensor:
         cfg, w = self.cfg, self.w
-        qkv = linear(x, w[f"{i}.qkv"], w.get(f"{i}.qkv_bias"))
+        qkv = linear(x, w[f"{i}.qkv"], w.get(f"{i}.qkv_bias"), self.linear_kernels)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # Queries and keys are rotated alike, so all their heads are rotated in one call.
         qk = apply_rope(qk.view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn_meta, self.scale, self.kernels)
-        return linear(o.flatten(1), w[f"{i}.o"])
+        return linear(o.flatten(1), w[f"{i}.o"], kernels=self.linear_kernels)
 
     def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU: down(silu(gate(x)) * up(x))."""
-        gate, up = linear(x, self.w[f"{i}.gate_up"]).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.w[f"{i}.down"])
+        gate, up = linear(x, self.w[f"{i}.gate_up"], kernels=self.linear_kernels).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.w[f"{i}.down"], kernels=self.linear_kernels)
 
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int

@@ -7,7 +7,10 @@
 // (the build directory is keyed by the CPU's flags, so a binary never runs on a CPU it was not
 // built for); `#pragma omp simd reduction` tells GCC it may reorder the float sums of a dot
 // product, which it otherwise must not do, and is what turns them into AVX2 / AVX-512 code.
-// Threads come from PyTorch's own pool (at::parallel_for), so torch.set_num_threads applies.
+// The one exception is the register tile of the multi-row quantized linear, written with
+// AVX-512 / AVX2 intrinsics (a scalar fallback beside them) because its point is which values
+// stay in registers. Threads come from PyTorch's own pool (at::parallel_for), so
+// torch.set_num_threads applies.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -19,6 +22,10 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -198,63 +205,155 @@ void paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
 
 // ---------------------------------------------------------------------------------------------
 // Weight-only int8 and int4 linear layers: y = x @ W^T (+ bias) with W stored quantized.
-// Activations stay float32. Each work item takes ROWS_PER_ITEM output channels; for each one it
-// widens the quantized weight row into a float row in L1 (K floats), then dots it with every
-// activation row, four at a time (the float row is loaded once for four dot products). A decode
-// step is bound by reading the weights from memory, and the quantized row is all that is read:
-// 1 byte per weight for int8, 0.5 byte (+ 8 bytes per group) for int4.
+// Activations stay float32. A work item is ITEM_CHANNELS output channels.
+//
+// One activation row (a decode step at batch 1) is bound by reading the weights from memory: each
+// channel's quantized bytes are read once and widened in registers inside the dot product (dot1).
+//
+// Several rows (2..32: a batched decode step; more: a prefill chunk) are a small matrix multiply.
+// The item first widens its channels into float rows (ITEM_CHANNELS x k floats, in L1 or L2;
+// each quantized byte is read once per call), then walks the activation rows TILE_M at a time,
+// and for each such row tile runs register tiles over the widened channels: TILE_M rows x
+// TILE_N channels, TILE_M * TILE_N accumulators that stay in vector registers while the input
+// dimension k runs. Each step loads TILE_M activation vectors and TILE_N weight vectors for
+// TILE_M * TILE_N fused multiply-adds, so a weight vector serves TILE_M rows and an activation
+// vector TILE_N channels (a plain dot product loads two vectors per multiply-add and is bound by
+// loads, not arithmetic).
+//
+// Vector width and tile shape follow the instruction set the file is compiled for (-march=native,
+// the build directory keyed by the CPU's flags): AVX-512 (16 floats, 32 registers: a 4 x 4 tile),
+// AVX2 + FMA (8 floats, 16 registers: 4 x 2, so that 8 accumulators + 2 weight vectors + 1
+// activation vector fit), otherwise one float (the compiler's scalar code, still correct).
 
 namespace {
-constexpr int64_t ROWS_PER_ITEM = 16;  // output channels per work item
+constexpr int64_t ITEM_CHANNELS = 16;  // output channels per work item
+constexpr int TILE_M = 4;              // activation rows per register tile
 
-// s[r] = dot(x row r, w) for r < m (m <= 4); rows of x are ldx floats apart.
-inline void dot4(const float* x, int64_t ldx, int64_t m, const float* w, int64_t k, float* s) {
-  if (m == 1) {
-    s[0] = dot(x, w, k);
-    return;
+#if defined(__AVX512F__)
+constexpr int TILE_N = 4;  // output channels per register tile
+struct Vec {
+  static constexpr int64_t width = 16;
+  __m512 v;
+  static Vec zero() { return {_mm512_setzero_ps()}; }
+  static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a*b + c
+  static Vec set1(float f) { return {_mm512_set1_ps(f)}; }
+  // `width` packed int4 bytes -> their low (SHIFT 0) or high (SHIFT 4) nibbles as floats
+  template <int SHIFT>
+  static Vec nibbles(const uint8_t* p) {
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512i nibble = _mm512_and_si512(_mm512_srli_epi32(q, SHIFT), _mm512_set1_epi32(15));
+    return {_mm512_cvtepi32_ps(nibble)};
   }
-  const float* x0 = x;
-  const float* x1 = x + ldx;
-  const float* x2 = x + (m > 2 ? 2 * ldx : ldx);  // repeat a valid row when m < 4
-  const float* x3 = x + (m > 3 ? 3 * ldx : ldx);
-  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-  for (int64_t i = 0; i < k; ++i) {
-    s0 += x0[i] * w[i];
-    s1 += x1[i] * w[i];
-    s2 += x2[i] * w[i];
-    s3 += x3[i] * w[i];
+  float sum() const { return _mm512_reduce_add_ps(v); }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int TILE_N = 2;
+struct Vec {
+  static constexpr int64_t width = 8;
+  __m256 v;
+  static Vec zero() { return {_mm256_setzero_ps()}; }
+  static Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  static Vec set1(float f) { return {_mm256_set1_ps(f)}; }
+  template <int SHIFT>
+  static Vec nibbles(const uint8_t* p) {
+    const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i nibble = _mm256_and_si256(_mm256_srli_epi32(q, SHIFT), _mm256_set1_epi32(15));
+    return {_mm256_cvtepi32_ps(nibble)};
   }
-  s[0] = s0, s[1] = s1, s[2] = s2, s[3] = s3;
+  float sum() const {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+};
+#else
+constexpr int TILE_N = 2;
+struct Vec {
+  static constexpr int64_t width = 1;
+  float v;
+  static Vec zero() { return {0.f}; }
+  static Vec load(const float* p) { return {*p}; }
+  static Vec fma(Vec a, Vec b, Vec c) { return {a.v * b.v + c.v}; }
+  static Vec set1(float f) { return {f}; }
+  template <int SHIFT>
+  static Vec nibbles(const uint8_t* p) { return {static_cast<float>((*p >> SHIFT) & 15)}; }
+  float sum() const { return v; }
+};
+#endif
+static_assert(ITEM_CHANNELS % TILE_N == 0, "a work item holds whole register tiles");
+
+// out[r * TILE_N + c] = dot(x row r, w row c) for r < R, c < TILE_N; x rows are ldx floats
+// apart, w rows k floats apart (the widened tile). R is a template argument so that the
+// accumulators are a fixed set of registers; rows_tile() picks R for the last, partial row tile.
+template <int R>
+void register_tile(const float* x, int64_t ldx, const float* w, int64_t k, float* out) {
+  // The loops over r and c have fixed trip counts and are unrolled, so acc[r][c] are registers.
+  Vec acc[R][TILE_N];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < TILE_N; ++c) acc[r][c] = Vec::zero();
+  int64_t i = 0;
+  for (; i + Vec::width <= k; i += Vec::width) {
+    Vec wv[TILE_N];
+#pragma GCC unroll 8
+    for (int c = 0; c < TILE_N; ++c) wv[c] = Vec::load(w + c * k + i);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const Vec xv = Vec::load(x + r * ldx + i);
+#pragma GCC unroll 8
+      for (int c = 0; c < TILE_N; ++c) acc[r][c] = Vec::fma(xv, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < TILE_N; ++c) {
+      float s = acc[r][c].sum();
+      for (int64_t t = i; t < k; ++t) s += x[r * ldx + t] * w[c * k + t];  // k % width tail
+      out[r * TILE_N + c] = s;
+    }
 }
 
-// The loop shared by both formats: widen(j, row) writes output channel j's weights as K floats.
-// dot1(j, x) (may be null) is the fused one-activation-row case: a decode step at batch 1 reads
-// each weight once, so there it is cheaper to widen inside the dot product than to store a row.
+void rows_tile(int64_t rows, const float* x, int64_t ldx, const float* w, int64_t k, float* out) {
+  static_assert(TILE_M == 4, "rows_tile dispatches 1..4 rows");
+  switch (rows) {
+    case 4: register_tile<4>(x, ldx, w, k, out); break;
+    case 3: register_tile<3>(x, ldx, w, k, out); break;
+    case 2: register_tile<2>(x, ldx, w, k, out); break;
+    default: register_tile<1>(x, ldx, w, k, out); break;
+  }
+}
+
+// The loop shared by both formats: widen(j, row) writes output channel j's weights as k floats;
+// dot1(j, x) is the fused one-activation-row case.
 template <typename Widen, typename Dot1>
 torch::Tensor quantized_linear(const torch::Tensor& x, int64_t n,
                                const c10::optional<torch::Tensor>& bias, const Widen& widen,
-                               const Dot1* dot1) {
+                               const Dot1& dot1) {
   const int64_t m = x.size(0), k = x.size(1);
   auto y = torch::empty({m, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  parallel_items((n + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM, [&](int64_t item) {
-    thread_local std::vector<float> row;
-    row.resize(k);
-    const int64_t n0 = item * ROWS_PER_ITEM, n1 = std::min(n, n0 + ROWS_PER_ITEM);
-    float s[4];
-    for (int64_t j = n0; j < n1; ++j) {
-      if (m == 1 && dot1 != nullptr) {
-        yp[j] = (*dot1)(j, xp) + (bp ? bp[j] : 0.f);
-        continue;
-      }
-      widen(j, row.data());
-      for (int64_t i = 0; i < m; i += 4) {
-        const int64_t rows = std::min<int64_t>(4, m - i);
-        dot4(xp + i * k, k, rows, row.data(), k, s);
-        for (int64_t r = 0; r < rows; ++r) yp[(i + r) * n + j] = s[r] + (bp ? bp[j] : 0.f);
+  parallel_items((n + ITEM_CHANNELS - 1) / ITEM_CHANNELS, [&](int64_t item) {
+    const int64_t n0 = item * ITEM_CHANNELS, n1 = std::min(n, n0 + ITEM_CHANNELS);
+    if (m == 1) {
+      for (int64_t j = n0; j < n1; ++j) yp[j] = dot1(j, xp) + (bp ? bp[j] : 0.f);
+      return;
+    }
+    thread_local std::vector<float> wide;  // this item's channels widened to floats, [ITEM, k]
+    wide.resize(ITEM_CHANNELS * k);
+    const int64_t channels = n1 - n0;
+    for (int64_t c = 0; c < channels; ++c) widen(n0 + c, wide.data() + c * k);
+    std::fill(wide.begin() + channels * k, wide.end(), 0.f);  // a partial last item: zero rows
+    float s[TILE_M * TILE_N];
+    for (int64_t i = 0; i < m; i += TILE_M) {  // TILE_M activation rows (they stay in L1) ...
+      const int64_t rows = std::min<int64_t>(TILE_M, m - i);
+      for (int64_t j0 = 0; j0 < channels; j0 += TILE_N) {  // ... against TILE_N channels a time
+        const int64_t cols = std::min<int64_t>(TILE_N, channels - j0);
+        rows_tile(rows, xp + i * k, k, wide.data() + j0 * k, k, s);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t c = 0; c < cols; ++c)
+            yp[(i + r) * n + n0 + j0 + c] = s[r * TILE_N + c] + (bp ? bp[n0 + j0 + c] : 0.f);
       }
     }
   });
@@ -292,7 +391,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& qweight,
     for (int64_t i = 0; i < k; ++i) s0 += x0[i] * static_cast<float>(w[i]);
     return s0 * sp[j];
   };
-  return quantized_linear(x, n, bias, widen, &dot1);
+  return quantized_linear(x, n, bias, widen, dot1);
 }
 
 // int4, group-wise with a scale and a minimum (GGUF's Q4_1 idea): in each group of G consecutive
@@ -344,19 +443,29 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
     const uint8_t* b = wp + j * (k / 2);
     const float* sc = scp + j * groups;
     const float* mn = mnp + j * groups;
+    // Vector lanes run along the group; `acc` collects scale * (x . q) of all groups lane by lane
+    // and is summed across lanes once per channel (a sum across lanes per group would cost more
+    // than the group's arithmetic). A group whose half is no multiple of the width ends in scalars.
+    Vec acc = Vec::zero();
     float total = 0.f;
     for (int64_t g = 0; g < groups; ++g, b += half) {
       const float* lo = x0 + g * group_size;
       const float* hi = lo + half;
-      float a = 0.f;
-#pragma omp simd reduction(+ : a)
-      for (int64_t e = 0; e < half; ++e)
-        a += lo[e] * static_cast<float>(b[e] & 0x0F) + hi[e] * static_cast<float>(b[e] >> 4);
-      total += sc[g] * a + mn[g] * xsum[g];
+      Vec a = Vec::zero();
+      int64_t e = 0;
+      for (; e + Vec::width <= half; e += Vec::width) {
+        a = Vec::fma(Vec::load(lo + e), Vec::nibbles<0>(b + e), a);
+        a = Vec::fma(Vec::load(hi + e), Vec::nibbles<4>(b + e), a);
+      }
+      float tail = 0.f;
+      for (; e < half; ++e)
+        tail += lo[e] * static_cast<float>(b[e] & 0x0F) + hi[e] * static_cast<float>(b[e] >> 4);
+      acc = Vec::fma(Vec::set1(sc[g]), a, acc);
+      total += sc[g] * tail + mn[g] * xsum[g];
     }
-    return total;
+    return total + acc.sum();
   };
-  return quantized_linear(x, n, bias, widen, &dot1);
+  return quantized_linear(x, n, bias, widen, dot1);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
