@@ -932,7 +932,9 @@ def run_benchmark(config: BenchConfig, log=print) -> dict:
 
     from engine import quantization as quant_lib
 
-    kernels_line = f"{config.kernels} → {kernel_lib.describe(model.kernel_path)}"
+    kernels_line = f"{config.kernels} → attention: {kernel_lib.describe(model.kernel_path)}"
+    if config.quantization:
+        kernels_line += f"; quantized linears: {kernel_lib.describe(model.linear_kernel_path)}"
     log(f"kernels: {kernels_line}")
     quantization_line = quant_lib.describe(model)
     log(f"quantization: {quantization_line}")

@@ -16,7 +16,9 @@ cached); every kernel test skips with the reason if it cannot build.
 
 from __future__ import annotations
 
+import os
 import random
+import time
 
 import pytest
 import torch
@@ -346,3 +348,16 @@ def test_engine_greedy_tokens_equal_with_and_without_kernels(ext, default_model_
         assert llm.engine.executor.worker.model.kernel_path == expected_path
         outputs[mode] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outputs["auto"] == outputs["torch"]
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
+    """A killed build leaves torch's lock file; later processes would wait on it forever."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    kernels._clear_stale_lock(tmp_path)
+    assert lock.exists()  # a build may be running now
+    old = time.time() - kernels.STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    kernels._clear_stale_lock(tmp_path)
+    assert not lock.exists()
+    kernels._clear_stale_lock(tmp_path)  # nothing there: nothing to do

@@ -28,6 +28,7 @@ import os
 import sys
 import platform
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -88,6 +89,7 @@ def load() -> ModuleType | None:
             _put_venv_tools_on_path()
             directory = build_dir()
             directory.mkdir(parents=True, exist_ok=True)
+            _clear_stale_lock(directory)
             flags = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
             _module = cpp_extension.load(
                 name="llm_lab_cpu_kernels",
@@ -105,6 +107,23 @@ def load() -> ModuleType | None:
                 "kernels: the C++ extension did not build (%s); using the torch path", _error
             )
         return _module
+
+
+STALE_LOCK_S = 600  # a build takes about a minute on 2 cores; a lock this old has no builder
+
+
+def _clear_stale_lock(directory: Path) -> None:
+    """torch's build lock is a file that a build removes when done. A build that was killed
+    (Ctrl-C, a test timeout) leaves it, and every later process then waits on it forever. Remove
+    one older than any build takes."""
+    lock = directory / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("kernels: removing a build lock left %.0f s ago by a killed build", age)
+        lock.unlink(missing_ok=True)
 
 
 def _put_venv_tools_on_path() -> None:
