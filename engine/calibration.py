@@ -160,8 +160,10 @@ def _fit_with_measured_overhead(
     fixed, per_request = _nonnegative_lstsq(
         np.stack([np.ones_like(requests), requests], 1), outside
     )
-    e, _ = _fit_steps(terms, np.clip(fwd, 1e-6, None), iterations, constant=False)
-    e.step_overhead_s, e.per_request_s = float(fixed), float(e.per_request_s + per_request)
+    # The forward has no bookkeeping of its own: only the three roofline terms. (A cost per
+    # request there would compete with attention, which also grows with the requests.)
+    e, _ = _fit_steps(terms, np.clip(fwd, 1e-6, None), iterations, constant=False, requests=False)
+    e.step_overhead_s, e.per_request_s = float(fixed), float(per_request)
     cost = np.array([_predict(t, e) for t in terms])
     rel = (cost - step) / step
     return e, {
@@ -198,10 +200,10 @@ def _stats(y: np.ndarray, predicted: np.ndarray, rel: np.ndarray, terms, e: Effi
 
 
 def _fit_steps(
-    terms: list[dict], y: np.ndarray, iterations: int, constant: bool
+    terms: list[dict], y: np.ndarray, iterations: int, constant: bool, requests: bool = True
 ) -> tuple[Efficiency, dict]:
-    """The alternating fit of the module doc on durations y; without `constant`, no fixed cost
-    per step is fitted (y is a forward pass; its per-request cost is still fitted)."""
+    """The alternating fit of the module doc on durations y; without `constant` no fixed cost
+    per step is fitted, without `requests` no cost per request (y is then a forward pass)."""
     e = Efficiency(
         linear_memory=1.0, linear_compute=1.0, attention=1.0, step_overhead_s=0.0, per_request_s=0.0
     )
@@ -222,7 +224,13 @@ def _fit_steps(
                 0.0 if head_mem else t["head_compute_s"]
             )
             rows.append(
-                [1.0 if constant else 0.0, t["requests"], memory, compute, t["attention_s"]]
+                [
+                    1.0 if constant else 0.0,
+                    t["requests"] if requests else 0.0,
+                    memory,
+                    compute,
+                    t["attention_s"],
+                ]
             )
             now.append((layer_mem, head_mem))
         x = _nonnegative_lstsq(np.array(rows) / y[:, None], np.ones_like(y))  # relative residuals
