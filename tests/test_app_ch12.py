@@ -81,6 +81,7 @@ def test_matrix_cuts_follow_the_layout():
     assert len(whole) == 4 and list(whole["크기"]) == [128, 64, 256, 128]
     assert speed_verdict(1.9, 2) == "워커 수만큼 빨라진다"
     assert speed_verdict(1.3, 2) == "조금 빨라진다"
+    assert speed_verdict(1.66, 2.0) == "조금 빨라진다"  # 83 % of twice is not "twice"
     assert speed_verdict(0.7, 3) == "비슷하거나 느려진다"
 
 
