@@ -16,10 +16,22 @@ same scheduler would produce, in seconds.
 The output-length model is the one benchmark simulators use: each request's target length is
 drawn from the workload; the simulated sampler emits a non-EOS token until the target, then EOS
 (or, with ignore_eos, lets max_tokens end the request).
+
+Tensor and pipeline parallel (chapter 12 at scale): with tensor_parallel_size ×
+pipeline_parallel_size > 1 the simulated executor also reports what the real one
+(engine/multiproc_executor.py) reports, from the preset's shapes instead of tensors: `layout()`
+(which rank holds which layers, heads, MLP columns, shard shapes and bytes, computed with the
+real executor's own `stage_layers`, `head_ranges` and `mlp_range`) and, per step, one `workers`
+entry per rank (compute vs communication seconds, all-reduce count and bytes, activation bytes
+sent between stages), computed by the cost model. `SimulatedExecutor.worker_timings` has the
+formula.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import pickle
 import random
 import time
 import zlib
@@ -37,6 +49,13 @@ from engine.config import (
 from engine.cost_model import CostModel, Efficiency, StepCost
 from engine.executor import Executor
 from engine.model_runner import ModelRunnerOutput
+from engine.multiproc_executor import (
+    all_reduces_per_step,
+    head_ranges,
+    mlp_range,
+    stage_layers,
+    valid_tensor_parallel_sizes,
+)
 from engine.presets import (
     DTYPE_BYTES,
     GB,
@@ -149,8 +168,8 @@ class MemoryPlan:
     )
     num_blocks: int
     formula: str = (
-        "blocks = (memory × gpu_memory_utilization − weights/N − activation reserve) ÷ "
-        "(2 × layers × KV heads/N × head_dim × dtype bytes × block_size)"
+        "blocks = (memory × gpu_memory_utilization − weights/(tp × pp) − activation reserve) ÷ "
+        "(2 × ⌈layers/pp⌉ × KV heads/tp × head_dim × dtype bytes × block_size)"
     )
 
 
@@ -162,11 +181,14 @@ def plan_memory(
     utilization: float,
     max_num_batched_tokens: int,
     max_num_seqs: int,
+    pp: int = 1,
 ) -> MemoryPlan:
-    """Chapter 05's budget, per GPU. Raises PresetError, saying by how much, if it does not fit."""
+    """Chapter 05's budget, per GPU. Raises PresetError, saying by how much, if it does not fit.
+    With pipeline parallel (pp stages) each GPU holds 1/pp of the weights and the KV cache of
+    its stage's layers (the largest stage: ceil(layers / pp))."""
     c, b = preset.config, DTYPE_BYTES[hardware.dtype]
     usable = int(hardware.memory_bytes * utilization)
-    weights = preset.num_parameters() * b // tp
+    weights = preset.num_parameters() * b // (tp * pp)
     # Activations of the largest step: a few hidden-sized vectors and the MLP's two intermediate
     # ones per token, plus float32 logits of every sampling row (computed estimate).
     per_token = (
@@ -179,11 +201,12 @@ def plan_memory(
         + RUNTIME_RESERVE_BYTES
     )
     kv_heads = max(c.num_kv_heads // tp, 1)
-    per_block = 2 * c.num_layers * kv_heads * c.head_dim * b * block_size
+    per_block = 2 * math.ceil(c.num_layers / pp) * kv_heads * c.head_dim * b * block_size
     budget = usable - weights - activations
     if budget < per_block:
+        gpus = f"{tp}" if pp == 1 else f"{tp * pp} (tp {tp} × pp {pp})"
         raise PresetError(
-            f"{preset.name} does not fit {hardware.name} × {tp}: per GPU it needs "
+            f"{preset.name} does not fit {hardware.name} × {gpus}: per GPU it needs "
             f"{weights / GB:.1f} GB of "
             f"{hardware.dtype} weights + {activations / GB:.1f} GB activation reserve, but "
             f"{hardware.memory_bytes / GB:.0f} GB × {utilization:.2f} = {usable / GB:.1f} GB "
@@ -200,7 +223,12 @@ def plan_memory(
 
 class SimulatedExecutor(Executor):
     """An Executor with no weights and no tensors: each step's time comes from the cost model,
-    its tokens from the output-length model."""
+    its tokens from the output-length model.
+
+    With tensor_parallel_size × pipeline_parallel_size > 1 it stands for MultiprocExecutor's
+    worker processes on that many GPUs: `layout()` says what each rank would hold and every
+    step's output carries one `workers` entry per rank (see `worker_timings`). The scheduler
+    sees none of it: its decisions do not depend on tp or pp (only the KV capacity does)."""
 
     def __init__(
         self,
@@ -212,20 +240,30 @@ class SimulatedExecutor(Executor):
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         output_len: Callable[[str], int | None] | None = None,
         filler_token_id: int | None = None,
+        pipeline_parallel_size: int = 1,
     ):
-        if tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
-        if preset.config.num_heads % tensor_parallel_size:
+        tp, pp, cfg = tensor_parallel_size, pipeline_parallel_size, preset.config
+        for name, value in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if tp not in valid_tensor_parallel_sizes(cfg):
             raise ValueError(
-                f"{preset.name} has {preset.config.num_heads} attention heads, which "
-                f"{tensor_parallel_size} GPUs cannot share evenly"
+                f"{preset.name} has {cfg.num_heads} attention heads and {cfg.num_kv_heads} KV "
+                f"heads (MLP width {cfg.intermediate_size}), which {tp} GPUs cannot share evenly; "
+                f"sizes that work: {', '.join(map(str, valid_tensor_parallel_sizes(cfg)))}"
             )
-        if tensor_parallel_size > 1 and not hardware.interconnect_bandwidth:
+        if pp > cfg.num_layers:
             raise ValueError(
-                f"{hardware.name} has no interconnect figure: tensor parallel cannot be simulated"
+                f"pipeline_parallel_size={pp} is more stages than {preset.name}'s "
+                f"{cfg.num_layers} layers"
+            )
+        if tp * pp > 1 and not hardware.interconnect_bandwidth:
+            raise ValueError(
+                f"{hardware.name} has no interconnect figure: tensor or pipeline parallel "
+                "cannot be simulated"
             )
         self.preset, self.hardware, self.block_size = preset, hardware, block_size
-        self.tp = tensor_parallel_size
+        self.tp, self.pp = tp, pp
         self.max_num_seqs = max_num_seqs
         self.cost_model = CostModel(preset.config, hardware, tensor_parallel_size, efficiency)
         self.output_len = output_len or (lambda request_id: None)  # None: max_tokens ends it
@@ -240,6 +278,7 @@ class SimulatedExecutor(Executor):
         self.memory: MemoryPlan | None = None
         self.num_blocks = 0
         self.clock = VirtualClock()  # the engine's clock (make_simulated_engine installs it)
+        self._layout: list[dict] = []
 
     def initialize(
         self,
@@ -262,12 +301,13 @@ class SimulatedExecutor(Executor):
             gpu_memory_utilization,
             max_num_batched_tokens,
             self.max_num_seqs,
+            self.pp,
         )
         if num_kv_blocks is None:
             if kv_cache_memory is None and self.hardware.kind == "cpu":
                 kv_cache_memory = DEFAULT_CPU_KV_CACHE_BYTES  # as the real engine on a CPU
             if kv_cache_memory is not None:  # bytes over all GPUs, like the real engine's setting
-                num_kv_blocks = kv_cache_memory // (self.memory.bytes_per_block * self.tp)
+                num_kv_blocks = kv_cache_memory // (self.memory.bytes_per_block * self.tp * self.pp)
             else:
                 num_kv_blocks = self.memory.num_blocks
         needed = cdiv(max_model_len, self.block_size)
@@ -275,6 +315,7 @@ class SimulatedExecutor(Executor):
             raise CacheTooSmallError(num_kv_blocks, self.block_size, max_model_len)
         self.num_blocks = num_kv_blocks
         self.num_swap_blocks = num_kv_blocks if num_swap_blocks is None else num_swap_blocks
+        self._layout = self._compute_layout() if self.tp * self.pp > 1 else []
         return num_kv_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -287,6 +328,16 @@ class SimulatedExecutor(Executor):
             [(s.num_tokens, s.num_computed_tokens) for s in scheduler_output.scheduled],
             len(producing),
         )
+        workers: list[dict] = []
+        if self.tp * self.pp > 1:
+            workers, model_s = self.worker_timings(cost)
+            if self.pp > 1:  # the stages' hand-offs add to the step
+                terms = {**cost.terms, "p2p_s": model_s - cost.model_s}
+                cost = dataclasses.replace(cost, total_s=cost.overhead_s + model_s, terms=terms)
+            control = len(pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL))
+            for w in workers:
+                w["control_bytes"] = control  # what the real executor sends each worker
+                w["round_trip_s"] = model_s  # computed: no pipes, no processes here
         self.costs.append(cost)
         # tokens of this step are stamped at its computed end
         self.clock.step_duration = cost.total_s
@@ -294,8 +345,150 @@ class SimulatedExecutor(Executor):
             s.request_id: [SampleResult(self._next_token(s.request_id, s.sampling_params))]
             for s in producing
         }
-        timings = {"prepare_inputs": 0.0, "forward": cost.model_s, "sample": 0.0}  # computed
-        return ModelRunnerOutput(sampled, timings, simulated_duration=cost.total_s)
+        forward = cost.total_s - cost.overhead_s
+        timings = {"prepare_inputs": 0.0, "forward": forward, "sample": 0.0}  # computed
+        return ModelRunnerOutput(sampled, timings, simulated_duration=cost.total_s, workers=workers)
+
+    def worker_timings(self, cost: StepCost) -> tuple[list[dict], float]:
+        """Per rank, what MultiprocExecutor's workers measure, computed from the step's cost
+        (all computed values, seconds), and the forward's total time over all stages.
+
+        With L layers, stage s running n_s of them, T tokens in the step, hidden size h and
+        b bytes per value:
+
+            compute_s(s)  = n_s / L × (linear layers + attention) [+ lm_head on the last stage]
+            all-reduce(s) = n_s / L × the cost model's all-reduce term
+                          = 2 n_s × (2(tp−1)/tp × T·h·b / (link/2 × e_link) + latency), tp > 1
+            hand-off      = T·h·b / (link/2 × e_link) + latency, per stage boundary (pp > 1)
+            start(s)      = Σ_{j<s} (compute_s(j) + all-reduce(j) + hand-off)
+            step_s(s)     = start(s) + compute_s(s) + all-reduce(s) [+ hand-off if s < pp − 1]
+            comm_s(s)     = step_s(s) − compute_s(s)
+
+        So, as in the real executor, the stages run one after the other (only one works at a
+        time) and a later stage's communication includes its wait for the earlier ones (the real
+        worker's receive includes that wait too). The step's fixed overhead (scheduling, input
+        preparation, output processing) is the engine's, not a worker's. The forward's total is
+        start(pp − 1) + compute_s + all-reduce of the last stage: with pp 1 exactly the cost
+        model's forward, with pp > 1 that plus (pp − 1) hand-offs. Counts and bytes:
+        all_reduce_count = 2 n_s (tp > 1; all_reduces_per_step's figure for the largest stage),
+        all_reduce_bytes = count × T·h·b, p2p_bytes = T·h·b per neighbour stage (received from
+        the previous, sent to the next)."""
+        c, e = self.preset.config, self.cost_model.efficiency
+        b = self.cost_model.dtype_bytes
+        t = cost.terms
+        tokens = int(t["tokens"])
+        layers_s = max(
+            t["layer_memory_s"] / e.linear_memory, t["layer_compute_s"] / e.linear_compute
+        )
+        head_s = cost.linear_s - layers_s
+        per_layer = (layers_s + cost.attention_s) / c.num_layers
+        allreduce_per_layer = cost.allreduce_s / c.num_layers
+        hidden_bytes = tokens * c.hidden_size * b
+        link = self.hardware.interconnect_bandwidth / 2  # per direction
+        hand_off = hidden_bytes / (link * e.interconnect) + e.allreduce_latency_s
+        workers, start, total = [], 0.0, 0.0
+        for pp_rank, layers in enumerate(stage_layers(c.num_layers, self.pp)):
+            last = pp_rank == self.pp - 1
+            compute = len(layers) * per_layer + (head_s if last else 0.0)
+            allreduce = len(layers) * allreduce_per_layer
+            step = start + compute + allreduce + (0.0 if last else hand_off)
+            count = 2 * len(layers) if self.tp > 1 else 0
+            for tp_rank in range(self.tp):
+                workers.append(
+                    {
+                        "rank": pp_rank * self.tp + tp_rank,
+                        "tp_rank": tp_rank,
+                        "pp_rank": pp_rank,
+                        "step_s": step,
+                        "compute_s": compute,
+                        "comm_s": step - compute,
+                        "all_reduce_count": count,
+                        "all_reduce_bytes": count * hidden_bytes,
+                        "p2p_bytes": hidden_bytes * ((pp_rank > 0) + (not last)),
+                    }
+                )
+            total = start + compute + allreduce
+            start = step
+        return workers, total
+
+    def _compute_layout(self) -> list[dict]:
+        """Per rank, what MultiprocExecutor's ParallelWorker.layout() reports, from the shapes:
+        the same split (engine/multiproc_executor.py's shard_weights) — q/k/v and gate/up cut
+        by heads and columns, o and down by rows, layers by stage — and the same replication:
+        with tp > 1 every rank of a stage holds its embedding / lm_head and norms whole, and
+        with tp > KV heads each KV head's K and V rows are on tp / KV heads ranks. Those bytes
+        are each rank's replicated_bytes. Weight bytes summed over the ranks are therefore the
+        model's plus the extra copies. (The KV capacity, plan_memory, divides all weights by
+        tp × pp, as vLLM's vocab-parallel embedding would; this layout is this engine's.)"""
+        c, b = self.preset.config, DTYPE_BYTES[self.hardware.dtype]
+        h, d = c.hidden_size, c.head_dim
+        embed = [c.vocab_size, h]
+        out = []
+        for pp_rank, layers in enumerate(stage_layers(c.num_layers, self.pp)):
+            first, last = pp_rank == 0, pp_rank == self.pp - 1
+            n = len(layers)
+            for tp_rank in range(self.tp):
+                q, kv = head_ranges(c, self.tp, tp_rank)
+                inter = mlp_range(c, self.tp, tp_rank)
+                rows = (len(q) + 2 * len(kv)) * d
+                shapes = {
+                    "input_norm": [h],
+                    "qkv": [rows, h],
+                    **({"qkv_bias": [rows]} if c.attention_bias else {}),
+                    "o": [h, len(q) * d],
+                    "post_norm": [h],
+                    "gate_up": [2 * len(inter), h],
+                    "down": [h, len(inter)],
+                }
+                per_layer = sum(math.prod(s) for s in shapes.values())
+                # a tied lm_head is the embedding's storage: one matrix when a stage holds both
+                matrices = first + last - (first and last and c.tie_word_embeddings)
+                norms = (2 * n + last) * h
+                params = n * per_layer + matrices * c.vocab_size * h + last * h
+                replicated = 0
+                if self.tp > 1:
+                    replicated += (matrices * c.vocab_size * h + norms) * b
+                if self.tp > c.num_kv_heads:
+                    kv_rows = 2 * len(kv) * d
+                    replicated += n * kv_rows * (h + (1 if c.attention_bias else 0)) * b
+                kv_per_block = 2 * n * len(kv) * d * b * self.block_size
+                out.append(
+                    {
+                        "rank": pp_rank * self.tp + tp_rank,
+                        "tp_rank": tp_rank,
+                        "pp_rank": pp_rank,
+                        "pid": None,  # no process: simulated
+                        "device": f"{self.hardware.name} #{pp_rank * self.tp + tp_rank} "
+                        "(simulated)",
+                        "is_output_rank": tp_rank == 0 and last,
+                        "layers": [layers.start, layers.stop],
+                        "q_heads": [q.start, q.stop],
+                        "kv_heads": [kv.start, kv.stop],
+                        "mlp_columns": [inter.start, inter.stop],
+                        "holds_embedding": first,
+                        "holds_lm_head": last,
+                        "weight_bytes": params * b,
+                        "replicated_bytes": replicated,
+                        "shapes": {
+                            **({"embed": embed} if first else {}),
+                            **shapes,
+                            **({"lm_head": embed} if last else {}),
+                        },
+                        "num_layers": n,
+                        "kv_bytes_per_block": kv_per_block,
+                        "kv_cache_bytes": kv_per_block * self.num_blocks,
+                    }
+                )
+        return out
+
+    def layout(self) -> list[dict]:
+        """MultiprocExecutor.layout()'s dicts, computed from the preset's shapes (no tensors):
+        empty for tp 1 × pp 1, like the real engine's single in-process worker."""
+        return [dict(r) for r in self._layout]
+
+    def all_reduces_per_step(self) -> int:
+        """Derived, as for the real executor: 2 per layer a rank runs (tp > 1)."""
+        return all_reduces_per_step(self.preset.config, self.tp, self.pp)
 
     def _next_token(self, request_id: str, params: SamplingParams) -> int:
         """Non-EOS until the request's target length, then EOS (ignored under ignore_eos)."""
@@ -308,9 +501,15 @@ class SimulatedExecutor(Executor):
         return self.filler_token_id
 
     def weight_bytes(self) -> int:
+        """The model's bytes; with several ranks, their sum (replicated parts counted on every
+        rank that holds them), as MultiprocExecutor.weight_bytes()."""
+        if self._layout:
+            return sum(r["weight_bytes"] for r in self._layout)
         return self.preset.num_parameters() * DTYPE_BYTES[self.hardware.dtype]
 
     def kv_cache_bytes(self) -> int:
+        if self._layout:
+            return sum(r["kv_cache_bytes"] for r in self._layout)
         return self.num_blocks * self.memory.bytes_per_block * self.tp if self.memory else 0
 
 
@@ -339,14 +538,18 @@ def make_simulated_engine(
     tensor_parallel_size: int = 1,
     efficiency: Efficiency | None = None,
     output_len: Callable[[str], int | None] | None = None,
+    pipeline_parallel_size: int = 1,
     **engine_config,
 ):
     """An EngineCore whose executor is simulated: `step()`, `add_request()`, journeys and records
     work as on the real engine. `engine_config`: EngineConfig fields (max_num_seqs, ...);
-    max_model_len defaults to min(8192, the model's)."""
+    max_model_len defaults to min(8192, the model's). The engine's config carries the
+    tensor / pipeline parallel sizes (as a real parallel engine's does)."""
     from engine.core import EngineCore
 
     preset, hw = _resolve(model_preset, hardware)
+    engine_config["tensor_parallel_size"] = tensor_parallel_size
+    engine_config["pipeline_parallel_size"] = pipeline_parallel_size
     engine_config.setdefault("dtype", hw.dtype)
     # A long-context preset (128k) would need a KV cache for one 128k request to start; a course
     # workload is far shorter, so the default context is 8192 (pass max_model_len to change it).
@@ -361,6 +564,7 @@ def make_simulated_engine(
         efficiency or default_efficiency(hw),
         config.max_num_seqs,
         output_len,
+        pipeline_parallel_size=pipeline_parallel_size,
     )
     tokenizer = SimTokenizer(preset.config.vocab_size, preset.bos_token_id, preset.eos_token_id)
     engine = EngineCore(config, executor=executor, model_config=preset.config, tokenizer=tokenizer)
@@ -496,6 +700,7 @@ def simulate(
     efficiency: Efficiency | None = None,
     workload: list[SimRequest] | None = None,
     keep_outputs: bool = False,
+    pipeline_parallel_size: int = 1,
     **engine_config,
 ) -> SimulationResult:
     """Run a workload through a simulated engine. `rate`: Poisson arrivals per second (None: all
@@ -518,7 +723,13 @@ def simulate(
     targets = {f"sim-{i}": w.output_len for i, w in enumerate(workload)}
     wall_start = time.perf_counter()
     engine = make_simulated_engine(
-        preset, hw, tensor_parallel_size, efficiency, targets.get, **engine_config
+        preset,
+        hw,
+        tensor_parallel_size,
+        efficiency,
+        targets.get,
+        pipeline_parallel_size=pipeline_parallel_size,
+        **engine_config,
     )
     records, requests = run_workload(engine, workload, keep_outputs)
     wall = time.perf_counter() - wall_start
@@ -545,6 +756,7 @@ def simulate(
             "dtype": hw.dtype,
         },
         "tensor_parallel_size": tensor_parallel_size,
+        "pipeline_parallel_size": pipeline_parallel_size,
         "efficiency": executor.cost_model.efficiency.as_dict(),
         "kv_cache": {
             "num_blocks": engine.num_blocks,
@@ -590,8 +802,10 @@ def format_result(result: SimulationResult) -> str:
         )
 
     rate = c["workload"]["rate_req_s"]
+    tp, pp = c["tensor_parallel_size"], c.get("pipeline_parallel_size", 1)
+    gpus = f"{tp}" if pp == 1 else f"{tp * pp} (tp {tp} × pp {pp})"
     lines = [
-        f"Simulated: {c['model']['name']} on {hw['name']} × {c['tensor_parallel_size']} "
+        f"Simulated: {c['model']['name']} on {hw['name']} × {gpus} "
         f"({hw['dtype']}), {s['requests']} requests, "
         f"{'Poisson ' + format(rate, 'g') + '/s' if rate else 'all at once'}",
         f"  hardware ({hw['evidence']}): {hw['memory_gb']:.0f} GB, "

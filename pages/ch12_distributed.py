@@ -2,7 +2,12 @@
 each tp/pp engine running one worker process per rank (engine/multiproc_executor.py). The chapter
 view shows what each worker holds (the weight matrices cut by columns and rows, with the workers'
 own shard shapes), per-step compute vs all-reduce time measured in the workers, the all-reduce
-count derived and measured, and the step times of the layouts on this machine's shared CPU."""
+count derived and measured, and the step times of the layouts on this machine's shared CPU.
+
+실제 엔진 / 시뮬레이션 (ui/simulation.py): in simulation the same views draw a model preset (by
+default Llama-3.1-70B) on N GPUs of a hardware preset, against N/2 GPUs as the base: the layout
+and the per-rank compute vs all-reduce times are computed (engine/simulator.py's
+SimulatedExecutor, 계산값), plus a table of the communication share as tp grows."""
 
 import os
 from pathlib import Path
@@ -18,23 +23,31 @@ from engine.multiproc_executor import (
     all_reduces_per_step,
     valid_tensor_parallel_sizes,
 )
+from engine.presets import load_hardware_preset, load_model_preset
+from engine.simulator import SimulatedExecutor
 from ui.experiments.ch12 import (
     MATRICES,
     SPEED_CHOICES,
+    base_names,
     communication_table,
     lab_comparison,
     lab_run,
     matrix_cuts,
+    parallel_conditions,
     shard_table,
+    simulated_fit_error,
+    simulated_sizes,
     speed_verdict,
     steady_step_ms,
+    tp_scaling,
 )
-from ui.experiments.common import Workload
+from ui.experiments.common import Workload, is_simulated
 from ui.lab import LabContext, Side, evidence_kind, run_results, run_workload_button
 from ui.lab import lab as engine_lab
 from ui.lesson import render_chapter
 from ui.predict import compare, predict
 from ui.session import current_settings, reset_engine
+from ui.simulation import simulation_caption, simulation_overrides, simulation_picker
 from ui.widgets import evidence, show_code
 
 RESULT = "ch12_result"
@@ -44,6 +57,7 @@ COLORS = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#B279A2", "#72B7B2", "#FF
 # Vendor-reported interconnect figures (NVIDIA H100 datasheet / PCI-SIG), for scale only.
 NVLINK = "H100 SXM의 NVLink(4세대): GPU 한 장당 900 GB/s (양방향 합)"
 PCIE = "PCIe 5.0 x16: 약 128 GB/s (양방향 합)"
+SIM_MODEL, SIM_TP = "llama-3.1-70b", 8  # the simulated default: 70B on 8 GPUs vs 4
 
 
 def _model_config() -> LlamaConfig:
@@ -99,9 +113,12 @@ def _shard_figure(model_config: LlamaConfig, layout: list[dict], tp: int) -> go.
 
 
 def _holdings_view(ctx: LabContext, model_config: LlamaConfig, tp: int) -> None:
-    st.markdown(f"**워커가 가진 것** (tp {tp} 엔진, 워커 프로세스 {tp}개)")
-    executor = ctx.engines[TP_KEY].executor
-    layout = executor.layout() if isinstance(executor, MultiprocExecutor) else []
+    engine = ctx.engines[TP_KEY]
+    simulated = is_simulated(engine)
+    who = f"GPU {tp}장 (시뮬레이션)" if simulated else f"워커 프로세스 {tp}개"
+    st.markdown(f"**워커가 가진 것** (tp {tp} 엔진, {who})")
+    executor = engine.executor
+    layout = executor.layout() if hasattr(executor, "layout") else []
     if not layout:
         st.info("tp 엔진이 아직 없습니다.")
         return
@@ -114,6 +131,16 @@ def _holdings_view(ctx: LabContext, model_config: LlamaConfig, tp: int) -> None:
     st.dataframe(shard_table(layout), hide_index=True)
     total = sum(r["weight_bytes"] for r in layout)
     replicated = sum(r["replicated_bytes"] for r in layout)
+    if simulated:
+        evidence(
+            "계산값",
+            f"GPU {len(layout)}장의 가중치 합 {total / 1e9:,.1f} GB, 그중 여러 GPU가 똑같이 가진 "
+            f"몫(임베딩·lm_head·정규화) {replicated / 1e9:,.1f} GB",
+            formula="랭크마다 자기 조각의 원소 수 × dtype 바이트 (프리셋 config의 모양, 이 엔진의 "
+            "나누는 방식: engine/multiproc_executor.py의 head_ranges·mlp_range·stage_layers)",
+            **parallel_conditions(engine),
+        )
+        return
     evidence(
         "측정값",
         f"워커 {len(layout)}개의 가중치 합 {total / 1e6:,.1f} MB, 그중 여러 워커가 똑같이 가진 "
@@ -126,6 +153,7 @@ def _holdings_view(ctx: LabContext, model_config: LlamaConfig, tp: int) -> None:
 
 def _communication_view(ctx: LabContext, model_config: LlamaConfig, tp: int) -> None:
     records = ctx.records(TP_KEY)
+    simulated = is_simulated(ctx.engines[TP_KEY])
     derived = all_reduces_per_step(model_config, tp, 1)
     evidence(
         "계산값",
@@ -145,7 +173,7 @@ def _communication_view(ctx: LabContext, model_config: LlamaConfig, tp: int) -> 
         go.Scatter(
             x=first["step"],
             y=first["all_reduce_count"],
-            name="all-reduce 횟수 (측정)",
+            name="all-reduce 횟수 " + ("(계산)" if simulated else "(측정)"),
             mode="lines+markers",
             yaxis="y2",
         )
@@ -164,25 +192,44 @@ def _communication_view(ctx: LabContext, model_config: LlamaConfig, tp: int) -> 
     spent = comm["comm_ms"].sum()
     share = 100 * spent / max(comm["compute_ms"].sum() + spent, 1e-9)
     tokens = int(first["num_tokens"].iloc[-1])
-    elem = ctx.engines[TP_KEY].dtype.itemsize
+    engine = ctx.engines[TP_KEY]
+    elem = engine.executor.cost_model.dtype_bytes if simulated else engine.dtype.itemsize
     bytes_formula = derived * tokens * model_config.hidden_size * elem
-    evidence(
-        "측정값",
-        f"스텝당 all-reduce 횟수 {', '.join(map(str, counts))}번 (계산값 {derived}번); "
-        f"통신이 워커 시간에서 차지한 비율 {share:.0f}%; 마지막 스텝의 all-reduce 데이터 "
-        f"{first['all_reduce_kb'].iloc[-1]:,.1f} KB (계산값 {bytes_formula / 1e3:,.1f} KB)",
-        **ctx_conditions(ctx, TP_KEY),
-    )
+    if simulated:
+        evidence(
+            "계산값",
+            f"스텝당 all-reduce 횟수 {', '.join(map(str, counts))}번 (공식 {derived}번); "
+            f"all-reduce가 GPU 시간에서 차지한 비율 {share:.0f}%; 마지막 스텝의 all-reduce "
+            f"데이터 {first['all_reduce_kb'].iloc[-1]:,.1f} KB",
+            formula="all-reduce 시간 = 2 × 층 수 × (2(N−1)/N × 토큰 × hidden × 바이트 ÷ "
+            "(링크 한 방향 대역폭 × 효율) + 지연), 계산 = 비용 모델의 선형층·어텐션 시간",
+            **parallel_conditions(engine),
+        )
+    else:
+        evidence(
+            "측정값",
+            f"스텝당 all-reduce 횟수 {', '.join(map(str, counts))}번 (계산값 {derived}번); "
+            f"통신이 워커 시간에서 차지한 비율 {share:.0f}%; 마지막 스텝의 all-reduce 데이터 "
+            f"{first['all_reduce_kb'].iloc[-1]:,.1f} KB (계산값 {bytes_formula / 1e3:,.1f} KB)",
+            **ctx_conditions(ctx, TP_KEY),
+        )
     st.caption(
         f"계산값의 공식: 횟수 × 토큰 수 × hidden({model_config.hidden_size}) × "
         f"원소 바이트({elem}). "
-        "통신 시간에는 다른 워커를 기다린 시간도 들어 있습니다 (all-reduce는 모두가 도착해야 "
-        "끝납니다)."
+        + (
+            "시뮬레이션의 통신 시간은 전송과 지연만 셉니다: 계산된 GPU들은 서로를 "
+            "기다리지 않습니다."
+            if simulated
+            else "통신 시간에는 다른 워커를 기다린 시간도 들어 있습니다 (all-reduce는 모두가 "
+            "도착해야 끝납니다)."
+        )
     )
 
 
 def ctx_conditions(ctx: LabContext, key: str) -> dict:
     engine = ctx.engines[key]
+    if is_simulated(engine):
+        return parallel_conditions(engine)
     return {
         "장치": str(engine.device),
         "dtype": str(engine.dtype).replace("torch.", ""),
@@ -193,6 +240,8 @@ def ctx_conditions(ctx: LabContext, key: str) -> dict:
 
 
 def _summary_view(ctx: LabContext, tp: int) -> None:
+    simulated = is_simulated(ctx.engines[TP_KEY])
+
     def wrap(results: dict):
         runs = {}
         for side in ctx.sides:
@@ -232,20 +281,34 @@ def _summary_view(ctx: LabContext, tp: int) -> None:
     base_ms, tp_ms = steady_step_ms(base.result), steady_step_ms(tp_run.result)
     if base_ms and tp_ms:
         speedup = base_ms / tp_ms
-        compare("ch12_speed", speed_verdict(speedup, tp))
+        gpus = (tp_run.tp * tp_run.pp) / (base.tp * base.pp)  # workers / the base's
+        compare("ch12_speed", speed_verdict(speedup, gpus))
+        digits = 3 if simulated else 1
         st.caption(
-            f"decode 스텝 중앙값: tp 1 {base_ms:.1f} ms, tp {tp} {tp_ms:.1f} ms → "
-            f"tp 1 대비 {speedup:.2f}배 (처음 두 스텝은 한 번만 드는 비용이 있어 뺐습니다)"
+            f"decode 스텝 중앙값: {base.result.label} {base_ms:.{digits}f} ms, "
+            f"{tp_run.result.label} {tp_ms:.{digits}f} ms → {base_names(result.runs)[0]} "
+            f"{speedup:.2f}배, GPU(워커) 수 비율 {gpus:g}배의 {100 * speedup / gpus:.0f}% "
+            "(처음 두 스텝은 한 번만 드는 비용이 있어 뺐습니다)"
+            + (
+                ". 시뮬레이션이므로 예측 ↔ 측정 상자의 '측정값' 자리에 든 것은 비용 모델의 "
+                "계산값입니다."
+                if simulated
+                else ""
+            )
         )
     for side in ctx.sides:
         run = result.runs[side.label]
+        extra = {} if simulated else {"스레드": "워커마다 (이 프로세스의 스레드 수 ÷ 워커 수)"}
         evidence(
             evidence_kind(ctx.engines[side.key]),
             f"{side.label}: 스텝 {len(run.result.records)}개, 스텝 시간 합 "
-            f"{sum(r.engine_duration for r in run.result.records):.2f} s",
+            f"{sum(r.engine_duration for r in run.result.records):.{4 if simulated else 2}f} s",
             **ctx_conditions(ctx, side.key),
-            스레드="워커마다 (이 프로세스의 스레드 수 ÷ 워커 수)",
+            **extra,
         )
+    if simulated:
+        _interconnect_evidence(ctx.engines[TP_KEY])
+        return
     st.caption(
         "엔진들은 한 스텝씩 번갈아 실행되므로(나란히 비교), 한 엔진의 벽시계 시간에는 다른 "
         "엔진의 스텝도 들어갑니다. 그래서 비교는 엔진마다 자기 스텝 시간으로 합니다. "
@@ -257,11 +320,111 @@ def _summary_view(ctx: LabContext, tp: int) -> None:
     evidence("보고값", PCIE, source="PCI-SIG PCIe 5.0 규격 (vendor-reported)")
 
 
+def _interconnect_evidence(engine) -> None:
+    """보고값: the simulated hardware's interconnect, as its preset states it (with source)."""
+    hw = engine.executor.hardware
+    evidence(
+        "보고값",
+        f"{hw.name}의 {hw.interconnect}: GPU 한 장당 {hw.interconnect_bandwidth / 1e9:,.0f} GB/s "
+        "(양방향 합; 비용 모델은 한 방향, 즉 절반을 씀)",
+        source=f"{hw.source} ({hw.evidence})",
+    )
+
+
+def _scale_view(spec: dict) -> None:
+    """계산값: the communication share of one step as tp grows, for the picked presets."""
+    model, hw = load_model_preset(spec["model_preset"]), load_hardware_preset(spec["hardware"])
+    st.markdown(f"**GPU를 늘리면: {model.name} on {hw.name}, 한 스텝의 시간과 통신 비율**")
+    table = tp_scaling(spec["model_preset"], spec["hardware"])
+    fig = go.Figure()
+    for phase, rows in table.groupby("단계", sort=False):
+        fig.add_trace(
+            go.Bar(
+                x=[f"{phase} · tp {n}" for n in rows["GPU 수 (tp)"]],
+                y=rows["계산 (ms)"] + rows["고정 비용 (ms)"],
+                name="계산 + 고정 비용" if phase == "decode" else None,
+                marker_color=COLORS[0],
+                legendgroup="compute",
+                showlegend=phase == "decode",
+            )
+        )
+        fig.add_trace(
+            go.Bar(
+                x=[f"{phase} · tp {n}" for n in rows["GPU 수 (tp)"]],
+                y=rows["all-reduce (ms)"],
+                name="all-reduce" if phase == "decode" else None,
+                marker_color=COLORS[1],
+                legendgroup="allreduce",
+                showlegend=phase == "decode",
+            )
+        )
+    fig.update_layout(
+        barmode="stack",
+        height=330,
+        title="GPU 수(tp)별 한 스텝: 계산은 1/N로 줄고, all-reduce는 줄지 않는다",
+        yaxis_title="ms",
+        margin=dict(l=10, r=10, t=40, b=10),
+    )
+    st.plotly_chart(fig, key="ch12_scale")
+    shown = table.replace({"메모리에 들어감": {True: "예", False: "아니오"}})
+    shown = shown.astype(object).where(shown.notna(), "—")
+    st.dataframe(shown.astype(str), hide_index=True)
+    evidence(
+        "계산값",
+        "decode 스텝: 요청 32개가 각자 1,024토큰을 캐시에 두고 한 토큰씩; prefill 스텝: 한 요청의 "
+        "2,048토큰. 속도는 메모리에 들어가는 가장 작은 tp 대비, 이상적 속도는 GPU 수의 비율",
+        formula="스텝 = 고정 비용 + 선형층(max(가중치 바이트/N ÷ 대역폭, FLOPs/N ÷ 최대 FLOP/s)"
+        "/효율) + 어텐션 + 2 × 층 수 × (2(N−1)/N × 토큰 × hidden × 바이트 ÷ 링크 + 지연)",
+        **{
+            "모델 프리셋": model.name,
+            "하드웨어": f"{hw.name} ({hw.evidence})",
+            "효율 계수": "가정값",
+        },
+    )
+
+
+def _simulated_sides(spec: dict, with_pp: bool) -> list[Side] | str:
+    """The simulated lab's sides (N/2 GPUs as the base, N GPUs as tp, optionally N/2 × pp 2), or
+    the reason they cannot run."""
+    sizes = simulated_sizes(spec["tensor_parallel_size"])
+    if not sizes:
+        return "GPU 수를 2장 이상 고르세요: GPU 수의 절반(기준)과 나란히 비교합니다."
+    if not with_pp:
+        sizes = sizes[:2]
+    cfg = current_settings().to_config()
+    for tp, pp in sizes:
+        error = simulated_fit_error(
+            spec["model_preset"],
+            spec["hardware"],
+            tp,
+            pp,
+            cfg.max_model_len or 8192,
+            cfg.block_size,
+            cfg.max_num_batched_tokens,
+            cfg.max_num_seqs,
+        )
+        if error:
+            return f"tp {tp} × pp {pp}: {error}"
+    keys = [BASE_KEY, TP_KEY, PP_KEY]
+    return [
+        Side(
+            key,
+            _label(tp, pp),
+            simulation_overrides(
+                {**spec, "tensor_parallel_size": tp, "pipeline_parallel_size": pp}
+            ),
+        )
+        for key, (tp, pp) in zip(keys, sizes)
+    ]
+
+
 def lab() -> None:
     st.subheader("같은 요청을 워커 1개와 워커 여러 개로")
-    model_config = _model_config()
-    sizes = [s for s in valid_tensor_parallel_sizes(model_config) if s > 1]
-    if not sizes:
+    spec = simulation_picker("ch12", default_model=SIM_MODEL, default_tp=SIM_TP)
+    real_config = _model_config()
+    model_config = real_config if spec is None else load_model_preset(spec["model_preset"]).config
+    sizes = [s for s in valid_tensor_parallel_sizes(real_config) if s > 1]
+    if not sizes and spec is None:
         st.warning("이 모델은 tensor parallel로 나눌 수 있는 크기가 없습니다.")
         return
     c1, c2, c3, c4 = st.columns(4)
@@ -270,36 +433,56 @@ def lab() -> None:
         sizes,
         index=sizes.index(3) if 3 in sizes else 0,
         key="ch12_tp",
-        help=f"이 모델(query 헤드 {model_config.num_heads}개, KV 헤드 "
-        f"{model_config.num_kv_heads}개)을 나눌 수 있는 크기만 보입니다",
+        help=f"이 모델(query 헤드 {real_config.num_heads}개, KV 헤드 "
+        f"{real_config.num_kv_heads}개)을 나눌 수 있는 크기만 보입니다 (시뮬레이션에서는 위의 "
+        "GPU 수를 씀)",
+        disabled=spec is not None,
     )
     num = c2.slider("요청 수", 1, 4, 2, key="ch12_requests")
     out = c3.slider("출력 토큰 수", 4, 32, 12, step=4, key="ch12_out")
     with_pp = c4.checkbox(
         "pp 2도 나란히", value=False, key="ch12_pp", help="층을 두 워커에 나눈 엔진을 하나 더"
     )
-    sides = [
-        Side(BASE_KEY, _label(1, 1), {"device": "cpu"}),
-        Side(TP_KEY, _label(tp, 1), {"device": "cpu", "tensor_parallel_size": tp}),
-    ]
-    if with_pp and model_config.num_layers >= 2:
-        sides.append(Side(PP_KEY, _label(1, 2), {"device": "cpu", "pipeline_parallel_size": 2}))
+    if spec is None:
+        sides = [
+            Side(BASE_KEY, _label(1, 1), {"device": "cpu"}),
+            Side(TP_KEY, _label(tp, 1), {"device": "cpu", "tensor_parallel_size": tp}),
+        ]
+        if with_pp and model_config.num_layers >= 2:
+            sides.append(Side(PP_KEY, _label(1, 2), {"device": "cpu", "pipeline_parallel_size": 2}))
     else:
+        tp = spec["tensor_parallel_size"]
+        sides = _simulated_sides(spec, with_pp)
+        if isinstance(sides, str):
+            st.warning(sides)
+            return
+    if len(sides) < 3:
         reset_engine(PP_KEY)  # its worker processes stop
+    base_label = sides[0].label
     workload = Workload.uniform(num, PROMPT_LEN, out)
-    st.caption(
-        f"워크로드: 요청 {num}개(프롬프트 {PROMPT_LEN}토큰, 출력 {out}토큰)를 모든 엔진에 똑같이 "
-        "넣습니다. 모든 엔진은 CPU에서 실행되고, tp·pp 엔진은 랭크마다 워커 프로세스 하나를 "
-        "띄웁니다 (torch.distributed, gloo)."
-    )
+    if spec is None:
+        st.caption(
+            f"워크로드: 요청 {num}개(프롬프트 {PROMPT_LEN}토큰, 출력 {out}토큰)를 모든 엔진에 "
+            "똑같이 넣습니다. 모든 엔진은 CPU에서 실행되고, tp·pp 엔진은 랭크마다 워커 프로세스 "
+            "하나를 띄웁니다 (torch.distributed, gloo)."
+        )
+    else:
+        st.caption(
+            f"워크로드: 요청 {num}개(프롬프트 {PROMPT_LEN}토큰, 출력 {out}토큰)를 모든 엔진에 "
+            f"똑같이 넣습니다. 기준은 GPU {tp // 2}장(tp {tp // 2}), 비교는 GPU {tp}장(tp {tp})"
+            + (f", 그리고 같은 {tp}장을 tp {tp // 2} × pp 2로" if len(sides) > 2 else "")
+            + ". 스케줄러와 KV 관리자는 실제 코드이고, 스텝 시간과 워커별 시간은 계산값입니다."
+        )
 
     def before(ctx: LabContext) -> None:
-        predict(
-            "ch12_speed",
-            f"tp {tp}(워커 {tp}개)로 돌리면, tp 1에 비해 decode 스텝 시간은?",
-            options=SPEED_CHOICES,
-            locked=ctx.started,
-        )
+        if spec is None:
+            question = f"tp {tp}(워커 {tp}개)로 돌리면, tp 1에 비해 decode 스텝 시간은?"
+        else:
+            question = (
+                f"GPU를 {tp // 2}장에서 {tp}장으로 늘리면({base_label} → tp {tp}), "
+                "decode 스텝 시간은?"
+            )
+        predict("ch12_speed", question, options=SPEED_CHOICES, locked=ctx.started)
         run_workload_button(ctx, workload)
 
     def chapter_view(ctx: LabContext) -> None:
@@ -316,6 +499,14 @@ def lab() -> None:
         chapter_view=chapter_view,
         show_code_panel=False,
     )
+    if spec is not None:
+        _scale_view(spec)
+        st.caption(simulation_caption(spec))
+        show_code(
+            SimulatedExecutor.worker_timings,
+            "방금 실행된 코드 (시뮬레이션: 워커별 계산·통신 시간을 비용 모델로 계산)",
+        )
+        return
     show_code(MultiprocExecutor.execute_model, "방금 실행된 코드 (실행자가 워커들에게 스텝을 보냄)")
 
 

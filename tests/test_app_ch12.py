@@ -3,7 +3,9 @@ runs the same requests on tp 1 and tp 2 (the tiny model's 4 query / 2 KV heads d
 worker process per rank), draws the shard figure, the per-step compute vs all-reduce figure and the
 step times, and every worker process is gone once the engines are shut down.
 
-One lab run only: each tp engine spawns worker processes (each imports torch), seconds apiece."""
+One real lab run only: each tp engine spawns worker processes (each imports torch), seconds
+apiece. The 시뮬레이션 switch draws the same views for Llama-3.1-70B on 8 H100s against 4 (and as
+tp 4 × pp 2), from engine/simulator.py's computed layout and worker timings: no process starts."""
 
 from __future__ import annotations
 
@@ -13,12 +15,20 @@ import multiprocessing
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 pytest.importorskip("streamlit")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
-from ui.experiments.ch12 import full_shapes, matrix_cuts, speed_verdict  # noqa: E402
+from ui.experiments.ch12 import (  # noqa: E402
+    full_shapes,
+    matrix_cuts,
+    simulated_fit_error,
+    simulated_sizes,
+    speed_verdict,
+    tp_scaling,
+)
 from ui.session import SETTINGS_KEY, EngineSettings  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,6 +81,7 @@ def test_matrix_cuts_follow_the_layout():
     assert len(whole) == 4 and list(whole["크기"]) == [128, 64, 256, 128]
     assert speed_verdict(1.9, 2) == "워커 수만큼 빨라진다"
     assert speed_verdict(1.3, 2) == "조금 빨라진다"
+    assert speed_verdict(1.66, 2.0) == "조금 빨라진다"  # 83 % of twice is not "twice"
     assert speed_verdict(0.7, 3) == "비슷하거나 느려진다"
 
 
@@ -109,6 +120,82 @@ def test_lab_runs_tp1_and_tp2_and_leaves_no_workers(tiny_model_dir):
         text = " ".join(m.value for m in at.markdown)
         assert "측정값" in text and "계산값" in text and "보고값" in text
         assert "all-reduce 4번" in text  # derived: 2 × 2 layers
+    finally:
+        shutdown_all(at)
+    assert set(multiprocessing.active_children()) - before == set()
+
+
+def test_simulated_sizes_and_fit():
+    assert simulated_sizes(8) == [(4, 1), (8, 1), (4, 2)] and simulated_sizes(1) == []
+    fit = dict(max_model_len=1024, block_size=16, max_num_batched_tokens=128, max_num_seqs=8)
+    assert simulated_fit_error("llama-3.1-70b", "h100-sxm", 4, 1, **fit) is None
+    assert simulated_fit_error("llama-3.1-70b", "h100-sxm", 4, 2, **fit) is None
+    # 70B in bf16 is about 141 GB: one or two 80 GB GPUs cannot hold it (says by how much)
+    assert "GB short" in simulated_fit_error("llama-3.1-70b", "h100-sxm", 1, 1, **fit)
+    assert "가능한 tp" in simulated_fit_error("smollm2-135m-instruct", "h100-sxm", 2, 1, **fit)
+
+
+def test_tp_scaling_shows_the_mistake_at_scale():
+    """계산값: more GPUs shorten the step, less than in proportion; the all-reduce share grows."""
+    table = tp_scaling("llama-3.1-8b", "h100-sxm")
+    for phase in ("decode", "prefill"):
+        rows = table[table["단계"] == phase].set_index("GPU 수 (tp)")
+        assert list(rows.index) == [1, 2, 4, 8] and rows["메모리에 들어감"].all()
+        assert rows["스텝 (ms)"].is_monotonic_decreasing
+        assert rows["통신 비율 (%)"].is_monotonic_increasing and rows.loc[1, "통신 비율 (%)"] == 0
+        assert (rows["속도 (가장 작은 tp 대비)"] < rows["이상적 속도"])[[2, 4, 8]].all()
+    big = tp_scaling("llama-3.1-70b", "h100-sxm")
+    decode = big[big["단계"] == "decode"].set_index("GPU 수 (tp)")
+    # 70B in bf16 (about 141 GB) needs two 80 GB GPUs at least: the speed-ups are against tp 2
+    assert list(decode["메모리에 들어감"]) == [False, True, True, True]
+    assert pd.isna(decode.loc[1, "속도 (가장 작은 tp 대비)"])
+    assert decode.loc[2, "속도 (가장 작은 tp 대비)"] == 1.0 and decode.loc[8, "이상적 속도"] == 4.0
+    assert (
+        1
+        < decode.loc[8, "속도 (가장 작은 tp 대비)"] / decode.loc[4, "속도 (가장 작은 tp 대비)"]
+        < 2
+    )
+
+
+def test_lab_simulates_70b_on_8_gpus_against_4(tiny_model_dir):
+    """The switch at 시뮬레이션 (set before the page first runs, so no real worker starts): the
+    shard figure has 8 ranks × 4 matrices, the run's workers are simulated, the all-reduce count
+    is the derived 2 × 80 (tp) and 2 × 40 (tp 4 × pp 2), and the scale view has data."""
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=TIMEOUT)
+    at.session_state[SETTINGS_KEY] = EngineSettings(model=str(tiny_model_dir), device="cpu")
+    at.session_state["ch12_target"] = "시뮬레이션"
+    at.session_state["ch12_pp"] = True
+    at.run()
+    before = set(multiprocessing.active_children())
+    try:
+        at.switch_page(PAGE)
+        at.run()
+        assert not at.exception, [e.value for e in at.exception]
+        assert at.selectbox(key="ch12_sim_model").value == "llama-3.1-70b"
+        assert at.selectbox(key="ch12_sim_tp").value == 8
+        assert at.selectbox(key="ch12_tp").disabled
+        shards = chart(at, "ch12_shards")["data"]
+        assert len(shards) == 32 and all(t["x"] for t in shards)
+        scale = chart(at, "ch12_scale")["data"]
+        assert scale and all(values(t["y"]) for t in scale)
+        at.button(key="ch12_run").click().run()
+        assert not at.exception, [e.value for e in at.exception]
+
+        result = at.session_state["ch12_result"]
+        assert all(run.simulated for run in result.runs.values())
+        summary = result.summary.set_index("실행")
+        assert list(summary.index) == ["tp 4 × pp 1", "tp 8 × pp 1", "tp 4 × pp 2"]
+        assert list(summary["스텝당 all-reduce (계산)"]) == [160, 160, 80]
+        assert list(summary["가중치 합 (MB)"].notna()) == [True, True, True]
+        assert summary.loc["tp 8 × pp 1", "기준 대비 속도 (decode)"] > 1
+        comm = chart(at, "ch12_comm")["data"]
+        counts = values(next(t for t in comm if t["name"].startswith("all-reduce 횟수"))["y"])
+        assert counts and set(counts) == {160}
+        assert all(values(t["y"]) for t in comm)
+        assert all(values(t["y"]) for t in chart(at, "ch12_step_times")["data"])
+        text = " ".join(m.value for m in at.markdown)
+        assert "계산값" in text and "보고값" in text and "NVLink" in text
+        assert "all-reduce 160번" in text  # derived: 2 × 80 layers
     finally:
         shutdown_all(at)
     assert set(multiprocessing.active_children()) - before == set()

@@ -2,7 +2,9 @@
 heads, so tp 3), Playwright with Debian's Chromium. The lab shows what each of the three workers
 holds before any step; 실행 runs the same requests on tp 1 and tp 3 (three worker processes), and
 the per-step compute vs all-reduce figure and the step times render with data. Screenshot:
-tests/screenshots/ch12_lab.png. Skips only where no Chromium (or Playwright) can be found."""
+tests/screenshots/ch12_lab.png. The 시뮬레이션 switch draws the same views for a simulated
+Llama-3.1-70B on 8 H100s against 4 (tests/screenshots/ch12_simulation.png). Skips only where no
+Chromium (or Playwright) can be found."""
 
 from __future__ import annotations
 
@@ -37,3 +39,25 @@ def test_ch12_lab_in_browser(page, app_url):
     page.get_by_text("전체 비교", exact=False).first.scroll_into_view_if_needed()
     page.wait_for_timeout(500)
     page.screenshot(path=str(SHOTS / "ch12_lab.png"), full_page=False)
+
+
+def test_ch12_simulation_in_browser(page, app_url):
+    """실행 대상 → 시뮬레이션: the same views draw Llama-3.1-70B on 8 H100s against 4 (computed),
+    with the scale table; 실행 runs the simulated engines (no worker process)."""
+    lab.open_chapter(page, app_url, "ch12")
+    target = page.locator("[data-testid='stRadio']").filter(has_text="실행 대상")
+    target.get_by_text("시뮬레이션", exact=True).click()
+    lab.wait_idle(page)
+    lab.no_exception(page)
+    body = page.inner_text("body")
+    assert "tp 4 × pp 1" in body and "tp 8 × pp 1" in body and "GPU를 늘리면" in body
+    assert "all-reduce 160번" in body  # derived: 2 × 80 layers
+    lab.click(page, "실행")
+    body = page.inner_text("body")
+    assert "전체 비교" in body and "계산값" in body and "보고값" in body
+    traces = lab.plot_traces(page)
+    assert len(traces) >= 4 and all(n > 0 for n in traces), traces
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.get_by_text("전체 비교", exact=False).first.scroll_into_view_if_needed()
+    page.wait_for_timeout(500)
+    page.screenshot(path=str(SHOTS / "ch12_simulation.png"), full_page=False)

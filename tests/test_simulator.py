@@ -13,6 +13,7 @@ import pytest
 from _tiny import TINY_VOCAB_SIZE
 from engine.calibration import fit_efficiency
 from engine.cost_model import CostModel, Efficiency
+from engine.multiproc_executor import all_reduces_per_step, stage_layers
 from engine.presets import (
     PresetError,
     hardware_preset_names,
@@ -146,6 +147,8 @@ def test_a_model_that_does_not_fit_says_by_how_much():
         (dict(rate=float("nan")), "rate"),
         (dict(num_requests=0), "num_requests"),
         (dict(tensor_parallel_size=3), "heads"),
+        (dict(pipeline_parallel_size=0), "pipeline_parallel_size"),
+        (dict(pipeline_parallel_size=33), "layers"),
     ],
 )
 def test_bad_input_is_a_clear_error(kwargs, message):
@@ -281,6 +284,152 @@ def test_preemption_happens_when_the_kv_cache_is_small():
     assert all(r.finish_reason == "stop" for r in result.requests)
 
 
+# -- tensor and pipeline parallel: layout and per-worker timings (chapter 12 at scale) -------------
+
+
+def extra_copies(cfg, tp: int, pp: int, b: int = 2) -> int:
+    """What a layout holds more than once, from the config alone (tests/test_parallel.py's
+    replicated_bytes for the real executor, for untied embeddings, biases and any pp too): with
+    tp > 1 every rank of a stage holds its embedding / lm_head and norms whole; a tied embedding
+    is on the first stage and again (as lm_head) on the last; with tp > KV heads each KV head's K
+    and V rows (and biases) are on tp / KV heads ranks."""
+    h, matrix = cfg.hidden_size, cfg.vocab_size * cfg.hidden_size * b
+    matrices = 1 if cfg.tie_word_embeddings and pp == 1 else 2
+    extra = (tp - 1) * (matrices * matrix + (2 * cfg.num_layers + 1) * h * b)
+    if cfg.tie_word_embeddings and pp > 1:
+        extra += matrix
+    if tp > cfg.num_kv_heads:
+        kv_rows = 2 * cfg.num_kv_heads * cfg.head_dim
+        bias = 1 if cfg.attention_bias else 0
+        extra += (tp // cfg.num_kv_heads - 1) * kv_rows * (h + bias) * b * cfg.num_layers
+    return extra
+
+
+@pytest.mark.parametrize(
+    "key, tp, pp",
+    [
+        ("llama-3.1-70b", 8, 1),
+        ("llama-3.1-70b", 4, 2),
+        ("llama-3.1-70b", 16, 1),  # 8 KV heads on 16 GPUs: each KV head on two
+        ("qwen2.5-7b", 4, 1),  # q/k/v biases
+        ("smollm2-135m-instruct", 3, 2),  # tied embedding on two stages
+        ("smollm2-135m-instruct", 1, 3),
+    ],
+)
+def test_simulated_layout_adds_up_like_the_real_one(key, tp, pp):
+    preset = load_model_preset(key)
+    cfg = preset.config
+    engine = make_simulated_engine(
+        preset, "h100-sxm", tp, pipeline_parallel_size=pp, max_model_len=4096, num_kv_blocks=1024
+    )
+    assert (engine.config.tensor_parallel_size, engine.config.pipeline_parallel_size) == (tp, pp)
+    layout = engine.executor.layout()
+    assert [r["rank"] for r in layout] == list(range(tp * pp))
+    total = sum(r["weight_bytes"] for r in layout)
+    assert total == preset.num_parameters() * 2 + extra_copies(cfg, tp, pp)
+    assert engine.weight_bytes() == total
+    if tp == 1:
+        assert all(r["replicated_bytes"] == 0 for r in layout)
+    # the stages cover the layers in order; each stage's tp ranks cover every query head once
+    assert [r["layers"] for r in layout[::tp]] == [
+        [s.start, s.stop] for s in stage_layers(cfg.num_layers, pp)
+    ]
+    for stage in range(pp):
+        ranks = layout[stage * tp : (stage + 1) * tp]
+        assert [r["q_heads"] for r in ranks] == [
+            [i * cfg.num_heads // tp, (i + 1) * cfg.num_heads // tp] for i in range(tp)
+        ]
+        assert sum(r["shapes"]["down"][1] for r in ranks) == cfg.intermediate_size
+        assert all(r["holds_embedding"] == (stage == 0) for r in ranks)
+        assert all(r["holds_lm_head"] == (stage == pp - 1) for r in ranks)
+    for r in layout:
+        q = (r["q_heads"][1] - r["q_heads"][0]) * cfg.head_dim
+        kv_heads = r["kv_heads"][1] - r["kv_heads"][0]
+        assert r["shapes"]["qkv"] == [q + 2 * kv_heads * cfg.head_dim, cfg.hidden_size]
+        assert r["shapes"]["o"] == [cfg.hidden_size, q]
+        layers = r["layers"][1] - r["layers"][0]
+        assert r["num_layers"] == layers
+        per_block = 2 * layers * kv_heads * cfg.head_dim * 2 * engine.config.block_size
+        assert r["kv_cache_bytes"] == per_block * engine.num_blocks
+    assert engine.kv_cache_bytes() == sum(r["kv_cache_bytes"] for r in layout)
+
+
+def test_simulated_tp1_has_no_workers_and_no_layout():
+    """As the real engine's single in-process worker (UniProcExecutor)."""
+    result = simulate("llama-3.1-8b", "h100-sxm", rate=None, num_requests=3, output_len=(2, 5))
+    assert all(not r.workers for r in result.records)
+    assert result.records and make_simulated_engine("llama-3.1-8b").executor.layout() == []
+
+
+@pytest.mark.parametrize(
+    "tp, pp, hardware", [(8, 1, "h100-sxm"), (4, 2, "h100-sxm"), (1, 2, "h200")]
+)
+def test_simulated_workers_report_each_step(tp, pp, hardware):
+    """Per step, one entry per rank with the real executor's keys: the all-reduce count equals
+    the derived 2 per layer the rank runs, the bytes count × tokens × hidden × dtype bytes; the
+    stages run one after the other and the step's computed time is the last one's end plus the
+    fixed overhead."""
+    preset = load_model_preset("llama-3.1-70b")
+    cfg = preset.config
+    result = simulate(
+        preset,
+        hardware,
+        rate=None,
+        num_requests=6,
+        prompt_len=(20, 300),
+        output_len=(3, 12),
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        max_model_len=4096,
+        max_num_batched_tokens=256,  # chunked prefill: steps of mixed sizes
+    )
+    stepped = [r for r in result.records if r.scheduled]
+    assert len(stepped) == len(result.costs) > 3
+    stages = stage_layers(cfg.num_layers, pp)
+    keys = {
+        "rank", "tp_rank", "pp_rank", "step_s", "compute_s", "comm_s", "all_reduce_count",
+        "all_reduce_bytes", "p2p_bytes", "control_bytes", "round_trip_s",
+    }  # fmt: skip
+    for record, cost in zip(stepped, result.costs):
+        workers = record.workers
+        assert [w["rank"] for w in workers] == list(range(tp * pp))
+        hidden_bytes = record.total_tokens * cfg.hidden_size * 2
+        for w in workers:
+            assert set(w) == keys
+            assert w["all_reduce_count"] == (2 * len(stages[w["pp_rank"]]) if tp > 1 else 0)
+            assert w["all_reduce_bytes"] == w["all_reduce_count"] * hidden_bytes
+            neighbours = (w["pp_rank"] > 0) + (w["pp_rank"] < pp - 1)
+            assert w["p2p_bytes"] == neighbours * hidden_bytes
+            assert w["compute_s"] > 0 and w["comm_s"] >= 0
+            assert w["step_s"] == pytest.approx(w["compute_s"] + w["comm_s"])
+        assert max(w["all_reduce_count"] for w in workers) == all_reduces_per_step(cfg, tp, pp)
+        # stage s + 1 finishes after stage s; the step = the last stage's end + fixed overhead
+        ends = [workers[s * tp]["step_s"] for s in range(pp)]
+        assert ends == sorted(ends)
+        assert record.engine_duration == pytest.approx(ends[-1] + cost.overhead_s)
+        assert cost.total_s == pytest.approx(record.engine_duration)
+        # compute over the stages adds up to the cost model's linears + attention (any pp)
+        compute = sum(workers[s * tp]["compute_s"] for s in range(pp))
+        assert compute == pytest.approx(cost.linear_s + cost.attention_s)
+        if pp == 1:  # no hand-off: the forward is exactly the cost model's
+            assert workers[0]["comm_s"] == pytest.approx(cost.allreduce_s)
+            assert ends[-1] == pytest.approx(cost.model_s)
+        else:  # the hand-offs make the step longer than the same layers on tp alone
+            assert ends[-1] > cost.model_s
+
+
+def test_same_gpus_more_tp_shorter_step_but_less_than_n_times():
+    """The chapter's mistake at scale, computed: 70B decode on 8 H100s vs 4 is faster, but less
+    than twice, and the all-reduce share of the step grows with tp."""
+    preset, hw = load_model_preset("llama-3.1-70b"), load_hardware_preset("h100-sxm")
+    batch = [(1, 1024)] * 32
+    costs = {tp: CostModel(preset.config, hw, tp).step_cost(batch, 32) for tp in (4, 8)}
+    speedup = costs[4].total_s / costs[8].total_s
+    assert 1 < speedup < 2
+    shares = [costs[tp].allreduce_s / costs[tp].total_s for tp in (4, 8)]
+    assert shares[0] < shares[1]
+
+
 # -- the property: same decisions as the real engine ---------------------------------------------
 
 
@@ -328,15 +477,20 @@ def test_simulated_decisions_equal_the_real_engines(tiny_model_dir, config):
         SimRequest(w.prompt_token_ids, n, 0.0, max_tokens=64) for w, n in zip(workload, lengths)
     ]
     targets = {f"sim-{i}": n for i, n in enumerate(lengths)}
-    sim = make_simulated_engine(
-        model_preset_from_dir(tiny_model_dir),
-        "h100-sxm",
-        output_len=targets.get,
-        **{"max_model_len": 512, **config},
-    )
-    sim_records, sim_requests = run_workload(sim, sim_work)
-    assert decisions(sim_records) == decisions(real_records)
-    assert [r.num_output_tokens for r in sim_requests] == lengths
+    # scheduling does not depend on the (simulated) parallel layout: tp 2 and pp 2 decide the same
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+        sim = make_simulated_engine(
+            model_preset_from_dir(tiny_model_dir),
+            "h100-sxm",
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+            output_len=targets.get,
+            **{"max_model_len": 512, **config},
+        )
+        sim_records, sim_requests = run_workload(sim, sim_work)
+        assert decisions(sim_records) == decisions(real_records), (tp, pp)
+        assert [r.num_output_tokens for r in sim_requests] == lengths
+        assert all(len(r.workers) == (0 if tp * pp == 1 else 2) for r in sim_records if r.scheduled)
     if "num_kv_blocks" in config and config.get("scheduling_policy") != "priority":
         assert any(r.preempted for r in real_records)
 

@@ -36,9 +36,14 @@ def hardware_choices() -> list[str]:
     return [h for h in hardware_preset_names() if h != THIS_MACHINE]
 
 
-def simulation_picker(key: str, default_model: str = DEFAULT_MODEL_PRESET) -> dict | None:
+GPU_COUNTS = [1, 2, 4, 8]
+
+
+def simulation_picker(
+    key: str, default_model: str = DEFAULT_MODEL_PRESET, default_tp: int = 1
+) -> dict | None:
     """The switch and, in simulation, the model and hardware pickers. Returns the simulation
-    spec ({"model_preset", "hardware"}) or None for the real engine."""
+    spec ({"model_preset", "hardware", "tensor_parallel_size"}) or None for the real engine."""
     mode = st.radio(
         "실행 대상",
         [MODE_REAL, MODE_SIM],
@@ -69,7 +74,8 @@ def simulation_picker(key: str, default_model: str = DEFAULT_MODEL_PRESET) -> di
     )
     tp = c3.selectbox(
         "GPU 수 (텐서 병렬)",
-        [1, 2, 4, 8],
+        GPU_COUNTS,
+        index=GPU_COUNTS.index(default_tp) if default_tp in GPU_COUNTS else 0,
         key=f"{key}_sim_tp",
         help="가중치와 KV 헤드를 GPU들이 나눠 갖고, 층마다 all-reduce 두 번이 더해집니다.",
         disabled=real,
@@ -89,8 +95,10 @@ def simulation_overrides(spec: dict | None) -> dict:
 def simulation_caption(spec: dict) -> str:
     model = load_model_preset(spec["model_preset"])
     hw = load_hardware_preset(spec["hardware"])
-    tp = spec.get("tensor_parallel_size", 1)
-    gpus = f" × {tp}장" if tp > 1 else ""
+    tp, pp = spec.get("tensor_parallel_size", 1), spec.get("pipeline_parallel_size", 1)
+    gpus = f" × {tp * pp}장" if tp * pp > 1 else ""
+    if pp > 1:
+        gpus += f" (tp {tp} × pp {pp})"
     return (
         f"계산값: {model.name} 모양(config.json, {model.source}) × {hw.name}{gpus} 사양 "
         f"({hw.evidence}: {hw.source}). 스텝 시간은 engine/cost_model.py가 계산하며, 효율 계수는 "
@@ -119,5 +127,6 @@ def build_simulated_engine(spec: dict, config):
         spec["model_preset"],
         spec["hardware"],
         tensor_parallel_size=spec.get("tensor_parallel_size", 1),
+        pipeline_parallel_size=spec.get("pipeline_parallel_size", 1),
         **fields,
     )

@@ -70,6 +70,7 @@ class ParallelRun:
     result: RunResult
     layout: list[dict]  # empty for tp 1 × pp 1 (one worker in the engine's process)
     tokens: dict[str, list[int]]
+    simulated: bool = False  # engine/simulator.py: layout and worker times computed, not measured
 
 
 @dataclass
@@ -127,8 +128,21 @@ def compare_layouts(
     return ParallelComparison(runs, parallel_summary(runs))
 
 
-def parallel_summary(runs: dict[str, ParallelRun]) -> pd.DataFrame:
+def base_names(runs: dict[str, ParallelRun]) -> tuple[str, str]:
+    """Column names of the speed ratio and the same-output check: against "tp 1" when the first
+    run is tp 1 × pp 1, else against "기준" (the first run, e.g. a simulated tp 4)."""
     base = next(iter(runs.values()))
+    if base.tp * base.pp == 1:
+        return "tp 1 대비 속도", "tp 1과 같은 출력"
+    return "기준 대비 속도", "기준과 같은 출력"
+
+
+def parallel_summary(runs: dict[str, ParallelRun]) -> pd.DataFrame:
+    """One row per run. For simulated runs the all-reduce count is computed (계산) and the
+    same-output column is left out (a simulated sampler's tokens are placeholders)."""
+    base = next(iter(runs.values()))
+    speed_name, same_name = base_names(runs)
+    count_name = "스텝당 all-reduce " + ("(계산)" if base.simulated else "(측정)")
     rows = []
     for label, run in runs.items():
         res = run.result
@@ -141,18 +155,17 @@ def parallel_summary(runs: dict[str, ParallelRun]) -> pd.DataFrame:
                 "워커 수": run.tp * run.pp,
                 "벽시계 시간 (s)": _r(res.wall_s, 2),
                 "출력 토큰/s": _r(res.output_tokens / res.wall_s if res.wall_s else 0.0),
-                "tp 1 대비 속도": _r(base.result.wall_s / res.wall_s, 2) if res.wall_s else None,
+                speed_name: _r(base.result.wall_s / res.wall_s, 2) if res.wall_s else None,
                 "통신 비율 (%)": _r(100 * spent / (compute + spent)) if compute + spent else None,
-                "스텝당 all-reduce (측정)": _r(steps["all_reduce_count"].mean())
-                if len(steps)
-                else 0,
+                count_name: _r(steps["all_reduce_count"].mean()) if len(steps) else 0,
                 "가중치 합 (MB)": _r(sum(r["weight_bytes"] for r in run.layout) / MB, 2)
                 if run.layout
                 else None,
-                "tp 1과 같은 출력": run.tokens == base.tokens,
+                same_name: run.tokens == base.tokens,
             }
         )
-    return pd.DataFrame(rows)
+    table = pd.DataFrame(rows)
+    return table.drop(columns=[same_name]) if base.simulated else table
 
 
 def derived_all_reduces(model_config, tp: int, pp: int) -> int:
@@ -227,27 +240,39 @@ def steady_step_ms(result: RunResult) -> float | None:
 
 def lab_run(result: RunResult, engine: EngineCore) -> ParallelRun:
     """A ParallelRun from a lab side's finished workload (its engine still running, for layout)."""
+    from ui.experiments.common import is_simulated
+
     cfg = engine.config
     executor = engine.executor
     layout = executor.layout() if hasattr(executor, "layout") else []
     tokens = {r.request_id: list(r.output_token_ids) for r in result.requests}
-    return ParallelRun(cfg.tensor_parallel_size, cfg.pipeline_parallel_size, result, layout, tokens)
+    return ParallelRun(
+        cfg.tensor_parallel_size,
+        cfg.pipeline_parallel_size,
+        result,
+        layout,
+        tokens,
+        simulated=is_simulated(engine),
+    )
 
 
 def lab_comparison(runs: dict[str, ParallelRun]) -> ParallelComparison:
     """parallel_summary for runs stepped in lockstep by the lab: one engine's wall clock there
     spans the other engines' steps too, so its time columns are replaced by the sum of its own
     step times and the median decode step (the first run is the base of the ratio)."""
-    summary = parallel_summary(runs).drop(
-        columns=["벽시계 시간 (s)", "출력 토큰/s", "tp 1 대비 속도"]
-    )
+    speed_name, _ = base_names(runs)
+    summary = parallel_summary(runs).drop(columns=["벽시계 시간 (s)", "출력 토큰/s", speed_name])
     medians = [steady_step_ms(run.result) for run in runs.values()]
     base = medians[0]
+    # a simulated step time is computed to the microsecond: more digits than a measured one
+    simulated = next(iter(runs.values())).simulated
+    digits = 3 if simulated else 1
     summary.insert(2, "스텝 시간 합 (s)", [
-        _r(sum(r.engine_duration for r in run.result.records), 2) for run in runs.values()
+        _r(sum(r.engine_duration for r in run.result.records), 4 if simulated else 2)
+        for run in runs.values()
     ])  # fmt: skip
-    summary.insert(3, "decode 스텝 중앙값 (ms)", [_r(m, 1) if m else None for m in medians])
-    summary.insert(4, "tp 1 대비 속도 (decode)", [
+    summary.insert(3, "decode 스텝 중앙값 (ms)", [_r(m, digits) if m else None for m in medians])
+    summary.insert(4, f"{speed_name} (decode)", [
         _r(base / m, 2) if base and m else None for m in medians
     ])  # fmt: skip
     return ParallelComparison(runs, summary)
@@ -257,9 +282,144 @@ SPEED_CHOICES = ["워커 수만큼 빨라진다", "조금 빨라진다", "비슷
 
 
 def speed_verdict(speedup: float, workers: int) -> str:
-    """Which SPEED_CHOICES a measured speed-up (base time / this time) is."""
-    if speedup >= 0.8 * workers:
+    """Which SPEED_CHOICES a measured (or, simulated, computed) speed-up (base time / this time)
+    is, for `workers` times the base's workers: "as many times" only within 10 % of it (the
+    simulated 70B on 8 GPUs vs 4, 1.66×, is not "twice")."""
+    if speedup >= 0.9 * workers:
         return SPEED_CHOICES[0]
     if speedup >= 1.15:
         return SPEED_CHOICES[1]
     return SPEED_CHOICES[2]
+
+
+# -- at scale: the same views on a simulated GPU cluster (engine/simulator.py) ----------------
+
+
+def parallel_conditions(engine) -> dict:
+    """The 계산값 conditions of a simulated engine (ui/experiments/common.py's), with the GPU
+    count as tp × pp when the engine is pipeline parallel."""
+    from ui.experiments.common import simulated_conditions
+
+    cond = simulated_conditions(engine)
+    ex = engine.executor
+    if getattr(ex, "pp", 1) > 1:
+        hw = ex.hardware
+        cond["하드웨어"] = f"{hw.name} × {ex.tp * ex.pp} (tp {ex.tp} × pp {ex.pp}, {hw.evidence})"
+    return cond
+
+
+def simulated_sizes(tp: int) -> list[tuple[int, int]]:
+    """The layouts a simulated lab compares for `tp` GPUs: half as many GPUs as tp (the base),
+    all of them as tp, and (optional third side) all of them as tp/2 × pp 2. One GPU: nothing to
+    compare (an empty list)."""
+    if tp < 2:
+        return []
+    return [(tp // 2, 1), (tp, 1), (tp // 2, 2)]
+
+
+def simulated_fit_error(
+    model_preset: str,
+    hardware: str,
+    tp: int,
+    pp: int,
+    max_model_len: int,
+    block_size: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    utilization: float | None = None,
+) -> str | None:
+    """Why this preset cannot be simulated on tp × pp GPUs of this hardware (None: it can):
+    a size that does not divide the model, weights that do not fit, or a KV cache too small for
+    one request of max_model_len (chapter 05's budget, engine/simulator.py's plan_memory)."""
+    from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION
+    from engine.multiproc_executor import valid_tensor_parallel_sizes
+    from engine.presets import PresetError, load_hardware_preset, load_model_preset
+    from engine.simulator import plan_memory
+    from engine.utils import cdiv
+
+    preset, hw = load_model_preset(model_preset), load_hardware_preset(hardware)
+    valid = valid_tensor_parallel_sizes(preset.config)
+    if tp not in valid:
+        return (
+            f"{preset.name}은(는) GPU {tp}장으로 나눌 수 없습니다 (query 헤드 "
+            f"{preset.config.num_heads}개, KV 헤드 {preset.config.num_kv_heads}개): 가능한 tp "
+            f"{', '.join(map(str, valid))}"
+        )
+    try:
+        plan = plan_memory(
+            preset,
+            hw,
+            tp,
+            block_size,
+            utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
+            max_num_batched_tokens,
+            max_num_seqs,
+            pp,
+        )
+    except PresetError as error:
+        return str(error)
+    needed = cdiv(max_model_len, block_size)
+    if plan.num_blocks < needed:
+        return (
+            f"{preset.name} on {hw.name} × {tp * pp}: KV cache of {plan.num_blocks} blocks "
+            f"holds fewer than one {max_model_len}-token request ({needed} blocks)"
+        )
+    return None
+
+
+def tp_scaling(
+    model_preset: str,
+    hardware: str,
+    sizes=(1, 2, 4, 8),
+    batch: int = 32,
+    context: int = 1024,
+    prefill_tokens: int = 2048,
+    efficiency=None,
+) -> pd.DataFrame:
+    """계산값: one decode step (`batch` requests, `context` tokens cached each) and one prefill
+    step (`prefill_tokens` new tokens of one request) on tp = each size, from the cost model
+    (engine/cost_model.py, the same one the simulated engine uses). Per row: the step's time and
+    its parts, the all-reduce share of the step, the speed-up against the smallest size in the
+    table that fits in memory and the ideal one (the ratio of GPU counts), and whether the
+    weights fit (sizes the model's heads cannot be cut into are left out)."""
+    from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION
+    from engine.cost_model import CostModel
+    from engine.multiproc_executor import valid_tensor_parallel_sizes
+    from engine.presets import PresetError, load_hardware_preset, load_model_preset
+    from engine.simulator import plan_memory
+
+    preset, hw = load_model_preset(model_preset), load_hardware_preset(hardware)
+    valid = set(valid_tensor_parallel_sizes(preset.config))
+    rows = []
+    phases = {
+        "decode": ([(1, context)] * batch, batch),
+        "prefill": ([(prefill_tokens, 0)], 1),
+    }
+    for phase, (step_batch, sampled) in phases.items():
+        base = None
+        for tp in [s for s in sizes if s in valid]:
+            cost = CostModel(preset.config, hw, tp, efficiency).step_cost(step_batch, sampled)
+            try:
+                plan_memory(
+                    preset, hw, tp, 16, DEFAULT_GPU_MEMORY_UTILIZATION, prefill_tokens, batch
+                )
+                fits = True
+            except PresetError:
+                fits = False
+            if fits and base is None:  # the speed-ups are against the smallest size that fits
+                base = (tp, cost.total_s)
+            rows.append(
+                {
+                    "단계": phase,
+                    "GPU 수 (tp)": tp,
+                    "스텝 (ms)": _r(1000 * cost.total_s, 2),
+                    "계산 (ms)": _r(1000 * (cost.linear_s + cost.attention_s), 2),
+                    "all-reduce (ms)": _r(1000 * cost.allreduce_s, 2),
+                    "고정 비용 (ms)": _r(1000 * cost.overhead_s, 2),
+                    "통신 비율 (%)": _r(100 * cost.allreduce_s / cost.total_s),
+                    "속도 (가장 작은 tp 대비)": _r(base[1] / cost.total_s, 2) if fits else None,
+                    "이상적 속도": _r(tp / base[0], 2) if fits else None,
+                    "메모리에 들어감": fits,
+                }
+            )
+    return pd.DataFrame(rows)
