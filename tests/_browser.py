@@ -58,7 +58,8 @@ def start_streamlit(
     extra_args: tuple[str, ...] = (),
 ) -> tuple[subprocess.Popen, str]:
     """`streamlit run app` on 127.0.0.1 and a free port; returns (process, URL) once
-    /_stcore/health answers, else stops it and raises RuntimeError with the log's tail."""
+    /_stcore/health answers, else stops it and raises RuntimeError with the log's tail. `env`, if
+    given, is the whole environment of the server (not added to this process's)."""
     python = str(VENV_PYTHON) if VENV_PYTHON.exists() else sys.executable
     port = free_port()
     cmd = [python, "-m", "streamlit", "run", app, "--server.port", str(port), *extra_args]
@@ -89,27 +90,80 @@ def stop_process(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
+SERVER_FLAGS = (
+    "--server.headless",
+    "true",
+    "--server.address",
+    "127.0.0.1",
+    "--browser.gatherUsageStats",
+    "false",
+    "--server.fileWatcherType",
+    "none",
+)
+
+
 @contextmanager
 def streamlit_server(log_path: Path, start_timeout_s: float = 120):
     """Start the app on 127.0.0.1 and yield its URL once /_stcore/health answers."""
-    flags = (
-        "--server.headless",
-        "true",
-        "--server.address",
-        "127.0.0.1",
-        "--browser.gatherUsageStats",
-        "false",
-        "--server.fileWatcherType",
-        "none",
-    )
     try:
-        proc, url = start_streamlit(log_path, start_timeout_s=start_timeout_s, extra_args=flags)
+        proc, url = start_streamlit(
+            log_path, start_timeout_s=start_timeout_s, extra_args=SERVER_FLAGS
+        )
     except RuntimeError as exc:
         pytest.fail(str(exc))
     try:
         yield url
     finally:
         stop_process(proc)
+
+
+class SharedServer:
+    """One `streamlit run app.py` (the real default model) for every browser test module that
+    asks for it through the `shared_app_url` fixture (tests/conftest.py), instead of a server and
+    a model load per module. Started on first use; tests/conftest.py stops it as soon as the next
+    test does not need it (and at the end of the session), so it never idles behind other tests.
+
+    Each module still gets its own Chromium page, i.e. its own Streamlit session: session state,
+    engine settings and the learner's engines are per session, and the engines of a closed page
+    go after LLM_LAB_SESSION_TTL_S, shortened here so that the engines of earlier modules do not
+    pile up in the one process (the classroom's own tests keep their own servers and settings)."""
+
+    ENV = {"LLM_LAB_SESSION_TTL_S": "10"}
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.url: str | None = None
+        self.log_path: Path | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, log_dir: Path, start_timeout_s: float = 120) -> str:
+        """The running server's URL, starting it first where none runs (or it died)."""
+        if self.running:
+            return self.url
+        self.stop()
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / "streamlit.log"
+        try:
+            self.proc, self.url = start_streamlit(
+                self.log_path,
+                env={**os.environ, **self.ENV},
+                start_timeout_s=start_timeout_s,
+                extra_args=SERVER_FLAGS,
+            )
+        except RuntimeError as exc:
+            pytest.fail(str(exc))
+        return self.url
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc)
+        self.proc = self.url = None
+
+
+SHARED = SharedServer()
 
 
 @contextmanager
@@ -144,16 +198,15 @@ def wait_idle(page, timeout_ms: int, settle_ms: int = 300) -> None:
 
 
 def chapter_fixtures(name: str, timeout_ms: int):
-    """A chapter test module's two fixtures: `app_url` (its own `streamlit run app.py` on the real
-    default model) and `page` (one Chromium page, i.e. one Streamlit session, for the module).
+    """A chapter test module's two fixtures: `app_url` (the `streamlit run app.py` on the real
+    default model that the browser modules share, see SharedServer) and `page` (one Chromium page,
+    i.e. one Streamlit session, for the module). `name` (the module's chapters) was the label of
+    the module's own server; it is kept so that the modules' calls stay as they are.
     Use as `app_url, page = chapter_fixtures("ch09", TIMEOUT_MS)` at module level."""
 
     @pytest.fixture(scope="module")
-    def app_url(default_model_dir, tmp_path_factory):
-        with streamlit_server(
-            tmp_path_factory.mktemp(f"streamlit_{name}") / "streamlit.log"
-        ) as url:
-            yield url
+    def app_url(shared_app_url):
+        return shared_app_url
 
     @pytest.fixture(scope="module")
     def page(app_url):

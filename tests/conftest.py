@@ -12,6 +12,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from _browser import SHARED as SHARED_SERVER  # noqa: E402
 from _tiny import TINY_VOCAB_SIZE, write_tiny_model, write_tiny_tokenizer  # noqa: E402
 from engine.artifact import ArtifactError, default_artifact_path, validate_model_dir  # noqa: E402
 
@@ -53,6 +54,32 @@ def _release_app_engines():
     if registry is not None:
         for session_id in registry.session_ids():
             registry.release_session(session_id, trim=False)
+
+
+@pytest.fixture(scope="module")
+def shared_app_url(default_model_dir, tmp_path_factory) -> str:
+    """The URL of the one `streamlit run app.py` the browser modules share (tests/_browser.py,
+    SharedServer): started by the first module that asks, stopped by the hook below once the next
+    test does not ask for it. Module-scoped (the server itself outlives the module) so that a
+    module always gets the server that runs now."""
+    return SHARED_SERVER.start(tmp_path_factory.getbasetemp() / "streamlit_shared")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Stop the shared Streamlit server right after the last test of a run of tests that use it
+    (their module-scoped pages are closed by then), so it never idles behind the other tests."""
+    try:
+        return (yield)
+    finally:
+        if SHARED_SERVER.running and (
+            "shared_app_url" not in getattr(nextitem, "fixturenames", ())
+        ):
+            SHARED_SERVER.stop()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    SHARED_SERVER.stop()
 
 
 @pytest.fixture(scope="session")

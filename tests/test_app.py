@@ -83,6 +83,10 @@ def test_navigation_lists_every_chapter(app):
         assert page.title == (ch.title if ready else f"{ch.title} (준비 중)")
 
 
+# Every page on the real model: slow (chapters 11-12 build quantized and tensor-parallel engines of
+# the 135M model). The fast tier renders every page on the tiny model in tests/test_lessons.py
+# (test_every_marked_control_exists_on_its_page) and each lab page in its tests/test_app_chNN.py.
+@pytest.mark.slow
 @pytest.mark.parametrize("chapter_id", [c.id for c in CHAPTERS])
 def test_every_page_opens(app, chapter_id):
     at = open_chapter(app, chapter_id)
@@ -308,8 +312,9 @@ def test_ch03_cache_comparison_and_growth(app):
     assert_lab_plots(at, "ch03")
 
 
-def test_figures_show_preemption_and_reasons(default_model_dir):
-    """Pure figure builders on a real, deliberately tight engine: preemptions appear in the journey,
+def test_figures_show_preemption_and_reasons(tiny_model_dir):
+    """Pure figure builders on a real, deliberately tight engine (the tiny model: the figures
+    depend on the scheduler's decisions, not on the weights): preemptions appear in the journey,
     Korean reason labels in the decision table, free/cached/used blocks in the KV grid."""
     from engine.core import EngineConfig, EngineCore
     from engine.sampling_params import SamplingParams
@@ -318,6 +323,8 @@ def test_figures_show_preemption_and_reasons(default_model_dir):
 
     engine = EngineCore(
         EngineConfig(
+            model=str(tiny_model_dir),
+            device="cpu",
             num_kv_blocks=8,
             block_size=16,
             max_model_len=96,

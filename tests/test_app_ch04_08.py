@@ -6,17 +6,10 @@ takes), so the labs run real engines in seconds; the real model is exercised by 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
-pytest.importorskip("streamlit")
-from streamlit.testing.v1 import AppTest  # noqa: E402
+from _apptest import app_fixture, assert_charts
 
-from ui.session import SETTINGS_KEY, EngineSettings  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 180
 
 PAGES = {
@@ -52,28 +45,7 @@ PAGES = {
 }
 
 
-@pytest.fixture(scope="module")
-def app(tiny_model_dir):
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=TIMEOUT)
-    at.session_state[SETTINGS_KEY] = EngineSettings(model=str(tiny_model_dir), device="cpu")
-    at.run()
-    assert not at.exception, [e.value for e in at.exception]
-    return at
-
-
-def charts(at: AppTest) -> dict[str, dict]:
-    return {c.proto.id: json.loads(c.proto.spec) for c in at.get("plotly_chart")}
-
-
-def assert_charts(at: AppTest, keys: list[str]) -> None:
-    specs = charts(at)
-    for key in keys:
-        match = [spec for element_id, spec in specs.items() if key in element_id]
-        assert match, f"plot {key} missing; ids: {list(specs)}"
-        data = match[0]["data"]
-        assert data and any(t.get("x") or t.get("y") or t.get("z") for t in data), (
-            f"plot {key} has no data"
-        )
+app = app_fixture(timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize("chapter_id", list(PAGES))

@@ -7,21 +7,19 @@ then the policy comparison run once."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import plotly.graph_objects as go
 import pytest
 
 from engine.request import RequestStatus
+from _apptest import app_fixture, assert_charts
 from ui.experiments import ch09
 from ui.experiments.common import WorkloadFeeder, run_workload
 
-ROOT = Path(__file__).resolve().parent.parent
 PAGE = "pages/ch09_preemption.py"
 TIMEOUT = 240
 RECOMPUTE, SWAP = list(ch09.PREEMPTION_MODES)
 FCFS, PRIORITY, STATIC = list(ch09.POLICIES)
+XY = ("x", "y")  # this chapter's plots carry data on x or y (no z-only heatmap counts)
 
 
 @pytest.fixture(scope="module")
@@ -216,32 +214,7 @@ def test_figures_carry_data(burst, policies):
 # -- the page ------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def app(tiny_model_dir):
-    pytest.importorskip("streamlit")
-    from streamlit.testing.v1 import AppTest
-
-    from ui.session import SETTINGS_KEY, EngineSettings
-
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=TIMEOUT)
-    at.session_state[SETTINGS_KEY] = EngineSettings(model=str(tiny_model_dir), device="cpu")
-    at.run()
-    at.switch_page(PAGE)
-    at.run()
-    assert not at.exception, [e.value for e in at.exception]
-    return at
-
-
-def charts(at) -> dict[str, dict]:
-    return {c.proto.id: json.loads(c.proto.spec) for c in at.get("plotly_chart")}
-
-
-def assert_charts(at, keys: list[str]) -> None:
-    specs = charts(at)
-    for key in keys:
-        match = [spec for element_id, spec in specs.items() if key in element_id]
-        assert match, f"plot {key} missing; ids: {list(specs)}"
-        assert any(t.get("x") or t.get("y") for t in match[0]["data"]), f"plot {key} has no data"
+app = app_fixture(PAGE, TIMEOUT)
 
 
 def test_page_burst_lab_steps_to_the_preemption_and_runs(app):
@@ -257,7 +230,7 @@ def test_page_burst_lab_steps_to_the_preemption_and_runs(app):
     assert queues and list(queues[0]["요청"]) == ["C", "D", "E"]
     app.button(key="ch09_to_end").click().run()
     assert not app.exception, [e.value for e in app.exception]
-    assert_charts(app, ["ch09_one_journey", "ch09_one_kvgrid", "ch09_cost", "ch09_thrash"])
+    assert_charts(app, ["ch09_one_journey", "ch09_one_kvgrid", "ch09_cost", "ch09_thrash"], XY)
     result = app.session_state["ch09_result_burst"]
     assert result.costs.iloc[0]["재계산 토큰"] > 0
     assert len(app.session_state["ch09_history"]) == 1
@@ -272,7 +245,7 @@ def test_page_policy_comparison_runs_three_engines(app):
     app.radio(key="ch09_exp").set_value("③ FCFS vs 우선순위 vs 정적").run()
     app.button(key="ch09_run").click().run()
     assert not app.exception, [e.value for e in app.exception]
-    assert_charts(app, ["ch09_fairness", "ch09_policy_e2e", "ch09_fcfs_journey"])
+    assert_charts(app, ["ch09_fairness", "ch09_policy_e2e", "ch09_fcfs_journey"], XY)
     result = app.session_state["ch09_result_policy"]
     assert list(result.runs) == list(ch09.POLICIES)
     assert {r.config.scheduling_policy for r in result.runs.values()} == {
@@ -287,7 +260,7 @@ def test_page_recompute_vs_swap_and_a_full_swap_space(app):
     app.radio(key="ch09_exp").set_value("② 재계산 vs 스왑").run()
     app.button(key="ch09_run").click().run()
     assert not app.exception, [e.value for e in app.exception]
-    assert_charts(app, ["ch09_swap_cost", "ch09_cost2", "ch09_swap_kvgrid"])
+    assert_charts(app, ["ch09_swap_cost", "ch09_cost2", "ch09_swap_kvgrid"], XY)
     costs = app.session_state["ch09_result_swap"].costs.set_index("실행")
     assert costs.loc[SWAP, "스왑 아웃 블록"] > 0 and costs.loc[SWAP, "재계산 토큰"] == 0
     assert any("블록 하나(= 16토큰) 복사" in m.value for m in app.markdown)

@@ -5,15 +5,12 @@ a prefix tail first, the output is still computed."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
+from _apptest import app_fixture, assert_charts
 from ui.experiments import ch10
 from ui.experiments.common import make_config, run_workload
 
-ROOT = Path(__file__).resolve().parent.parent
 PAGE = "pages/ch10_prefix_caching.py"
 B = 16
 
@@ -159,29 +156,7 @@ def test_salts_isolate_equal_prompts(make_engine):
 # -- the page ----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def app(tiny_model_dir):
-    at_mod = pytest.importorskip("streamlit.testing.v1")
-    from ui.session import SETTINGS_KEY, EngineSettings
-
-    at = at_mod.AppTest.from_file(str(ROOT / "app.py"), default_timeout=240)
-    at.session_state[SETTINGS_KEY] = EngineSettings(model=str(tiny_model_dir), device="cpu")
-    at.run()
-    assert not at.exception, [e.value for e in at.exception]
-    return at
-
-
-def charts(at) -> dict[str, dict]:
-    return {c.proto.id: json.loads(c.proto.spec) for c in at.get("plotly_chart")}
-
-
-def assert_charts(at, keys: list[str]) -> None:
-    specs = charts(at)
-    for key in keys:
-        match = [spec for element_id, spec in specs.items() if key in element_id]
-        assert match, f"plot {key} missing; ids: {list(specs)}"
-        data = match[0]["data"]
-        assert data and any(t.get("x") or t.get("y") or t.get("z") for t in data), key
+app = app_fixture()  # each test opens the page itself
 
 
 def test_page_lab_and_experiments_run(app):

@@ -5,42 +5,16 @@ weight quantization setting reaches the engine."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
-from pathlib import Path
 
-import pytest
+from _apptest import app_fixture, chart
+from ui.session import SETTINGS_KEY
 
-pytest.importorskip("streamlit")
-from streamlit.testing.v1 import AppTest  # noqa: E402
-
-from ui.session import SETTINGS_KEY, EngineSettings  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
 PAGE = "pages/ch11_quantization.py"
 TIMEOUT = 240
 
 
-@pytest.fixture(scope="module")
-def app(tiny_model_dir):
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=TIMEOUT)
-    at.session_state[SETTINGS_KEY] = EngineSettings(model=str(tiny_model_dir), device="cpu")
-    at.run()
-    assert not at.exception, [e.value for e in at.exception]
-    at.switch_page(PAGE)
-    at.run()
-    assert not at.exception, [e.value for e in at.exception]
-    return at
-
-
-def chart_ids(at: AppTest) -> dict[str, dict]:
-    return {c.proto.id: json.loads(c.proto.spec) for c in at.get("plotly_chart")}
-
-
-def chart(at: AppTest, key: str) -> dict:
-    match = [spec for element_id, spec in chart_ids(at).items() if key in element_id]
-    assert match, f"plot {key} missing; ids: {list(chart_ids(at))}"
-    return match[0]
+app = app_fixture(PAGE, TIMEOUT)
 
 
 def test_lab_runs_three_engines_and_summarises(app):

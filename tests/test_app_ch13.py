@@ -6,19 +6,15 @@ and the sidebar's settings turn speculative decoding on for every engine."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("streamlit")
-from streamlit.testing.v1 import AppTest  # noqa: E402
-
+from _apptest import app_fixture, chart  # noqa: E402
 from ui.experiments import ch13  # noqa: E402
 from ui.session import SETTINGS_KEY, EngineSettings, validate_settings  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 PAGE = "pages/ch13_speculative_decoding.py"
 TIMEOUT = 240
 SPEC = ch13.spec_config(3, 3, 1)
@@ -196,29 +192,10 @@ def test_settings_carry_speculative_decoding_into_the_engine_config():
 # -- the page ----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def app(tiny_model_dir):
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=TIMEOUT)
-    at.session_state[SETTINGS_KEY] = EngineSettings(model=str(tiny_model_dir), device="cpu")
-    at.run()
-    assert not at.exception, [e.value for e in at.exception]
-    at.switch_page(PAGE)
-    at.run()
-    assert not at.exception, [e.value for e in at.exception]
-    return at
+app = app_fixture(PAGE, TIMEOUT)
 
 
-def charts(at: AppTest) -> dict[str, dict]:
-    return {c.proto.id: json.loads(c.proto.spec) for c in at.get("plotly_chart")}
-
-
-def chart(at: AppTest, key: str) -> dict:
-    match = [spec for element_id, spec in charts(at).items() if key in element_id]
-    assert match, f"plot {key} missing; ids: {list(charts(at))}"
-    return match[0]
-
-
-def no_errors(at: AppTest) -> None:
+def no_errors(at) -> None:
     assert not at.exception, [e.value for e in at.exception]
     assert not at.error, [e.value for e in at.error]
 

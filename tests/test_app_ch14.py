@@ -6,16 +6,14 @@ Timings are never asserted: only counts, orders, states and what the server's /m
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
+from _apptest import app_fixture, assert_charts
 from ui.experiments import ch14
 
-ROOT = Path(__file__).resolve().parent.parent
 PAGE = "pages/ch14_api_server.py"
 
 
@@ -252,36 +250,15 @@ def test_latency_vs_load_runs_each_rate(live):
 # -- the page under AppTest ----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def app(tiny_model_dir):
-    pytest.importorskip("streamlit")
-    from streamlit.testing.v1 import AppTest
-
-    from ui.session import SETTINGS_KEY, EngineSettings
-
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=240)
-    at.session_state[SETTINGS_KEY] = EngineSettings(model=str(tiny_model_dir), device="cpu")
-    at.run()
-    assert not at.exception, [e.value for e in at.exception]
-    at.switch_page(PAGE)
-    at.run()
-    assert not at.exception, [e.value for e in at.exception]
-    yield at
+def _stop_live_server(at) -> None:
+    """A server the page started and a failed test left running is stopped with the module."""
     live = at.session_state["_ch14_server"] if "_ch14_server" in at.session_state else None
     if live is not None:
         live.stop()
 
 
-def chart_ids(at) -> dict[str, dict]:
-    return {c.proto.id: json.loads(c.proto.spec) for c in at.get("plotly_chart")}
-
-
-def assert_charts(at, keys: list[str]) -> None:
-    specs = chart_ids(at)
-    for key in keys:
-        match = [spec for element_id, spec in specs.items() if key in element_id]
-        assert match, f"plot {key} missing; ids: {list(specs)}"
-        assert any(t.get("x") or t.get("y") for t in match[0]["data"]), f"plot {key} is empty"
+app = app_fixture(PAGE, teardown=_stop_live_server)
+XY = ("x", "y")  # this chapter's plots carry data on x or y
 
 
 def ok(at) -> None:
@@ -298,7 +275,7 @@ def test_page_fairness_lab_runs_both_engines(app):
     assert s.loc["임계값 32", "짧은 요청이 처음 들어간 스텝"] == 1
     assert s.loc["임계값 끔 (0)", "짧은 요청이 처음 들어간 스텝"] > 1
     assert_charts(
-        app, ["ch14_off_schedule", "ch14_on_schedule", "ch14_on_kvgrid", "ch14_fair_ttft"]
+        app, ["ch14_off_schedule", "ch14_on_schedule", "ch14_on_kvgrid", "ch14_fair_ttft"], XY
     )
 
 
@@ -319,18 +296,18 @@ def test_page_live_server_measures_and_stops(app):
     assert app.session_state["_ch14_server"] is live
     res = app.session_state["_ch14_load"]
     assert res.clients and all(c.status == 200 for c in res.clients)
-    assert_charts(app, ["ch14_live", "ch14_ttft_scatter", "ch14_chunks"])
+    assert_charts(app, ["ch14_live", "ch14_ttft_scatter", "ch14_chunks"], XY)
 
     app.multiselect(key="ch14s_rates").set_value([1.0, 4.0]).run()
     app.button(key="ch14s_curve").click().run()
     ok(app)
     assert [r.rate for r in app.session_state["_ch14_curve"]] == [1.0, 4.0]
-    assert_charts(app, ["ch14_curve"])
+    assert_charts(app, ["ch14_curve"], XY)
 
     app.button(key="ch14s_streamcmp").click().run()
     ok(app)
     assert app.session_state["_ch14_streamcmp"]["_text"].nunique() == 1
-    assert_charts(app, ["ch14_stream"])
+    assert_charts(app, ["ch14_stream"], XY)
 
     app.button(key="ch14s_stream_start").click().run()
     ok(app)
@@ -338,7 +315,7 @@ def test_page_live_server_measures_and_stops(app):
     ok(app)
     result = app.session_state["_ch14_disconnect"]
     assert result.after and result.after[-1].running == 0 and result.after[-1].kv_usage == 0
-    assert_charts(app, ["ch14_disconnect_fig"])
+    assert_charts(app, ["ch14_disconnect_fig"], XY)
     stream = app.session_state["_ch14_stream"]
     assert not stream.alive
 

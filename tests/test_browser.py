@@ -1,7 +1,7 @@
-"""End to end in a real browser: `streamlit run app.py` on a free port, driven by Playwright with
-Debian's Chromium. Opens chapters 01–03, runs labs to completion, checks the plotly plots and the
-streamed Korean text, and saves screenshots (tests/screenshots/, one copied to
-docs/screenshots/lab.png).
+"""End to end in a real browser: `streamlit run app.py` on a free port (the one the browser modules
+share), driven by Playwright with Debian's Chromium. Opens chapters 01–03, runs labs to completion,
+checks the plotly plots and the streamed Korean text, and saves screenshots (tests/screenshots/,
+one copied to docs/screenshots/lab.png).
 
 Skips only where no Chromium (or Playwright) can be found."""
 
@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from _browser import ROOT, SHOTS, browser_page as open_browser_page, streamlit_server
+from _browser import ROOT, SHOTS, browser_page as open_browser_page
 from _browser import wait_idle as _wait_idle
 
 pytestmark = pytest.mark.browser
@@ -30,9 +30,9 @@ def url_of(chapter_id: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def app_url(default_model_dir, tmp_path_factory):
-    with streamlit_server(tmp_path_factory.mktemp("streamlit") / "streamlit.log") as url:
-        yield url
+def app_url(shared_app_url):
+    """The browser modules' shared `streamlit run app.py` (tests/_browser.py, SharedServer)."""
+    return shared_app_url
 
 
 @pytest.fixture(scope="module")

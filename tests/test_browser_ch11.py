@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from _browser import SHOTS, browser_page, streamlit_server
+from _browser import SHOTS, chapter_fixtures
 from _browser import wait_idle as _wait_idle
 
 pytestmark = pytest.mark.browser
@@ -15,16 +15,7 @@ pytestmark = pytest.mark.browser
 STEP_TIMEOUT_MS = 480_000  # three engines load (two of them quantize at load) and run
 
 
-@pytest.fixture(scope="module")
-def app_url(default_model_dir, tmp_path_factory):
-    with streamlit_server(tmp_path_factory.mktemp("streamlit_ch11") / "streamlit.log") as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def page(app_url):
-    with browser_page(app_url, STEP_TIMEOUT_MS) as pg:
-        yield pg
+app_url, page = chapter_fixtures("ch11", STEP_TIMEOUT_MS)
 
 
 def no_exception(pg) -> None:
