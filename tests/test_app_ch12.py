@@ -10,7 +10,6 @@ tp 4 × pp 2), from engine/simulator.py's computed layout and worker timings: no
 from __future__ import annotations
 
 import base64
-import json
 import multiprocessing
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pandas as pd
 import pytest
 
 pytest.importorskip("streamlit")
+from _apptest import chart  # noqa: E402
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
 from ui.experiments.ch12 import (  # noqa: E402
@@ -34,16 +34,6 @@ from ui.session import SETTINGS_KEY, EngineSettings  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = "pages/ch12_distributed.py"
 TIMEOUT = 300
-
-
-def charts(at: AppTest) -> dict[str, dict]:
-    return {c.proto.id: json.loads(c.proto.spec) for c in at.get("plotly_chart")}
-
-
-def chart(at: AppTest, key: str) -> dict:
-    match = [spec for element_id, spec in charts(at).items() if key in element_id]
-    assert match, f"plot {key} missing; ids: {list(charts(at))}"
-    return match[0]
 
 
 def values(field) -> list:
@@ -85,6 +75,7 @@ def test_matrix_cuts_follow_the_layout():
     assert speed_verdict(0.7, 3) == "비슷하거나 느려진다"
 
 
+@pytest.mark.slow  # starts worker processes for the real lab: ~60 s under load
 def test_lab_runs_tp1_and_tp2_and_leaves_no_workers(tiny_model_dir):
     at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=TIMEOUT)
     at.session_state[SETTINGS_KEY] = EngineSettings(model=str(tiny_model_dir), device="cpu")
