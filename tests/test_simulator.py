@@ -8,6 +8,8 @@ import contextlib
 import io
 import json
 
+import numpy as np
+
 import pytest
 
 from _tiny import TINY_VOCAB_SIZE
@@ -188,31 +190,52 @@ def test_cost_model_is_a_roofline():
     assert tp.allreduce_s > 0 and tp.linear_s == pytest.approx(decode.linear_s / 2, rel=0.01)
 
 
-def test_fit_recovers_known_efficiencies():
-    """Step times made by the cost model itself, with known efficiencies: the fit finds them."""
+def known_steps(truth: Efficiency):
+    """Cost-model terms and step costs of decode batches of 1–32 and prefills up to 8192 tokens,
+    made by the cost model itself with known efficiencies."""
     preset, hw = load_model_preset("smollm2-135m-instruct"), load_hardware_preset("l4")
-    truth = Efficiency(
-        linear_memory=0.6,
-        linear_compute=0.4,
-        attention=0.3,
-        step_overhead_s=0.004,
-        per_request_s=0.0002,
-    )
     cost = CostModel(preset.config, hw, 1, truth)
     batches = [([(1, 50 + 10 * i)] * b, b) for b in (1, 4, 16, 32) for i in range(5)]
     batches += [([(n, 0)], 1) for n in (256, 512, 2048, 4096, 8192)] + [([(512, 512), (1, 30)], 2)]
     terms = [cost.terms(batch, sampled) for batch, sampled in batches]
-    durations = [cost.step_cost(batch, sampled).total_s for batch, sampled in batches]
-    fitted, stats = fit_efficiency(terms, durations)
-    for name in (
-        "linear_memory",
-        "linear_compute",
-        "attention",
-        "step_overhead_s",
-        "per_request_s",
-    ):
-        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-3), name
+    return terms, [cost.step_cost(batch, sampled) for batch, sampled in batches]
+
+
+FITTED = ("linear_memory", "linear_compute", "attention", "step_overhead_s", "per_request_s")
+TRUTH = Efficiency(
+    linear_memory=0.6,
+    linear_compute=0.4,
+    attention=0.3,
+    step_overhead_s=0.004,
+    per_request_s=0.0002,
+)
+
+
+@pytest.mark.parametrize("overhead_measured", [False, True])
+def test_fit_recovers_known_efficiencies(overhead_measured):
+    """Step times made by the cost model itself, with known efficiencies: the fit finds them,
+    from whole steps alone or with each step's forward measured apart from its bookkeeping."""
+    terms, steps = known_steps(TRUTH)
+    forward = [s.model_s for s in steps] if overhead_measured else None
+    fitted, stats = fit_efficiency(terms, [s.total_s for s in steps], forward_durations=forward)
+    for name in FITTED:
+        assert getattr(fitted, name) == pytest.approx(getattr(TRUTH, name), rel=1e-3), name
     assert stats["median_abs_relative_error"] < 1e-6
+
+
+def test_measured_overhead_is_not_confused_with_reading_the_weights():
+    """Noisy forwards: the fixed cost comes from (step − forward), so it stays the measured few
+    milliseconds instead of soaking up the weight-reading time every memory-bound step shares."""
+    truth = Efficiency(
+        linear_memory=0.5, linear_compute=0.5, attention=0.5, step_overhead_s=0.002, per_request_s=0
+    )
+    terms, steps = known_steps(truth)
+    noise = np.random.default_rng(0).uniform(0.85, 1.15, len(steps))
+    forward = [s.model_s * k for s, k in zip(steps, noise)]
+    total = [f + s.overhead_s for f, s in zip(forward, steps)]
+    fitted, _ = fit_efficiency(terms, total, forward_durations=forward)
+    assert fitted.step_overhead_s == pytest.approx(0.002, rel=1e-6)
+    assert fitted.linear_memory == pytest.approx(0.5, rel=0.2)
 
 
 # -- the simulated engine -------------------------------------------------------------------------
