@@ -9,7 +9,6 @@ import io
 import json
 
 import numpy as np
-
 import pytest
 
 from _tiny import TINY_VOCAB_SIZE
