@@ -1,4 +1,8 @@
-"""Command line: python -m engine {artifact,generate,serve,bench,quality,simulate,selfcheck}."""
+"""Command line: python -m engine {artifact,generate,serve,bench,quality,simulate,selfcheck}.
+
+Across machines, generate and serve also run under torchrun (one process per rank; see
+docs/distributed.md): `torchrun --nnodes 2 --node-rank R --nproc-per-node 1 --master-addr A
+--master-port P -m engine generate "prompt" -tp 2`."""
 
 from __future__ import annotations
 
@@ -44,6 +48,40 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_kernels_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--kernels",
+        choices=["auto", "torch"],
+        default="auto",
+        help="auto: our C++ CPU kernels when they build (default); torch: the reference",
+    )
+
+
+TORCHRUN_COMMANDS = ("generate", "serve")
+
+
+def torchrun_dispatch(args: argparse.Namespace) -> int | None:
+    """Under torchrun (RANK and WORLD_SIZE in the environment, one process per rank): check
+    that WORLD_SIZE is tp × pp before anything loads; RANK 0 goes on to run the command (the
+    engine core plus its own shard), every other rank serves RANK 0's steps until it shuts down
+    and prints nothing. Returns the exit status of a rank > 0, None where the command runs."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None  # not launched by torchrun
+    from engine.multiproc_executor import check_torchrun_world, run_torchrun_worker
+
+    tp = getattr(args, "tensor_parallel_size", 1)
+    pp = getattr(args, "pipeline_parallel_size", 1)
+    if args.command not in TORCHRUN_COMMANDS and int(os.environ["WORLD_SIZE"]) > 1:
+        raise ValueError(
+            f"under torchrun only {' and '.join(TORCHRUN_COMMANDS)} run across processes; "
+            f"run {args.command!r} without torchrun"
+        )
+    rank = check_torchrun_world(tp, pp)
+    if rank == 0:
+        return None
+    return run_torchrun_worker(args.model, args.device, tp, pp)
+
+
 def _report_layout(engine) -> None:
     """Which worker holds which layers and heads (multi-process executor only)."""
     layout = getattr(engine.executor, "layout", None)
@@ -80,6 +118,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             enforce_eager=args.enforce_eager,
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
+            kernels=args.kernels,
         )
     )
     _report_cuda_graphs(engine)
@@ -128,6 +167,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        kernels=args.kernels,
     )
     engine = EngineCore(config)
     _report_cuda_graphs(engine)
@@ -141,16 +181,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    return serve(
-        engine,
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key or None,
-        log_level=args.log_level,
-        served_model_name=args.served_model_name,
-        public_docs_and_metrics=args.public_docs_and_metrics,
-        max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
-    )
+    try:
+        return serve(
+            engine,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key or None,
+            log_level=args.log_level,
+            served_model_name=args.served_model_name,
+            public_docs_and_metrics=args.public_docs_and_metrics,
+            max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+        )
+    finally:
+        engine.shutdown()  # worker processes (and, under torchrun, the other ranks) stop
 
 
 def _report_cuda_graphs(engine) -> None:
@@ -289,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--speculative-config", type=speculative_config_arg, help=SPEC_HELP)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    add_kernels_arg(p)
     add_quantization_args(p)
     add_parallel_args(p)
     p.set_defaults(func=cmd_generate)
@@ -345,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-level", default="info")
     p.add_argument("--speculative-config", type=speculative_config_arg, help=SPEC_HELP)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    add_kernels_arg(p)
     add_quantization_args(p)
     add_parallel_args(p)
     p.set_defaults(func=cmd_serve)
@@ -519,6 +564,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     try:
+        status = torchrun_dispatch(args)  # launched by torchrun: RANK > 0 serves RANK 0
+        if status is not None:
+            return status
         return args.func(args)
     except (ArtifactError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

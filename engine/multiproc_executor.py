@@ -1,14 +1,14 @@
 """A multi-process executor on torch.distributed: tensor parallel and pipeline parallel.
 
-    engine core (one scheduler)
-        │  the step's SchedulerOutput, pickled once, sent down a pipe to every worker
+    engine core (one scheduler) = the driver, rank 0 of a gloo *control group*
+        │  each step's SchedulerOutput, broadcast over the control group to every rank
         ▼
-    worker rank 0 … rank N-1   (one process each, spawned; gloo on CPU, NCCL on CUDA)
+    worker rank 0 … rank N-1   (gloo on CPU, NCCL on CUDA: the *data group*)
         │  tensor parallel: all-reduce inside each layer; pipeline parallel: hidden states
         │  sent stage to stage
         ▼
-    the output rank (first worker of the last stage) samples and returns the new tokens;
-    every rank returns its timings (compute vs communication)
+    the output rank (first worker of the last stage) samples; its new tokens and every rank's
+    timings (compute vs communication) are gathered back to the driver over the control group
 
 Rank layout, as vLLM numbers it: rank = pp_rank * tp + tp_rank, so the workers of one pipeline
 stage are consecutive and form one tensor-parallel group.
@@ -36,17 +36,26 @@ one after the other, so only one stage works at a time. vLLM does more: it keeps
 filling the pipeline bubble; and it splits huge prefills across steps. Pipeline parallel here
 shows the memory split and the hand-off, not the throughput.
 
-Rendezvous is torchrun's: the workers get MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK
-in their environment and call init_process_group("env://"). MASTER_ADDR/MASTER_PORT are read
-from this process's environment (default 127.0.0.1 and a free port). The control channel (the
-step's SchedulerOutput down, tokens and timings up) is a local pipe per worker, so all ranks run
-on this machine; running ranks on other machines would need that channel over the network too.
+Two process groups, as vLLM keeps a `cpu_group` beside its device group: the *data group* (the
+ranks' collectives inside the forward, NCCL on CUDA) and the *control group* (gloo, CPU tensors
+over TCP) that carries the control path: the driver broadcasts each message (a pickled
+SchedulerOutput, as a uint8 tensor) and gathers one reply per rank. Everything goes over the
+network, so the ranks may sit on different machines. Two launches, one protocol:
+- spawned (the default, one machine): this process is the driver and holds no shard; it spawns
+  one worker per rank (torch.multiprocessing) and hosts the control group's rendezvous; the
+  workers' data group meets through MASTER_ADDR/MASTER_PORT (default 127.0.0.1 and a free port).
+- torchrun (across machines): torchrun starts one process per rank and sets MASTER_ADDR,
+  MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK. RANK 0's process is the driver *and* rank 0's
+  worker (it runs its shard in-process); every other rank runs `run_torchrun_worker` (the same
+  loop a spawned worker runs). See docs/distributed.md.
 
-Failure: every receive has a timeout and checks that every worker is alive, so a worker that
-dies (or raises) makes the engine raise ExecutorDiedError (a RuntimeError) instead of hanging.
-Workers are daemon processes, exit when their parent dies (a watchdog thread on the parent pid,
-and an EOF on their pipe), and are stopped by `shutdown()`, by garbage collection of the
-executor and at interpreter exit.
+Failure: every wait on the control group is bounded and, for spawned workers, checks that every
+worker is alive, so a worker that dies (or raises) makes the engine raise ExecutorDiedError (a
+RuntimeError) instead of hanging. Spawned workers are daemon processes, exit when their parent
+dies (a watchdog thread on the parent pid, and the control group's connection closing), and are
+stopped by `shutdown()` (a "shutdown" message, then terminate), by garbage collection of the
+executor and at interpreter exit. Under torchrun the driver's shutdown message ends every rank's
+loop; torchrun itself stops the other ranks of a failed run.
 """
 
 from __future__ import annotations
@@ -54,7 +63,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import multiprocessing.connection
 import os
 import pickle
 import socket
@@ -402,6 +410,7 @@ class ParallelWorker(Worker):
             "tp_rank": self.tp_rank,
             "pp_rank": self.pp_rank,
             "pid": os.getpid(),
+            "host": socket.gethostname(),
             "device": str(self.device),
             "is_output_rank": self.is_output_rank,
             "layers": [layers.start, layers.stop],
@@ -422,7 +431,264 @@ class ParallelWorker(Worker):
         }
 
 
-# -- the worker process --------------------------------------------------------------------------
+# -- the control plane: messages down, replies up, over a gloo group ----------------------------
+
+# A worker waits this long for the driver's next message (an idle server sends none); the driver
+# bounds its own waits (STARTUP_TIMEOUT_S, STEP_TIMEOUT_S). A peer that dies closes its
+# connections, which fails a pending collective at once: no timeout is needed to notice that.
+CONTROL_IDLE_TIMEOUT = timedelta(days=30)
+SHUTDOWN_WAIT_S = 5.0
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None and default is not None:
+        return default
+    try:
+        return int(value or "")
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+def torchrun_rank() -> int | None:
+    """This process's rank when a launcher such as torchrun started it (RANK and WORLD_SIZE in
+    the environment), else None."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    return _env_int("RANK")
+
+
+def check_torchrun_world(tp: int, pp: int) -> int:
+    """This torchrun process's rank, after checking that torchrun started exactly tp × pp
+    processes (ValueError otherwise, before anything is loaded)."""
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    if world != tp * pp:
+        raise ValueError(
+            f"torchrun started WORLD_SIZE={world} processes, but tensor_parallel_size × "
+            f"pipeline_parallel_size = {tp} × {pp} = {tp * pp}; one process per rank: "
+            "--nnodes × --nproc-per-node must equal tp × pp"
+        )
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK={rank} is outside 0..{world - 1}")
+    return rank
+
+
+def _check_local_gpus(device: torch.device) -> None:
+    """Under torchrun the GPUs are counted per machine: one process per GPU on each."""
+    if device.type == "cuda":
+        local = _env_int("LOCAL_WORLD_SIZE", 1)
+        if local > torch.cuda.device_count():
+            raise ValueError(
+                f"torchrun starts {local} processes on this machine (--nproc-per-node), but it "
+                f"has {torch.cuda.device_count()} CUDA device(s): one process per GPU"
+            )
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _to_tensor(obj) -> torch.Tensor:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _from_tensor(t: torch.Tensor, length: int):
+    return pickle.loads(t[:length].numpy().tobytes())
+
+
+def _wait_at_most(seconds: float):
+    return lambda work: work.wait(timedelta(seconds=seconds))
+
+
+class ControlGroup:
+    """The control plane: a gloo process group (CPU tensors over TCP) whose rank 0 is the
+    driver, the process that runs the engine core. broadcast() carries one message from the
+    driver to every rank (e.g. a step's SchedulerOutput); gather() brings one reply per rank back
+    to the driver (the sampled tokens, timings). A message is pickled into a uint8 tensor and
+    costs two collectives (its length, then its bytes). `wait(work)` waits for one collective:
+    a worker just waits; the driver bounds the wait and watches its workers."""
+
+    def __init__(self, group, rank: int, size: int):
+        self.group, self.rank, self.size = group, rank, size
+
+    def broadcast(self, message=None, wait=None) -> tuple[object, int]:
+        """The driver's message, on every rank, and its size in bytes."""
+        wait = wait or (lambda work: work.wait())
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        data = _to_tensor(message) if self.rank == 0 else None
+        length = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64)
+        wait(self.group.broadcast([length], opts))
+        if data is None:
+            data = torch.empty(int(length), dtype=torch.uint8)
+        wait(self.group.broadcast([data], opts))
+        return (message if self.rank == 0 else _from_tensor(data, int(length))), int(length)
+
+    def gather(self, reply, wait=None) -> list | None:
+        """Every rank's reply in rank order, on the driver; None on the other ranks."""
+        wait = wait or (lambda work: work.wait())
+        data = _to_tensor(reply)
+        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        wait(self.group.allgather([lengths], [torch.tensor([data.numel()], dtype=torch.int64)]))
+        longest = max(int(n) for n in lengths)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: data.numel()] = data
+        received = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)]
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        wait(self.group.gather([received] if self.rank == 0 else [], [padded], opts))
+        if self.rank != 0:
+            return None
+        return [_from_tensor(t, int(n)) for t, n in zip(received, lengths)]
+
+
+def _describe(error: BaseException) -> tuple[str, str, str]:
+    return type(error).__name__, str(error), traceback.format_exc()
+
+
+class RankServer:
+    """What one rank does with each message of the driver: "load" (join the data group, load
+    the shard), "num_blocks", "init_cache", "step". The same object serves a spawned worker, a
+    torchrun process of rank > 0 and, under torchrun, the driver's own shard (rank 0)."""
+
+    def __init__(self, rank: int, tp: int, pp: int, model_dir: str | None = None):
+        self.rank, self.tp, self.pp = rank, tp, pp
+        self.model_dir = model_dir  # None: the driver's (the "load" message names it)
+        self.worker: ParallelWorker | None = None
+        self.comm: Comm | None = None
+
+    def handle(self, kind: str, payload):
+        if kind == "load":
+            return self.load(payload)
+        if kind == "num_blocks":
+            max_model_len, cache_args = payload
+            return self.worker.determine_num_blocks(max_model_len, **cache_args)
+        if kind == "init_cache":
+            self.worker.initialize_cache(*payload)
+            return {**self.worker.layout(), "kv_cache_bytes": self.worker.kv_cache_bytes()}
+        if kind == "step":
+            return self.step(payload)
+        raise ValueError(f"unknown control message {kind!r}")
+
+    def load(self, spec: dict) -> None:
+        device = spec["device"]
+        if device.type == "cuda":
+            local_rank = _env_int("LOCAL_RANK", self.rank)
+            device = torch.device("cuda", local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():  # a spawned worker; torchrun's processes joined already
+            dist.init_process_group(
+                _backend(device),
+                init_method="env://",  # MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
+                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+            )
+        tp, pp = self.tp, self.pp
+        tp_group = None
+        for stage in range(pp):  # every rank creates every group, in the same order
+            group = dist.new_group(list(range(stage * tp, (stage + 1) * tp))) if tp > 1 else None
+            if stage == self.rank // tp:
+                tp_group = group
+        self.comm = Comm(self.rank, tp, pp, tp_group)
+        self.worker = ParallelWorker(
+            self.model_dir or spec["model_dir"],
+            device,
+            spec["dtype"],
+            spec["block_size"],
+            spec["kernels"],
+            rank=self.rank,
+            tp=tp,
+            pp=pp,
+            comm=self.comm,
+        )
+        self.worker.load_model()
+
+    def step(self, sched: SchedulerOutput):
+        """The output rank answers its ModelRunnerOutput, the others their timings."""
+        self.comm.reset()
+        start = time.perf_counter()
+        output = self.worker.execute_model(sched)
+        total = time.perf_counter() - start
+        timings = {
+            "rank": self.rank,
+            "tp_rank": self.rank % self.tp,
+            "pp_rank": self.rank // self.tp,
+            "step_s": total,
+            "compute_s": max(total - self.comm.seconds, 0.0),
+            "comm_s": self.comm.seconds,
+            "all_reduce_count": self.comm.all_reduce_count,
+            "all_reduce_bytes": self.comm.all_reduce_bytes,
+            "p2p_bytes": self.comm.p2p_bytes,
+        }
+        if self.worker.is_output_rank:
+            output.workers = [timings]
+            return output
+        return timings
+
+
+def serve_rank(control: ControlGroup, server: RankServer) -> int:
+    """A worker's loop: receive the driver's message, handle it, reply; until "shutdown".
+    Returns the exit status. A failed step ends the loop at once, without a reply: its peers may
+    wait in a collective with this rank, and its leaving makes their collective fail instead of
+    hang (the driver then sees the ranks go; the error is in this process's log)."""
+    while True:
+        (kind, payload), _ = control.broadcast()
+        if kind == "shutdown":
+            return 0
+        try:
+            reply = ("ok", server.handle(kind, payload))
+        except Exception as error:  # noqa: BLE001 — the driver decides; report anything
+            if kind == "step":
+                logger.exception("rank %d failed in a step; leaving", server.rank)
+                return 1
+            reply = ("error", _describe(error))
+        control.gather(reply)
+
+
+def _leave_world() -> None:
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def join_torchrun_world(device: torch.device) -> ControlGroup:
+    """A process torchrun started: join its world (the data group, torchrun's rendezvous from
+    the environment) and the gloo control group beside it, whose rank 0 is RANK 0."""
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    if device.type == "cuda":
+        torch.cuda.set_device(_env_int("LOCAL_RANK", 0) % torch.cuda.device_count())
+    dist.init_process_group(
+        _backend(device), init_method="env://", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    )
+    return ControlGroup(dist.new_group(backend="gloo", timeout=CONTROL_IDLE_TIMEOUT), rank, world)
+
+
+def run_torchrun_worker(
+    model: str | Path | None, device: str, tensor_parallel_size: int, pipeline_parallel_size: int
+) -> int:
+    """What a torchrun process of RANK > 0 runs (`python -m engine` dispatches here): check the
+    sizes, join the groups, then serve the driver's messages until its shutdown message. Loads
+    its own copy of the model directory (`model`, as on every machine) and prints nothing on
+    stdout. Returns the exit status."""
+    from engine.artifact import resolve_model_path
+    from engine.worker import resolve_device
+
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    rank = check_torchrun_world(tp, pp)
+    model_dir = resolve_model_path(model)
+    check_parallel_sizes(LlamaConfig.from_model_dir(model_dir), tp, pp)  # as rank 0 does
+    dev = resolve_device(device)
+    _check_local_gpus(dev)
+    control = join_torchrun_world(dev)
+    try:
+        return serve_rank(control, RankServer(rank, tp, pp, str(model_dir)))
+    except Exception as error:  # noqa: BLE001 — the driver is gone or the group failed
+        logger.error("rank %d: the control group failed: %s", rank, error)
+        return 1
+    finally:
+        _leave_world()
 
 
 def _die_with_parent(interval_s: float = 1.0) -> None:
@@ -440,85 +706,30 @@ def _die_with_parent(interval_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
-def _worker_main(rank: int, tp: int, pp: int, env: dict, spec: dict, conn, threads: int) -> None:
-    """One rank: join the process group, load the shard, then serve the engine's requests."""
+def _worker_main(
+    rank: int, tp: int, pp: int, env: dict, control_addr: tuple[str, int, int], threads: int
+) -> None:
+    """A spawned worker: join the driver's control group (as rank + 1; the driver is 0), then
+    serve its messages (the first, "load", joins the data group and loads the shard)."""
     _die_with_parent()
     os.environ.update(env)  # torchrun's names: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, ...
+    status = 1
     try:
         if threads:
             torch.set_num_threads(threads)
-        device = spec["device"]
-        if device.type == "cuda":
-            device = torch.device("cuda", rank % torch.cuda.device_count())
-            torch.cuda.set_device(device)
-        dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo",
-            init_method="env://",
-            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        host, port, size = control_addr
+        store = dist.TCPStore(
+            host, port, is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S)
         )
-        tp_group = None
-        for stage in range(pp):  # every rank creates every group, in the same order
-            group = dist.new_group(list(range(stage * tp, (stage + 1) * tp))) if tp > 1 else None
-            if stage == rank // tp:
-                tp_group = group
-        comm = Comm(rank, tp, pp, tp_group)
-        worker = ParallelWorker(
-            spec["model_dir"],
-            device,
-            spec["dtype"],
-            spec["block_size"],
-            spec["kernels"],
-            rank=rank,
-            tp=tp,
-            pp=pp,
-            comm=comm,
+        group = dist.ProcessGroupGloo(
+            dist.PrefixStore("control", store), rank + 1, size, CONTROL_IDLE_TIMEOUT
         )
-        worker.load_model()
-        conn.send(("ok", None))
-        while True:
-            try:
-                kind, payload = conn.recv()
-            except (EOFError, OSError):  # the engine is gone
-                break
-            if kind == "shutdown":
-                break
-            if kind == "num_blocks":
-                max_model_len, cache_args = payload
-                conn.send(("ok", worker.determine_num_blocks(max_model_len, **cache_args)))
-            elif kind == "init_cache":
-                worker.initialize_cache(*payload)
-                conn.send(("ok", {**worker.layout(), "kv_cache_bytes": worker.kv_cache_bytes()}))
-            elif kind == "step":
-                sched = pickle.loads(payload)
-                comm.reset()
-                start = time.perf_counter()
-                output = worker.execute_model(sched)
-                total = time.perf_counter() - start
-                output.workers = [
-                    {
-                        "rank": rank,
-                        "tp_rank": rank % tp,
-                        "pp_rank": rank // tp,
-                        "step_s": total,
-                        "compute_s": max(total - comm.seconds, 0.0),
-                        "comm_s": comm.seconds,
-                        "all_reduce_count": comm.all_reduce_count,
-                        "all_reduce_bytes": comm.all_reduce_bytes,
-                        "p2p_bytes": comm.p2p_bytes,
-                    }
-                ]
-                conn.send(("ok", output if worker.is_output_rank else output.workers[0]))
-    except BaseException as error:  # noqa: BLE001 — report anything to the engine, then exit
-        try:
-            conn.send(("error", (type(error).__name__, str(error), traceback.format_exc())))
-        except (OSError, ValueError):
-            pass
+        status = serve_rank(ControlGroup(group, rank + 1, size), RankServer(rank, tp, pp))
+    except Exception:  # noqa: BLE001 — the engine is gone (its connection closed): leave quietly
+        pass
     finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
+        _leave_world()
+    raise SystemExit(status)
 
 
 # -- the executor --------------------------------------------------------------------------------
@@ -539,32 +750,51 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _stop_workers(processes: list, conns: list) -> None:
-    """Ask each worker to leave, then terminate, then kill whatever is left; reap them all."""
-    for conn in conns:
+@dataclasses.dataclass
+class _Ranks:
+    """What it takes to stop the ranks, kept apart from the executor (its finalizer must not
+    refer to the executor): spawned processes, the control group, whether it still works."""
+
+    processes: list = dataclasses.field(default_factory=list)
+    control: ControlGroup | None = None
+    store: object = None  # the control group's rendezvous, hosted here (spawned launch)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    healthy: bool = True
+    in_world: bool = False  # torchrun: this process joined the data group
+
+
+def _stop_ranks(ranks: _Ranks) -> None:
+    """Send "shutdown" (if the control group still works), then terminate, then kill whatever
+    spawned process is left; reap them all; leave the process group."""
+    told = False
+    if ranks.control is not None and ranks.healthy and ranks.lock.acquire(timeout=SHUTDOWN_WAIT_S):
         try:
-            conn.send(("shutdown", None))
-        except (OSError, ValueError):
+            ranks.control.broadcast(("shutdown", None), wait=_wait_at_most(SHUTDOWN_WAIT_S))
+            told = True
+        except Exception:  # noqa: BLE001 — a rank is gone already: terminate below
             pass
-    deadline = time.monotonic() + 5.0
-    for p in processes:
+        finally:
+            ranks.lock.release()
+    ranks.healthy = False
+    deadline = time.monotonic() + (SHUTDOWN_WAIT_S if told else 0.5)
+    for p in ranks.processes:
         p.join(timeout=max(deadline - time.monotonic(), 0.0))
-    for p in processes:
+    for p in ranks.processes:
         if p.is_alive():
             p.terminate()
             p.join(timeout=2.0)
         if p.is_alive():
             p.kill()
             p.join(timeout=2.0)
-    for conn in conns:
-        try:
-            conn.close()
-        except OSError:
-            pass
+    ranks.control = ranks.store = None
+    if ranks.in_world:
+        _leave_world()
+        ranks.in_world = False
 
 
 class MultiprocExecutor(Executor):
-    """One worker process per rank; the same step to all; the output rank's tokens returned."""
+    """One worker per rank; the same step to all over the control group; the output rank's
+    tokens returned. Spawns the workers, or (under torchrun) is rank 0 among torchrun's."""
 
     def __init__(
         self,
@@ -580,9 +810,19 @@ class MultiprocExecutor(Executor):
         master_port: int | None = None,
     ):
         """Validates everything it can (sizes, devices, the rendezvous port) and starts nothing:
-        the processes start in initialize()."""
+        the processes start (or the torchrun world is joined) in initialize()."""
         tp, pp = tensor_parallel_size, pipeline_parallel_size
-        check_parallel_sizes(model_config, tp, pp, device)
+        self.torchrun = torchrun_rank() is not None
+        if self.torchrun:  # torchrun started the ranks: WORLD_SIZE must be tp × pp
+            check_parallel_sizes(model_config, tp, pp)
+            if check_torchrun_world(tp, pp) != 0:
+                raise ValueError(
+                    "under torchrun only RANK 0 runs the engine core; the other ranks run "
+                    "engine.multiproc_executor.run_torchrun_worker (python -m engine does this)"
+                )
+            _check_local_gpus(device)
+        else:
+            check_parallel_sizes(model_config, tp, pp, device)
         self.tp, self.pp, self.world_size = tp, pp, tp * pp
         self.model_config = model_config
         self.spec = dict(
@@ -591,7 +831,7 @@ class MultiprocExecutor(Executor):
         )  # fmt: skip
         self.master_addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = master_port or os.environ.get("MASTER_PORT")
-        if port is not None:
+        if port is not None and not self.torchrun:  # torchrun's own rendezvous holds its port
             try:
                 port = int(port)
             except ValueError:
@@ -606,17 +846,35 @@ class MultiprocExecutor(Executor):
         self.master_port = port
         self.num_blocks = 0
         self.output_rank = tp * (pp - 1)
-        self.processes: list = []
-        self.conns: list = []
+        self.ranks = _Ranks()
+        self.local: RankServer | None = None  # torchrun: rank 0's shard, in this process
         self._layout: list[dict] = []
         self._finalizer = None
         self._dead: str | None = None
+        self._deadline, self._what = 0.0, ""
+
+    @property
+    def processes(self) -> list:
+        return self.ranks.processes
 
     # -- processes ---------------------------------------------------------------------------
 
     def _start(self) -> None:
+        # Runs on shutdown(), when the executor is garbage-collected, or at interpreter exit.
+        self._finalizer = weakref.finalize(self, _stop_ranks, self.ranks)
+        if self.torchrun:
+            self.ranks.in_world = True
+            self.ranks.control = join_torchrun_world(self.spec["device"])
+            self.local = RankServer(0, self.tp, self.pp)
+            return
         ctx = torch.multiprocessing.get_context("spawn")
         port = self.master_port or _free_port(self.master_addr)
+        size = self.world_size + 1  # the control group: this process (0) and every worker
+        store = dist.TCPStore(
+            self.master_addr, 0, is_master=True, wait_for_workers=False,
+            timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
+        )  # fmt: skip
+        self.ranks.store = store
         threads = 0
         if self.spec["device"].type == "cpu":  # share the cores, do not oversubscribe them
             threads = max(1, torch.get_num_threads() // self.world_size)
@@ -629,71 +887,69 @@ class MultiprocExecutor(Executor):
                 "LOCAL_RANK": str(rank),
                 "LOCAL_WORLD_SIZE": str(self.world_size),
             }
-            parent, child = ctx.Pipe()
             p = ctx.Process(
                 target=_worker_main,
-                args=(rank, self.tp, self.pp, env, self.spec, child, threads),
+                args=(rank, self.tp, self.pp, env, (self.master_addr, store.port, size), threads),
                 name=f"engine-worker-{rank}",
                 daemon=True,
             )
             p.start()
-            child.close()
-            self.processes.append(p)
-            self.conns.append(parent)
+            self.ranks.processes.append(p)
         self.master_port = port
-        # Runs on shutdown(), when the executor is garbage-collected, or at interpreter exit.
-        self._finalizer = weakref.finalize(self, _stop_workers, self.processes, self.conns)
+        self.ranks.control = ControlGroup(self._connect(store, size), 0, size)
+
+    def _connect(self, store, size: int):
+        """The control group's rank 0. Creating it waits for every worker to connect, so it
+        runs in a thread while this one watches the workers and the clock."""
+        result: dict = {}
+
+        def connect() -> None:
+            try:
+                result["group"] = dist.ProcessGroupGloo(
+                    dist.PrefixStore("control", store), 0, size, CONTROL_IDLE_TIMEOUT
+                )
+            except Exception as error:  # noqa: BLE001
+                result["error"] = error
+
+        thread = threading.Thread(target=connect, name="engine-control-connect", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while thread.is_alive():
+            thread.join(POLL_S * 2)
+            self._check_alive("start-up")
+            if time.monotonic() > deadline:
+                self._fail(f"workers did not connect within {STARTUP_TIMEOUT_S:.0f} s")
+        if "error" in result:
+            self._fail(f"the control group could not start: {result['error']}")
+        return result["group"]
 
     def worker_pids(self) -> list[int]:
+        """The spawned workers (under torchrun: none; the ranks are torchrun's)."""
         return [p.pid for p in self.processes]
+
+    def _dead_workers(self, failed_only: bool = False) -> list[str]:
+        """Spawned workers that are gone (failed_only: with a non-zero exit code)."""
+        return [
+            f"worker rank {rank} (pid {p.pid}) died (exit code {p.exitcode})"
+            for rank, p in enumerate(self.processes)
+            if not p.is_alive() and not (failed_only and p.exitcode == 0)
+        ]
+
+    def _check_alive(self, what: str) -> None:
+        dead = self._dead_workers()
+        if dead:
+            self._fail(f"{dead[0]} during {what}")
 
     def _fail(self, message: str) -> None:
         """Stop every worker and raise. A dead worker is named first: when one dies, its peers
         fail in their next collective, and the cause is the death, not their error."""
-        dead = [
-            f"worker rank {rank} (pid {p.pid}) died (exit code {p.exitcode})"
-            for rank, p in enumerate(self.processes)
-            if not p.is_alive() and p.exitcode != 0
-        ]
+        dead = self._dead_workers(failed_only=True)
         if dead and "died" not in message:
             message = "; ".join(dead) + f"; then {message}"
         self._dead = message
+        self.ranks.healthy = False  # no shutdown message over a broken group
         self.shutdown()
         raise ExecutorDiedError(message + "; all workers were stopped")
-
-    def _gather(self, timeout: float, what: str) -> list:
-        """One reply from every worker. Raises ExecutorDiedError if a worker dies, reports an
-        error, or stays silent past `timeout` (then every worker is stopped)."""
-        replies: dict[int, object] = {}
-        deadline = time.monotonic() + timeout
-        while len(replies) < self.world_size:
-            pending = [r for r in range(self.world_size) if r not in replies]
-            ready = multiprocessing.connection.wait(
-                [self.conns[r] for r in pending] + [self.processes[r].sentinel for r in pending],
-                timeout=POLL_S * 10,
-            )
-            for rank in pending:
-                conn, process = self.conns[rank], self.processes[rank]
-                if conn in ready or conn.poll():
-                    try:
-                        status, payload = conn.recv()
-                    except (EOFError, OSError):
-                        status, payload = "died", None
-                    if status == "ok":
-                        replies[rank] = payload
-                        continue
-                    if status == "error":
-                        name, text, _ = payload
-                        logger.error("worker rank %d failed:\n%s", rank, payload[2])
-                        self._fail_with(name, f"worker rank {rank} failed during {what}: {text}")
-                if not process.is_alive():
-                    self._fail(
-                        f"worker rank {rank} (pid {process.pid}) died during {what} "
-                        f"(exit code {process.exitcode})"
-                    )
-            if time.monotonic() > deadline:
-                self._fail(f"workers {pending} did not answer within {timeout:.0f} s during {what}")
-        return [replies[r] for r in range(self.world_size)]
 
     def _fail_with(self, error_name: str, message: str) -> None:
         """A worker raised: configuration errors (ValueError, e.g. a cache too small) stay
@@ -704,45 +960,102 @@ class MultiprocExecutor(Executor):
             raise ValueError(message)
         self._fail(message)
 
-    def _broadcast(self, kind: str, payload) -> None:
+    def _wait(self, work) -> None:
+        """Wait for one collective of the control group, in slices: between them, check the
+        spawned workers and the deadline of the current message."""
+        while True:
+            try:
+                work.wait(timedelta(seconds=POLL_S * 10))
+                if work.is_completed():
+                    return
+            except RuntimeError as error:
+                if work.is_completed():  # failed, not slow: a peer's connection closed
+                    self._fail(f"the control group failed during {self._what}: {error}")
+            if self._dead_workers():
+                try:  # its last reply may still be on the way
+                    work.wait(timedelta(seconds=SHUTDOWN_WAIT_S))
+                    if work.is_completed():
+                        return
+                except RuntimeError:
+                    pass
+                self._check_alive(self._what)
+            if time.monotonic() > self._deadline:
+                self._fail(f"the workers did not answer in time during {self._what}")
+
+    def _call(self, kind: str, payload, timeout: float, what: str) -> tuple[list, int]:
+        """One message to every rank, one reply from each (by rank), and the message's bytes.
+        Raises ExecutorDiedError if a worker dies, fails or stays silent past `timeout` (then
+        every worker is stopped); a worker's ValueError comes back as a ValueError."""
         if self._dead is not None:
             raise ExecutorDiedError(f"the executor is stopped: {self._dead}")
-        for rank, conn in enumerate(self.conns):
+        control = self.ranks.control
+        if control is None:
+            raise ExecutorDiedError("the executor is shut down")
+        with self.ranks.lock:
+            self._deadline, self._what = time.monotonic() + timeout, what
             try:
-                conn.send((kind, payload))
-            except (OSError, ValueError):
-                self._fail(f"worker rank {rank} is gone (its pipe is closed)")
+                _, nbytes = control.broadcast((kind, payload), wait=self._wait)
+                own = None if self.local is None else self._handle_locally(kind, payload)
+                replies = control.gather(own, wait=self._wait)
+            except ExecutorDiedError:
+                raise
+            except Exception as error:  # noqa: BLE001 — torch.distributed's errors
+                self._fail(f"the control group failed during {what}: {error}")
+        if self.local is None:
+            replies = replies[1:]  # the driver's own (empty) reply
+        for rank, (status, body) in enumerate(replies):
+            if status == "error":
+                name, text, trace = body
+                logger.error("worker rank %d failed:\n%s", rank, trace)
+                self._fail_with(name, f"worker rank {rank} failed during {what}: {text}")
+        return [body for _, body in replies], nbytes
+
+    def _handle_locally(self, kind: str, payload) -> tuple:
+        """Under torchrun, rank 0's part of a message, run here between broadcast and gather."""
+        try:
+            return ("ok", self.local.handle(kind, payload))
+        except Exception as error:  # noqa: BLE001
+            if kind == "step":  # the other ranks may wait in a collective with this one
+                logger.exception("rank 0 failed during %s", self._what)
+                self._fail(f"rank 0 failed during {self._what}: {error}")
+            return ("error", _describe(error))
 
     # -- Executor ------------------------------------------------------------------------------
 
     def initialize(self, max_model_len: int, num_swap_blocks: int | None = 0, **cache_args) -> int:
-        """Start the workers; each sizes its own KV cache for its heads and layers; the engine
-        uses the smallest block count, so that every rank can hold every block the scheduler
-        hands out. On CUDA each worker profiles its own GPU (gpu_memory_utilization is per GPU,
-        as in vLLM); on a CPU the workers share one memory, so the byte budget (kv_cache_memory,
-        default DEFAULT_CPU_KV_CACHE_BYTES) is split evenly among them."""
+        """Start the workers (or join torchrun's); each loads its shard and sizes its own KV
+        cache for its heads and layers; the engine uses the smallest block count, so that every
+        rank can hold every block the scheduler hands out. On CUDA each worker profiles its own
+        GPU (gpu_memory_utilization is per GPU, as in vLLM); on a CPU the workers of one machine
+        share its memory, so the byte budget (kv_cache_memory, default
+        DEFAULT_CPU_KV_CACHE_BYTES) is split evenly among them."""
         if self.spec["device"].type == "cpu" and cache_args.get("num_kv_blocks") is None:
             budget = cache_args.get("kv_cache_memory") or DEFAULT_CPU_KV_CACHE_BYTES
-            cache_args = {**cache_args, "kv_cache_memory": budget // self.world_size}
+            per_machine = _env_int("LOCAL_WORLD_SIZE", 1) if self.torchrun else self.world_size
+            cache_args = {**cache_args, "kv_cache_memory": budget // per_machine}
         self._start()
-        self._gather(STARTUP_TIMEOUT_S, "start-up")
-        self._broadcast("num_blocks", (max_model_len, cache_args))
-        self.num_blocks = min(self._gather(STARTUP_TIMEOUT_S, "KV cache sizing"))
+        self._call("load", self.spec, STARTUP_TIMEOUT_S, "start-up")
+        sizes, _ = self._call(
+            "num_blocks", (max_model_len, cache_args), STARTUP_TIMEOUT_S, "KV cache sizing"
+        )
+        self.num_blocks = min(sizes)
         self.num_swap_blocks = self.num_blocks if num_swap_blocks is None else num_swap_blocks
-        self._broadcast("init_cache", (self.num_blocks, self.num_swap_blocks))
-        self._layout = self._gather(STARTUP_TIMEOUT_S, "KV cache allocation")
+        self._layout, _ = self._call(
+            "init_cache", (self.num_blocks, self.num_swap_blocks), STARTUP_TIMEOUT_S,
+            "KV cache allocation",
+        )  # fmt: skip
         return self.num_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
-        payload = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
-        self._broadcast("step", payload)
-        replies = self._gather(STEP_TIMEOUT_S, f"step {scheduler_output.step}")
+        replies, control_bytes = self._call(
+            "step", scheduler_output, STEP_TIMEOUT_S, f"step {scheduler_output.step}"
+        )
         output: ModelRunnerOutput = replies[self.output_rank]
         workers = [r.workers[0] if isinstance(r, ModelRunnerOutput) else r for r in replies]
         round_trip = time.perf_counter() - start
         for w in workers:
-            w["control_bytes"] = len(payload)  # the SchedulerOutput each worker received
+            w["control_bytes"] = control_bytes  # the message each worker received
             w["round_trip_s"] = round_trip  # engine's view: send, all workers' step, replies
         output.workers = workers
         return output
@@ -763,7 +1076,7 @@ class MultiprocExecutor(Executor):
 
     def shutdown(self) -> None:
         if self._finalizer is not None:
-            self._finalizer()  # idempotent: runs _stop_workers once
+            self._finalizer()  # idempotent: runs _stop_ranks once
 
 
 def describe_layout(layout: list[dict]) -> str:
