@@ -267,6 +267,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         output_len=tuple(args.output_len),
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         **engine_config,
     )
     print(simulator.format_result(result))
@@ -487,7 +488,14 @@ def main(argv: list[str] | None = None) -> int:
         "--rate", type=float, default=4.0, help="Poisson arrivals, requests/s (default 4)"
     )
     p.add_argument("--num-requests", type=int, default=1000)
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=1,
+        help="pipeline stages (GPUs = tp × pp); the stages run one after another in this engine",
+    )
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,

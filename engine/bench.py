@@ -700,7 +700,9 @@ def measure_decode_both_paths(model_dir, config: "BenchConfig", vocab: int, spec
         b1 = probe_workload(
             1, config.probe_prompt_len, config.probe_output_len, config.seed + 500, vocab, specials
         )
-        full = probe_workload(config.max_num_seqs, 384, 24, config.seed + 600, vocab, specials)
+        # 32 prompts of 384 tokens take 24 steps of a 512-token budget to prefill: outputs must
+        # outlast that, or the batch never decodes all 32 at once (and this row stays empty)
+        full = probe_workload(config.max_num_seqs, 384, 64, config.seed + 600, vocab, specials)
         out[mode] = {
             "path": path,
             "batch_1": step_breakdown(run_steps(engine, b1), 1),

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.cost_model import CostModel, Efficiency
+from engine.cost_model import CostModel, Efficiency, layers_memory_bound, step_parts
 from engine.presets import THIS_MACHINE, HardwarePreset, PresetError, model_preset_from_dir
 
 CALIBRATION_FILE = "calibration.json"
@@ -173,25 +173,13 @@ def _fit_with_measured_overhead(
 
 
 def _predict(t: dict, e: Efficiency) -> float:
-    layers = max(t["layer_memory_s"] / e.linear_memory, t["layer_compute_s"] / e.linear_compute)
-    head = max(t["head_memory_s"] / e.linear_memory, t["head_compute_s"] / e.linear_compute)
-    return (
-        layers
-        + head
-        + t["attention_s"] / e.attention
-        + e.step_overhead_s
-        + e.per_request_s * t["requests"]
-    )
+    return sum(step_parts(t, e).values())
 
 
 def _stats(y: np.ndarray, predicted: np.ndarray, rel: np.ndarray, terms, e: Efficiency) -> dict:
     return {
         "steps": len(y),
-        "memory_bound_steps": sum(
-            1
-            for t in terms
-            if t["layer_memory_s"] / e.linear_memory >= t["layer_compute_s"] / e.linear_compute
-        ),
+        "memory_bound_steps": sum(1 for t in terms if layers_memory_bound(t, e)),
         "median_abs_relative_error": float(np.median(np.abs(rel))),
         "p90_abs_relative_error": float(np.quantile(np.abs(rel), 0.9)),
         "total_measured_s": float(y.sum()),
@@ -199,11 +187,34 @@ def _stats(y: np.ndarray, predicted: np.ndarray, rel: np.ndarray, terms, e: Effi
     }
 
 
+def _linear_columns(t: dict, e: Efficiency) -> tuple[float, float, float, tuple[bool, bool]]:
+    """A step's linears as (memory seconds, compute seconds, compute seconds per row) at 100 %,
+    each counted only for the groups (layers, LM head) that the current `e` says are bound by it;
+    and that classification. compute ÷ e_flop + per-row × ramp ÷ e_flop is their compute time."""
+    memory = compute = per_row = 0.0
+    bound = []
+    for mem_s, comp_s, rows in (
+        (t["layer_memory_s"], t["layer_compute_s"], t["tokens"]),
+        (t["head_memory_s"], t["head_compute_s"], t["sampled"]),
+    ):
+        ramp = 1 + e.linear_compute_ramp_tokens / max(rows, 1)
+        is_memory = mem_s / e.linear_memory >= comp_s * ramp / e.linear_compute
+        bound.append(is_memory)
+        if is_memory:
+            memory += mem_s
+        else:
+            compute += comp_s
+            per_row += comp_s / max(rows, 1)
+    return memory, compute, per_row, (bound[0], bound[1])
+
+
 def _fit_steps(
     terms: list[dict], y: np.ndarray, iterations: int, constant: bool, requests: bool = True
 ) -> tuple[Efficiency, dict]:
-    """The alternating fit of the module doc on durations y; without `constant` no fixed cost
-    per step is fitted, without `requests` no cost per request (y is then a forward pass)."""
+    """The alternating fit of the module doc on durations y. With `constant`, a fixed cost per
+    step is fitted (whole steps); without it, y is a forward pass and the small-matmul ramp is
+    fitted instead (with a constant the two cannot be told apart on compute-bound steps).
+    Without `requests`, no cost per request."""
     e = Efficiency(
         linear_memory=1.0, linear_compute=1.0, attention=1.0, step_overhead_s=0.0, per_request_s=0.0
     )
@@ -211,33 +222,24 @@ def _fit_steps(
     for _ in range(iterations):
         rows, now = [], []
         for t in terms:
-            layer_mem = (
-                t["layer_memory_s"] / e.linear_memory >= t["layer_compute_s"] / e.linear_compute
-            )
-            head_mem = (
-                t["head_memory_s"] / e.linear_memory >= t["head_compute_s"] / e.linear_compute
-            )
-            memory = (t["layer_memory_s"] if layer_mem else 0.0) + (
-                t["head_memory_s"] if head_mem else 0.0
-            )
-            compute = (0.0 if layer_mem else t["layer_compute_s"]) + (
-                0.0 if head_mem else t["head_compute_s"]
-            )
+            memory, compute, per_row, bound = _linear_columns(t, e)
             rows.append(
                 [
                     1.0 if constant else 0.0,
                     t["requests"] if requests else 0.0,
                     memory,
                     compute,
+                    0.0 if constant else per_row,
                     t["attention_s"],
                 ]
             )
-            now.append((layer_mem, head_mem))
+            now.append(bound)
         x = _nonnegative_lstsq(np.array(rows) / y[:, None], np.ones_like(y))  # relative residuals
         e = Efficiency(
             linear_memory=float(1 / x[2]) if x[2] > 0 else 1.0,
             linear_compute=float(1 / x[3]) if x[3] > 0 else 1.0,
-            attention=float(1 / x[4]) if x[4] > 0 else 1.0,
+            linear_compute_ramp_tokens=float(x[4] / x[3]) if x[3] > 0 else 0.0,
+            attention=float(1 / x[5]) if x[5] > 0 else 1.0,
             step_overhead_s=float(x[0]),
             per_request_s=float(x[1]),
             interconnect=Efficiency.interconnect,
@@ -254,7 +256,7 @@ def _fit_steps(
         "identified": {
             "linear_memory": bool(x[2] > 0),
             "linear_compute": bool(x[3] > 0),
-            "attention": bool(x[4] > 0),
+            "attention": bool(x[5] > 0),
         },
     }
     return e, stats
@@ -385,7 +387,8 @@ def calibrate(
     log(
         f"calibration: {stats['steps']} steps, median |error| "
         f"{100 * stats['median_abs_relative_error']:.1f} %; linear memory "
-        f"{efficiency.linear_memory:.2f}, compute {efficiency.linear_compute:.2f}, attention "
+        f"{efficiency.linear_memory:.2f}, compute {efficiency.linear_compute:.2f} (small-matmul "
+        f"ramp {efficiency.linear_compute_ramp_tokens:.0f} rows), attention "
         f"{efficiency.attention:.2f}, overhead {1000 * efficiency.step_overhead_s:.2f} ms + "
         f"{1000 * efficiency.per_request_s:.3f} ms/request"
     )

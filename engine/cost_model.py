@@ -4,12 +4,16 @@ A step runs every weight matrix once over all its tokens, attention once per req
 tensor parallelism) two all-reduces per layer. Each part is limited either by moving bytes or by
 doing arithmetic, whichever takes longer (the roofline):
 
-    linear group g: max(bytes_g / (bandwidth × e_mem), 2 × tokens × params_g / (peak × e_flop))
+    linear group g: max(bytes_g / (bandwidth × e_mem),
+                        2 × tokens × params_g / (peak × e_flop) × (1 + ramp / tokens))
     attention r:    max(KV bytes read_r / bandwidth, attention FLOPs_r / peak) / e_attn
     all-reduce:     2 × layers × (2(N−1)/N × tokens × hidden × bytes / (link × e_link) + latency)
     step            = overhead + per-request overhead × requests + linears + attention + all-reduce
 
-The efficiencies e_* say how much of the hardware's peak each part reaches. They are fitted from
+The efficiencies e_* say how much of the hardware's peak each part reaches. A matmul over few
+rows reaches less of the peak FLOP/s than a big one (the work is too small to fill the machine);
+`ramp` says by how much: a step of `tokens` rows computes as if it had tokens + ramp (on this
+2-core CPU oneDNN ran 32 rows at 90 GFLOP/s and 512 rows at over 200). They are fitted from
 the real engine's step times on this machine (engine/calibration.py); for a vendor preset they are
 assumptions, labelled as such, unless the caller passes fitted ones.
 """
@@ -28,6 +32,7 @@ class Efficiency:
 
     linear_memory: float = 0.75  # of memory bandwidth, when a linear is bound by reading weights
     linear_compute: float = 0.55  # of peak FLOP/s, when a linear is bound by arithmetic
+    linear_compute_ramp_tokens: float = 0.0  # extra rows a small matmul costs as (see above)
     attention: float = 0.5  # of the attention roofline (KV bytes or FLOPs, whichever is slower)
     interconnect: float = 0.7  # of the link's per-direction bandwidth, for all-reduces
     allreduce_latency_s: float = 10e-6  # fixed cost of one all-reduce (launch and sync)
@@ -58,6 +63,30 @@ class StepCost:
     def model_s(self) -> float:
         """The forward pass alone (what a real step's "forward" timing measures)."""
         return self.linear_s + self.attention_s + self.allreduce_s
+
+
+def linear_seconds(memory_s: float, compute_s: float, rows: float, e: Efficiency) -> float:
+    """One group of linears: the slower of reading its weights and computing with them."""
+    ramp = 1 + e.linear_compute_ramp_tokens / max(rows, 1)
+    return max(memory_s / e.linear_memory, compute_s * ramp / e.linear_compute)
+
+
+def step_parts(t: dict, e: Efficiency) -> dict[str, float]:
+    """A step's seconds by part, from its roofline terms (CostModel.terms) and efficiencies."""
+    return {
+        "layers": linear_seconds(t["layer_memory_s"], t["layer_compute_s"], t["tokens"], e),
+        "head": linear_seconds(t["head_memory_s"], t["head_compute_s"], t["sampled"], e),
+        "attention": t["attention_s"] / e.attention,
+        "allreduce": t["allreduce_transfer_s"] / e.interconnect
+        + t["allreduce_count"] * e.allreduce_latency_s,
+        "overhead": e.step_overhead_s + e.per_request_s * t["requests"],
+    }
+
+
+def layers_memory_bound(t: dict, e: Efficiency) -> bool:
+    """Whether the layers' linears are limited by reading their weights (not by arithmetic)."""
+    ramp = 1 + e.linear_compute_ramp_tokens / max(t["tokens"], 1)
+    return t["layer_memory_s"] / e.linear_memory >= t["layer_compute_s"] * ramp / e.linear_compute
 
 
 class CostModel:
@@ -118,6 +147,7 @@ class CostModel:
         return {
             "tokens": tokens,
             "requests": len(batch),
+            "sampled": num_sampled,
             "layer_memory_s": layer_mem,
             "layer_compute_s": layer_flop,
             "head_memory_s": head_mem,
@@ -132,18 +162,15 @@ class CostModel:
     # -- the step time --------------------------------------------------------------------------
 
     def step_cost(self, batch: list[tuple[int, int]], num_sampled: int) -> StepCost:
-        e = self.efficiency
         t = self.terms(batch, num_sampled)
-        layers = max(t["layer_memory_s"] / e.linear_memory, t["layer_compute_s"] / e.linear_compute)
-        head = max(t["head_memory_s"] / e.linear_memory, t["head_compute_s"] / e.linear_compute)
-        attention = t["attention_s"] / e.attention
-        allreduce = (
-            t["allreduce_transfer_s"] / e.interconnect
-            + t["allreduce_count"] * e.allreduce_latency_s
+        p = step_parts(t, self.efficiency)
+        total = sum(p.values())
+        return StepCost(
+            p["layers"] + p["head"],
+            p["attention"],
+            p["allreduce"],
+            p["overhead"],
+            total,
+            layers_memory_bound(t, self.efficiency),
+            t,
         )
-        overhead = e.step_overhead_s + e.per_request_s * t["requests"]
-        total = layers + head + attention + allreduce + overhead
-        memory_bound = (
-            t["layer_memory_s"] / e.linear_memory >= t["layer_compute_s"] / e.linear_compute
-        )
-        return StepCost(layers + head, attention, allreduce, overhead, total, memory_bound, t)

@@ -46,7 +46,7 @@ from engine.config import (
     DEFAULT_MAX_NUM_SEQS,
     EngineConfig,
 )
-from engine.cost_model import CostModel, Efficiency, StepCost
+from engine.cost_model import CostModel, Efficiency, StepCost, step_parts
 from engine.executor import Executor
 from engine.model_runner import ModelRunnerOutput
 from engine.multiproc_executor import (
@@ -377,9 +377,7 @@ class SimulatedExecutor(Executor):
         b = self.cost_model.dtype_bytes
         t = cost.terms
         tokens = int(t["tokens"])
-        layers_s = max(
-            t["layer_memory_s"] / e.linear_memory, t["layer_compute_s"] / e.linear_compute
-        )
+        layers_s = step_parts(t, e)["layers"]
         head_s = cost.linear_s - layers_s
         per_layer = (layers_s + cost.attention_s) / c.num_layers
         allreduce_per_layer = cost.allreduce_s / c.num_layers
@@ -812,7 +810,8 @@ def format_result(result: SimulationResult) -> str:
         f"{hw['memory_bandwidth_gb_s']:,.0f} GB/s, "
         f"{_flops(hw['peak_tflop_s'])} — {hw['source']}",
         f"  efficiencies: linear memory {eff['linear_memory']:.2f}, "
-        f"linear compute {eff['linear_compute']:.2f}, "
+        f"linear compute {eff['linear_compute']:.2f} "
+        f"(+{eff.get('linear_compute_ramp_tokens', 0):.0f} rows per matmul), "
         f"attention {eff['attention']:.2f}, step overhead {1000 * eff['step_overhead_s']:.2f} ms "
         f"({eff['evidence']})",
         f"  KV cache (computed): {kv['num_blocks']:,} blocks of {kv['block_size']} tokens "

@@ -123,12 +123,15 @@ _ARM_RUN_WATCH = """() => {
   const app = document.querySelector("[data-testid='stApp']");
   window.__llmLabRunDone = new Promise((resolve) => {
     let ran = false;
-    const observer = new MutationObserver(() => {
+    const observer = new MutationObserver((records) => {
+      // Both changes may land before this callback runs: the records keep the old values.
       const state = app.getAttribute("data-test-script-state");
-      if (state === "running") ran = true;
-      else if (ran && state === "notRunning") { observer.disconnect(); resolve(); }
+      if (state === "running" || records.some((r) => r.oldValue === "running")) ran = true;
+      if (ran && state === "notRunning") { observer.disconnect(); resolve(); }
     });
-    observer.observe(app, {attributes: true, attributeFilter: ["data-test-script-state"]});
+    observer.observe(app, {
+      attributes: true, attributeOldValue: true, attributeFilter: ["data-test-script-state"],
+    });
   });
 }"""
 

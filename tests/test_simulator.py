@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -213,12 +214,14 @@ TRUTH = Efficiency(
 @pytest.mark.parametrize("overhead_measured", [False, True])
 def test_fit_recovers_known_efficiencies(overhead_measured):
     """Step times made by the cost model itself, with known efficiencies: the fit finds them,
-    from whole steps alone or with each step's forward measured apart from its bookkeeping."""
-    terms, steps = known_steps(TRUTH)
+    from whole steps alone or with each step's forward measured apart from its bookkeeping (then
+    also the small-matmul ramp, which a whole-step fit cannot tell from a fixed cost)."""
+    truth = replace(TRUTH, linear_compute_ramp_tokens=24.0) if overhead_measured else TRUTH
+    terms, steps = known_steps(truth)
     forward = [s.model_s for s in steps] if overhead_measured else None
     fitted, stats = fit_efficiency(terms, [s.total_s for s in steps], forward_durations=forward)
-    for name in FITTED:
-        assert getattr(fitted, name) == pytest.approx(getattr(TRUTH, name), rel=1e-3), name
+    for name in FITTED + (("linear_compute_ramp_tokens",) if overhead_measured else ()):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-3), name
     assert stats["median_abs_relative_error"] < 1e-6
 
 
@@ -599,6 +602,14 @@ def test_cli_prints_percentiles_and_writes_json(tmp_path):
 def test_cli_bad_input_is_one_line(argv, message):
     rc, _, err = run_cli(*argv)
     assert rc == 1 and message in err and "Traceback" not in err
+
+
+def test_cli_pipeline_parallel_counts_every_gpu():
+    rc, out, _ = run_cli(
+        "--model-preset", "llama-3.1-70b", "--hardware", "h100-sxm", "-tp", "4", "-pp", "2",
+        "--num-requests", "6", "--output-len", "2", "8",
+    )  # fmt: skip
+    assert rc == 0 and "8 (tp 4 × pp 2)" in out
 
 
 def test_cli_lists_presets():
