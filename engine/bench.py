@@ -878,7 +878,7 @@ def batch1_steps(engine, config: BenchConfig, vocab: int, specials) -> list:
 def llama_cpp_peer(model_dir, config: BenchConfig, vocab: int, specials) -> dict:
     """llama.cpp on the GGUF file the default artifact came from, on the prompts of the batch-1
     probe (engine/llama_cpp_peer.py); a dict with "skipped" when it cannot run here."""
-    from engine.llama_cpp_peer import measure_llama_cpp
+    from engine.llama_cpp_peer import measure_llama_cpp_isolated
     from engine.quantization import gguf_source
 
     if torch.device(config.device if config.device != "auto" else "cpu").type != "cpu":
@@ -898,7 +898,9 @@ def llama_cpp_peer(model_dir, config: BenchConfig, vocab: int, specials) -> dict
         )[0].prompt_token_ids
         for i in range(config.probe_repeats)
     ]
-    return measure_llama_cpp(path, prompts, config.probe_output_len, torch.get_num_threads())
+    return measure_llama_cpp_isolated(
+        path, prompts, config.probe_output_len, torch.get_num_threads()
+    )
 
 
 def run_benchmark(config: BenchConfig, log=print) -> dict:

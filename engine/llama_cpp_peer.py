@@ -8,12 +8,18 @@ llama.cpp from source when pip installs it (several minutes on 2 cores):
 
     pip install llama-cpp-python==0.3.36
 
-Without it (or without the GGUF file) the peer row says why it is missing.
+Without it (or without the GGUF file) the peer row says why it is missing. llama.cpp runs in a
+child process (`python -m engine.llama_cpp_peer`): it brings its own threads and native code, and
+a crash there (a segmentation fault, seen once beside torch in one process) must cost the peer
+row, not the benchmark around it.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -77,3 +83,34 @@ def measure_llama_cpp(
         "method": f"llama-cpp-python {version}, Llama.generate(top_k=1) on the same prompt ids; "
         f"median gap between generated tokens over {len(gaps)} steps",
     }
+
+
+def measure_llama_cpp_isolated(
+    gguf_path: str | Path,
+    prompts: list[list[int]],
+    output_len: int,
+    threads: int,
+    timeout_s: float = 600,
+) -> dict:
+    """measure_llama_cpp in a child process; a crash or a hang there is a "skipped" row here."""
+    if llama_cpp_version() is None:
+        return {"skipped": "llama-cpp-python is not installed (pip install llama-cpp-python)"}
+    job = json.dumps({"gguf": str(gguf_path), "prompts": prompts, "output_len": output_len,
+                      "threads": threads})  # fmt: skip
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "engine.llama_cpp_peer"],
+            input=job, capture_output=True, text=True, timeout=timeout_s,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {"skipped": f"llama.cpp did not finish within {timeout_s:.0f} s"}
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or [""])[-1]
+        return {"skipped": f"llama.cpp's process failed (exit code {done.returncode}) {tail}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":  # the child: a job as JSON on stdin, the result as JSON on stdout
+    job = json.loads(sys.stdin.read())
+    result = measure_llama_cpp(job["gguf"], job["prompts"], job["output_len"], job["threads"])
+    print(json.dumps(result))

@@ -127,13 +127,22 @@ _ARM_RUN_WATCH = """() => {
       // Both changes may land before this callback runs: the records keep the old values.
       const state = app.getAttribute("data-test-script-state");
       if (state === "running" || records.some((r) => r.oldValue === "running")) ran = true;
-      if (ran && state === "notRunning") { observer.disconnect(); resolve(); }
+      if (ran && state === "notRunning") { observer.disconnect(); resolve(true); }
     });
     observer.observe(app, {
       attributes: true, attributeOldValue: true, attributeFilter: ["data-test-script-state"],
     });
+    // A click that starts no run at all (seen under load) resolves after 1.5 s, reported apart.
+    setTimeout(() => {
+      if (!ran && app.getAttribute("data-test-script-state") === "notRunning") {
+        observer.disconnect(); resolve(false);
+      }
+    }, 1500);
   });
 }"""
+
+
+NO_RUN_CLICKS: list[str] = []  # clicks after which no script run was seen
 
 
 async def _click(page, name: str, timeout_ms: int) -> float:
@@ -143,7 +152,9 @@ async def _click(page, name: str, timeout_ms: int) -> float:
     await page.evaluate(_ARM_RUN_WATCH)
     t0 = time.perf_counter()
     await button.click()
-    await asyncio.wait_for(page.evaluate("window.__llmLabRunDone"), timeout_ms / 1000)
+    ran = await asyncio.wait_for(page.evaluate("window.__llmLabRunDone"), timeout_ms / 1000)
+    if not ran:
+        NO_RUN_CLICKS.append(name)
     return time.perf_counter() - t0
 
 
@@ -293,6 +304,7 @@ async def classroom(
         server_cpu_s=cpu1 - cpu0,
         server_cpu_per_click_s=(cpu1 - cpu0) / max(len(clicks), 1),
         client_cpu_per_click_s=(client1 - client0) / max(len(clicks), 1),
+        clicks_without_a_run=len(NO_RUN_CLICKS),
         clicks_s=sorted(round(c, 3) for c in clicks),
         page_load_p50_s=percentile([lr.load_s for lr in loaded if lr.load_s], 0.5),
         errors={lr.index: lr.errors for lr in loaded if lr.errors},
@@ -326,6 +338,7 @@ def report(r: dict) -> str:
         f"(one learner alone: {r['one_learner_cpu_per_click_s']:.3f})",
         f"  browsers' CPU  {r['client_cpu_per_click_s']:.3f} CPU-s per click (the headless "
         "Chromium processes of this script, on the same cores)",
+        f"  clicks that started no run: {r['clicks_without_a_run']} (each counted as 1.5 s)",
         "  load average   "
         + " → ".join(
             "/".join(f"{x:.1f}" for x in r[k]) for k in ("load_average_start", "load_average_wave")

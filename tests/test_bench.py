@@ -188,3 +188,15 @@ def test_percentiles_interpolate():
     p = bench.percentiles([1.0, 2.0, 3.0, 4.0, 5.0])
     assert p == {"p50": 3.0, "p90": pytest.approx(4.6), "p99": pytest.approx(4.96)}
     assert bench.percentiles([]) == {"p50": None, "p90": None, "p99": None}
+
+
+def test_llama_cpp_peer_is_optional_and_isolated(monkeypatch, tmp_path):
+    """The llama.cpp peer runs in a child process: without llama-cpp-python, or when the child
+    fails (here: no such GGUF file), the peer row says why, and this process goes on."""
+    from engine import llama_cpp_peer as peer
+
+    monkeypatch.setattr(peer, "llama_cpp_version", lambda: None)
+    assert "not installed" in peer.measure_llama_cpp_isolated("x.gguf", [[1, 2]], 4, 1)["skipped"]
+    monkeypatch.setattr(peer, "llama_cpp_version", lambda: "test")  # the child asks for itself
+    row = peer.measure_llama_cpp_isolated(tmp_path / "missing.gguf", [[1, 2]], 4, 1, timeout_s=120)
+    assert set(row) == {"skipped"} and row["skipped"]
