@@ -10,8 +10,9 @@ llama.cpp from source when pip installs it (several minutes on 2 cores):
 
 Without it (or without the GGUF file) the peer row says why it is missing. llama.cpp runs in a
 child process (`python -m engine.llama_cpp_peer`): it brings its own threads and native code, and
-a crash there (a segmentation fault, seen once beside torch in one process) must cost the peer
-row, not the benchmark around it.
+a crash there must cost the peer row, not the benchmark around it. (On the Intel Xeon VM of
+2026-12-01 a native build segfaulted at its first eval, alone as well as beside torch: the CPU
+reports AMX, which the build uses, and the VM most likely does not grant it; docs/quantization.md.)
 """
 
 from __future__ import annotations
@@ -95,13 +96,15 @@ def measure_llama_cpp_isolated(
     """measure_llama_cpp in a child process; a crash or a hang there is a "skipped" row here."""
     if llama_cpp_version() is None:
         return {"skipped": "llama-cpp-python is not installed (pip install llama-cpp-python)"}
-    job = json.dumps({"gguf": str(gguf_path), "prompts": prompts, "output_len": output_len,
-                      "threads": threads})  # fmt: skip
+    job = {"gguf": str(gguf_path), "prompts": prompts, "output_len": output_len, "threads": threads}
     try:
         done = subprocess.run(
             [sys.executable, "-m", "engine.llama_cpp_peer"],
-            input=job, capture_output=True, text=True, timeout=timeout_s,
-        )  # fmt: skip
+            input=json.dumps(job),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
     except subprocess.TimeoutExpired:
         return {"skipped": f"llama.cpp did not finish within {timeout_s:.0f} s"}
     if done.returncode != 0:
