@@ -26,6 +26,12 @@ def test_ch12_lab_in_browser(page, app_url):
     body = page.inner_text("body")
     assert "같은 요청을 워커 1개와 워커 여러 개로" in body
     assert "워커가 가진 것" in body and "tp 3 × pp 1" in body
+    # plotly draws after the script run ends; on a loaded machine that can be after "idle"
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('.js-plotly-plot')]"
+        ".some(e => (e.data || []).length >= 12)",
+        timeout=STEP_TIMEOUT_MS,
+    )
     before = lab.plot_traces(page)
     assert any(n >= 12 for n in before), before  # the shard figure: 4 matrices × 3 ranks
     lab.click(page, "실행")
