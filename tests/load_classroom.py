@@ -44,9 +44,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
-def descendants_cpu_seconds(root: int) -> float:
-    """CPU seconds of every live process below `root` (here: the headless Chromium's browser,
-    GPU and renderer processes under this script): what the learners' browsers cost."""
+def descendants_cpu_seconds(root: int, exclude: int | None = None) -> float:
+    """CPU seconds of every live process below `root`, leaving out `exclude` and whatever runs
+    below it (here: below this script, without the Streamlit server it started, are the headless
+    Chromium's browser, GPU and renderer processes: what the learners' browsers cost)."""
     parent: dict[int, int] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -56,7 +57,7 @@ def descendants_cpu_seconds(root: int) -> float:
     total = 0.0
     for pid in parent:
         p, seen = pid, 0
-        while p in parent and p != root and seen < 64:
+        while p in parent and p not in (root, exclude) and seen < 64:
             p, seen = parent[p], seen + 1
         if p == root and pid != root:
             try:
@@ -286,11 +287,13 @@ async def classroom(
             await asyncio.sleep(0.2)
         await asyncio.sleep(1.0)
         me = os.getpid()
-        cpu0, t0, client0 = cpu_seconds(pid), time.perf_counter(), descendants_cpu_seconds(me)
+        cpu0, t0 = cpu_seconds(pid), time.perf_counter()
+        client0 = descendants_cpu_seconds(me, exclude=pid)
         go.set()
         while any(len(lr.clicks_s) < steps and not lr.errors for lr in loaded):
             await asyncio.sleep(0.1)
-        cpu1, t1, client1 = cpu_seconds(pid), time.perf_counter(), descendants_cpu_seconds(me)
+        cpu1, t1 = cpu_seconds(pid), time.perf_counter()
+        client1 = descendants_cpu_seconds(me, exclude=pid)
         result["rss_peak_mb"] = rss_mb(pid)
         closing.set()
         await asyncio.gather(*tasks)
