@@ -862,19 +862,26 @@ def _device_name(device: torch.device) -> str:
     return f"{name} ({os.cpu_count()} logical CPUs)"
 
 
-def batch1_steps(engine, config: BenchConfig, vocab: int, specials) -> list:
-    """The step records of `probe_repeats` single requests run alone (decode at batch 1)."""
-    steps = []
-    for i in range(config.probe_repeats):
-        probe = probe_workload(
+def batch1_probes(config: BenchConfig, vocab: int, specials) -> list[WorkItem]:
+    """The batch-1 probe: `probe_repeats` single requests, each run alone (seeded)."""
+    return [
+        probe_workload(
             1,
             config.probe_prompt_len,
             config.probe_output_len,
             config.seed + 100 + i,
             vocab,
             specials,
-        )
-        steps += run_steps(engine, probe)
+        )[0]
+        for i in range(config.probe_repeats)
+    ]
+
+
+def batch1_steps(engine, config: BenchConfig, vocab: int, specials) -> list:
+    """The step records of the batch-1 probe's requests, one after another (decode at batch 1)."""
+    steps = []
+    for item in batch1_probes(config, vocab, specials):
+        steps += run_steps(engine, [item])
     return steps
 
 
@@ -890,17 +897,7 @@ def llama_cpp_peer(model_dir, config: BenchConfig, vocab: int, specials) -> dict
         path = gguf_source(model_dir)
     except ValueError as exc:
         return {"skipped": str(exc)}
-    prompts = [
-        probe_workload(
-            1,
-            config.probe_prompt_len,
-            config.probe_output_len,
-            config.seed + 100 + i,
-            vocab,
-            specials,
-        )[0].prompt_token_ids
-        for i in range(config.probe_repeats)
-    ]
+    prompts = [item.prompt_token_ids for item in batch1_probes(config, vocab, specials)]
     return measure_llama_cpp_isolated(
         path, prompts, config.probe_output_len, torch.get_num_threads()
     )

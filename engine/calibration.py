@@ -29,7 +29,13 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.cost_model import CostModel, Efficiency, layers_memory_bound, step_parts
+from engine.cost_model import (
+    CostModel,
+    Efficiency,
+    layers_memory_bound,
+    memory_bound,
+    step_parts,
+)
 from engine.presets import THIS_MACHINE, HardwarePreset, PresetError, model_preset_from_dir
 
 CALIBRATION_FILE = "calibration.json"
@@ -197,8 +203,7 @@ def _linear_columns(t: dict, e: Efficiency) -> tuple[float, float, float, tuple[
         (t["layer_memory_s"], t["layer_compute_s"], t["tokens"]),
         (t["head_memory_s"], t["head_compute_s"], t["sampled"]),
     ):
-        ramp = 1 + e.linear_compute_ramp_tokens / max(rows, 1)
-        is_memory = mem_s / e.linear_memory >= comp_s * ramp / e.linear_compute
+        is_memory = memory_bound(mem_s, comp_s, rows, e)
         bound.append(is_memory)
         if is_memory:
             memory += mem_s

@@ -65,10 +65,19 @@ class StepCost:
         return self.linear_s + self.attention_s + self.allreduce_s
 
 
+def compute_seconds(compute_s: float, rows: float, e: Efficiency) -> float:
+    """A group of linears' arithmetic at e's efficiency, with the small-matmul ramp for `rows`."""
+    return compute_s * (1 + e.linear_compute_ramp_tokens / max(rows, 1)) / e.linear_compute
+
+
+def memory_bound(memory_s: float, compute_s: float, rows: float, e: Efficiency) -> bool:
+    """Whether a group of linears is limited by reading its weights (not by arithmetic)."""
+    return memory_s / e.linear_memory >= compute_seconds(compute_s, rows, e)
+
+
 def linear_seconds(memory_s: float, compute_s: float, rows: float, e: Efficiency) -> float:
     """One group of linears: the slower of reading its weights and computing with them."""
-    ramp = 1 + e.linear_compute_ramp_tokens / max(rows, 1)
-    return max(memory_s / e.linear_memory, compute_s * ramp / e.linear_compute)
+    return max(memory_s / e.linear_memory, compute_seconds(compute_s, rows, e))
 
 
 def step_parts(t: dict, e: Efficiency) -> dict[str, float]:
@@ -85,8 +94,7 @@ def step_parts(t: dict, e: Efficiency) -> dict[str, float]:
 
 def layers_memory_bound(t: dict, e: Efficiency) -> bool:
     """Whether the layers' linears are limited by reading their weights (not by arithmetic)."""
-    ramp = 1 + e.linear_compute_ramp_tokens / max(t["tokens"], 1)
-    return t["layer_memory_s"] / e.linear_memory >= t["layer_compute_s"] * ramp / e.linear_compute
+    return memory_bound(t["layer_memory_s"], t["layer_compute_s"], t["tokens"], e)
 
 
 class CostModel:
