@@ -177,12 +177,14 @@ def test_quantized_linear_every_row_count_from_1_to_40(ext, bits):
     """Batch 1 takes the fused path; 2..40 rows the register tiles (4 rows × a few channels), so
     every remainder of rows modulo the tile shows up, with output channels that end mid-tile and
     mid-work-item (37) and, for int8, an input width that ends mid-vector (83 = 5 × 16 + 3); for
-    int4 odd numbers of groups (3 × 16, and 5 × 6 whose half-groups of 3 nibbles are odd)."""
+    int4 odd numbers of groups (3 × 16, and 5 × 6 whose half-groups of 3 nibbles are odd) and
+    groups of 32, whose one-row case runs in tiles of 8 channels (37 = 4 × 8 + 5)."""
     for rows in range(1, 41):
         if bits == 8:
             _check_quantized_linear(ext, rows, 37, 83, 0, 8, rows % 2 == 0, seed=rows)
         else:
             _check_quantized_linear(ext, rows, 37, 48, 16, 4, rows % 2 == 0, seed=rows)
+            _check_quantized_linear(ext, rows, 37, 96, 32, 4, rows % 2 == 1, seed=rows + 50)
             _check_quantized_linear(ext, rows, 21, 30, 6, 4, rows % 3 == 0, seed=rows + 100)
 
 
