@@ -60,13 +60,46 @@ def app_fixture(
     return app
 
 
+# A lab engine's four charts (ui/lab.py, views) sit in three tabs, and only the open tab is drawn.
+LAB_VIEW_TABS = {
+    "_journey": "요청 여정",
+    "_schedule": "스케줄러 결정",
+    "_kvgrid": "KV 캐시",
+    "_kvusage": "KV 캐시",
+}
+
+
+def open_tab(at, engine_key: str, label: str):
+    """Open one of a lab engine's view tabs, as a click on its label does: the tabs keep the open
+    label in st.session_state[f"{engine_key}_tabs"], so set it and run again. Nothing runs when
+    that tab is already open, or when no such state exists (tabs that track no state, like
+    chapter 01's own, draw every tab)."""
+    tabs_key = f"{engine_key}_tabs"
+    if tabs_key not in at.session_state or at.session_state[tabs_key] == label:
+        return at
+    at.session_state[tabs_key] = label
+    at.run()
+    no_exception(at)
+    return at
+
+
+def open_tab_of(at, key: str):
+    """If `key` names a lab view's chart (f"{engine_key}_kvgrid", ...), open the tab it is in."""
+    for suffix, label in LAB_VIEW_TABS.items():
+        if key.endswith(suffix):
+            return open_tab(at, key.removesuffix(suffix), label)
+    return at
+
+
 def charts(at) -> dict[str, dict]:
     """Every rendered plotly chart: element id (it carries the chart's key) → its figure spec."""
     return {c.proto.id: json.loads(c.proto.spec) for c in at.get("plotly_chart")}
 
 
 def chart(at, key: str) -> dict:
-    """The first chart whose element id contains `key`; fails when there is none."""
+    """The first chart whose element id contains `key` (a lab view's tab opened first); fails when
+    there is none."""
+    open_tab_of(at, key)
     specs = charts(at)
     match = [spec for element_id, spec in specs.items() if key in element_id]
     assert match, f"plot {key} missing; ids: {list(specs)}"
@@ -75,9 +108,11 @@ def chart(at, key: str) -> dict:
 
 def assert_charts(at, keys: list[str], axes: tuple[str, ...] = ("x", "y", "z")) -> None:
     """Each key names a rendered chart with at least one trace carrying data on one of `axes`
-    (a heatmap has only z; pass ("x", "y") where the chapter's plots are all x/y plots)."""
-    specs = charts(at)
+    (a heatmap has only z; pass ("x", "y") where the chapter's plots are all x/y plots). A lab
+    view's chart is looked for with its tab open (open_tab_of)."""
     for key in keys:
+        open_tab_of(at, key)
+        specs = charts(at)
         match = [spec for element_id, spec in specs.items() if key in element_id]
         assert match, f"plot {key} missing; ids: {list(specs)}"
         data = match[0]["data"]

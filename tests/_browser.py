@@ -197,6 +197,24 @@ def wait_idle(page, timeout_ms: int, settle_ms: int = 300) -> None:
     page.wait_for_timeout(settle_ms)
 
 
+def open_tab(page, label: str, timeout_ms: int, nth: int = 0) -> None:
+    """Click the nth tab labelled `label` (a lab draws three tabs per engine: 요청 여정, 스케줄러
+    결정, KV 캐시). Only the open tab is drawn (ui/lab.py, views), so the click reruns the lab:
+    wait for that run; the tab is then selected."""
+    tab = page.get_by_role("tab", name=label, exact=True).nth(nth)
+    tab.scroll_into_view_if_needed()
+    tab.click()
+    wait_idle(page, timeout_ms, settle_ms=500)
+    assert tab.get_attribute("aria-selected") == "true", f"tab {label} did not open"
+
+
+def plot_types(page) -> list[list[str]]:
+    """Per rendered plotly plot: its traces' types ('heatmap' for a KV grid, 'bar', ...)."""
+    return page.locator(".js-plotly-plot").evaluate_all(
+        "els => els.map(e => (e.data || []).map(t => t.type || 'scatter'))"
+    )
+
+
 def chapter_fixtures(name: str, timeout_ms: int):
     """A chapter test module's two fixtures: `app_url` (the `streamlit run app.py` on the real
     default model that the browser modules share, see SharedServer) and `page` (one Chromium page,
@@ -219,8 +237,9 @@ def chapter_fixtures(name: str, timeout_ms: int):
 class LabDriver:
     """What a chapter's browser test does on its page, with one timeout for every script run:
     wait for a run to finish, fail on an exception (and, with error_alerts, on an st.error),
-    click a button by its label, count the traces of each rendered plot, open a chapter. A lab
-    that failed as a whole (its Korean error in place of the lab) fails the test too."""
+    click a button by its label, open a lab's tab, count the traces of each rendered plot, open a
+    chapter. A lab that failed as a whole (its Korean error in place of the lab) fails the test
+    too."""
 
     def __init__(self, timeout_ms: int, error_alerts: bool = False):
         self.timeout_ms = timeout_ms
@@ -243,6 +262,10 @@ class LabDriver:
         return pg.locator(".js-plotly-plot").evaluate_all(
             "els => els.map(e => (e.data || []).length)"
         )
+
+    def open_tab(self, pg, label: str, nth: int = 0) -> None:
+        open_tab(pg, label, self.timeout_ms, nth)
+        self.no_exception(pg)
 
     def click(self, pg, name: str) -> None:
         button = pg.get_by_role("button", name=name, exact=True).first

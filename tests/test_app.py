@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 APP = str(ROOT / "app.py")
 TIMEOUT = 240  # torch start-up and real forward passes on a (possibly busy) CPU
 
+from _apptest import open_tab, open_tab_of  # noqa: E402
 from ui.lesson import CHAPTERS  # noqa: E402
 
 
@@ -49,10 +50,11 @@ def chart_data(at: AppTest) -> list[list]:
 
 def assert_lab_plots(at: AppTest, key: str) -> None:
     """The lab's three figures (journey, scheduler decisions, KV grid) plus usage are drawn with
-    data."""
-    ids = [c.proto.id for c in at.get("plotly_chart")]
-    specs = {i: json.loads(c.proto.spec) for i, c in zip(ids, at.get("plotly_chart"))}
-    for name in ("journey", "schedule", "kvgrid"):
+    data, each with its tab open (only the open tab is drawn); the journey tab is left open."""
+    for name in ("schedule", "kvgrid", "kvusage", "journey"):
+        open_tab_of(at, f"{key}_{name}")
+        ids = [c.proto.id for c in at.get("plotly_chart")]
+        specs = {i: json.loads(c.proto.spec) for i, c in zip(ids, at.get("plotly_chart"))}
         match = [s for i, s in specs.items() if f"{key}_{name}" in i]
         assert match, f"plot {key}_{name} missing (ids: {ids})"
         data = match[0]["data"]
@@ -115,8 +117,11 @@ def test_ch00_lab_steps_the_engine(app):
     recs = records(at, "main")
     assert len(recs) == 1 and recs[0].total_tokens > 0
     assert_lab_plots(at, "main")
-    # The decision table of the step is shown.
+    # The decision table of the step is shown, in the scheduler tab.
+    assert not any("요청" in df.value.columns for df in at.dataframe)
+    open_tab(at, "main", "스케줄러 결정")
     assert any("요청" in df.value.columns for df in at.dataframe)
+    open_tab(at, "main", "요청 여정")
     at.button(key="main_step").click().run()
     assert len(records(at, "main")) == 2
     request = engine.all_requests()[0]
@@ -127,6 +132,7 @@ def test_ch00_lab_steps_the_engine(app):
     assert at.session_state["_texts"]["main"][request.request_id]  # streamed text grew
     assert any(t.value.strip() and t.value != "…" for t in at.text)
     assert_lab_plots(at, "main")
+    open_tab(at, "main", "KV 캐시")
     usage = [s for c, s in zip(at.get("plotly_chart"), chart_data(at)) if "kvusage" in c.proto.id]
     assert usage and len(usage[0][0]["x"]) == len(records(at, "main"))
 

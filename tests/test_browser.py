@@ -13,6 +13,8 @@ import shutil
 import pytest
 
 from _browser import ROOT, SHOTS, browser_page as open_browser_page
+from _browser import open_tab as _open_tab
+from _browser import plot_types
 from _browser import wait_idle as _wait_idle
 
 pytestmark = pytest.mark.browser
@@ -43,6 +45,23 @@ def browser_page(app_url):
 
 def wait_idle(page) -> None:
     _wait_idle(page, STEP_TIMEOUT_MS)
+
+
+def open_tab(page, label: str) -> None:
+    _open_tab(page, label, STEP_TIMEOUT_MS)
+
+
+def assert_kv_tab_drawn(page) -> None:
+    """With the lab's KV 캐시 tab open: its block grid (a heatmap; the chapter's own plots have
+    none) is drawn, after the rerun that opening the tab started (only the open tab is drawn)."""
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('.js-plotly-plot')]"
+        ".some(e => (e.data || []).some(t => t.type === 'heatmap'))",
+        timeout=STEP_TIMEOUT_MS,
+    )
+    types = plot_types(page)
+    assert any("heatmap" in t for t in types), types
+    assert visible_plots(page) >= 2  # the grid and the occupancy over the steps
 
 
 def open_page(page, url: str) -> None:
@@ -137,9 +156,8 @@ def test_chapter02_lab_to_the_end(browser_page, app_url):
     assert generated and generated != "…", "the generated text is shown"
     assert "TTFT, TPOT, E2E" in body  # the metrics of the finished request (측정값)
     assert visible_plots(page) >= 1 and all(n > 0 for n in plot_traces(page))
-    page.get_by_role("tab", name="KV 캐시").first.click()
-    page.wait_for_timeout(500)
-    assert visible_plots(page) >= 1
+    open_tab(page, "KV 캐시")
+    assert_kv_tab_drawn(page)
     page.screenshot(path=str(SHOTS / "ch02_lab_done.png"))
 
 
@@ -176,9 +194,8 @@ def test_chapter03_cache_grows(browser_page, app_url):
     assert "46,080" in page.inner_text("body")
     click(page, "예시 요청 추가")
     click(page, "다음 스텝")
-    page.get_by_role("tab", name="KV 캐시").first.click()
-    page.wait_for_timeout(500)
-    assert visible_plots(page) >= 1
+    open_tab(page, "KV 캐시")
+    assert_kv_tab_drawn(page)
     page.screenshot(path=str(SHOTS / "ch03_kv_grid.png"))
     # 재생: a fragment with run_every steps the engine on its own (AppTest cannot check this).
     page.get_by_role("button", name="재생", exact=True).first.click()

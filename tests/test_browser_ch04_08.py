@@ -13,11 +13,12 @@ pytestmark = pytest.mark.browser
 
 STEP_TIMEOUT_MS = 300_000
 
-# chapter url → (text that must be on the page, minimum plots after 실행)
+# chapter url → (text that must be on the page, minimum plots after 실행). A lab engine's views
+# draw only their open tab (ui/lab.py, views): its journey, one plot per engine.
 CHAPTERS = {
-    "ch04": ("지연 시간", 4),
+    "ch04": ("지연 시간", 3),
     "ch05": ("메모리 예산 계산기", 3),
-    "ch06": ("연속 최대 길이 예약", 4),
+    "ch06": ("연속 최대 길이 예약", 3),
     "ch07": ("같은 워크로드, 세 가지 방식", 6),
     "ch08": ("긴 프롬프트가 decode 중인", 4),
 }

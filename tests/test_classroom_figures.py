@@ -5,7 +5,9 @@
   scans only the events that step added.
 - The plain dicts the lab sends (figures.prebuilt) are what go.Figure would send: nothing is lost
   or changed by skipping plotly's validation.
-- In the app, a click reuses the session's journey builder (a reset starts a new one)."""
+- In the app, a click reuses the session's journey builder (a reset starts a new one).
+- Only the open tab of the lab's views is built and sent: the journey at first; opening "KV 캐시"
+  draws the KV grid and occupancy instead, and a step click keeps that tab open and updates it."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import plotly.io as pio
 import pytest
 
 from engine.sampling_params import SamplingParams
+from _apptest import charts, open_tab
 from ui import figures
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,14 +117,21 @@ def test_prebuilt_dicts_are_what_go_figure_sends(make_engine):
     assert grid.data[0].type == "heatmap" and grid.layout.height == specs["kvgrid"][1].layout.height
 
 
-def test_a_click_reuses_the_sessions_journey_builder(tiny_model_dir):
+def _fragment_app(model_dir):
+    """tests/classroom_fragment_app.py (chapter 00's lab alone) under AppTest on `model_dir`."""
     from streamlit.testing.v1 import AppTest
 
     from ui.session import SETTINGS_KEY, EngineSettings
 
     at = AppTest.from_file(str(ROOT / "tests" / "classroom_fragment_app.py"), default_timeout=240)
-    at.session_state[SETTINGS_KEY] = EngineSettings(model=str(tiny_model_dir), device="cpu")
+    at.session_state[SETTINGS_KEY] = EngineSettings(model=str(model_dir), device="cpu")
     at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def test_a_click_reuses_the_sessions_journey_builder(tiny_model_dir):
+    at = _fragment_app(tiny_model_dir)
     at.button(key="main_add_preset").click().run()
     at.button(key="main_step").click().run()
     at.button(key="main_step").click().run()
@@ -139,6 +149,45 @@ def test_a_click_reuses_the_sessions_journey_builder(tiny_model_dir):
     assert spec["data"] and "template" in spec["layout"]
     at.button(key="main_reset").click().run()
     assert at.session_state["_lab_journeys"]["main"][1] is not builder  # a new engine, a new one
+
+
+def _lab_charts(at) -> dict[str, dict]:
+    """The lab's view charts now drawn: "journey", "schedule", "kvgrid", "kvusage" → spec."""
+    names = ("journey", "schedule", "kvgrid", "kvusage")
+    return {n: spec for i, spec in charts(at).items() for n in names if f"main_{n}" in i}
+
+
+def _decision_tables(at) -> list:
+    return [df for df in at.dataframe if "요청" in df.value.columns]
+
+
+def test_only_the_open_tab_is_built_and_sent(tiny_model_dir):
+    at = _fragment_app(tiny_model_dir)
+    at.button(key="main_add_preset").click().run()
+    at.button(key="main_step").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.session_state["main_tabs"] == "요청 여정"  # the default open tab
+    assert [t.label for t in at.tabs] == ["요청 여정", "스케줄러 결정", "KV 캐시"]
+    assert list(_lab_charts(at)) == ["journey"]
+    assert not _decision_tables(at)  # the decision table belongs to the scheduler tab
+
+    open_tab(at, "main", "KV 캐시")
+    drawn = _lab_charts(at)
+    assert sorted(drawn) == ["kvgrid", "kvusage"]
+    assert len(drawn["kvusage"]["data"][0]["x"]) == 1  # one step so far
+
+    at.button(key="main_step").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.session_state["main_tabs"] == "KV 캐시"  # a step keeps the open tab
+    drawn = _lab_charts(at)
+    assert sorted(drawn) == ["kvgrid", "kvusage"]
+    assert len(drawn["kvusage"]["data"][0]["x"]) == 2  # and redraws it with the new step
+
+    open_tab(at, "main", "스케줄러 결정")
+    assert list(_lab_charts(at)) == ["schedule"]
+    assert _decision_tables(at)
+    open_tab(at, "main", "요청 여정")
+    assert list(_lab_charts(at)) == ["journey"]
 
 
 @pytest.mark.parametrize("clock", ["engine", "wall"])

@@ -9,8 +9,9 @@
 - two or three engines side by side in lockstep (one 다음 스텝 advances each),
 - a slot for the chapter's own view and its predict → run → compare box.
 
-The component runs inside st.fragment: a step reruns the lab only, not the lesson around it, and
-the lab's figures go to Streamlit as plain dicts with the journey kept between clicks (views()).
+The component runs inside st.fragment: a step reruns the lab only, not the lesson around it; of
+the three views only the open tab is drawn, its figures sent as plain dicts with the journey kept
+between clicks (views()).
 Engine errors become Korean messages (ui.errors); the page stays usable.
 """
 
@@ -413,28 +414,37 @@ def journey_builder(key: str, engine: EngineCore) -> figures.JourneyBuilder:
     return entry[1]
 
 
-def views(key: str, engine: EngineCore, records: list[StepRecord]) -> None:
-    """Journey swimlanes, scheduler decisions, KV grid + occupancy of one engine (plot keys
-    f"{key}_journey", f"{key}_schedule", f"{key}_kvgrid", f"{key}_kvusage").
+VIEW_TABS = ["요청 여정", "스케줄러 결정", "KV 캐시"]
 
-    Redrawn on every click, so the figures go to Streamlit as plain dicts (figures.prebuilt):
-    the same charts as figures.*_figure without building and validating plotly objects."""
-    requests = engine.all_requests()
-    names = figures.short_names(r.request_id for r in requests)
-    journey = figures.journey_spec(requests, clock="engine", builder=journey_builder(key, engine))
-    tab1, tab2, tab3 = st.tabs(["요청 여정", "스케줄러 결정", "KV 캐시"])
-    with tab1:
-        st.plotly_chart(figures.prebuilt(journey), width="stretch", key=f"{key}_journey")
-    with tab2:
-        schedule = figures.schedule_spec(records)
-        st.plotly_chart(figures.prebuilt(schedule), width="stretch", key=f"{key}_schedule")
-        show_decision(records[-1] if records else None, names)
-    with tab3:
-        snapshot = records[-1].kv if records else engine.kv_cache_manager.snapshot()
-        grid = figures.kv_grid_spec(snapshot)
-        st.plotly_chart(figures.prebuilt(grid), width="stretch", key=f"{key}_kvgrid")
-        usage = figures.kv_usage_spec(records)
-        st.plotly_chart(figures.prebuilt(usage), width="stretch", key=f"{key}_kvusage")
+
+def views(key: str, engine: EngineCore, records: list[StepRecord]) -> None:
+    """Journey swimlanes, scheduler decisions, KV grid + occupancy of one engine, in three tabs
+    (plot keys f"{key}_journey", f"{key}_schedule", f"{key}_kvgrid", f"{key}_kvusage").
+
+    Only the open tab is drawn: the tabs track which one is open (on_change="rerun", its label in
+    st.session_state[f"{key}_tabs"], "요청 여정" at first), so a click builds and sends that
+    tab's figures only, and opening another tab reruns the lab (its fragment) to draw that one.
+    The figures go to Streamlit as plain dicts (figures.prebuilt): the same charts as
+    figures.*_figure without building and validating plotly objects."""
+    journey_tab, schedule_tab, kv_tab = st.tabs(VIEW_TABS, key=f"{key}_tabs", on_change="rerun")
+    if journey_tab.open:
+        with journey_tab:
+            builder = journey_builder(key, engine)
+            journey = figures.journey_spec(engine.all_requests(), clock="engine", builder=builder)
+            st.plotly_chart(figures.prebuilt(journey), width="stretch", key=f"{key}_journey")
+    if schedule_tab.open:
+        with schedule_tab:
+            schedule = figures.schedule_spec(records)
+            st.plotly_chart(figures.prebuilt(schedule), width="stretch", key=f"{key}_schedule")
+            names = figures.short_names(r.request_id for r in engine.all_requests())
+            show_decision(records[-1] if records else None, names)
+    if kv_tab.open:
+        with kv_tab:
+            snapshot = records[-1].kv if records else engine.kv_cache_manager.snapshot()
+            grid = figures.kv_grid_spec(snapshot)
+            st.plotly_chart(figures.prebuilt(grid), width="stretch", key=f"{key}_kvgrid")
+            usage = figures.kv_usage_spec(records)
+            st.plotly_chart(figures.prebuilt(usage), width="stretch", key=f"{key}_kvusage")
 
 
 def stream_texts(key: str, engine: EngineCore) -> None:
