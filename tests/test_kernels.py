@@ -6,6 +6,7 @@
   several hundred, with junk in every cache slot nobody owns;
 - int8 / int4 weight-only linear against dequantize-then-matmul, every row count 1..40 (the
   fused one-row path and the register tiles with their remainders);
+- RMSNorm against the model's torch rms_norm, any row count and width;
 - the fallback: "torch" never uses the extension, a failed build leaves the torch path; an
   engine's `kernels=` setting reaches its quantized linears (spied), engines side by side;
 - the whole engine: greedy tokens with kernels="auto" equal kernels="torch" token for token (slow).
@@ -218,6 +219,26 @@ def test_quantized_linear_keeps_leading_dimensions(ext):
 
 
 # -- which path runs ------------------------------------------------------------------------
+
+
+@HYPOTHESIS
+@given(
+    rows=st.integers(1, 130),
+    width=st.integers(1, 700),
+    scale=st.sampled_from([1e-3, 1.0, 30.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_rms_norm_matches_the_torch_reference(ext, rows, width, scale, seed):
+    """Row counts below and above the kernel's 64-row parallel grain, widths that are no multiple
+    of the vector width, tiny and large activations (eps matters for the tiny ones)."""
+    from engine.models.llama import rms_norm
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=g) * scale
+    w = torch.randn(width, generator=g)
+    torch.testing.assert_close(
+        rms_norm(x, w, 1e-5, kernels=ext), rms_norm(x, w, 1e-5), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_torch_mode_and_other_devices_never_use_the_kernels():

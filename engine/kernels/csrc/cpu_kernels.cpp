@@ -565,9 +565,40 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return quantized_linear(x, n, bias, widen, row1);
 }
 
+// ---------------------------------------------------------------------------------------------
+// RMSNorm, y = x * rsqrt(mean(x^2) + eps) * weight, row by row (float32). A decode step at batch 1
+// runs 61 of them on 576 floats each; torch's CPU rms_norm spends ~10-30 us per call in the
+// operations it is made of (power, mean, add, rsqrt, two products), ours under 1 us.
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && weight.dtype() == torch::kFloat32 &&
+                  x.is_contiguous() && weight.is_contiguous(),
+              "rms_norm: contiguous float32 only");
+  const int64_t d = weight.numel();
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == d, "rms_norm: last dimension must match weight");
+  const int64_t rows = x.numel() / d;
+  auto y = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  // A few rows are not worth waking other threads for; a prefill chunk is.
+  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = xp + r * d;
+      float* out = yp + r * d;
+      const float inv_rms = 1.f / std::sqrt(dot(row, row, d) / static_cast<float>(d) + feps);
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) out[i] = row[i] * inv_rms * wp[i];
+    }
+  });
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "llm-inference-lab CPU kernels: paged attention, weight-only int8/int4 linear";
+  m.doc() = "llm-inference-lab CPU kernels: paged attention, weight-only int8/int4 linear, RMSNorm";
   m.def("paged_attention", &paged_attention, "paged attention over a block table, in place");
   m.def("int8_linear", &int8_linear, "y = x @ (q * scale).T (+ bias), int8 weights");
   m.def("int4_linear", &int4_linear, "y = x @ (q * scale + min).T (+ bias), int4 groups");
+  m.def("rms_norm", &rms_norm, "y = x * rsqrt(mean(x^2) + eps) * weight, row by row");
 }
