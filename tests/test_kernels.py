@@ -6,7 +6,7 @@
   several hundred, with junk in every cache slot nobody owns;
 - int8 / int4 weight-only linear against dequantize-then-matmul, every row count 1..40 (the
   fused one-row path and the register tiles with their remainders);
-- RMSNorm against the model's torch rms_norm, any row count and width;
+- RMSNorm and RoPE against the model's torch rms_norm and apply_rope, any shape;
 - the fallback: "torch" never uses the extension, a failed build leaves the torch path; an
   engine's `kernels=` setting reaches its quantized linears (spied), engines side by side;
 - the whole engine: greedy tokens with kernels="auto" equal kernels="torch" token for token (slow).
@@ -238,6 +238,31 @@ def test_rms_norm_matches_the_torch_reference(ext, rows, width, scale, seed):
     w = torch.randn(width, generator=g)
     torch.testing.assert_close(
         rms_norm(x, w, 1e-5, kernels=ext), rms_norm(x, w, 1e-5), atol=1e-5, rtol=1e-5
+    )
+
+
+@HYPOTHESIS
+@given(
+    tokens=st.integers(1, 80),
+    heads=st.integers(1, 12),
+    half=st.integers(1, 40),
+    extra=st.integers(0, 70),
+    seed=st.integers(0, 2**16),
+)
+def test_rope_matches_the_torch_reference(ext, tokens, heads, half, extra, seed):
+    """Queries and keys as the model rotates them: a view of the fused qkv rows (`extra` more
+    columns per row, the values), heads contiguous, positions anywhere up to 4096."""
+    from engine.models.llama import apply_rope
+
+    g = torch.Generator().manual_seed(seed)
+    d = 2 * half
+    qkv = torch.randn(tokens, heads * d + extra, generator=g)
+    x = qkv[:, : heads * d].view(tokens, heads, d)
+    freqs = torch.randint(0, 4096, (tokens, 1), generator=g).float() * torch.rand(half, generator=g)
+    angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+    cos, sin = angles.cos(), angles.sin()
+    torch.testing.assert_close(
+        apply_rope(x, cos, sin, kernels=ext), apply_rope(x, cos, sin), atol=1e-5, rtol=1e-5
     )
 
 

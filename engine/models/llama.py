@@ -168,8 +168,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each (i, i + d/2) pair of a head by its position's angle: x: [tokens, heads, d]."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels=None):
+    """Rotate each (i, i + d/2) pair of a head by its position's angle: x: [tokens, heads, d].
+    `kernels` (the compiled extension, float32 on a CPU) computes the same in one C++ call."""
+    if kernels is not None and x.dtype == torch.float32:
+        return kernels.rope(x, cos, sin)
     return x * cos + rotate_half(x) * sin
 
 
@@ -321,7 +324,8 @@ class LlamaModel:
         qkv = linear(x, w[f"{i}.qkv"], w.get(f"{i}.qkv_bias"), self.linear_kernels)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # Queries and keys are rotated alike, so all their heads are rotated in one call.
-        qk = apply_rope(qk.view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        qk = qk.view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+        qk = apply_rope(qk, cos, sin, self.kernels)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn_meta, self.scale, self.kernels)

@@ -595,10 +595,48 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return y;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Rotary position embedding: one call instead of the six torch operations apply_rope is spelled
+// with in engine/models/llama.py (at batch 1 the arithmetic is ~1 us, each operation ~2 us).
+
+// x: [tokens, heads, d] (any row stride, heads contiguous), cos/sin: [tokens, d] whose two halves
+// are equal (rope_cos_sin duplicates the angles). out = x * cos + rotate_half(x) * sin.
+torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && cos.dtype() == torch::kFloat32 &&
+                  sin.dtype() == torch::kFloat32 && x.dim() == 3 && x.stride(2) == 1 &&
+                  x.stride(1) == x.size(2) && cos.is_contiguous() && sin.is_contiguous(),
+              "rope: float32 [tokens, heads, d] with contiguous heads");
+  const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  TORCH_CHECK(d % 2 == 0 && cos.numel() == tokens * d && sin.numel() == tokens * d, "rope: shapes");
+  auto out = torch::empty({tokens, heads, d}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t row_stride = x.stride(0);
+  at::parallel_for(0, tokens, 64, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* c = cp + t * d;
+      const float* s = sp + t * d;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* in = xp + t * row_stride + h * d;
+        float* o = op + (t * heads + h) * d;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          o[i] = in[i] * c[i] - in[i + half] * s[i];
+          o[i + half] = in[i + half] * c[i + half] + in[i] * s[i + half];
+        }
+      }
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "llm-inference-lab CPU kernels: paged attention, weight-only int8/int4 linear, RMSNorm";
   m.def("paged_attention", &paged_attention, "paged attention over a block table, in place");
   m.def("int8_linear", &int8_linear, "y = x @ (q * scale).T (+ bias), int8 weights");
   m.def("int4_linear", &int4_linear, "y = x @ (q * scale + min).T (+ bias), int4 groups");
   m.def("rms_norm", &rms_norm, "y = x * rsqrt(mean(x^2) + eps) * weight, row by row");
+  m.def("rope", &rope, "x * cos + rotate_half(x) * sin, heads of [tokens, heads, d]");
 }
