@@ -14,6 +14,7 @@ from ui.experiments.ch11 import (
     decode_workload,
     greedy_agreement_table,
     kernel_rows,
+    peer_rows,
     outlier_table,
     quality_table,
 )
@@ -181,6 +182,30 @@ def _kernel_section() -> None:
     )
 
 
+def _peer_section() -> None:
+    from ui.experiments.ch04 import latest_bench
+
+    st.subheader("같은 파일, 같은 기계: 우리 엔진과 llama.cpp")
+    results = latest_bench()
+    table = peer_rows(results)
+    if table is None:
+        st.info(
+            "`pip install llama-cpp-python` 뒤에 `python -m engine bench --compare-quantization`을 "
+            "돌리면 여기에 배치 1 디코드 비교가 나옵니다 (llama.cpp가 같은 GGUF 파일을 씁니다)."
+        )
+        return
+    st.dataframe(table, hide_index=True)
+    c = results["conditions"]
+    evidence(
+        "측정값",
+        "배치 1 디코드, 같은 프롬프트, 한 실행 안에서 차례로 (bench 10절); "
+        "llama.cpp는 자식 프로세스에서 같은 스레드 수로",
+        장치=c.get("device_name"),
+        스레드=c.get("threads"),
+        날짜=c.get("date"),
+    )
+
+
 def lab() -> None:
     st.subheader("같은 요청, 다른 숫자: float32 · bfloat16 · int8 · int4")
     options = list(VARIANTS) if _has_gguf() else [v for v in VARIANTS if "gguf" not in v]
@@ -225,6 +250,7 @@ def lab() -> None:
     show_code(quantize_int4, "int4 양자화: 묶음마다 scale과 min")
     _quality_section()
     _kernel_section()
+    _peer_section()
 
 
 render_chapter("11", lab)

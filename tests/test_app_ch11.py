@@ -86,3 +86,45 @@ def test_sidebar_quantization_reaches_the_engine(app, tiny_model_dir):
     result = app.session_state["ch08_result"]
     assert all(r.config.quantization == "int8" for r in result.runs.values())
     app.session_state[SETTINGS_KEY] = settings
+
+
+def test_peer_rows_put_each_engine_variant_beside_llama_cpp():
+    from ui.experiments.ch11 import peer_rows
+
+    assert peer_rows(None) is None
+    variant = {"name": "float32 + gguf", "weight_bytes_per_step": 108.3e6}
+    results = {"variants": {"rows": [dict(variant, decode_tokens_per_s=90.0, decode_step_ms=11.1)]}}
+    assert peer_rows(results) is None  # no peer in that run
+    results["llama_cpp"] = {"skipped": "llama-cpp-python is not installed"}
+    assert peer_rows(results) is None
+    results["llama_cpp"] = {"version": "0.3.36", "decode_tokens_per_s": 100.0}
+    results["llama_cpp"]["decode_step_ms"] = 10.0
+    table = peer_rows(results)
+    assert list(table["엔진"]) == ["우리 엔진 · float32 + gguf", "llama.cpp 0.3.36 · Q4_1"]
+    assert list(table["÷ llama.cpp"]) == [0.9, 1.0]
+    assert table["스텝당 MB"].iloc[0] == 108.3
+
+
+def test_page_shows_the_llama_cpp_comparison_of_the_latest_bench(app, monkeypatch):
+    import ui.experiments.ch04 as ch04
+
+    fake = {
+        "conditions": {"device_name": "test CPU", "threads": 2, "date": "2026-12-01"},
+        "variants": {
+            "rows": [
+                {
+                    "name": "float32 + int4",
+                    "weight_bytes_per_step": 108.3e6,
+                    "decode_tokens_per_s": 96.0,
+                    "decode_step_ms": 10.4,
+                }
+            ]
+        },
+        "llama_cpp": {"version": "0.3.36", "decode_tokens_per_s": 107.3, "decode_step_ms": 9.3},
+    }
+    monkeypatch.setattr(ch04, "latest_bench", lambda: fake)
+    app.run()
+    assert not app.exception, [e.value for e in app.exception]
+    assert any("llama.cpp" in s.value for s in app.subheader)
+    frames = [d.value for d in app.dataframe if "÷ llama.cpp" in d.value.columns]
+    assert frames and list(frames[0]["디코드 토큰/s"]) == [96.0, 107.3]

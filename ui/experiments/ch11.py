@@ -206,3 +206,33 @@ def kernel_rows(results: dict | None) -> pd.DataFrame | None:
             for name, e in lin["kernels"].items()
         ]
     )
+
+
+def peer_rows(results: dict | None) -> pd.DataFrame | None:
+    """Batch-1 decode of the bench's section 10 (each dtype / quantization of the engine) next to
+    llama.cpp on the same GGUF file, if that run had the peer; else None."""
+    results = results or {}
+    peer, variants = results.get("llama_cpp") or {}, (results.get("variants") or {}).get("rows")
+    if not variants or "decode_tokens_per_s" not in peer:
+        return None
+    base = peer["decode_tokens_per_s"]
+    rows = [
+        {
+            "엔진": f"우리 엔진 · {v['name']}",
+            "스텝당 MB": round(v["weight_bytes_per_step"] / 1e6, 1),
+            "디코드 토큰/s": round(v["decode_tokens_per_s"], 1),
+            "스텝 ms": round(v["decode_step_ms"], 2),
+            "÷ llama.cpp": round(v["decode_tokens_per_s"] / base, 2),
+        }
+        for v in variants
+    ]
+    rows.append(
+        {
+            "엔진": f"llama.cpp {peer.get('version', '')} · Q4_1",
+            "스텝당 MB": None,
+            "디코드 토큰/s": round(base, 1),
+            "스텝 ms": round(peer["decode_step_ms"], 2),
+            "÷ llama.cpp": 1.0,
+        }
+    )
+    return pd.DataFrame(rows)
