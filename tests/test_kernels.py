@@ -118,6 +118,18 @@ def test_prefill_chunk_after_a_cached_prefix(ext, cached, new):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("head_dim", [8, 24, 40, 72])
+@pytest.mark.parametrize("group", [1, 3])
+def test_head_dims_that_end_in_a_partial_vector(ext, head_dim, group):
+    """The kernel's vectors are 16 (AVX-512) or 8 (AVX2) floats wide; the rest of a row is read
+    with a lane mask. Decodes (one short, one past a chunk of keys) and a prefill after a prefix."""
+    requests = [(20, 1), (3, 1), (37, 19)]
+    ref, out = run_both(
+        ext, requests, kv_heads=3, group=group, head_dim=head_dim, block_size=16, seed=head_dim
+    )
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
 @HYPOTHESIS
 @given(
     requests=st.lists(

@@ -68,11 +68,24 @@ inline void axpy(float* y, float a, const float* x, int64_t n) {
 //              chunk is cut into tiles of a few rows, so that each key read serves several queries.
 // out:         [num_tokens, num_heads, head_dim] float32, written only at the tiles' rows.
 //
-// One work item = one tile x one KV head. The query heads that share the KV head (grouped-query
-// attention) are handled together, so every K and V row is read once per tile, straight from its
-// block: no copy of the context is ever made. Keys are walked block by block (one table lookup per
-// block, no division per key), the queries are copied next to each other and pre-scaled, and the
-// softmax's exponentials run vectorised (exp_nonpositive below).
+// A decode step is bound by reading K and V from memory (every key is used once per step), so
+// the kernel's job is to stream them at the memory's speed, with as little work per key as it
+// can, and to read each byte once:
+// - No copy of the context is made: keys are read where they lie, through the block table.
+// - One work item = one tile x a range of KV heads. With many tiles (a batched decode step, a
+//   long prefill chunk) the range is all the heads: a key's row of the cache, kv_heads x head_dim
+//   contiguous floats, is read in one stretch, and a block of keys is one contiguous stretch too.
+//   With few tiles (batch 1) each KV head is its own item, so that the threads have work to share.
+//   The query heads that share a KV head (grouped-query attention) use each K and V row together.
+// - Online softmax (as in FlashAttention): each query keeps a running maximum, a running sum of
+//   exponentials and a running weighted sum of values, rescaled when the maximum grows. K and V
+//   are then read in a single pass, KEYS keys at a time, and the scores of those keys never leave
+//   registers and L1.
+// - KEYS dot products at once (score_chunk): KEYS independent vector accumulators, summed across
+//   their lanes by one transpose-and-add tree at the end. Summing each dot product's lanes on its
+//   own costs about as much as the dot product itself at head_dim 64.
+// - The next chunk's K and V rows are prefetched while this one is computed: blocks lie anywhere
+//   in the cache, so the hardware prefetcher cannot guess where the next one starts.
 
 namespace {
 
@@ -99,10 +112,153 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// Scratch of one thread, reused from item to item.
+// score_chunk(q, keys, d, s):           s[j] = q . keys[j]                  for j < KEYS
+// accumulate_chunk(acc, c, p, values, d): acc = c * acc + sum_j p[j] * values[j]  (d floats)
+// Written with AVX-512 (KEYS = 16: one vector of scores) or AVX2 + FMA (KEYS = 8), else plain
+// loops. Any head_dim d: the last partial vector is read and written with a lane mask.
+#if defined(__AVX512F__)
+constexpr int64_t KEYS = 16;
+
+// out[j] = the sum of v[j]'s 16 lanes, j < 16. Each level adds pairs of vectors after shuffling
+// them so that each sum keeps half of each input's partial sums: 16 vectors -> 8 -> 4 -> 2 -> 1,
+// 15 vector additions in all instead of 16 separate horizontal sums (4 additions each).
+inline __m512 sum_lanes(const __m512* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i)  // w[i]: v[2i]'s 8 partial sums, then v[2i+1]'s
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // x[i], 128-bit lane k: 4 partial sums of v[4i + k]
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  // lane k of y0: 2 partial sums of v[k] and of v[4 + k] (y1: v[8 + k], v[12 + k])
+  const __m512 y0 = _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
+  const __m512 y1 = _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
+  // element 4k + m: the whole sum of v[4m + k]; one permutation puts v[j]'s sum at element j
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y0, y1, 0x44), _mm512_shuffle_ps(y0, y1, 0xEE));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, z);
+}
+
+inline void score_chunk(const float* q, const float* const* keys, int64_t d, float* s) {
+  __m512 acc[KEYS];
+  for (int j = 0; j < KEYS; ++j) acc[j] = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 16 <= d; c += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + c);
+#pragma GCC unroll 16
+    for (int j = 0; j < KEYS; ++j)
+      acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(keys[j] + c), acc[j]);
+  }
+  if (c < d) {  // the last d - c < 16 floats
+    const __mmask16 m = static_cast<__mmask16>((1u << (d - c)) - 1);
+    const __m512 qv = _mm512_maskz_loadu_ps(m, q + c);
+#pragma GCC unroll 16
+    for (int j = 0; j < KEYS; ++j)
+      acc[j] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, keys[j] + c), acc[j]);
+  }
+  _mm512_storeu_ps(s, sum_lanes(acc));
+}
+
+inline void accumulate_chunk(float* acc, float corr, const float* p, const float* const* values,
+                             int64_t d) {
+  int64_t c = 0;
+  for (; c + 16 <= d; c += 16) {
+    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + c), _mm512_set1_ps(corr));
+#pragma GCC unroll 16
+    for (int j = 0; j < KEYS; ++j)
+      a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_loadu_ps(values[j] + c), a);
+    _mm512_storeu_ps(acc + c, a);
+  }
+  if (c < d) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (d - c)) - 1);
+    __m512 a = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, acc + c), _mm512_set1_ps(corr));
+#pragma GCC unroll 16
+    for (int j = 0; j < KEYS; ++j)
+      a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_maskz_loadu_ps(m, values[j] + c), a);
+    _mm512_mask_storeu_ps(acc + c, m, a);
+  }
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t KEYS = 8;
+
+// out[j] = the sum of v[j]'s 8 lanes, j < 8: pairwise horizontal adds (8 -> 4 -> 2 vectors, each
+// 128-bit half holding 4 partial sums of 4 inputs), then the two halves added.
+inline __m256 sum_lanes(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+inline __m256i tail_mask(int64_t n) {  // lanes < n set
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+inline void score_chunk(const float* q, const float* const* keys, int64_t d, float* s) {
+  __m256 acc[KEYS];
+  for (int j = 0; j < KEYS; ++j) acc[j] = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= d; c += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + c);
+#pragma GCC unroll 8
+    for (int j = 0; j < KEYS; ++j)
+      acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[j] + c), acc[j]);
+  }
+  if (c < d) {
+    const __m256i m = tail_mask(d - c);
+    const __m256 qv = _mm256_maskload_ps(q + c, m);
+#pragma GCC unroll 8
+    for (int j = 0; j < KEYS; ++j)
+      acc[j] = _mm256_fmadd_ps(qv, _mm256_maskload_ps(keys[j] + c, m), acc[j]);
+  }
+  _mm256_storeu_ps(s, sum_lanes(acc));
+}
+
+inline void accumulate_chunk(float* acc, float corr, const float* p, const float* const* values,
+                             int64_t d) {
+  int64_t c = 0;
+  for (; c + 8 <= d; c += 8) {
+    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc + c), _mm256_set1_ps(corr));
+#pragma GCC unroll 8
+    for (int j = 0; j < KEYS; ++j)
+      a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(values[j] + c), a);
+    _mm256_storeu_ps(acc + c, a);
+  }
+  if (c < d) {
+    const __m256i m = tail_mask(d - c);
+    __m256 a = _mm256_mul_ps(_mm256_maskload_ps(acc + c, m), _mm256_set1_ps(corr));
+#pragma GCC unroll 8
+    for (int j = 0; j < KEYS; ++j)
+      a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_maskload_ps(values[j] + c, m), a);
+    _mm256_maskstore_ps(acc + c, m, a);
+  }
+}
+
+#else  // portable: one dot product / axpy per key, vectorised by the compiler where it can
+constexpr int64_t KEYS = 8;
+
+inline void score_chunk(const float* q, const float* const* keys, int64_t d, float* s) {
+  for (int64_t j = 0; j < KEYS; ++j) s[j] = dot(q, keys[j], d);
+}
+
+inline void accumulate_chunk(float* acc, float corr, const float* p, const float* const* values,
+                             int64_t d) {
+  for (int64_t i = 0; i < d; ++i) acc[i] *= corr;
+  for (int64_t j = 0; j < KEYS; ++j) axpy(acc, p[j], values[j], d);
+}
+#endif
+
+// Scratch of one thread, reused from item to item. Buffers only grow (grow_to): resizing a vector
+// down and up again would fill it with zeros each time.
 struct AttentionScratch {
-  std::vector<float> queries, scores, acc, inv_sum;
+  std::vector<float> queries, acc, max, sum;
 };
+
+inline float* grow_to(std::vector<float>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
+}
 
 }  // namespace
 
@@ -133,72 +289,110 @@ void paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
   const float fscale = static_cast<float>(scale);
   const int64_t token_stride = kv_heads * head_dim;  // floats between two slots of the cache
 
-  parallel_items(num_tiles * kv_heads, [&](int64_t item) {
-    const int64_t t = item / kv_heads, h = item % kv_heads;
+  // All KV heads per item when there are several tiles per thread, else one head per item.
+  const int64_t item_heads = num_tiles >= 4 * at::get_num_threads() ? kv_heads : 1;
+  const int64_t items_per_tile = kv_heads / item_heads;
+
+  parallel_items(num_tiles * items_per_tile, [&](int64_t item) {
+    const int64_t t = item / items_per_tile, h0 = (item % items_per_tile) * item_heads;
     const int64_t row0 = tp[4 * t], num_rows = tp[4 * t + 1];
     const int32_t* table = tables + static_cast<int64_t>(tp[4 * t + 2]) * max_blocks;
     const int64_t pos0 = tp[4 * t + 3];
     const int64_t num_keys = pos0 + num_rows;  // the last row sees this many keys
-    const int64_t rows = num_rows * group;     // query vectors of this item
+    const int64_t per_head = num_rows * group;  // query vectors of one KV head
+    const int64_t rows = item_heads * per_head;
 
+    // Query vector r = (KV head h0 + r / per_head, tile row i, head g of its group), with
+    // i * group + g = r % per_head: q[row0 + i, (h0 + r / per_head) * group + g, :].
     thread_local AttentionScratch scratch;
-    std::vector<float>& queries = scratch.queries;  // [rows, head_dim], scaled
-    std::vector<float>& scores = scratch.scores;    // [rows, num_keys]
-    std::vector<float>& acc = scratch.acc;          // [rows, head_dim]
-    std::vector<float>& inv_sum = scratch.inv_sum;  // [rows]
-    queries.resize(rows * head_dim);
-    scores.resize(rows * num_keys);
-    acc.assign(rows * head_dim, 0.f);
-    inv_sum.resize(rows);
-
-    // Query vector r = (row i, head g of the group): q[row0 + i, h * group + g, :].
+    float* queries = grow_to(scratch.queries, rows * head_dim);  // scaled
+    float* acc = grow_to(scratch.acc, rows * head_dim);  // running sum of p * V, not normalised
+    float* run_max = grow_to(scratch.max, rows);         // running maximum of the scores
+    float* run_sum = grow_to(scratch.sum, rows);         // running sum of exp(score - max)
+    auto q_offset = [&](int64_t r) {
+      const int64_t h = h0 + r / per_head, i = (r % per_head) / group, g = r % group;
+      return ((row0 + i) * num_heads + h * group + g) * head_dim;
+    };
     for (int64_t r = 0; r < rows; ++r) {
-      const float* src = qp + ((row0 + r / group) * num_heads + h * group + r % group) * head_dim;
-      float* dst = queries.data() + r * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) dst[d] = src[d] * fscale;
+      const float* src = qp + q_offset(r);
+      for (int64_t d = 0; d < head_dim; ++d) queries[r * head_dim + d] = src[d] * fscale;
+      std::fill(acc + r * head_dim, acc + (r + 1) * head_dim, 0.f);
+      run_max[r] = -std::numeric_limits<float>::infinity();
+      run_sum[r] = 0.f;
     }
-    // Visit keys 0 .. num_keys - 1 where they lie: fn(j, offset of key j's row in the cache).
-    auto for_each_key = [&](auto&& fn) {
-      for (int64_t first = 0, b = 0; first < num_keys; first += block_size, ++b) {
-        const int64_t base = static_cast<int64_t>(table[b]) * block_size * token_stride +
-                             h * head_dim;
-        const int64_t n = std::min<int64_t>(block_size, num_keys - first);
-        for (int64_t o = 0; o < n; ++o) fn(first + o, base + o * token_stride);
+
+    // Offsets in the cache of the rows of keys j0 .. j0 + KEYS - 1 (head 0); past the last key
+    // they repeat it, so that a short chunk is computed like a full one (its extra keys get
+    // weight 0). Walks the block table without a division per key.
+    auto chunk_rows = [&](int64_t j0, int64_t* offset) {
+      int64_t b = j0 / block_size, o = j0 % block_size;
+      const int64_t n = std::min<int64_t>(KEYS, num_keys - j0);
+      for (int64_t j = 0; j < KEYS; ++j) {
+        if (j < n) {
+          offset[j] = (static_cast<int64_t>(table[b]) * block_size + o) * token_stride;
+          if (++o == block_size) o = 0, ++b;
+        } else {
+          offset[j] = offset[n - 1];
+        }
+      }
+    };
+    // Ask for the item's heads of these rows of K and V (one cache line at a time).
+    auto prefetch = [&](const int64_t* offset, int64_t n) {
+      const int64_t first = h0 * head_dim * static_cast<int64_t>(sizeof(float));
+      const int64_t bytes = item_heads * head_dim * static_cast<int64_t>(sizeof(float));
+      for (int64_t j = 0; j < n; ++j) {
+        const char* k = reinterpret_cast<const char*>(kp + offset[j]) + first;
+        const char* v = reinterpret_cast<const char*>(vp + offset[j]) + first;
+        for (int64_t at = 0; at < bytes; at += 64) {
+          __builtin_prefetch(k + at);
+          __builtin_prefetch(v + at);
+        }
       }
     };
 
-    // 1. Scores: each key is read once and dotted with every query of the tile that may see it.
-    for_each_key([&](int64_t j, int64_t at) {
-      const float* key = kp + at;
-      const int64_t first_row = std::max<int64_t>(j - pos0, 0);  // rows before it cannot see j
-      for (int64_t r = first_row * group; r < rows; ++r)
-        scores[r * num_keys + j] = dot(queries.data() + r * head_dim, key, head_dim);
-    });
-    // 2. Softmax of each query's scores over the keys it sees (0 .. pos0 + i).
-    for (int64_t r = 0; r < rows; ++r) {
-      float* s = scores.data() + r * num_keys;
-      const int64_t n = pos0 + r / group + 1;
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < n; ++j) {
-        s[j] = exp_nonpositive(s[j] - m);
-        sum += s[j];
+    int64_t offset[KEYS], next[KEYS];
+    chunk_rows(0, offset);
+    for (int64_t j0 = 0; j0 < num_keys; j0 += KEYS) {
+      const int64_t n = std::min<int64_t>(KEYS, num_keys - j0);
+      const bool more = j0 + KEYS < num_keys;
+      if (more) {
+        chunk_rows(j0 + KEYS, next);
+        prefetch(next, std::min<int64_t>(KEYS, num_keys - j0 - KEYS));
       }
-      inv_sum[r] = 1.f / sum;
+      const int64_t first_row = std::max<int64_t>(j0 - pos0, 0);  // rows before it see no key here
+      for (int64_t hh = 0; hh < item_heads; ++hh) {
+        const float* keys[KEYS];
+        const float* values[KEYS];
+        for (int64_t j = 0; j < KEYS; ++j) {
+          keys[j] = kp + offset[j] + (h0 + hh) * head_dim;
+          values[j] = vp + offset[j] + (h0 + hh) * head_dim;
+        }
+        for (int64_t r = hh * per_head + first_row * group; r < (hh + 1) * per_head; ++r) {
+          const int64_t i = (r % per_head) / group;
+          const int64_t visible = std::min<int64_t>(n, pos0 + i + 1 - j0);  // keys row i sees
+          alignas(64) float s[KEYS], p[KEYS];
+          score_chunk(queries + r * head_dim, keys, head_dim, s);
+          float m = run_max[r];
+#pragma omp simd reduction(max : m)
+          for (int64_t j = 0; j < KEYS; ++j) m = std::max(m, j < visible ? s[j] : -INFINITY);
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = 0; j < KEYS; ++j) {
+            p[j] = j < visible ? exp_nonpositive(s[j] - m) : 0.f;
+            sum += p[j];
+          }
+          const float corr = exp_nonpositive(run_max[r] - m);  // rescales what came before
+          run_max[r] = m;
+          run_sum[r] = run_sum[r] * corr + sum;
+          accumulate_chunk(acc + r * head_dim, corr, p, values, head_dim);
+        }
+      }
+      if (more) std::copy(next, next + KEYS, offset);
     }
-    // 3. Weighted sum of the values, each V row read once for the whole tile.
-    for_each_key([&](int64_t j, int64_t at) {
-      const float* value = vp + at;
-      const int64_t first_row = std::max<int64_t>(j - pos0, 0);
-      for (int64_t r = first_row * group; r < rows; ++r)
-        axpy(acc.data() + r * head_dim, scores[r * num_keys + j], value, head_dim);
-    });
     for (int64_t r = 0; r < rows; ++r) {
-      float* o = op + ((row0 + r / group) * num_heads + h * group + r % group) * head_dim;
-      const float* a = acc.data() + r * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) o[d] = a[d] * inv_sum[r];
+      float* o = op + q_offset(r);
+      const float inv = 1.f / run_sum[r];
+      for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[r * head_dim + d] * inv;
     }
   });
 }
