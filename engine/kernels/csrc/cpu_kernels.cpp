@@ -1,16 +1,17 @@
-// CPU kernels for the engine: paged attention that reads K/V blocks where they lie, and
-// weight-only int8 / int4 matrix x (few) vectors. The pure-torch code in engine/attention.py and
-// engine/kernels/quant.py is the reference for every function here; tests/test_kernels.py checks
-// that both give the same numbers.
+// CPU kernels for the engine: paged attention that reads K/V blocks where they lie, weight-only
+// int8 / int4 matrix x (few) vectors, and the two small steps of a layer that torch spells with
+// several operations (RMSNorm, RoPE). The pure-torch code in engine/attention.py,
+// engine/kernels/quant.py and engine/models/llama.py is the reference for every function here;
+// tests/test_kernels.py checks that both give the same numbers.
 //
-// Style: plain loops that the compiler vectorises. The file is compiled with -O3 -march=native
-// (the build directory is keyed by the CPU's flags, so a binary never runs on a CPU it was not
-// built for); `#pragma omp simd reduction` tells GCC it may reorder the float sums of a dot
-// product, which it otherwise must not do, and is what turns them into AVX2 / AVX-512 code.
-// The one exception is the register tile of the multi-row quantized linear, written with
-// AVX-512 / AVX2 intrinsics (a scalar fallback beside them) because its point is which values
-// stay in registers. Threads come from PyTorch's own pool (at::parallel_for), so
-// torch.set_num_threads applies.
+// Style: plain loops that the compiler vectorises where that is enough. The file is compiled
+// with -O3 -march=native (the build directory is keyed by the CPU's flags, so a binary never runs
+// on a CPU it was not built for); `#pragma omp simd reduction` tells GCC it may reorder the float
+// sums of a dot product, which it otherwise must not do, and is what turns them into AVX2 /
+// AVX-512 code. Where the point is which values stay in registers (the attention's chunk of keys
+// scored at once, the quantized linears' register tiles), the code uses AVX-512 / AVX2
+// intrinsics, with a portable fallback beside them. Threads come from PyTorch's own pool
+// (at::parallel_for), so torch.set_num_threads applies.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
