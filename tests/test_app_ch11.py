@@ -123,6 +123,7 @@ def test_page_shows_the_llama_cpp_comparison_of_the_latest_bench(app, monkeypatc
         "llama_cpp": {"version": "0.3.36", "decode_tokens_per_s": 107.3, "decode_step_ms": 9.3},
     }
     monkeypatch.setattr(ch04, "latest_bench", lambda: fake)
+    app.switch_page(PAGE)  # the module's app may be on another page (the sidebar test's)
     app.run()
     assert not app.exception, [e.value for e in app.exception]
     assert any("llama.cpp" in s.value for s in app.subheader)
