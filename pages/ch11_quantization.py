@@ -159,50 +159,38 @@ def _quality_section() -> None:
     )
 
 
-def _kernel_section() -> None:
-    from ui.experiments.ch04 import latest_bench
-
-    st.subheader("커널이 없으면: 같은 바이트, 다른 속도")
-    results = latest_bench()
-    table = kernel_rows(results)
+def _bench_table(results: dict | None, title: str, table, missing: str, what: str) -> None:
+    """One table of the latest `python -m engine bench` result with its evidence label, or how to
+    produce it when that run did not measure it."""
+    st.subheader(title)
     if table is None:
-        st.info(
-            "`python -m engine bench`(전체 실행)를 돌리면 여기에 행렬 커널 표(1행 GB/s, 32행 "
-            "GFLOP/s)가 나옵니다."
-        )
+        st.info(missing)
         return
     st.dataframe(table, hide_index=True)
     c = results["conditions"]
-    evidence(
-        "측정값",
+    evidence("측정값", what, 장치=c.get("device_name"), 스레드=c.get("threads"), 날짜=c.get("date"))
+
+
+def _bench_sections() -> None:
+    from ui.experiments.ch04 import latest_bench
+
+    results = latest_bench()  # read once for both tables
+    _bench_table(
+        results,
+        "커널이 없으면: 같은 바이트, 다른 속도",
+        kernel_rows(results),
+        "`python -m engine bench`(전체 실행)를 돌리면 여기에 행렬 커널 표(1행 GB/s, 32행 "
+        "GFLOP/s)가 나옵니다.",
         "30개 층의 선형 행렬 전부를 커널별로 곱한 시간 (bench 6절)",
-        장치=c.get("device_name"),
-        스레드=c.get("threads"),
-        날짜=c.get("date"),
     )
-
-
-def _peer_section() -> None:
-    from ui.experiments.ch04 import latest_bench
-
-    st.subheader("같은 파일, 같은 기계: 우리 엔진과 llama.cpp")
-    results = latest_bench()
-    table = peer_rows(results)
-    if table is None:
-        st.info(
-            "`pip install llama-cpp-python` 뒤에 `python -m engine bench --compare-quantization`을 "
-            "돌리면 여기에 배치 1 디코드 비교가 나옵니다 (llama.cpp가 같은 GGUF 파일을 씁니다)."
-        )
-        return
-    st.dataframe(table, hide_index=True)
-    c = results["conditions"]
-    evidence(
-        "측정값",
+    _bench_table(
+        results,
+        "같은 파일, 같은 기계: 우리 엔진과 llama.cpp",
+        peer_rows(results),
+        "`pip install llama-cpp-python` 뒤에 `python -m engine bench --compare-quantization`을 "
+        "돌리면 여기에 배치 1 디코드 비교가 나옵니다 (llama.cpp가 같은 GGUF 파일을 씁니다).",
         "배치 1 디코드, 같은 프롬프트, 한 실행 안에서 차례로 (bench 10절); "
         "llama.cpp는 자식 프로세스에서 같은 스레드 수로",
-        장치=c.get("device_name"),
-        스레드=c.get("threads"),
-        날짜=c.get("date"),
     )
 
 
@@ -249,8 +237,7 @@ def lab() -> None:
     show_code(quantize_int8, "int8 양자화: 행마다 scale 하나")
     show_code(quantize_int4, "int4 양자화: 묶음마다 scale과 min")
     _quality_section()
-    _kernel_section()
-    _peer_section()
+    _bench_sections()
 
 
 render_chapter("11", lab)

@@ -614,6 +614,7 @@ inline void int4_row_tile(const float* x, const uint8_t* b, int64_t row_bytes, c
                           const float* mins, int64_t groups, int64_t group_size,
                           const float* xsum, float* y) {
   const int64_t half = group_size / 2;
+  const int64_t ahead = ROW_PREFETCH_TILES * NC;  // channels between this tile and the one fetched
   Vec acc[NC];
 #pragma GCC unroll 8
   for (int c = 0; c < NC; ++c) acc[c] = Vec::zero();
@@ -621,7 +622,6 @@ inline void int4_row_tile(const float* x, const uint8_t* b, int64_t row_bytes, c
     const float* lo = x + g * group_size;
     const float* hi = lo + half;
     // The tile ahead's packed bytes (NC * half of them per group), scales and minimums.
-    const int64_t ahead = ROW_PREFETCH_TILES * NC;
     for (int64_t b0 = 0; b0 < NC * half; b0 += 64)
       __builtin_prefetch(b + ahead * row_bytes + g * NC * half + b0);
     __builtin_prefetch(scales + ahead * groups + g * NC);
@@ -828,7 +828,7 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "llm-inference-lab CPU kernels: paged attention, weight-only int8/int4 linear, RMSNorm";
+  m.doc() = "llm-inference-lab CPU kernels: paged attention, int8/int4 linear, RMSNorm, RoPE";
   m.def("paged_attention", &paged_attention, "paged attention over a block table, in place");
   m.def("int8_linear", &int8_linear, "y = x @ (q * scale).T (+ bias), int8 weights");
   m.def("int4_linear", &int4_linear, "y = x @ (q * scale + min).T (+ bias), int4 groups");
