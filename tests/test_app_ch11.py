@@ -103,6 +103,9 @@ def test_peer_rows_put_each_engine_variant_beside_llama_cpp():
     assert list(table["엔진"]) == ["우리 엔진 · float32 + gguf", "llama.cpp 0.3.36 · Q4_1"]
     assert list(table["÷ llama.cpp"]) == [0.9, 1.0]
     assert table["스텝당 MB"].iloc[0] == 108.3
+    # a variant the run could not measure (no speed) is left out, not a traceback on the page
+    results["variants"]["rows"].append({"name": "float32 + int4", "weight_bytes_per_step": 1e8})
+    assert len(peer_rows(results)) == 2
 
 
 def test_page_shows_the_llama_cpp_comparison_of_the_latest_bench(app, monkeypatch):
