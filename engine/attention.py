@@ -17,10 +17,11 @@ once per step in `build_attention_metadata` and shared by all layers.
 Two implementations, the same numbers (tests/test_kernels.py checks it):
 - the torch path below, the readable reference: gather each request's blocks into one tensor
   (`gather_context`), then `F.scaled_dot_product_attention`;
-- on a CPU in float32 with `kernels="auto"`, our C++ kernel (engine/kernels/csrc) for decode tokens
-  and for prefill chunks that attend to a cached prefix: it reads every K/V row where it lies in
-  its block, through the block table, so the copy of the whole context per request, per layer,
-  per step disappears. A first prefill chunk needs no cache read at all: it stays on SDPA.
+- on a CPU in float32 or bfloat16 with `kernels="auto"`, our C++ kernel (engine/kernels/csrc)
+  for decode tokens and for prefill chunks that attend to a cached prefix: it reads every K/V row
+  where it lies in its block, through the block table, so the copy of the whole context per
+  request, per layer, per step disappears; the same call writes the step's new K/V. A first
+  prefill chunk needs no cache read at all: it stays on SDPA.
 """
 
 from __future__ import annotations
@@ -34,9 +35,7 @@ from engine.utils import cdiv
 
 
 DECODE_GROUP_SIZE = 4  # decodes per padded attention call (4 to 8 measured best on a 2-core CPU)
-KERNEL_TILE_ROWS = (
-    16  # prefill queries per work item of the C++ kernel (each key read serves them all)
-)
+KERNEL_TILE_ROWS = 16  # prefill queries per work item of the C++ kernel (each key read serves all)
 
 
 @dataclass
@@ -217,7 +216,8 @@ def paged_attention(
     """q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim].
     Writes k, v to the cache, then attends every query to its request's cached context.
     `kernels`: the compiled extension (engine.kernels.load()) to use it, None for torch only."""
-    if kernels is not None and meta.kernel_tiles is not None and q.dtype == torch.float32:
+    kernel_dtype = q.dtype in (torch.float32, torch.bfloat16)
+    if kernels is not None and meta.kernel_tiles is not None and kernel_dtype:
         return paged_attention_kernel(q, k, v, k_cache, v_cache, meta, scale, kernels)
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)
@@ -277,15 +277,22 @@ def paged_attention_kernel(
     q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, kernels
 ) -> torch.Tensor:
     """The same attention with our C++ kernel for every query that reads the cache: decode tokens
-    and prefill chunks after a cached prefix read their K/V blocks in place (no gather). First
-    prefill chunks attend to their own fresh K/V with SDPA, exactly as the torch path does."""
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    q = q.contiguous()
+    and prefill chunks after a cached prefix read their K/V blocks in place (no gather). The one
+    call also writes this step's K/V into their slots. First prefill chunks attend to their own
+    fresh K/V with SDPA, exactly as the torch path does."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if meta.kernel_tiles.shape[0] > 0:
-        kernels.paged_attention(
-            q, k_cache, v_cache, meta.kernel_block_tables, meta.kernel_tiles, scale, out
-        )
+    kernels.paged_attention(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        meta.slot_mapping,
+        meta.kernel_block_tables,
+        meta.kernel_tiles,
+        scale,
+        out,
+    )
     for span in meta.prefills:
         if span.num_tokens != span.context_len:  # has a cached prefix: done by the kernel
             continue

@@ -37,7 +37,7 @@ class EngineConfig:
     # "gguf" (the default artifact's own Q4_1 blocks). Activations and KV stay in `dtype`.
     quantization: str | None = None
     quantization_group_size: int = 32
-    kernels: str = "auto"  # "auto": our C++ CPU kernels if they build (CPU float32); "torch": never
+    kernels: str = "auto"  # "auto": our C++ CPU kernels if they build; "torch": never
     # vLLM's name: True runs every step eagerly; False lets decode-only steps on CUDA replay
     # captured CUDA graphs (engine/cuda_graphs.py). No effect on a CPU.
     enforce_eager: bool = False

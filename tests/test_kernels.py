@@ -3,10 +3,13 @@
 - paged attention: the kernel path of engine.attention.paged_attention against the torch path, on
   random flat batches (decodes, first prefill chunks, chunks after a cached prefix), shuffled
   non-contiguous block tables, GQA ratios 1, 3, 4, context lengths 1, block boundary ± 1 and
-  several hundred, with junk in every cache slot nobody owns;
+  several hundred, with junk in every cache slot nobody owns; float32 and bfloat16 (against the
+  torch path and against float32 on the same inputs); q, k, v as strided views of a fused qkv;
+  one long context cut into key ranges and merged;
 - int8 / int4 weight-only linear against dequantize-then-matmul, every row count 1..40 (the
   fused one-row path and the register tiles with their remainders);
-- RMSNorm and RoPE against the model's torch rms_norm and apply_rope, any shape;
+- RMSNorm (alone and fused with the residual add), RoPE and SwiGLU's silu(gate) * up against
+  the model's torch rms_norm, add_rms_norm, apply_rope and silu_and_mul, any shape;
 - the fallback: "torch" never uses the extension, a failed build leaves the torch path; an
   engine's `kernels=` setting reaches its quantized linears (spied), engines side by side;
 - the whole engine: greedy tokens with kernels="auto" equal kernels="torch" token for token (slow).
@@ -62,8 +65,14 @@ def run_both(
     head_dim: int,
     block_size: int,
     seed: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """requests: (tokens already cached, new tokens) each. Returns (torch output, kernel output)."""
+    dtype: torch.dtype = torch.float32,
+    fused: bool = False,
+    with_exact: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """requests: (tokens already cached, new tokens) each. Returns (torch output, kernel output),
+    and with_exact the torch path in float32 on the same inputs widened (the exact answer).
+    fused: q, k, v are views of one [tokens, (heads + 2 kv_heads) * head_dim] tensor, as the
+    model's fused qkv projection gives them (strided between tokens, heads contiguous)."""
     g = torch.Generator().manual_seed(seed)
     heads = kv_heads * group
     total_blocks = sum(-(-(c + n) // block_size) for c, n in requests) + 3
@@ -75,21 +84,42 @@ def run_both(
         tables.append([ids.pop() for _ in range(need)])
     shape = (total_blocks, block_size, kv_heads, head_dim)
     # junk everywhere (blocks of finished requests); the cached prefixes are whatever lies there
-    k_cache = torch.randn(shape, generator=g) * 3
-    v_cache = torch.randn(shape, generator=g) * 3
+    k_cache = (torch.randn(shape, generator=g) * 3).to(dtype)
+    v_cache = (torch.randn(shape, generator=g) * 3).to(dtype)
     num_tokens = sum(n for _, n in requests)
-    q = torch.randn(num_tokens, heads, head_dim, generator=g)
-    k = torch.randn(num_tokens, kv_heads, head_dim, generator=g)
-    v = torch.randn(num_tokens, kv_heads, head_dim, generator=g)
+    if fused:
+        qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+        q, k, v = (
+            part.view(num_tokens, -1, head_dim)
+            for part in qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], 1)
+        )
+        assert not q.is_contiguous() and not k.is_contiguous()
+    else:
+        q = torch.randn(num_tokens, heads, head_dim, generator=g).to(dtype)
+        k = torch.randn(num_tokens, kv_heads, head_dim, generator=g).to(dtype)
+        v = torch.randn(num_tokens, kv_heads, head_dim, generator=g).to(dtype)
     meta = build_attention_metadata(
         [n for _, n in requests], [c for c, _ in requests], tables, block_size
     )
     scale = head_dim**-0.5
     kc, vc = k_cache.clone(), v_cache.clone()
+    exact = paged_attention(
+        q.float(), k.float(), v.float(), kc.float(), vc.float(), meta, scale, kernels=None
+    )
     ref = paged_attention(q, k, v, kc, vc, meta, scale, kernels=None)
     out = paged_attention(q, k, v, k_cache, v_cache, meta, scale, kernels=ext)
     assert torch.equal(kc, k_cache) and torch.equal(vc, v_cache)  # the same cache writes
-    return ref, out
+    assert out.dtype == dtype
+    return (ref, out, exact) if with_exact else (ref, out)
+
+
+@pytest.fixture
+def two_threads():
+    """The kernel cuts long contexts into key ranges only when there are threads to share them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("group", [1, 3, 4])
@@ -130,6 +160,51 @@ def test_head_dims_that_end_in_a_partial_vector(ext, head_dim, group):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "cached, new", [(128, 1), (129, 1), (500, 1), (2047, 1), (1000, 20), (300, 16), (200, 60)]
+)
+def test_batch_1_long_contexts_are_cut_into_key_ranges_and_merged(ext, two_threads, cached, new):
+    """One request (3 KV heads: 3 items for 2 threads) splits its keys into ranges whose partial
+    softmax states are merged; with a prefill chunk, late ranges are invisible to early rows."""
+    ref, out = run_both(
+        ext, [(cached, new)], kv_heads=3, group=3, head_dim=64, block_size=16, seed=cached + new
+    )
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_views_of_a_fused_qkv_are_read_in_place(ext, dtype):
+    """The model hands over q, k, v as strided views of its qkv projection: no copy needed."""
+    requests = [(40, 1), (0, 7), (17, 5), (300, 1)]
+    ref, out = run_both(
+        ext, requests, kv_heads=3, group=3, head_dim=64, block_size=16, seed=7, dtype=dtype,
+        fused=True,
+    )
+    tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else BF16_TOLERANCE
+    torch.testing.assert_close(out, ref, **tol)
+
+
+# bfloat16 outputs: the kernel and SDPA both compute in float32 and round once; their float32
+# sums differ in order, which can move a rounded value by one bfloat16 step (2^-8 relative).
+BF16_TOLERANCE = dict(atol=1e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize(
+    "requests",
+    [[(0, 1)], [(15, 1)], [(300, 1)], [(1000, 1)], [(40, 1), (3, 1), (37, 19)], [(100, 24)]],
+)
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_bfloat16_cache_is_read_and_written_in_bfloat16(ext, two_threads, requests, head_dim):
+    """A bfloat16 engine's cache: K/V stream at half the bytes, results within one rounding."""
+    ref, out, exact = run_both(
+        ext, requests, kv_heads=3, group=3, head_dim=head_dim, block_size=16, seed=head_dim,
+        dtype=torch.bfloat16, with_exact=True,
+    )
+    torch.testing.assert_close(out, ref, **BF16_TOLERANCE)
+    # against the exact answer: at most one bfloat16 step (2^-7 relative) from float32's own
+    torch.testing.assert_close(out.float(), exact, atol=1e-5, rtol=2**-7)
+
+
 @HYPOTHESIS
 @given(
     requests=st.lists(
@@ -145,10 +220,20 @@ def test_head_dims_that_end_in_a_partial_vector(ext, head_dim, group):
     head_dim=st.sampled_from([16, 64]),
     block_size=st.sampled_from([1, 4, 16]),
     seed=st.integers(0, 2**16),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    fused=st.booleans(),
 )
-def test_random_flat_batches(ext, requests, kv_heads, group, head_dim, block_size, seed):
-    ref, out = run_both(ext, requests, kv_heads, group, head_dim, block_size, seed)
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+def test_random_flat_batches(
+    ext, requests, kv_heads, group, head_dim, block_size, seed, dtype, fused
+):
+    ref, out, exact = run_both(
+        ext, requests, kv_heads, group, head_dim, block_size, seed, dtype, fused, with_exact=True
+    )
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    else:
+        torch.testing.assert_close(out, ref, **BF16_TOLERANCE)
+        torch.testing.assert_close(out.float(), exact, atol=1e-5, rtol=2**-7)
 
 
 # -- quantized linear -----------------------------------------------------------------------
@@ -255,6 +340,47 @@ def test_rms_norm_matches_the_torch_reference(ext, rows, width, scale, seed):
 
 @HYPOTHESIS
 @given(
+    rows=st.integers(1, 130),
+    width=st.integers(1, 700),
+    scale=st.sampled_from([1e-3, 1.0, 30.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_add_rms_norm_matches_the_torch_reference(ext, rows, width, scale, seed):
+    """The residual add fused with the next norm: the sum exactly (one float addition per
+    element either way), the norm as closely as rms_norm's."""
+    from engine.models.llama import add_rms_norm
+
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(rows, width, generator=g) * scale
+    delta = torch.randn(rows, width, generator=g) * scale
+    w = torch.randn(width, generator=g)
+    total, normed = add_rms_norm(h, delta, w, 1e-5, kernels=ext)
+    ref_total, ref_normed = add_rms_norm(h, delta, w, 1e-5)
+    assert torch.equal(total, ref_total)
+    torch.testing.assert_close(normed, ref_normed, atol=1e-5, rtol=1e-5)
+
+
+@HYPOTHESIS
+@given(
+    rows=st.integers(1, 70),
+    half=st.integers(1, 400),
+    scale=st.sampled_from([1e-2, 1.0, 8.0, 100.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_silu_and_mul_matches_the_torch_reference(ext, rows, half, scale, seed):
+    """silu(gate) * up from the two halves of each row: negative and positive gates, large ones
+    (sigmoid saturates to 0 or 1), widths no multiple of the vector width."""
+    from engine.models.llama import silu_and_mul
+
+    g = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(rows, 2 * half, generator=g) * scale
+    torch.testing.assert_close(
+        silu_and_mul(gate_up, kernels=ext), silu_and_mul(gate_up), atol=1e-6, rtol=1e-5
+    )
+
+
+@HYPOTHESIS
+@given(
     tokens=st.integers(1, 80),
     heads=st.integers(1, 12),
     half=st.integers(1, 40),
@@ -281,9 +407,14 @@ def test_rope_matches_the_torch_reference(ext, tokens, heads, half, extra, seed)
 def test_torch_mode_and_other_devices_never_use_the_kernels():
     assert kernels.resolve("torch", torch.device("cpu"), torch.float32) == "torch"
     assert kernels.resolve("auto", torch.device("cuda"), torch.bfloat16) == "torch"
-    assert kernels.resolve("auto", torch.device("cpu"), torch.bfloat16) == "torch"
+    assert kernels.resolve("auto", torch.device("cpu"), torch.float16) == "torch"
     with pytest.raises(ValueError):
         kernels.resolve("fast", torch.device("cpu"), torch.float32)
+
+
+def test_attention_kernel_serves_float32_and_bfloat16_on_a_cpu(ext):
+    for dtype in (torch.float32, torch.bfloat16):
+        assert kernels.resolve("auto", torch.device("cpu"), dtype) == "cpu"
 
 
 def test_a_failed_build_falls_back_to_torch(monkeypatch, caplog):

@@ -178,6 +178,24 @@ def test_bfloat16_runs_and_stays_close(tiny_model_dir, tiny_hf_model, sequences)
         assert torch.nn.functional.cosine_similarity(got, ref, dim=0) > 0.995, name
 
 
+def test_bfloat16_with_the_attention_kernel_stays_close(tiny_model_dir, tiny_hf_model, sequences):
+    """A bfloat16 engine on a CPU runs our C++ attention over its bfloat16 cache (kernels="auto"):
+    as close to transformers as the torch path, and close to that path itself."""
+    from engine import kernels
+
+    base = LlamaModel.from_pretrained(tiny_model_dir, device="cpu", dtype=torch.bfloat16)
+    model = base.with_kernels("auto")
+    if model.kernel_path != "cpu":
+        pytest.skip(f"C++ kernels unavailable: {kernels.build_error()}")
+    batched, _ = run_mixed_batch(model, sequences)
+    reference, _ = run_mixed_batch(base.with_kernels("torch"), sequences)
+    for name, n in {"a": 13, "b": 37, "c": 31, "d": 33}.items():
+        ref = hf_logits(tiny_hf_model, sequences[name][:n])[-1]
+        assert rel_err(batched[name], ref) <= 0.1, name
+        assert torch.nn.functional.cosine_similarity(batched[name], ref, dim=0) > 0.995, name
+        assert rel_err(batched[name], reference[name]) <= 0.05, name
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_mixed_batch_matches_transformers(tiny_model_dir, tiny_hf_model, sequences):
     model = LlamaModel.from_pretrained(tiny_model_dir, device="cuda", dtype=torch.float32)

@@ -7,8 +7,8 @@ What it holds (engine/kernels/csrc/cpu_kernels.cpp):
   defined in engine/kernels/quant.py next to their pure-torch reference.
 
 The pure-torch code stays the reference and the fallback. `EngineConfig(kernels="auto")` uses the
-compiled kernels when they build (attention: CPU, float32; the quantized linears: CPU, any float
-activation dtype); "torch" never does. The choice is made per engine (`resolve`,
+compiled kernels when they build (attention: CPU, float32 or bfloat16; the quantized linears: CPU,
+any float activation dtype); "torch" never does. The choice is made per engine (`resolve`,
 `resolve_linear`; engine/models/llama.py `LlamaModel.with_kernels` keeps the result on the
 engine's model), never by a process-wide switch: the app runs "auto" and "torch" engines side by
 side. A machine without a compiler still works: the failed build is logged once and the torch
@@ -139,11 +139,15 @@ def build_error() -> str | None:
     return _error
 
 
+ATTENTION_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def resolve(mode: str, device: torch.device, dtype: torch.dtype) -> str:
-    """Which path runs: "cpu" (our C++ kernels) or "torch". The kernels are CPU float32 only."""
+    """Which attention runs: "cpu" (our C++ kernel) or "torch". The kernel reads and writes a
+    float32 or bfloat16 cache on a CPU (RMSNorm and RoPE in C++: float32 only)."""
     if mode not in KERNEL_MODES:
         raise ValueError(f"kernels must be one of {KERNEL_MODES}, not {mode!r}")
-    if mode == "torch" or device.type != "cpu" or dtype != torch.float32:
+    if mode == "torch" or device.type != "cpu" or dtype not in ATTENTION_KERNEL_DTYPES:
         return "torch"
     return "cpu" if load() is not None else "torch"
 

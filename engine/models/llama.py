@@ -136,6 +136,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernels=None) ->
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, kernels=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual connection and the norm that follows it: (h + delta, rms_norm(h + delta)).
+    `kernels` computes both in one pass over each row (vLLM's fused_add_rms_norm)."""
+    if (
+        kernels is not None
+        and h.dtype == delta.dtype == torch.float32
+        and h.is_contiguous()
+        and delta.is_contiguous()
+    ):
+        return kernels.add_rms_norm(h, delta, weight, eps)
+    h = h + delta
+    return h, rms_norm(h, weight, eps, kernels)
+
+
+def silu_and_mul(gate_up: torch.Tensor, kernels=None) -> torch.Tensor:
+    """SwiGLU's gate: silu(gate) * up, gate and up being the two halves of the fused gate_up
+    projection's output. `kernels` does it in one C++ call (vLLM's silu_and_mul)."""
+    if kernels is not None and gate_up.dtype == torch.float32 and gate_up.is_contiguous():
+        return kernels.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def rope_inverse_frequencies(cfg: LlamaConfig) -> torch.Tensor:
     """One rotation speed per pair of head dimensions, from the config's rope parameters."""
     inv_freq = 1.0 / (
@@ -303,12 +328,14 @@ class LlamaModel:
         cos, sin = self.rope_cos_sin(positions)
         h = embedding(input_ids, w["embed"], self.dtype)
         eps, kernels = cfg.rms_norm_eps, self.kernels
+        x = rms_norm(h, w["0.input_norm"], eps, kernels)  # h: the residual stream; x: normed
         for i in range(cfg.num_layers):
-            x = rms_norm(h, w[f"{i}.input_norm"], eps, kernels)
-            h = h + self.attention(i, x, cos, sin, kv_caches[i], attn_meta)
-            h = h + self.mlp(i, rms_norm(h, w[f"{i}.post_norm"], eps, kernels))
-        h = rms_norm(h[logits_indices], w["final_norm"], eps, kernels)
-        return linear(h, w["lm_head"], kernels=self.linear_kernels).float()
+            # Each sublayer adds to the residual stream, then the next norm reads it.
+            attn_out = self.attention(i, x, cos, sin, kv_caches[i], attn_meta)
+            h, x = add_rms_norm(h, attn_out, w[f"{i}.post_norm"], eps, kernels)
+            next_norm = w[f"{i + 1}.input_norm" if i + 1 < cfg.num_layers else "final_norm"]
+            h, x = add_rms_norm(h, self.mlp(i, x), next_norm, eps, kernels)
+        return linear(x[logits_indices], w["lm_head"], kernels=self.linear_kernels).float()
 
     def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [tokens, d/2]
@@ -333,8 +360,9 @@ class LlamaModel:
 
     def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU: down(silu(gate(x)) * up(x))."""
-        gate, up = linear(x, self.w[f"{i}.gate_up"], kernels=self.linear_kernels).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.w[f"{i}.down"], kernels=self.linear_kernels)
+        gate_up = linear(x, self.w[f"{i}.gate_up"], kernels=self.linear_kernels)
+        gated = silu_and_mul(gate_up, self.kernels)
+        return linear(gated, self.w[f"{i}.down"], kernels=self.linear_kernels)
 
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int

@@ -1,6 +1,7 @@
 // CPU kernels for the engine: paged attention that reads K/V blocks where they lie, weight-only
-// int8 / int4 matrix x (few) vectors, and the two small steps of a layer that torch spells with
-// several operations (RMSNorm, RoPE). The pure-torch code in engine/attention.py,
+// int8 / int4 matrix x (few) vectors, and the small steps of a layer that torch spells with
+// several operations (RMSNorm, the residual add fused with the norm after it, RoPE, SwiGLU's
+// silu(gate) * up). The pure-torch code in engine/attention.py,
 // engine/kernels/quant.py and engine/models/llama.py is the reference for every function here;
 // tests/test_kernels.py checks that both give the same numbers.
 //
@@ -22,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -49,34 +51,38 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-inline void axpy(float* y, float a, const float* x, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
-// Paged attention.
+// Paged attention, with this step's K/V written into the cache first.
 //
-// q:           [num_tokens, num_heads, head_dim]   float32, this step's queries (already roped)
-// k_cache:     [num_blocks, block_size, kv_heads, head_dim] float32 (this step's K already written)
+// q:           [num_tokens, num_heads, head_dim]   this step's queries (already roped)
+// k, v:        [num_tokens, kv_heads, head_dim]    this step's keys (roped) and values
+//              (q, k, v: any stride between tokens, heads and head_dim contiguous: the views of
+//              the fused qkv projection are used as they are, without a copy)
+// k_cache:     [num_blocks, block_size, kv_heads, head_dim]
 // v_cache:     same shape as k_cache
+// slots:       [num_tokens] int64, the cache slot (block * block_size + offset) of each new token
 // block_tables:[num_requests, max_blocks] int32, each request's blocks in order
 // tiles:       [num_tiles, 4] int32: (first row in q, number of rows, request, position of the
 //              first row). Row i of a tile sits at position pos0 + i of its request and attends
 //              to keys 0 .. pos0 + i (causal). A decode token is a tile of one row; a prefill
 //              chunk is cut into tiles of a few rows, so that each key read serves several queries.
-// out:         [num_tokens, num_heads, head_dim] float32, written only at the tiles' rows.
+// out:         [num_tokens, num_heads, head_dim] contiguous, written only at the tiles' rows.
+// All float tensors are float32, or all bfloat16 (computed in float32, output rounded to nearest
+// even as torch rounds). Zero tiles is allowed: the call then only writes the cache.
 //
 // A decode step is bound by reading K and V from memory (every key is used once per step), so
 // the kernel's job is to stream them at the memory's speed, with as little work per key as it
 // can, and to read each byte once:
-// - No copy of the context is made: keys are read where they lie, through the block table.
-// - One work item = one tile x a range of KV heads. With many tiles (a batched decode step, a
-//   long prefill chunk) the range is all the heads: a key's row of the cache, kv_heads x head_dim
-//   contiguous floats, is read in one stretch, and a block of keys is one contiguous stretch too.
-//   With few tiles (batch 1) each KV head is its own item, so that the threads have work to share.
+// - No copy of the context is made: keys are read where they lie, through the block table. The
+//   new tokens' K/V are written into their slots by the same call (one pass over the tokens).
+// - One work item = one tile x a range of KV heads x a range of keys. With many tiles (a batched
+//   decode step, a long prefill chunk) the range is all the heads and all the keys: a key's row
+//   of the cache, kv_heads x head_dim contiguous values, is read in one stretch. With few tiles
+//   (batch 1) each KV head is its own item, and long contexts are cut into key ranges
+//   ("partitions", as in vLLM's paged_attention_v2 and FlashDecoding), so that both cores have
+//   work: each range leaves its partial softmax state, and the last to finish merges them.
 //   The query heads that share a KV head (grouped-query attention) use each K and V row together.
 // - Online softmax (as in FlashAttention): each query keeps a running maximum, a running sum of
 //   exponentials and a running weighted sum of values, rescaled when the maximum grows. K and V
@@ -87,8 +93,11 @@ inline void axpy(float* y, float a, const float* x, int64_t n) {
 //   own costs about as much as the dot product itself at head_dim 64.
 // - The next chunk's K and V rows are prefetched while this one is computed: blocks lie anywhere
 //   in the cache, so the hardware prefetcher cannot guess where the next one starts.
+// - bfloat16 K/V are half the bytes to stream; widening one to float32 is a 16-bit shift.
 
 namespace {
+
+using bf16 = c10::BFloat16;
 
 // exp(x) for x <= 0, as the softmax needs it after subtracting the maximum: 2^(x log2 e) split
 // into 2^n (written into the float's exponent bits) times 2^f, f in [-0.5, 0.5], by its Taylor
@@ -113,17 +122,26 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// score_chunk(q, keys, d, s):           s[j] = q . keys[j]                  for j < KEYS
-// accumulate_chunk(acc, c, p, values, d): acc = c * acc + sum_j p[j] * values[j]  (d floats)
-// Written with AVX-512 (KEYS = 16: one vector of scores) or AVX2 + FMA (KEYS = 8), else plain
-// loops. Any head_dim d: the last partial vector is read and written with a lane mask.
+// The vector type of the instruction set the file is compiled for, W floats wide, and the
+// few operations the attention needs. v_load widens bfloat16 (the upper half of a float32).
 #if defined(__AVX512F__)
-constexpr int64_t KEYS = 16;
+constexpr int64_t W = 16, KEYS = 16;
+using V = __m512;
+inline V v_zero() { return _mm512_setzero_ps(); }
+inline V v_set1(float f) { return _mm512_set1_ps(f); }
+inline V v_load(const float* p) { return _mm512_loadu_ps(p); }
+inline V v_load(const bf16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline V v_fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline V v_mul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline void v_store(float* p, V a) { _mm512_storeu_ps(p, a); }
 
 // out[j] = the sum of v[j]'s 16 lanes, j < 16. Each level adds pairs of vectors after shuffling
 // them so that each sum keeps half of each input's partial sums: 16 vectors -> 8 -> 4 -> 2 -> 1,
 // 15 vector additions in all instead of 16 separate horizontal sums (4 additions each).
-inline __m512 sum_lanes(const __m512* v) {
+inline V sum_lanes(const V* v) {
   __m512 w[8], x[4];
   for (int i = 0; i < 8; ++i)  // w[i]: v[2i]'s 8 partial sums, then v[2i+1]'s
     w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
@@ -139,114 +157,95 @@ inline __m512 sum_lanes(const __m512* v) {
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(order, z);
 }
-
-inline void score_chunk(const float* q, const float* const* keys, int64_t d, float* s) {
-  __m512 acc[KEYS];
-  for (int j = 0; j < KEYS; ++j) acc[j] = _mm512_setzero_ps();
-  int64_t c = 0;
-  for (; c + 16 <= d; c += 16) {
-    const __m512 qv = _mm512_loadu_ps(q + c);
-#pragma GCC unroll 16
-    for (int j = 0; j < KEYS; ++j)
-      acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(keys[j] + c), acc[j]);
-  }
-  if (c < d) {  // the last d - c < 16 floats
-    const __mmask16 m = static_cast<__mmask16>((1u << (d - c)) - 1);
-    const __m512 qv = _mm512_maskz_loadu_ps(m, q + c);
-#pragma GCC unroll 16
-    for (int j = 0; j < KEYS; ++j)
-      acc[j] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, keys[j] + c), acc[j]);
-  }
-  _mm512_storeu_ps(s, sum_lanes(acc));
-}
-
-inline void accumulate_chunk(float* acc, float corr, const float* p, const float* const* values,
-                             int64_t d) {
-  int64_t c = 0;
-  for (; c + 16 <= d; c += 16) {
-    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + c), _mm512_set1_ps(corr));
-#pragma GCC unroll 16
-    for (int j = 0; j < KEYS; ++j)
-      a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_loadu_ps(values[j] + c), a);
-    _mm512_storeu_ps(acc + c, a);
-  }
-  if (c < d) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (d - c)) - 1);
-    __m512 a = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, acc + c), _mm512_set1_ps(corr));
-#pragma GCC unroll 16
-    for (int j = 0; j < KEYS; ++j)
-      a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_maskz_loadu_ps(m, values[j] + c), a);
-    _mm512_mask_storeu_ps(acc + c, m, a);
-  }
-}
-
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int64_t KEYS = 8;
+constexpr int64_t W = 8, KEYS = 8;
+using V = __m256;
+inline V v_zero() { return _mm256_setzero_ps(); }
+inline V v_set1(float f) { return _mm256_set1_ps(f); }
+inline V v_load(const float* p) { return _mm256_loadu_ps(p); }
+inline V v_load(const bf16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline V v_fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline V v_mul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline void v_store(float* p, V a) { _mm256_storeu_ps(p, a); }
 
 // out[j] = the sum of v[j]'s 8 lanes, j < 8: pairwise horizontal adds (8 -> 4 -> 2 vectors, each
 // 128-bit half holding 4 partial sums of 4 inputs), then the two halves added.
-inline __m256 sum_lanes(const __m256* v) {
+inline V sum_lanes(const V* v) {
   const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
   const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
+#else
+constexpr int64_t W = 1, KEYS = 8;  // portable: plain loops, vectorised by the compiler if it can
+#endif
 
-inline __m256i tail_mask(int64_t n) {  // lanes < n set
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
-                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+// score_chunk(q, keys, d, s):            s[j] = q . keys[j]                   for j < KEYS
+// accumulate_chunk(acc, c, p, values, d): acc = c * acc + sum_j p[j] * values[j]  (d values)
+// q and acc are this kernel's own float rows, padded with zeros to a multiple of W; K/V rows are
+// the cache's, so their last partial vector (head_dim not a multiple of W) is copied out first:
+// a full vector load there could read past the end of the cache.
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+template <typename T>
+inline V v_load_part(const T* p, int64_t n) {
+  alignas(64) T part[W] = {};
+  std::copy(p, p + n, part);
+  return v_load(part);
 }
 
-inline void score_chunk(const float* q, const float* const* keys, int64_t d, float* s) {
-  __m256 acc[KEYS];
-  for (int j = 0; j < KEYS; ++j) acc[j] = _mm256_setzero_ps();
+template <typename T>
+inline void score_chunk(const float* q, const T* const* keys, int64_t d, float* s) {
+  V acc[KEYS];
+  for (int j = 0; j < KEYS; ++j) acc[j] = v_zero();
   int64_t c = 0;
-  for (; c + 8 <= d; c += 8) {
-    const __m256 qv = _mm256_loadu_ps(q + c);
-#pragma GCC unroll 8
-    for (int j = 0; j < KEYS; ++j)
-      acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[j] + c), acc[j]);
+  for (; c + W <= d; c += W) {
+    const V qv = v_load(q + c);
+#pragma GCC unroll 16
+    for (int j = 0; j < KEYS; ++j) acc[j] = v_fma(qv, v_load(keys[j] + c), acc[j]);
   }
   if (c < d) {
-    const __m256i m = tail_mask(d - c);
-    const __m256 qv = _mm256_maskload_ps(q + c, m);
-#pragma GCC unroll 8
-    for (int j = 0; j < KEYS; ++j)
-      acc[j] = _mm256_fmadd_ps(qv, _mm256_maskload_ps(keys[j] + c, m), acc[j]);
+    const V qv = v_load(q + c);
+#pragma GCC unroll 16
+    for (int j = 0; j < KEYS; ++j) acc[j] = v_fma(qv, v_load_part(keys[j] + c, d - c), acc[j]);
   }
-  _mm256_storeu_ps(s, sum_lanes(acc));
+  v_store(s, sum_lanes(acc));
 }
 
-inline void accumulate_chunk(float* acc, float corr, const float* p, const float* const* values,
+template <typename T>
+inline void accumulate_chunk(float* acc, float corr, const float* p, const T* const* values,
                              int64_t d) {
   int64_t c = 0;
-  for (; c + 8 <= d; c += 8) {
-    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc + c), _mm256_set1_ps(corr));
-#pragma GCC unroll 8
-    for (int j = 0; j < KEYS; ++j)
-      a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(values[j] + c), a);
-    _mm256_storeu_ps(acc + c, a);
+  for (; c + W <= d; c += W) {
+    V a = v_mul(v_load(acc + c), v_set1(corr));
+#pragma GCC unroll 16
+    for (int j = 0; j < KEYS; ++j) a = v_fma(v_set1(p[j]), v_load(values[j] + c), a);
+    v_store(acc + c, a);
   }
   if (c < d) {
-    const __m256i m = tail_mask(d - c);
-    __m256 a = _mm256_mul_ps(_mm256_maskload_ps(acc + c, m), _mm256_set1_ps(corr));
-#pragma GCC unroll 8
-    for (int j = 0; j < KEYS; ++j)
-      a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_maskload_ps(values[j] + c, m), a);
-    _mm256_maskstore_ps(acc + c, m, a);
+    V a = v_mul(v_load(acc + c), v_set1(corr));
+#pragma GCC unroll 16
+    for (int j = 0; j < KEYS; ++j) a = v_fma(v_set1(p[j]), v_load_part(values[j] + c, d - c), a);
+    v_store(acc + c, a);
+  }
+}
+#else
+template <typename T>
+inline void score_chunk(const float* q, const T* const* keys, int64_t d, float* s) {
+  for (int64_t j = 0; j < KEYS; ++j) {
+    float sum = 0.f;
+    for (int64_t i = 0; i < d; ++i) sum += q[i] * static_cast<float>(keys[j][i]);
+    s[j] = sum;
   }
 }
 
-#else  // portable: one dot product / axpy per key, vectorised by the compiler where it can
-constexpr int64_t KEYS = 8;
-
-inline void score_chunk(const float* q, const float* const* keys, int64_t d, float* s) {
-  for (int64_t j = 0; j < KEYS; ++j) s[j] = dot(q, keys[j], d);
-}
-
-inline void accumulate_chunk(float* acc, float corr, const float* p, const float* const* values,
+template <typename T>
+inline void accumulate_chunk(float* acc, float corr, const float* p, const T* const* values,
                              int64_t d) {
   for (int64_t i = 0; i < d; ++i) acc[i] *= corr;
-  for (int64_t j = 0; j < KEYS; ++j) axpy(acc, p[j], values[j], d);
+  for (int64_t j = 0; j < KEYS; ++j)
+    for (int64_t i = 0; i < d; ++i) acc[i] += p[j] * static_cast<float>(values[j][i]);
 }
 #endif
 
@@ -261,73 +260,154 @@ inline float* grow_to(std::vector<float>& v, int64_t n) {
   return v.data();
 }
 
-}  // namespace
+// One work item: tile `tile`, KV heads head0 .. head0 + item_heads - 1, keys key_begin .. key_end
+// - 1. merge < 0: the item covers all the tile's keys and writes `out`; else it leaves its
+// running (maximum, sum, weighted values) at offset `partial` of the partial buffer, for merge
+// job `merge`.
+struct AttentionItem {
+  int64_t tile, head0, key_begin, key_end, merge, partial;
+};
 
-void paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
-                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                     const torch::Tensor& tiles, double scale, torch::Tensor& out) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
-                  v_cache.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32,
-              "paged_attention: float32 only");
-  TORCH_CHECK(block_tables.dtype() == torch::kInt32 && tiles.dtype() == torch::kInt32,
-              "paged_attention: block_tables and tiles must be int32");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  out.is_contiguous() && block_tables.is_contiguous() && tiles.is_contiguous(),
-              "paged_attention: contiguous tensors only");
+// A tile's heads whose keys were cut into `parts` items, their states at partial, partial +
+// stride, ...: merged into `out` by whichever thread finishes the last of them (no second pass
+// over the threads, whose start costs about as much as a short merge).
+struct MergeJob {
+  int64_t tile, head0, parts, partial, stride;
+};
+
+constexpr int64_t MIN_PARTITION_KEYS = 128;  // shorter ranges cost more to merge than they save
+
+// Copy this step's K or V rows ([tokens, kv_heads, head_dim], heads contiguous) to their slots.
+template <typename T>
+void write_new_rows(const torch::Tensor& src, torch::Tensor& cache, const torch::Tensor& slots) {
+  const int64_t tokens = src.size(0), row = src.size(1) * src.size(2);
+  const int64_t stride = src.stride(0), num_slots = cache.size(0) * cache.size(1);
+  const T* sp = src.data_ptr<T>();
+  T* cp = cache.data_ptr<T>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "paged_attention: slot out of range");
+    std::memcpy(cp + slot[t] * row, sp + t * stride, row * sizeof(T));
+  }
+}
+
+bool heads_contiguous(const torch::Tensor& x) {
+  return x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2);
+}
+
+template <typename T>
+void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                          torch::Tensor& k_cache, torch::Tensor& v_cache,
+                          const torch::Tensor& slots, const torch::Tensor& block_tables,
+                          const torch::Tensor& tiles, double scale, torch::Tensor& out) {
+  write_new_rows<T>(k, k_cache, slots);
+  write_new_rows<T>(v, v_cache, slots);
+  const int64_t num_tiles = tiles.size(0);
+  if (num_tiles == 0) return;
+
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % kv_heads == 0, "paged_attention: shapes");
   const int64_t group = num_heads / kv_heads;  // query heads per KV head
   const int64_t max_blocks = block_tables.size(1);
-  const int64_t num_tiles = tiles.size(0);
+  const int64_t padded_dim = (head_dim + W - 1) / W * W;  // scratch rows: whole vectors
+  const int64_t q_stride = q.stride(0);
 
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* tp = tiles.data_ptr<int32_t>();
-  float* op = out.data_ptr<float>();
+  T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
-  const int64_t token_stride = kv_heads * head_dim;  // floats between two slots of the cache
+  const int64_t token_stride = kv_heads * head_dim;  // values between two slots of the cache
+  const int64_t threads = at::get_num_threads();
 
-  // All KV heads per item when there are several tiles per thread, else one head per item.
-  const int64_t item_heads = num_tiles >= 4 * at::get_num_threads() ? kv_heads : 1;
+  // All KV heads per item when there are several tiles per thread, else one head per item; and
+  // with still too few items for the threads, key ranges of at least MIN_PARTITION_KEYS.
+  const int64_t item_heads = num_tiles >= 4 * threads ? kv_heads : 1;
   const int64_t items_per_tile = kv_heads / item_heads;
+  const int64_t base_items = num_tiles * items_per_tile;
+  int64_t longest = 0;
+  for (int64_t t = 0; t < num_tiles; ++t)
+    longest = std::max<int64_t>(longest, tp[4 * t + 1] + tp[4 * t + 3]);
+  int64_t partition_keys = longest;
+  if (base_items < 4 * threads && threads > 1) {
+    const int64_t want = (4 * threads + base_items - 1) / base_items;  // ranges per tile
+    partition_keys = (longest + want - 1) / want;
+    partition_keys = (partition_keys + KEYS - 1) / KEYS * KEYS;  // whole chunks of keys
+    partition_keys = std::max<int64_t>(MIN_PARTITION_KEYS, partition_keys);
+  }
+  std::vector<AttentionItem> items;
+  std::vector<MergeJob> merges;
+  int64_t partial_floats = 0;
+  for (int64_t t = 0; t < num_tiles; ++t) {
+    const int64_t num_keys = tp[4 * t + 1] + tp[4 * t + 3];
+    const int64_t rows = item_heads * tp[4 * t + 1] * group;  // query vectors of one item
+    const int64_t parts = (num_keys + partition_keys - 1) / partition_keys;
+    for (int64_t h = 0; h < items_per_tile; ++h) {
+      const int64_t head0 = h * item_heads, stride = rows * (padded_dim + 2);
+      if (parts == 1) {
+        items.push_back({t, head0, 0, num_keys, -1, 0});
+        continue;
+      }
+      const int64_t merge = static_cast<int64_t>(merges.size());
+      merges.push_back({t, head0, parts, partial_floats, stride});
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t begin = p * partition_keys;
+        const int64_t end = std::min(num_keys, begin + partition_keys);
+        items.push_back({t, head0, begin, end, merge, partial_floats});
+        partial_floats += stride;
+      }
+    }
+  }
+  std::vector<float> partials(partial_floats);
+  std::vector<std::atomic<int64_t>> parts_done(merges.size());
+  for (auto& done : parts_done) done.store(0);
 
-  parallel_items(num_tiles * items_per_tile, [&](int64_t item) {
-    const int64_t t = item / items_per_tile, h0 = (item % items_per_tile) * item_heads;
-    const int64_t row0 = tp[4 * t], num_rows = tp[4 * t + 1];
+  // Query vector r of an item = (KV head head0 + r / per_head, tile row i, head g of its group),
+  // with i * group + g = r % per_head: q[row0 + i, (head0 + r / per_head) * group + g, :].
+  auto q_row = [&](int64_t tile, int64_t head0, int64_t r) {
+    const int64_t per_head = tp[4 * tile + 1] * group;
+    const int64_t h = head0 + r / per_head, i = (r % per_head) / group, g = r % group;
+    return (tp[4 * tile] + i) * q_stride + (h * group + g) * head_dim;  // in q
+  };
+  auto out_row = [&](int64_t tile, int64_t head0, int64_t r) {
+    const int64_t per_head = tp[4 * tile + 1] * group;
+    const int64_t h = head0 + r / per_head, i = (r % per_head) / group, g = r % group;
+    return ((tp[4 * tile] + i) * num_heads + h * group + g) * head_dim;  // in out
+  };
+
+  parallel_items(static_cast<int64_t>(items.size()), [&](int64_t index) {
+    const AttentionItem& item = items[index];
+    const int64_t t = item.tile, h0 = item.head0;
+    const int64_t num_rows = tp[4 * t + 1];
     const int32_t* table = tables + static_cast<int64_t>(tp[4 * t + 2]) * max_blocks;
     const int64_t pos0 = tp[4 * t + 3];
-    const int64_t num_keys = pos0 + num_rows;  // the last row sees this many keys
     const int64_t per_head = num_rows * group;  // query vectors of one KV head
     const int64_t rows = item_heads * per_head;
 
-    // Query vector r = (KV head h0 + r / per_head, tile row i, head g of its group), with
-    // i * group + g = r % per_head: q[row0 + i, (h0 + r / per_head) * group + g, :].
     thread_local AttentionScratch scratch;
-    float* queries = grow_to(scratch.queries, rows * head_dim);  // scaled
-    float* acc = grow_to(scratch.acc, rows * head_dim);  // running sum of p * V, not normalised
-    float* run_max = grow_to(scratch.max, rows);         // running maximum of the scores
-    float* run_sum = grow_to(scratch.sum, rows);         // running sum of exp(score - max)
-    auto q_offset = [&](int64_t r) {
-      const int64_t h = h0 + r / per_head, i = (r % per_head) / group, g = r % group;
-      return ((row0 + i) * num_heads + h * group + g) * head_dim;
-    };
+    float* queries = grow_to(scratch.queries, rows * padded_dim);  // scaled
+    float* acc = grow_to(scratch.acc, rows * padded_dim);  // running sum of p * V, not normalised
+    float* run_max = grow_to(scratch.max, rows);           // running maximum of the scores
+    float* run_sum = grow_to(scratch.sum, rows);           // running sum of exp(score - max)
     for (int64_t r = 0; r < rows; ++r) {
-      const float* src = qp + q_offset(r);
-      for (int64_t d = 0; d < head_dim; ++d) queries[r * head_dim + d] = src[d] * fscale;
-      std::fill(acc + r * head_dim, acc + (r + 1) * head_dim, 0.f);
+      const T* src = qp + q_row(t, h0, r);
+      float* dst = queries + r * padded_dim;
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * fscale;
+      std::fill(dst + head_dim, dst + padded_dim, 0.f);
+      std::fill(acc + r * padded_dim, acc + (r + 1) * padded_dim, 0.f);
       run_max[r] = -std::numeric_limits<float>::infinity();
       run_sum[r] = 0.f;
     }
 
-    // Offsets in the cache of the rows of keys j0 .. j0 + KEYS - 1 (head 0); past the last key
-    // they repeat it, so that a short chunk is computed like a full one (its extra keys get
-    // weight 0). Walks the block table without a division per key.
+    // Offsets in the cache of the rows of keys j0 .. j0 + KEYS - 1 (head 0); past the item's
+    // last key they repeat it, so that a short chunk is computed like a full one (its extra keys
+    // get weight 0). Walks the block table without a division per key.
+    const int64_t key_end = item.key_end;
     auto chunk_rows = [&](int64_t j0, int64_t* offset) {
       int64_t b = j0 / block_size, o = j0 % block_size;
-      const int64_t n = std::min<int64_t>(KEYS, num_keys - j0);
+      const int64_t n = std::min<int64_t>(KEYS, key_end - j0);
       for (int64_t j = 0; j < KEYS; ++j) {
         if (j < n) {
           offset[j] = (static_cast<int64_t>(table[b]) * block_size + o) * token_stride;
@@ -339,8 +419,8 @@ void paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
     };
     // Ask for the item's heads of these rows of K and V (one cache line at a time).
     auto prefetch = [&](const int64_t* offset, int64_t n) {
-      const int64_t first = h0 * head_dim * static_cast<int64_t>(sizeof(float));
-      const int64_t bytes = item_heads * head_dim * static_cast<int64_t>(sizeof(float));
+      const int64_t first = h0 * head_dim * static_cast<int64_t>(sizeof(T));
+      const int64_t bytes = item_heads * head_dim * static_cast<int64_t>(sizeof(T));
       for (int64_t j = 0; j < n; ++j) {
         const char* k = reinterpret_cast<const char*>(kp + offset[j]) + first;
         const char* v = reinterpret_cast<const char*>(vp + offset[j]) + first;
@@ -352,18 +432,18 @@ void paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
     };
 
     int64_t offset[KEYS], next[KEYS];
-    chunk_rows(0, offset);
-    for (int64_t j0 = 0; j0 < num_keys; j0 += KEYS) {
-      const int64_t n = std::min<int64_t>(KEYS, num_keys - j0);
-      const bool more = j0 + KEYS < num_keys;
+    chunk_rows(item.key_begin, offset);
+    for (int64_t j0 = item.key_begin; j0 < key_end; j0 += KEYS) {
+      const int64_t n = std::min<int64_t>(KEYS, key_end - j0);
+      const bool more = j0 + KEYS < key_end;
       if (more) {
         chunk_rows(j0 + KEYS, next);
-        prefetch(next, std::min<int64_t>(KEYS, num_keys - j0 - KEYS));
+        prefetch(next, std::min<int64_t>(KEYS, key_end - j0 - KEYS));
       }
       const int64_t first_row = std::max<int64_t>(j0 - pos0, 0);  // rows before it see no key here
       for (int64_t hh = 0; hh < item_heads; ++hh) {
-        const float* keys[KEYS];
-        const float* values[KEYS];
+        const T* keys[KEYS];
+        const T* values[KEYS];
         for (int64_t j = 0; j < KEYS; ++j) {
           keys[j] = kp + offset[j] + (h0 + hh) * head_dim;
           values[j] = vp + offset[j] + (h0 + hh) * head_dim;
@@ -372,7 +452,7 @@ void paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
           const int64_t i = (r % per_head) / group;
           const int64_t visible = std::min<int64_t>(n, pos0 + i + 1 - j0);  // keys row i sees
           alignas(64) float s[KEYS], p[KEYS];
-          score_chunk(queries + r * head_dim, keys, head_dim, s);
+          score_chunk(queries + r * padded_dim, keys, head_dim, s);
           float m = run_max[r];
 #pragma omp simd reduction(max : m)
           for (int64_t j = 0; j < KEYS; ++j) m = std::max(m, j < visible ? s[j] : -INFINITY);
@@ -385,17 +465,85 @@ void paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
           const float corr = exp_nonpositive(run_max[r] - m);  // rescales what came before
           run_max[r] = m;
           run_sum[r] = run_sum[r] * corr + sum;
-          accumulate_chunk(acc + r * head_dim, corr, p, values, head_dim);
+          accumulate_chunk(acc + r * padded_dim, corr, p, values, head_dim);
         }
       }
       if (more) std::copy(next, next + KEYS, offset);
     }
+    if (item.merge < 0) {  // the whole range: normalise and write out
+      for (int64_t r = 0; r < rows; ++r) {
+        T* o = op + out_row(t, h0, r);
+        const float inv = 1.f / run_sum[r];
+        const float* a = acc + r * padded_dim;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(a[d] * inv);
+      }
+      return;
+    }
+    // A partial state per row: maximum, sum, then the weighted values (a row that saw no key of
+    // this range keeps maximum -inf, sum 0 and weighs nothing in the merge).
     for (int64_t r = 0; r < rows; ++r) {
-      float* o = op + q_offset(r);
-      const float inv = 1.f / run_sum[r];
-      for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[r * head_dim + d] * inv;
+      float* state = partials.data() + item.partial + r * (padded_dim + 2);
+      state[0] = run_max[r];
+      state[1] = run_sum[r];
+      std::copy(acc + r * padded_dim, acc + r * padded_dim + head_dim, state + 2);
+    }
+    // The last range to finish merges them all (acquire-release: it sees the others' states).
+    const MergeJob& job = merges[item.merge];
+    if (parts_done[item.merge].fetch_add(1, std::memory_order_acq_rel) != job.parts - 1) return;
+    // Rescale every range's state to the largest maximum, add, normalise.
+    float* total = acc;  // this item's own sums are saved: the scratch is free
+    for (int64_t r = 0; r < rows; ++r) {
+      auto state = [&](int64_t p) {
+        return partials.data() + job.partial + p * job.stride + r * (padded_dim + 2);
+      };
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t p = 0; p < job.parts; ++p) m = std::max(m, state(p)[0]);
+      float sum = 0.f;
+      std::fill(total, total + head_dim, 0.f);
+      for (int64_t p = 0; p < job.parts; ++p) {
+        const float* s = state(p);
+        if (s[1] == 0.f) continue;  // saw no key of this range
+        const float weight = exp_nonpositive(s[0] - m);
+        sum += s[1] * weight;
+        for (int64_t d = 0; d < head_dim; ++d) total[d] += s[2 + d] * weight;
+      }
+      T* o = op + out_row(t, h0, r);
+      const float inv = 1.f / sum;
+      for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(total[d] * inv);
     }
   });
+}
+
+}  // namespace
+
+void paged_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                     torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots,
+                     const torch::Tensor& block_tables, const torch::Tensor& tiles, double scale,
+                     torch::Tensor& out) {
+  const auto dtype = k_cache.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16,
+              "paged_attention: float32 or bfloat16 only");
+  for (const auto t : {q.scalar_type(), k.scalar_type(), v.scalar_type(), v_cache.scalar_type(),
+                       out.scalar_type()})
+    TORCH_CHECK(t == dtype, "paged_attention: q, k, v, the caches and out need one dtype");
+  TORCH_CHECK(block_tables.dtype() == torch::kInt32 && tiles.dtype() == torch::kInt32 &&
+                  slots.dtype() == torch::kInt64,
+              "paged_attention: block_tables and tiles int32, slots int64");
+  TORCH_CHECK(heads_contiguous(q) && heads_contiguous(k) && heads_contiguous(v),
+              "paged_attention: q, k, v need contiguous heads ([tokens, heads, head_dim])");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous() &&
+                  block_tables.is_contiguous() && tiles.is_contiguous() && slots.is_contiguous(),
+              "paged_attention: contiguous caches, out, tables, tiles and slots only");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.size(3) == q.size(2) && k.size(1) == k_cache.size(2) &&
+                  k.sizes() == v.sizes() && k.size(2) == q.size(2) &&
+                  q.size(1) % k_cache.size(2) == 0 && slots.numel() == k.size(0) &&
+                  out.sizes() == q.sizes(),
+              "paged_attention: shapes");
+  if (dtype == torch::kFloat32)
+    paged_attention_impl<float>(q, k, v, k_cache, v_cache, slots, block_tables, tiles, scale, out);
+  else
+    paged_attention_impl<bf16>(q, k, v, k_cache, v_cache, slots, block_tables, tiles, scale, out);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -790,6 +938,74 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return y;
 }
 
+// The residual connection and the norm after it in one pass over the row (vLLM's
+// fused_add_rms_norm): sum = h + delta, normed = rms_norm(sum) * weight. Each layer does this
+// twice; separately they are an addition and a norm, each reading and writing the row.
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& h,
+                                                      const torch::Tensor& delta,
+                                                      const torch::Tensor& weight, double eps) {
+  TORCH_CHECK(h.dtype() == torch::kFloat32 && delta.dtype() == torch::kFloat32 &&
+                  weight.dtype() == torch::kFloat32 && h.is_contiguous() &&
+                  delta.is_contiguous() && weight.is_contiguous() && h.sizes() == delta.sizes(),
+              "add_rms_norm: contiguous float32 h and delta of one shape");
+  const int64_t d = weight.numel();
+  TORCH_CHECK(h.dim() >= 1 && h.size(-1) == d, "add_rms_norm: last dimension must match weight");
+  const int64_t rows = h.numel() / d;
+  auto sum = torch::empty_like(h);
+  auto normed = torch::empty_like(h);
+  const float* hp = h.data_ptr<float>();
+  const float* dp = delta.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* sp = sum.data_ptr<float>();
+  float* np = normed.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* s = sp + r * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) s[i] = hp[r * d + i] + dp[r * d + i];
+      const float inv_rms = 1.f / std::sqrt(dot(s, s, d) / static_cast<float>(d) + feps);
+      float* out = np + r * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) out[i] = s[i] * inv_rms * wp[i];
+    }
+  });
+  return {sum, normed};
+}
+
+// ---------------------------------------------------------------------------------------------
+// SwiGLU's middle step (vLLM's silu_and_mul): out = silu(gate) * up, where gate and up are the two
+// halves of each row of the fused gate_up projection. silu(g) = g * sigmoid(g), with sigmoid
+// from exp(-|g|) (exp_nonpositive, so that the loop vectorises): 1 / (1 + e) for g >= 0, else
+// e / (1 + e).
+
+torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dtype() == torch::kFloat32 && gate_up.is_contiguous() &&
+                  gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0,
+              "silu_and_mul: contiguous float32 with an even last dimension");
+  const int64_t n = gate_up.size(-1) / 2, rows = gate_up.numel() / (2 * n);
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = n;
+  auto out = torch::empty(sizes, gate_up.options());
+  const float* xp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* gate = xp + r * 2 * n;
+      const float* up = gate + n;
+      float* o = op + r * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) {
+        const float g = gate[i];
+        const float e = exp_nonpositive(-std::fabs(g));
+        const float sigmoid = (g >= 0.f ? 1.f : e) / (1.f + e);
+        o[i] = g * sigmoid * up[i];
+      }
+    }
+  });
+  return out;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Rotary position embedding: one call instead of the six torch operations apply_rope is spelled
 // with in engine/models/llama.py (at batch 1 the arithmetic is ~1 us, each operation ~2 us).
@@ -828,10 +1044,13 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "llm-inference-lab CPU kernels: paged attention, int8/int4 linear, RMSNorm, RoPE";
-  m.def("paged_attention", &paged_attention, "paged attention over a block table, in place");
+  m.doc() = "llm-inference-lab CPU kernels: paged attention, int8/int4 linear, norms, RoPE, SwiGLU";
+  m.def("paged_attention", &paged_attention,
+        "write this step's K/V to their slots, then attend through the block table");
   m.def("int8_linear", &int8_linear, "y = x @ (q * scale).T (+ bias), int8 weights");
   m.def("int4_linear", &int4_linear, "y = x @ (q * scale + min).T (+ bias), int4 groups");
   m.def("rms_norm", &rms_norm, "y = x * rsqrt(mean(x^2) + eps) * weight, row by row");
+  m.def("add_rms_norm", &add_rms_norm, "(h + delta, rms_norm(h + delta) * weight), row by row");
+  m.def("silu_and_mul", &silu_and_mul, "silu(x[..., :n]) * x[..., n:] for x of last size 2n");
   m.def("rope", &rope, "x * cos + rotate_half(x) * sin, heads of [tokens, heads, d]");
 }
