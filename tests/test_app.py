@@ -248,6 +248,12 @@ def test_sidebar_settings_rebuild_the_engine(app):
     assert not at.exception, [e.value for e in at.exception]
     assert engine_of(at, "main").num_blocks == 80
     assert any("80" in m.value for m in at.sidebar.markdown)  # status: blocks used/total
+    # which code runs attention: the C++ kernel when it builds here, else the torch reference
+    from engine import kernels
+
+    path = engine_of(at, "main").executor.worker.model.kernel_path
+    expected = f"C++ ({kernels.cpu_isa()})" if path == "cpu" else "torch 참조 경로"
+    assert any(f"어텐션 **{expected}**" in m.value for m in at.sidebar.markdown)
     at.number_input(key="cfg_num_kv_blocks").set_value(64)
     at.button(key="cfg_apply").click().run()
     assert engine_of(at, "main").num_blocks == 64

@@ -7,7 +7,8 @@
   torch path and against float32 on the same inputs); q, k, v as strided views of a fused qkv;
   one long context cut into key ranges and merged;
 - int8 / int4 weight-only linear against dequantize-then-matmul, every row count 1..40 (the
-  fused one-row path and the register tiles with their remainders);
+  fused one-row path and the register tiles with their remainders); int4 with activations
+  rounded to int8 blocks (the GGUF path, llama.cpp's Q4_1 x Q8_1) against rounding in torch;
 - RMSNorm (alone and fused with the residual add), RoPE and SwiGLU's silu(gate) * up against
   the model's torch rms_norm, add_rms_norm, apply_rope and silu_and_mul, any shape;
 - the fallback: "torch" never uses the extension, a failed build leaves the torch path; an
@@ -38,6 +39,7 @@ from engine.kernels.quant import (
     quantize_int8,
     quantized_linear,
     reference_linear,
+    round_activations_q8,
     unpack_int4,
 )
 
@@ -316,6 +318,59 @@ def test_quantized_linear_keeps_leading_dimensions(ext):
 
 
 # -- which path runs ------------------------------------------------------------------------
+
+
+def test_q8_rounding_is_llama_cpps_int8_blocks():
+    """Each block of 32: scale = max |x| / 127, values round to the nearest multiple (ties to
+    even), the largest lands on ±127 exactly, an all-zero block stays zero."""
+    x = torch.cat([torch.randn(32) * 3, torch.zeros(32), torch.arange(32.0) - 16]).view(1, 96)
+    r = round_activations_q8(x)
+    d = x.view(3, 32).abs().amax(dim=1) / 127
+    assert torch.equal(r.view(3, 32)[1], torch.zeros(32))
+    for b in (0, 2):
+        steps = r.view(3, 32)[b] / d[b]
+        assert torch.allclose(steps, steps.round(), atol=1e-4)  # integers times the scale
+        assert (r.view(3, 32)[b] - x.view(3, 32)[b]).abs().max() <= d[b] / 2 + 1e-6
+        assert steps.abs().max().round() == 127
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 33])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_with_q8_activations_matches_its_reference(ext, rows, bias):
+    """The GGUF path's kernel: integer dot products at one row (channels 37: tiles of 8 and a
+    remainder), the float kernel on the rounded rows above that; against rounding in torch, then
+    dequantize-and-matmul."""
+    from dataclasses import replace
+
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(37, 96, generator=g) * 0.05
+    x = torch.randn(rows, 96, generator=g) * 2
+    b = torch.randn(37, generator=g) if bias else None
+    qw = replace(quantize_int4(w, 32), q8_activations=True)
+    out = quantized_linear(x, qw, b, kernels=ext)
+    torch.testing.assert_close(out, reference_linear(x, qw, b), atol=1e-4, rtol=1e-4)
+    # and it is not the weight-only product: the rounding of x shows
+    assert not torch.allclose(out, reference_linear(x, replace(qw, q8_activations=False), b))
+
+
+@HYPOTHESIS
+@given(
+    out_features=st.integers(1, 70),
+    groups=st.integers(1, 20),
+    scale=st.sampled_from([1e-3, 1.0, 50.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_int4_q8_one_row_on_random_shapes(ext, out_features, groups, scale, seed):
+    from dataclasses import replace
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, 32 * groups, generator=g)
+    x = torch.randn(1, 32 * groups, generator=g) * scale
+    qw = replace(quantize_int4(w, 32), q8_activations=True)
+    ref = reference_linear(x, qw)
+    torch.testing.assert_close(
+        quantized_linear(x, qw, kernels=ext), ref, atol=1e-4 * scale, rtol=1e-4
+    )
 
 
 @HYPOTHESIS

@@ -264,6 +264,24 @@ def validate_settings(settings: EngineSettings) -> tuple[EngineSettings, str, bo
     return settings, "", True
 
 
+def kernel_paths(engine) -> str | None:
+    """Which code runs the attention (and the quantized linears) of this engine: our C++ kernels
+    (with the instruction set they were built for) or the torch reference path."""
+    from engine import kernels as kernel_lib
+
+    model = getattr(getattr(getattr(engine, "executor", None), "worker", None), "model", None)
+    if model is None:  # e.g. a multiprocess executor: the model lives in other processes
+        return None
+
+    def name(path: str) -> str:
+        return f"C++ ({kernel_lib.cpu_isa()})" if path == "cpu" else "torch 참조 경로"
+
+    text = f"어텐션 **{name(model.kernel_path)}**"
+    if getattr(model, "quantization", None):
+        text += f" · 양자화 선형층 **{name(model.linear_kernel_path)}**"
+    return text
+
+
 def engine_status(key: str = "main") -> None:
     """Device, dtype, blocks used/total and running/waiting of the session's engine (sidebar)."""
     from engine.worker import device_memory
@@ -297,6 +315,7 @@ def engine_status(key: str = "main") -> None:
         f"- 실행 중 **{len(engine.scheduler.running)}** · "
         f"대기 **{len(engine.scheduler.waiting)}**\n"
         f"- 스텝 **{engine.stats['steps']}**"
+        + (f"\n- 커널 {kernels}" if (kernels := kernel_paths(engine)) else "")
     )
     gpu = device_memory(engine.device)
     if gpu is not None:

@@ -12,6 +12,12 @@ high nibble (the kernel unpacks a group with one mask and one shift).
 
 Activations stay float32 ("weight-only"): the kernels widen the weights inside the dot product.
 `dequantize_*` + a float matmul is the reference the kernels are tested against.
+
+One exception, by choice of the weight: an Int4Weight with `q8_activations` (the GGUF's own Q4_1
+blocks, engine/quantization.py) is multiplied the way llama.cpp multiplies Q4_1: each activation
+row is first rounded to int8 in blocks of 32 (`round_activations_q8`, llama.cpp's Q8_1), so that
+the kernel's dot products run in integers (a few instructions per 32 weights instead of widening
+each one). That rounding changes the numbers a little, so the reference rounds the same way.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ class Int4Weight:
     scales: torch.Tensor  # [out, in / group_size] float32
     mins: torch.Tensor  # [out, in / group_size] float32
     group_size: int
+    # True: multiply by activations rounded to int8 in blocks of 32, as llama.cpp does for Q4_1
+    q8_activations: bool = False
 
     @property
     def shape(self) -> torch.Size:
@@ -121,10 +129,27 @@ def dequantize_rows(qw: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor:
     return dequantize_int4(sub)
 
 
+Q8_BLOCK = 32  # activation values per int8 block (llama.cpp's Q8_1)
+
+
+def round_activations_q8(x: torch.Tensor) -> torch.Tensor:
+    """x [..., in] (in a multiple of 32) rounded as llama.cpp's Q8_1 rounds it, in float32: per
+    block of 32 values d = max |x| / 127 and x ≈ round(x / d) × d, an int8 times one scale."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, Q8_BLOCK)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    q = torch.where(d > 0, blocks / d, torch.zeros_like(blocks)).round().clamp(-127, 127)
+    return (q * d).reshape(x.shape)
+
+
 def reference_linear(
     x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The readable definition: dequantize, then an ordinary float matmul."""
+    """The readable definition: dequantize, then an ordinary float matmul (after rounding the
+    activations to 8-bit blocks for a weight that asks for it)."""
+    if isinstance(qw, Int4Weight) and qw.q8_activations:
+        b = bias.float() if bias is not None else None
+        y = torch.nn.functional.linear(round_activations_q8(x), dequantize(qw), b)
+        return y.to(x.dtype)
     return torch.nn.functional.linear(x, dequantize(qw).to(x.dtype), bias)
 
 
@@ -149,6 +174,8 @@ def quantized_linear(
     b = bias.float().contiguous() if bias is not None else None
     if isinstance(qw, Int8Weight):
         y = kernels.int8_linear(x2, qw.qweight, qw.scales, b)
+    elif qw.q8_activations:
+        y = kernels.int4_q8_linear(x2, qw.packed, qw.scales, qw.mins, qw.group_size, b)
     else:
         y = kernels.int4_linear(x2, qw.packed, qw.scales, qw.mins, qw.group_size, b)
     # A decode step's [tokens, in] float32 rows need no reshaping (a few us of 121 calls a step).

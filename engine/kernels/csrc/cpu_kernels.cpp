@@ -686,6 +686,24 @@ void rows_tile(int64_t rows, const float* x, int64_t ldx, const float* w, int64_
   }
 }
 
+// One activation row: row1(j0, j1, y) writes y[j] for the output channels j0 <= j < j1. Every tile
+// of ROW_CHANNELS channels costs the same, so each thread takes one contiguous range of tiles.
+template <typename Row1>
+torch::Tensor one_row_linear(const torch::Tensor& x, int64_t n,
+                             const c10::optional<torch::Tensor>& bias, const Row1& row1) {
+  auto y = torch::empty({1, n}, x.options());
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t tiles = (n + ROW_CHANNELS - 1) / ROW_CHANNELS;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    const int64_t n0 = t0 * ROW_CHANNELS, n1 = std::min(n, t1 * ROW_CHANNELS);
+    row1(n0, n1, yp);
+    if (bp)
+      for (int64_t j = n0; j < n1; ++j) yp[j] += bp[j];
+  });
+  return y;
+}
+
 // The loop shared by both formats: widen(j, row) writes output channel j's weights as k floats;
 // row1(j0, j1, y) writes y[j] for channels j0 <= j < j1 of the one-activation-row case.
 template <typename Widen, typename Row1>
@@ -693,20 +711,11 @@ torch::Tensor quantized_linear(const torch::Tensor& x, int64_t n,
                                const c10::optional<torch::Tensor>& bias, const Widen& widen,
                                const Row1& row1) {
   const int64_t m = x.size(0), k = x.size(1);
+  if (m == 1) return one_row_linear(x, n, bias, row1);
   auto y = torch::empty({m, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  if (m == 1) {  // every tile costs the same: one contiguous range of tiles per thread
-    const int64_t tiles = (n + ROW_CHANNELS - 1) / ROW_CHANNELS;
-    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-      const int64_t n0 = t0 * ROW_CHANNELS, n1 = std::min(n, t1 * ROW_CHANNELS);
-      row1(n0, n1, yp);
-      if (bp)
-        for (int64_t j = n0; j < n1; ++j) yp[j] += bp[j];
-    });
-    return y;
-  }
   parallel_items((n + ITEM_CHANNELS - 1) / ITEM_CHANNELS, [&](int64_t item) {
     const int64_t n0 = item * ITEM_CHANNELS, n1 = std::min(n, n0 + ITEM_CHANNELS);
     thread_local std::vector<float> wide;  // this item's channels widened to floats, [ITEM, k]
@@ -909,6 +918,136 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
 }
 
 // ---------------------------------------------------------------------------------------------
+// int4 weights times 8-bit activations, the way llama.cpp multiplies a GGUF's Q4_1 blocks: the
+// activation row is first rounded to int8 in blocks of 32 (llama.cpp's Q8_1: d = max |x| / 127
+// per block, xq = round(x / d), x ~ xq * d), then each block's dot product with a group of 32
+// nibbles is done in integers: AVX2's maddubs multiplies 32 unsigned bytes by 32 signed bytes and
+// adds neighbours (16 products of at most 15 * 127 * 2 each, no overflow), madd adds those into
+// 8 int32 sums, and one multiply-add scales them by scale[c, g] * d[g]. About 8 instructions per
+// 32 weights, where widening every nibble to a float (int4_linear) takes about 18.
+//   y[c] = sum_g scale[c, g] * d[g] * (q_c,g . xq_g) + min[c, g] * d[g] * sum(xq_g)
+// The rounding of the activations changes the numbers (by up to half a step of 1/127 of each
+// block's largest value), which is why a weight opts in (engine/kernels/quant.py `Int4Weight.
+// q8_activations`: the GGUF's own blocks) and the torch reference rounds the same way first.
+// Several rows (a prefill chunk) take int4_linear on the rounded rows: the same numbers.
+
+namespace {
+constexpr int64_t Q8_BLOCK = 32;
+
+// x (k floats, k a multiple of 32) -> xq, d[k / 32], dsum[k / 32] = d * sum(xq) of each block.
+void quantize_row_q8(const float* x, int64_t k, int8_t* xq, float* d, float* dsum) {
+  for (int64_t b = 0; b < k / Q8_BLOCK; ++b) {
+    const float* v = x + b * Q8_BLOCK;
+    float amax = 0.f;
+    for (int64_t i = 0; i < Q8_BLOCK; ++i) amax = std::max(amax, std::fabs(v[i]));
+    const float scale = amax / 127.f;
+    int32_t total = 0;
+    for (int64_t i = 0; i < Q8_BLOCK; ++i) {
+      const float r = scale > 0.f ? std::nearbyint(v[i] / scale) : 0.f;  // to nearest, ties even
+      const int32_t q = static_cast<int32_t>(std::min(127.f, std::max(-127.f, r)));
+      xq[b * Q8_BLOCK + i] = static_cast<int8_t>(q);
+      total += q;
+    }
+    d[b] = scale;
+    dsum[b] = scale * static_cast<float>(total);
+  }
+}
+
+// y[c] for the NC consecutive channels whose packed rows start at w (row_bytes apart), groups of
+// 32 weights (16 bytes: element e in the low nibble of byte e, element e + 16 in its high one).
+template <int NC>
+inline void int4_q8_row_tile(const int8_t* xq, const float* d, const float* dsum,
+                             const uint8_t* w, int64_t row_bytes, const float* scales,
+                             const float* mins, int64_t groups, float* y) {
+  const int64_t ahead = ROW_PREFETCH_TILES * NC;  // channels between this tile and the one fetched
+#if defined(__AVX2__)
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[NC];
+#pragma GCC unroll 8
+  for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t b0 = 0; b0 < NC * 16; b0 += 64)
+      __builtin_prefetch(w + ahead * row_bytes + g * NC * 16 + b0);
+    __builtin_prefetch(scales + ahead * groups + g * NC);
+    __builtin_prefetch(mins + ahead * groups + g * NC);
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * Q8_BLOCK));
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) {
+      const __m128i bytes =
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * row_bytes + g * 16));
+      const __m128i lo = _mm_and_si128(bytes, low4);                     // elements 0..15
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);  // elements 16..31
+      const __m256i pairs = _mm256_maddubs_epi16(_mm256_set_m128i(hi, lo), xv);
+      const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+      acc[c] = _mm256_fmadd_ps(dots, _mm256_set1_ps(scales[c * groups + g] * d[g]), acc[c]);
+    }
+  }
+  for (int c = 0; c < NC; ++c) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[c]), _mm256_extractf128_ps(acc[c], 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    y[c] = _mm_cvtss_f32(s) + dot(mins + c * groups, dsum, groups);
+  }
+#else  // portable: the same integer sums, one at a time
+  (void)ahead;
+  for (int c = 0; c < NC; ++c) {
+    float total = 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* p = w + c * row_bytes + g * 16;
+      const int8_t* x = xq + g * Q8_BLOCK;
+      int32_t sum = 0;
+      for (int e = 0; e < 16; ++e) sum += (p[e] & 0x0F) * x[e] + (p[e] >> 4) * x[e + 16];
+      total += scales[c * groups + g] * d[g] * static_cast<float>(sum);
+    }
+    y[c] = total + dot(mins + c * groups, dsum, groups);
+  }
+#endif
+}
+}  // namespace
+
+torch::Tensor int4_q8_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                             const torch::Tensor& scales, const torch::Tensor& mins,
+                             int64_t group_size, const c10::optional<torch::Tensor>& bias) {
+  check_x(x, bias);
+  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
+  TORCH_CHECK(group_size == Q8_BLOCK && k % Q8_BLOCK == 0,
+              "int4_q8_linear: groups of 32 weights (a GGUF's Q4_1 blocks) only");
+  const int64_t groups = k / Q8_BLOCK;
+  std::vector<int8_t> xq(m * k);
+  std::vector<float> d(m * groups), dsum(m * groups);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t r = 0; r < m; ++r)
+    quantize_row_q8(xp + r * k, k, xq.data() + r * k, d.data() + r * groups,
+                    dsum.data() + r * groups);
+  if (m > 1) {  // the rounded rows, x ~ xq * d, through the float kernel
+    auto rounded = torch::empty_like(x);
+    float* rp = rounded.data_ptr<float>();
+    for (int64_t i = 0; i < m * k; ++i) rp[i] = static_cast<float>(xq[i]) * d[i / Q8_BLOCK];
+    return int4_linear(rounded, packed, scales, mins, group_size, bias);
+  }
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous() &&
+                  packed.size(1) * 2 == k && scales.dtype() == torch::kFloat32 &&
+                  mins.dtype() == torch::kFloat32 && scales.is_contiguous() &&
+                  mins.is_contiguous() && scales.numel() == n * groups &&
+                  mins.numel() == n * groups,
+              "int4_q8_linear: packed, scales, mins");
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* scp = scales.data_ptr<float>();
+  const float* mnp = mins.data_ptr<float>();
+  auto row1 = [&](int64_t j0, int64_t j1, float* y) {
+    int64_t j = j0;
+    for (; j + ROW_CHANNELS <= j1; j += ROW_CHANNELS)
+      int4_q8_row_tile<ROW_CHANNELS>(xq.data(), d.data(), dsum.data(), wp + j * (k / 2), k / 2,
+                                     scp + j * groups, mnp + j * groups, groups, y + j);
+    for (; j < j1; ++j)
+      int4_q8_row_tile<1>(xq.data(), d.data(), dsum.data(), wp + j * (k / 2), k / 2,
+                          scp + j * groups, mnp + j * groups, groups, y + j);
+  };
+  return one_row_linear(x, n, bias, row1);
+}
+
+// ---------------------------------------------------------------------------------------------
 // RMSNorm, y = x * rsqrt(mean(x^2) + eps) * weight, row by row (float32). A decode step at batch 1
 // runs 61 of them on 576 floats each; torch's CPU rms_norm spends ~10-30 us per call in the
 // operations it is made of (power, mean, add, rsqrt, two products), ours under 1 us.
@@ -1049,6 +1188,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "write this step's K/V to their slots, then attend through the block table");
   m.def("int8_linear", &int8_linear, "y = x @ (q * scale).T (+ bias), int8 weights");
   m.def("int4_linear", &int4_linear, "y = x @ (q * scale + min).T (+ bias), int4 groups");
+  m.def("int4_q8_linear", &int4_q8_linear,
+        "int4_linear with x first rounded to int8 in blocks of 32 (llama.cpp's Q4_1 x Q8_1)");
   m.def("rms_norm", &rms_norm, "y = x * rsqrt(mean(x^2) + eps) * weight, row by row");
   m.def("add_rms_norm", &add_rms_norm, "(h + delta, rms_norm(h + delta) * weight), row by row");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[..., :n]) * x[..., n:] for x of last size 2n");
