@@ -142,17 +142,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _best_time(fn, device: torch.device, repeats: int) -> float:
+def _best_time(fn, device: torch.device, repeats: int, budget_s: float = 20.0) -> float:
     """Shortest of `repeats` timed calls (after one warm-up): the machine's best, not its
-    average."""
+    average. Past `budget_s` seconds, and after at least 2 calls, it stops early: a CPU without
+    bfloat16 instructions takes ~40 s for one 2048² bfloat16 matmul, and ten of them would add
+    minutes to the bench for no better an answer."""
     fn()
     _sync(device)
-    best = float("inf")
-    for _ in range(repeats):
+    best, began = float("inf"), time.perf_counter()
+    for i in range(repeats):
         start = time.perf_counter()
         fn()
         _sync(device)
         best = min(best, time.perf_counter() - start)
+        if i >= 1 and time.perf_counter() - began > budget_s:
+            break
     return best
 
 

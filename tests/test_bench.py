@@ -200,3 +200,23 @@ def test_llama_cpp_peer_is_optional_and_isolated(monkeypatch, tmp_path):
     monkeypatch.setattr(peer, "llama_cpp_version", lambda: "test")  # the child asks for itself
     row = peer.measure_llama_cpp_isolated(tmp_path / "missing.gguf", [[1, 2]], 4, 1, timeout_s=120)
     assert set(row) == {"skipped"} and row["skipped"]
+
+
+def test_best_time_keeps_the_fastest_call_and_stops_at_its_budget():
+    """Best of N, but a very slow call (bfloat16 matmul on a CPU without bfloat16 instructions)
+    stops after two timed calls once the budget is spent, instead of running all N."""
+    import time
+
+    import torch
+
+    calls = []
+
+    def slow():
+        calls.append(1)
+        time.sleep(0.02 if len(calls) != 3 else 0.005)
+
+    assert bench._best_time(slow, torch.device("cpu"), repeats=5) < 0.01  # the fast third call
+    assert len(calls) == 6  # warm-up + 5
+    calls.clear()
+    bench._best_time(slow, torch.device("cpu"), repeats=50, budget_s=0.01)
+    assert len(calls) == 3  # warm-up + the two calls it always times
