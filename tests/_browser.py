@@ -252,10 +252,21 @@ class LabDriver:
 
     def no_exception(self, pg) -> None:
         errors = pg.locator(self.errors)
-        assert errors.count() == 0, errors.first.inner_text()
+        assert errors.count() == 0, errors.first.inner_text() + self.engine_words(pg)
         # the lab's own catch-all (ui/lesson.py): the page survived, the lab did not
         failed = pg.get_by_text("실험실을 그리지 못했습니다")
         assert failed.count() == 0, failed.first.inner_text()
+
+    @staticmethod
+    def engine_words(pg) -> str:
+        """The engine's own message that ui/errors.show_error folds into an expander under the
+        Korean one: a failed test should say what the engine said, not only the advice."""
+        folded = pg.locator("[data-testid='stExpander']").filter(has_text="엔진이 남긴 원문 메시지")
+        words = []
+        for expander in folded.all():
+            expander.locator("summary").click()  # a closed expander has no content in the DOM
+            words.append("\n" + expander.inner_text())
+        return "".join(words)
 
     @staticmethod
     def plot_traces(pg) -> list[int]:

@@ -44,13 +44,6 @@ void parallel_items(int64_t n, const F& fn) {
   });
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -136,6 +129,19 @@ inline V v_load(const bf16* p) {
 }
 inline V v_fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline V v_mul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline V v_add(V a, V b) { return _mm512_add_ps(a, b); }
+inline V v_floor(V a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+inline V v_pow2(V n) {  // 2^n for whole numbers n in [-87, 0], written into the exponent bits
+  const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+}
+inline V v_sub(V a, V b) { return _mm512_sub_ps(a, b); }
+inline V v_max(V a, V b) { return _mm512_max_ps(a, b); }
+using Mask = __mmask16;  // lanes j < n: the keys of a chunk that a query row sees
+inline Mask first_lanes(int64_t n) { return static_cast<Mask>((1u << n) - 1u); }
+inline V v_select(Mask m, V a, V b) { return _mm512_mask_blend_ps(m, b, a); }  // a where m
+inline float v_max_lanes(V a) { return _mm512_reduce_max_ps(a); }
+inline float v_sum_lanes(V a) { return _mm512_reduce_add_ps(a); }
 inline void v_store(float* p, V a) { _mm512_storeu_ps(p, a); }
 
 // out[j] = the sum of v[j]'s 16 lanes, j < 16. Each level adds pairs of vectors after shuffling
@@ -169,6 +175,30 @@ inline V v_load(const bf16* p) {
 }
 inline V v_fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 inline V v_mul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline V v_add(V a, V b) { return _mm256_add_ps(a, b); }
+inline V v_floor(V a) { return _mm256_floor_ps(a); }
+inline V v_pow2(V n) {  // 2^n for whole numbers n in [-87, 0], written into the exponent bits
+  const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+}
+inline V v_sub(V a, V b) { return _mm256_sub_ps(a, b); }
+inline V v_max(V a, V b) { return _mm256_max_ps(a, b); }
+using Mask = __m256;  // lanes j < n (all bits set): the keys of a chunk that a query row sees
+inline Mask first_lanes(int64_t n) {
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+inline V v_select(Mask m, V a, V b) { return _mm256_blendv_ps(b, a, m); }  // a where m
+inline float v_max_lanes(V a) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline float v_sum_lanes(V a) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
 inline void v_store(float* p, V a) { _mm256_storeu_ps(p, a); }
 
 // out[j] = the sum of v[j]'s 8 lanes, j < 8: pairwise horizontal adds (8 -> 4 -> 2 vectors, each
@@ -188,6 +218,35 @@ constexpr int64_t W = 1, KEYS = 8;  // portable: plain loops, vectorised by the 
 // the cache's, so their last partial vector (head_dim not a multiple of W) is copied out first:
 // a full vector load there could read past the end of the cache.
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// exp_nonpositive above, W lanes at once (the same operations, so the same numbers).
+inline V v_exp_nonpositive(V x) {
+  x = v_max(x, v_set1(-87.f));
+  const V t = v_mul(x, v_set1(1.44269504f));
+  const V n = v_floor(v_add(t, v_set1(0.5f)));
+  const V f = v_mul(v_sub(t, n), v_set1(0.693147181f));
+  V p = v_set1(1.f / 720);
+  p = v_fma(p, f, v_set1(1.f / 120));
+  p = v_fma(p, f, v_set1(1.f / 24));
+  p = v_fma(p, f, v_set1(1.f / 6));
+  p = v_fma(p, f, v_set1(0.5f));
+  p = v_fma(p, f, v_set1(1.f));
+  p = v_fma(p, f, v_set1(1.f));
+  return v_mul(p, v_pow2(n));
+}
+
+// One chunk of a query row's online softmax (KEYS == W: one vector of scores). Returns the new
+// running maximum m; writes p[j] = exp(s[j] - m) for the keys the row sees (0 for the others)
+// and adds their sum to *sum.
+inline float softmax_chunk(const float* s, int64_t visible, float run_max, float* p, float* sum) {
+  const Mask seen = first_lanes(visible);
+  const V scores = v_select(seen, v_load(s), v_set1(-INFINITY));
+  const float m = std::max(run_max, v_max_lanes(scores));
+  const V e = v_select(seen, v_exp_nonpositive(v_sub(scores, v_set1(m))), v_zero());
+  v_store(p, e);
+  *sum += v_sum_lanes(e);
+  return m;
+}
+
 template <typename T>
 inline V v_load_part(const T* p, int64_t n) {
   alignas(64) T part[W] = {};
@@ -213,16 +272,37 @@ inline void score_chunk(const float* q, const T* const* keys, int64_t d, float* 
   v_store(s, sum_lanes(acc));
 }
 
+// NV vectors of acc from float c on, each with two sums (even keys, odd keys): 2 * NV chains of
+// FMAs that do not wait on each other. One chain per vector would wait 4 cycles per key for the
+// previous FMA; at NV = 4 the 8 chains keep both FMA units busy.
+template <int NV, typename T>
+inline void accumulate_vectors(float* acc, float corr, const float* p, const T* const* values,
+                               int64_t c) {
+  V even[NV], odd[NV];
+#pragma GCC unroll 4
+  for (int i = 0; i < NV; ++i) {
+    even[i] = v_mul(v_load(acc + c + i * W), v_set1(corr));
+    odd[i] = v_zero();
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < KEYS; j += 2) {
+    const V pe = v_set1(p[j]), po = v_set1(p[j + 1]);
+#pragma GCC unroll 4
+    for (int i = 0; i < NV; ++i) {
+      even[i] = v_fma(pe, v_load(values[j] + c + i * W), even[i]);
+      odd[i] = v_fma(po, v_load(values[j + 1] + c + i * W), odd[i]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < NV; ++i) v_store(acc + c + i * W, v_add(even[i], odd[i]));
+}
+
 template <typename T>
 inline void accumulate_chunk(float* acc, float corr, const float* p, const T* const* values,
                              int64_t d) {
   int64_t c = 0;
-  for (; c + W <= d; c += W) {
-    V a = v_mul(v_load(acc + c), v_set1(corr));
-#pragma GCC unroll 16
-    for (int j = 0; j < KEYS; ++j) a = v_fma(v_set1(p[j]), v_load(values[j] + c), a);
-    v_store(acc + c, a);
-  }
+  for (; c + 4 * W <= d; c += 4 * W) accumulate_vectors<4>(acc, corr, p, values, c);
+  for (; c + W <= d; c += W) accumulate_vectors<1>(acc, corr, p, values, c);
   if (c < d) {
     V a = v_mul(v_load(acc + c), v_set1(corr));
 #pragma GCC unroll 16
@@ -238,6 +318,16 @@ inline void score_chunk(const float* q, const T* const* keys, int64_t d, float* 
     for (int64_t i = 0; i < d; ++i) sum += q[i] * static_cast<float>(keys[j][i]);
     s[j] = sum;
   }
+}
+
+inline float softmax_chunk(const float* s, int64_t visible, float run_max, float* p, float* sum) {
+  float m = run_max;
+  for (int64_t j = 0; j < visible; ++j) m = std::max(m, s[j]);
+  for (int64_t j = 0; j < KEYS; ++j) {
+    p[j] = j < visible ? exp_nonpositive(s[j] - m) : 0.f;
+    *sum += p[j];
+  }
+  return m;
 }
 
 template <typename T>
@@ -453,15 +543,8 @@ void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& k, const 
           const int64_t visible = std::min<int64_t>(n, pos0 + i + 1 - j0);  // keys row i sees
           alignas(64) float s[KEYS], p[KEYS];
           score_chunk(queries + r * padded_dim, keys, head_dim, s);
-          float m = run_max[r];
-#pragma omp simd reduction(max : m)
-          for (int64_t j = 0; j < KEYS; ++j) m = std::max(m, j < visible ? s[j] : -INFINITY);
           float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < KEYS; ++j) {
-            p[j] = j < visible ? exp_nonpositive(s[j] - m) : 0.f;
-            sum += p[j];
-          }
+          const float m = softmax_chunk(s, visible, run_max[r], p, &sum);
           const float corr = exp_nonpositive(run_max[r] - m);  // rescales what came before
           run_max[r] = m;
           run_sum[r] = run_sum[r] * corr + sum;
@@ -644,6 +727,19 @@ struct Vec {
   float sum() const { return v; }
 };
 #endif
+// a . b over n floats: whole vectors, then the rest one by one. (An `omp simd reduction` loop
+// ends with GCC adding its lanes one after another: at a 576-wide row's 18 groups that serial end
+// cost as much as the int4 tile's dot products themselves.)
+inline float dot(const float* a, const float* b, int64_t n) {
+  Vec acc = Vec::zero();
+  int64_t i = 0;
+  for (; i + Vec::width <= n; i += Vec::width)
+    acc = Vec::fma(Vec::load(a + i), Vec::load(b + i), acc);
+  float s = acc.sum();
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
 static_assert(ITEM_CHANNELS % TILE_N == 0 && ITEM_CHANNELS % ROW_CHANNELS == 0,
               "a work item holds whole register tiles");
 
@@ -953,6 +1049,63 @@ void quantize_row_q8(const float* x, int64_t k, int8_t* xq, float* d, float* dsu
   }
 }
 
+#if defined(__AVX2__)
+// Eight sums of four products each, unsigned bytes (the 4-bit weights) times signed bytes (the
+// rounded activations). VNNI does it in one instruction; plain AVX2 takes two (pairs of products
+// to 16 bits, which cannot saturate here: 2 * 15 * 127 < 32767, then pairs of those to 32 bits).
+inline __m256i dot_u8_s8(__m256i u, __m256i s, __m256i ones16) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  (void)ones16;
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones16);
+#endif
+}
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+// Two groups per 512-bit instruction: sum[c] = the scaled integer dots of groups 0 .. 2p - 1 of
+// the NC channels (the min terms are added by the caller); returns 2p, the first group left.
+// The 32 bytes of two groups unpack to [g elements 0-15 | g+1 elements 0-15 | g 16-31 | g+1
+// 16-31]; the activations' 64 bytes are put in that order once per pair, for all NC channels.
+template <int NC>
+inline int64_t int4_q8_group_pairs(const int8_t* xq, const float* d, const uint8_t* w,
+                                   int64_t row_bytes, const float* scales, int64_t groups,
+                                   int64_t ahead, float* sum) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  // lanes of (group g, group g + 1) in the dot's 16 sums: 0-3 g, 4-7 g + 1, 8-11 g, 12-15 g + 1
+  const __m512i pair_lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+  __m512 acc[NC];
+#pragma GCC unroll 8
+  for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
+  int64_t g = 0;
+  for (; g + 2 <= groups; g += 2) {
+    for (int64_t b0 = 0; b0 < NC * 32; b0 += 64)
+      __builtin_prefetch(w + ahead * row_bytes + g * NC * 16 + b0);
+    __builtin_prefetch(scales + ahead * groups + g * NC);
+    const __m512i x2 = _mm512_loadu_si512(xq + g * Q8_BLOCK);  // [g 0-15, g 16-31, g+1 ...]
+    const __m512i xv = _mm512_shuffle_i64x2(x2, x2, _MM_SHUFFLE(3, 1, 2, 0));
+    const __m128 d2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(d + g)));
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) {
+      const __m256i bytes =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * row_bytes + g * 16));
+      const __m256i lo = _mm256_and_si256(bytes, low4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+      const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      const __m512 dots = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv));
+      const __m128 s2 = _mm_castpd_ps(
+          _mm_load_sd(reinterpret_cast<const double*>(scales + c * groups + g)));
+      const __m128 both = _mm_mul_ps(s2, d2);  // scale * d of group g, of group g + 1
+      const __m512 scale = _mm512_permutexvar_ps(pair_lanes, _mm512_castps128_ps512(both));
+      acc[c] = _mm512_fmadd_ps(dots, scale, acc[c]);
+    }
+  }
+  for (int c = 0; c < NC; ++c) sum[c] = _mm512_reduce_add_ps(acc[c]);
+  return g;
+}
+#endif
+
 // y[c] for the NC consecutive channels whose packed rows start at w (row_bytes apart), groups of
 // 32 weights (16 bytes: element e in the low nibble of byte e, element e + 16 in its high one).
 template <int NC>
@@ -961,12 +1114,17 @@ inline void int4_q8_row_tile(const int8_t* xq, const float* d, const float* dsum
                              const float* mins, int64_t groups, float* y) {
   const int64_t ahead = ROW_PREFETCH_TILES * NC;  // channels between this tile and the one fetched
 #if defined(__AVX2__)
+  int64_t g = 0;
+  float pairs_sum[NC] = {};
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  g = int4_q8_group_pairs<NC>(xq, d, w, row_bytes, scales, groups, ahead, pairs_sum);
+#endif
   const __m128i low4 = _mm_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[NC];
 #pragma GCC unroll 8
   for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
+  for (; g < groups; ++g) {  // the groups one at a time (with AVX-512 VNNI: an odd last one)
     for (int64_t b0 = 0; b0 < NC * 16; b0 += 64)
       __builtin_prefetch(w + ahead * row_bytes + g * NC * 16 + b0);
     __builtin_prefetch(scales + ahead * groups + g * NC);
@@ -978,8 +1136,7 @@ inline void int4_q8_row_tile(const int8_t* xq, const float* d, const float* dsum
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * row_bytes + g * 16));
       const __m128i lo = _mm_and_si128(bytes, low4);                     // elements 0..15
       const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);  // elements 16..31
-      const __m256i pairs = _mm256_maddubs_epi16(_mm256_set_m128i(hi, lo), xv);
-      const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+      const __m256 dots = _mm256_cvtepi32_ps(dot_u8_s8(_mm256_set_m128i(hi, lo), xv, ones));
       acc[c] = _mm256_fmadd_ps(dots, _mm256_set1_ps(scales[c * groups + g] * d[g]), acc[c]);
     }
   }
@@ -987,7 +1144,7 @@ inline void int4_q8_row_tile(const int8_t* xq, const float* d, const float* dsum
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[c]), _mm256_extractf128_ps(acc[c], 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    y[c] = _mm_cvtss_f32(s) + dot(mins + c * groups, dsum, groups);
+    y[c] = pairs_sum[c] + _mm_cvtss_f32(s) + dot(mins + c * groups, dsum, groups);
   }
 #else  // portable: the same integer sums, one at a time
   (void)ahead;
