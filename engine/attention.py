@@ -84,9 +84,12 @@ def build_attention_metadata(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device | str = "cpu",
+    for_kernel: bool = False,
 ) -> AttentionMetadata:
     """Describe a flat batch: request i has `query_lens[i]` new tokens after `num_computed[i]`
-    tokens already in the cache, and owns the blocks `block_tables[i]`."""
+    tokens already in the cache, and owns the blocks `block_tables[i]`. `for_kernel` (the model
+    attends with our C++ kernel, engine/kernels) leaves out what only the torch path reads: the
+    padded decode groups and their masks."""
     num_reqs = len(query_lens)
     context_lens = [start + q_len for start, q_len in zip(num_computed, query_lens)]
     num_blocks = [cdiv(n, block_size) for n in context_lens]
@@ -100,19 +103,19 @@ def build_attention_metadata(
         token_starts.append(token_starts[-1] + q_len)
 
     # Slot of every new token: its request's block for its position, then the offset in the block.
-    q_lens = torch.tensor(query_lens, dtype=torch.long)
-    request_of_token = torch.repeat_interleave(torch.arange(num_reqs), q_lens)
-    first_position = torch.tensor(num_computed, dtype=torch.long) - torch.tensor(
-        token_starts[:-1], dtype=torch.long
-    )
-    positions = torch.arange(token_starts[-1]) + first_position[request_of_token]
-    slots = tables[request_of_token, positions // block_size] * block_size + positions % block_size
+    # (Plain Python: a decode step has a handful of tokens, and a dozen small tensor operations
+    # for them cost more than the loop.)
+    slots = [
+        block_tables[i][position // block_size] * block_size + position % block_size
+        for i in range(num_reqs)
+        for position in range(num_computed[i], context_lens[i])
+    ]
 
     # Decodes, shortest context first, cut into groups; each group is padded to its longest member.
     decodes = [i for i in range(num_reqs) if query_lens[i] == 1 and num_computed[i] > 0]
     decodes.sort(key=lambda i: context_lens[i])
     decode_groups = []
-    if decodes:
+    if decodes and not for_kernel:
         decode_tables = tables[decodes].to(device)  # [num_decodes, max_blocks]
         decode_lens = torch.tensor([context_lens[i] for i in decodes], device=device)
         longest = context_lens[decodes[-1]]
@@ -143,7 +146,7 @@ def build_attention_metadata(
             continue
         start, context_len = num_computed[i], context_lens[i]
         mask = None
-        if start > 0:  # chunk i-th query (position start+i) sees keys 0..start+i
+        if start > 0 and not for_kernel:  # chunk i-th query (position start+i) sees keys 0..start+i
             q_pos = torch.arange(start, context_len, device=device).unsqueeze(1)
             mask = torch.arange(context_len, device=device).unsqueeze(0) <= q_pos
         prefills.append(
@@ -167,7 +170,7 @@ def build_attention_metadata(
         kernel_tables = tables.to(torch.int32)
         kernel_tiles = torch.tensor(tiles, dtype=torch.int32).view(-1, 4)
     return AttentionMetadata(
-        slot_mapping=slots.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         block_size=block_size,
         decode_groups=decode_groups,
         prefills=prefills,

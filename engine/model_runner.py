@@ -120,6 +120,7 @@ class ModelRunner:
             block_tables=[s.block_ids for s in batch],
             block_size=self.block_size,
             device=self.device,
+            for_kernel=self.model.kernel_path == "cpu",
         )
         # Logits only for the requests that sample this step, in the scheduler's order. A prefill
         # chunk that stops before the end of the prompt has no next token: no lm_head row for it.

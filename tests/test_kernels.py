@@ -101,16 +101,19 @@ def run_both(
         q = torch.randn(num_tokens, heads, head_dim, generator=g).to(dtype)
         k = torch.randn(num_tokens, kv_heads, head_dim, generator=g).to(dtype)
         v = torch.randn(num_tokens, kv_heads, head_dim, generator=g).to(dtype)
-    meta = build_attention_metadata(
-        [n for _, n in requests], [c for c, _ in requests], tables, block_size
-    )
+    lens = ([n for _, n in requests], [c for c, _ in requests], tables, block_size)
+    meta = build_attention_metadata(*lens)
+    # what the runner builds when the kernel attends: no padded decode groups, no masks
+    kernel_meta = build_attention_metadata(*lens, for_kernel=True)
+    assert not kernel_meta.decode_groups
+    assert torch.equal(kernel_meta.slot_mapping, meta.slot_mapping)
     scale = head_dim**-0.5
     kc, vc = k_cache.clone(), v_cache.clone()
     exact = paged_attention(
         q.float(), k.float(), v.float(), kc.float(), vc.float(), meta, scale, kernels=None
     )
     ref = paged_attention(q, k, v, kc, vc, meta, scale, kernels=None)
-    out = paged_attention(q, k, v, k_cache, v_cache, meta, scale, kernels=ext)
+    out = paged_attention(q, k, v, k_cache, v_cache, kernel_meta, scale, kernels=ext)
     assert torch.equal(kc, k_cache) and torch.equal(vc, v_cache)  # the same cache writes
     assert out.dtype == dtype
     return (ref, out, exact) if with_exact else (ref, out)
