@@ -1070,8 +1070,8 @@ inline __m256i dot_u8_s8(__m256i u, __m256i s, __m256i ones16) {
 // 16-31]; the activations' 64 bytes are put in that order once per pair, for all NC channels.
 template <int NC>
 inline int64_t int4_q8_group_pairs(const int8_t* xq, const float* d, const uint8_t* w,
-                                   int64_t row_bytes, const float* scales, int64_t groups,
-                                   int64_t ahead, float* sum) {
+                                   int64_t row_bytes, const float* scales, const float* mins,
+                                   int64_t groups, int64_t ahead, float* sum) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   // lanes of (group g, group g + 1) in the dot's 16 sums: 0-3 g, 4-7 g + 1, 8-11 g, 12-15 g + 1
   const __m512i pair_lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
@@ -1083,6 +1083,7 @@ inline int64_t int4_q8_group_pairs(const int8_t* xq, const float* d, const uint8
     for (int64_t b0 = 0; b0 < NC * 32; b0 += 64)
       __builtin_prefetch(w + ahead * row_bytes + g * NC * 16 + b0);
     __builtin_prefetch(scales + ahead * groups + g * NC);
+    __builtin_prefetch(mins + ahead * groups + g * NC);  // read by the caller's dot
     const __m512i x2 = _mm512_loadu_si512(xq + g * Q8_BLOCK);  // [g 0-15, g 16-31, g+1 ...]
     const __m512i xv = _mm512_shuffle_i64x2(x2, x2, _MM_SHUFFLE(3, 1, 2, 0));
     const __m128 d2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(d + g)));
@@ -1117,7 +1118,7 @@ inline void int4_q8_row_tile(const int8_t* xq, const float* d, const float* dsum
   int64_t g = 0;
   float pairs_sum[NC] = {};
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  g = int4_q8_group_pairs<NC>(xq, d, w, row_bytes, scales, groups, ahead, pairs_sum);
+  g = int4_q8_group_pairs<NC>(xq, d, w, row_bytes, scales, mins, groups, ahead, pairs_sum);
 #endif
   const __m128i low4 = _mm_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
