@@ -76,6 +76,7 @@ class AttentionMetadata:
     # and of the prefill chunks that have a cached prefix, cut into KERNEL_TILE_ROWS-row tiles.
     kernel_block_tables: torch.Tensor | None = None  # [num_requests, max_blocks] int32
     kernel_tiles: torch.Tensor | None = None  # [num_tiles, 4] int32
+    for_kernel: bool = False  # built without the torch path's decode groups and masks
 
 
 def build_attention_metadata(
@@ -176,6 +177,7 @@ def build_attention_metadata(
         prefills=prefills,
         kernel_block_tables=kernel_tables,
         kernel_tiles=kernel_tiles,
+        for_kernel=for_kernel,
     )
 
 
@@ -222,6 +224,8 @@ def paged_attention(
     kernel_dtype = q.dtype in (torch.float32, torch.bfloat16)
     if kernels is not None and meta.kernel_tiles is not None and kernel_dtype:
         return paged_attention_kernel(q, k, v, k_cache, v_cache, meta, scale, kernels)
+    if meta.for_kernel:  # its decodes have no groups here: they would be left unattended
+        raise ValueError("attention metadata built for_kernel=True reached the torch path")
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)
     _, _, kv_heads, head_dim = k_cache.shape

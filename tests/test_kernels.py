@@ -114,6 +114,8 @@ def run_both(
     )
     ref = paged_attention(q, k, v, kc, vc, meta, scale, kernels=None)
     out = paged_attention(q, k, v, k_cache, v_cache, kernel_meta, scale, kernels=ext)
+    with pytest.raises(ValueError, match="for_kernel"):  # never silently half-attended
+        paged_attention(q, k, v, kc.clone(), vc.clone(), kernel_meta, scale, kernels=None)
     assert torch.equal(kc, k_cache) and torch.equal(vc, v_cache)  # the same cache writes
     assert out.dtype == dtype
     return (ref, out, exact) if with_exact else (ref, out)
