@@ -10,9 +10,13 @@ llama.cpp from source when pip installs it (several minutes on 2 cores):
 
 Without it (or without the GGUF file) the peer row says why it is missing. llama.cpp runs in a
 child process (`python -m engine.llama_cpp_peer`): it brings its own threads and native code, and
-a crash there must cost the peer row, not the benchmark around it. (On the Intel Xeon VM of
-2026-12-01 a native build segfaulted at its first eval, alone as well as beside torch: the CPU
-reports AMX, which the build uses, and the VM most likely does not grant it; docs/quantization.md.)
+a crash there must cost the peer row, not the benchmark around it.
+
+On an Intel Xeon with AMX (a Sapphire Rapids VM, 2026-12-01 and 12-02) a native build crashed in
+its first prompt: `ggml_backend_amx_mul_mat`, the kernel of its AMX weight buffers (gdb). Those
+"extra buffer types" hold repacked copies of the weights for such kernels. A child that dies of a
+signal is therefore run once more with `use_extra_bufts = False` (llama.cpp's own CPU kernels on
+the file's blocks, as on a CPU without AMX), and the row says so.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ def measure_llama_cpp(
     prompts: list[list[int]],
     output_len: int,
     threads: int,
+    extra_buffers: bool = True,
 ) -> dict:
     """Batch-1 greedy decode of each prompt with llama.cpp: decode tokens/s (median gap between
     two generated tokens over all prompts) and prefill tokens/s (prompt length ÷ the time to the
@@ -46,7 +51,18 @@ def measure_llama_cpp(
     version = llama_cpp_version()
     if version is None:
         return {"skipped": "llama-cpp-python is not installed (pip install llama-cpp-python)"}
+    import llama_cpp.llama_cpp as bindings
     from llama_cpp import Llama
+
+    if not extra_buffers:  # Llama() takes no such argument: it starts from these defaults
+        defaults = bindings.llama_model_default_params
+
+        def without_extra_buffers():
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        bindings.llama_model_default_params = without_extra_buffers
 
     context = max(len(p) for p in prompts) + output_len + 8
     llm = Llama(
@@ -93,10 +109,24 @@ def measure_llama_cpp_isolated(
     threads: int,
     timeout_s: float = 600,
 ) -> dict:
-    """measure_llama_cpp in a child process; a crash or a hang there is a "skipped" row here."""
+    """measure_llama_cpp in a child process; a crash or a hang there is a "skipped" row here.
+    A child killed by a signal is run again without llama.cpp's extra buffer types (see above)."""
     if llama_cpp_version() is None:
         return {"skipped": "llama-cpp-python is not installed (pip install llama-cpp-python)"}
     job = {"gguf": str(gguf_path), "prompts": prompts, "output_len": output_len, "threads": threads}
+    row = _run_child(job, timeout_s)
+    if row.get("signal"):
+        first = row["skipped"]
+        row = _run_child({**job, "extra_buffers": False}, timeout_s)
+        if "skipped" not in row:
+            row["note"] = (
+                f"{first}; measured again with use_extra_bufts=False (no AMX/repacked weights)"
+            )
+    row.pop("signal", None)
+    return row
+
+
+def _run_child(job: dict, timeout_s: float) -> dict:
     try:
         done = subprocess.run(
             [sys.executable, "-m", "engine.llama_cpp_peer"],
@@ -109,11 +139,15 @@ def measure_llama_cpp_isolated(
         return {"skipped": f"llama.cpp did not finish within {timeout_s:.0f} s"}
     if done.returncode != 0:
         tail = (done.stderr.strip().splitlines() or [""])[-1]
-        return {"skipped": f"llama.cpp's process failed (exit code {done.returncode}) {tail}"}
+        row = {"skipped": f"llama.cpp's process failed (exit code {done.returncode}) {tail}"}
+        return row | {"signal": True} if done.returncode < 0 else row
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":  # the child: a job as JSON on stdin, the result as JSON on stdout
     job = json.loads(sys.stdin.read())
-    result = measure_llama_cpp(job["gguf"], job["prompts"], job["output_len"], job["threads"])
+    extra_buffers = job.get("extra_buffers", True)
+    result = measure_llama_cpp(
+        job["gguf"], job["prompts"], job["output_len"], job["threads"], extra_buffers
+    )
     print(json.dumps(result))

@@ -17,7 +17,7 @@ What gets quantized (the formats are in engine/kernels/quant.py):
 "gguf": the linears are taken from the GGUF file the default artifact was built from, block by
 block: a Q4_1 block (32 weights: a float16 scale d, a float16 min m, 16 bytes of nibbles,
 w = q × d + m) is exactly an Int4Weight group of 32 with the same nibble order (byte j holds
-weight j low and weight j + 16 high), so only the float16 d and m widen to float32; llama.cpp
+weight j low and weight j + 16 high), so the bytes are copied and d and m stay float16; llama.cpp
 stores Q and K rows permuted for its rope layout and the rows are put back in Hugging Face order.
 Engine and llama.cpp then multiply by literally the same 4-bit numbers, and in the same way:
 these weights are marked `q8_activations`, so each activation row is rounded to int8 in blocks of
@@ -234,13 +234,15 @@ def load_quantized_model(
 def q4_1_to_int4(raw, rows: int, cols: int) -> Int4Weight:
     """A GGUF Q4_1 tensor ([rows, cols/32 blocks × 20 bytes] uint8) as an Int4Weight of group 32.
     Block layout (ggml block_q4_1): float16 d, float16 m, then 16 bytes whose low nibbles are
-    weights 0..15 and high nibbles weights 16..31: exactly our packing, so the bytes are copied."""
+    weights 0..15 and high nibbles weights 16..31: exactly our packing, so the bytes are copied,
+    and d and m stay float16 (the kernels widen them as they read: 20 bytes per 32 weights, as in
+    the file, where float32 copies would make it 24)."""
     if cols % GGUF_BLOCK:
         raise ValueError(f"Q4_1 rows must be a multiple of {GGUF_BLOCK} wide, got {cols}")
     blocks = cols // GGUF_BLOCK
     data = torch.from_numpy(np.array(raw, dtype=np.uint8)).reshape(rows, blocks, Q4_1_BLOCK_BYTES)
-    d = data[..., 0:2].contiguous().view(torch.float16).reshape(rows, blocks).float()
-    m = data[..., 2:4].contiguous().view(torch.float16).reshape(rows, blocks).float()
+    d = data[..., 0:2].contiguous().view(torch.float16).reshape(rows, blocks)
+    m = data[..., 2:4].contiguous().view(torch.float16).reshape(rows, blocks)
     packed = data[..., 4:].reshape(rows, cols // 2).contiguous()
     return Int4Weight(packed, d.contiguous(), m.contiguous(), GGUF_BLOCK)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -33,6 +34,7 @@ from hypothesis import strategies as st
 from engine import kernels
 from engine.attention import build_attention_metadata, paged_attention
 from engine.kernels.quant import (
+    Int4Weight,
     dequantize_int4,
     dequantize_int8,
     quantize_int4,
@@ -267,12 +269,21 @@ def test_int4_packing_puts_the_group_halves_in_the_two_nibbles():
     assert q4.packed[0, 0].item() == expected[0] | (expected[16] << 4)
 
 
-def _check_quantized_linear(ext, rows, out_features, in_features, group_size, bits, bias, seed):
+def _float16_scales(qw: Int4Weight) -> Int4Weight:
+    """The weight with its scales and minimums rounded to float16, as a GGUF stores them."""
+    return replace(qw, scales=qw.scales.half(), mins=qw.mins.half())
+
+
+def _check_quantized_linear(
+    ext, rows, out_features, in_features, group_size, bits, bias, seed, float16_scales=False
+):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(out_features, in_features, generator=g) * 0.05
     x = torch.randn(rows, in_features, generator=g)
     b = torch.randn(out_features, generator=g) if bias else None
     qw = quantize_int8(w) if bits == 8 else quantize_int4(w, group_size)
+    if float16_scales and bits == 4:
+        qw = _float16_scales(qw)
     torch.testing.assert_close(
         quantized_linear(x, qw, b, kernels=ext), reference_linear(x, qw, b), atol=1e-4, rtol=1e-4
     )
@@ -284,13 +295,15 @@ def test_quantized_linear_every_row_count_from_1_to_40(ext, bits):
     every remainder of rows modulo the tile shows up, with output channels that end mid-tile and
     mid-work-item (37) and, for int8, an input width that ends mid-vector (83 = 5 × 16 + 3); for
     int4 odd numbers of groups (3 × 16, and 5 × 6 whose half-groups of 3 nibbles are odd) and
-    groups of 32, whose one-row case runs in tiles of 8 channels (37 = 4 × 8 + 5)."""
+    groups of 32, whose one-row case runs in tiles of 8 channels (37 = 4 × 8 + 5), also with
+    float16 scales and minimums (a GGUF's)."""
     for rows in range(1, 41):
         if bits == 8:
             _check_quantized_linear(ext, rows, 37, 83, 0, 8, rows % 2 == 0, seed=rows)
         else:
             _check_quantized_linear(ext, rows, 37, 48, 16, 4, rows % 2 == 0, seed=rows)
             _check_quantized_linear(ext, rows, 37, 96, 32, 4, rows % 2 == 1, seed=rows + 50)
+            _check_quantized_linear(ext, rows, 37, 96, 32, 4, rows % 2 == 0, rows + 70, True)
             _check_quantized_linear(ext, rows, 21, 30, 6, 4, rows % 3 == 0, seed=rows + 100)
 
 
@@ -303,15 +316,18 @@ def test_quantized_linear_every_row_count_from_1_to_40(ext, bits):
     bits=st.sampled_from([8, 4]),
     int8_width=st.integers(1, 400),
     with_bias=st.booleans(),
+    float16_scales=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_quantized_linear_matches_dequantize_then_matmul(
-    ext, rows, out_features, groups, group_size, bits, int8_width, with_bias, seed
+    ext, rows, out_features, groups, group_size, bits, int8_width, with_bias, float16_scales, seed
 ):
     """Random shapes: row counts 1..40 (tile remainders), odd and even group counts, int8 input
-    widths that are no multiple of the vector width."""
+    widths that are no multiple of the vector width, int4 scales in float32 or float16."""
     in_features = groups * group_size if bits == 4 else int8_width
-    _check_quantized_linear(ext, rows, out_features, in_features, group_size, bits, with_bias, seed)
+    _check_quantized_linear(
+        ext, rows, out_features, in_features, group_size, bits, with_bias, seed, float16_scales
+    )
 
 
 def test_quantized_linear_keeps_leading_dimensions(ext):
@@ -342,17 +358,18 @@ def test_q8_rounding_is_llama_cpps_int8_blocks():
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 33])
 @pytest.mark.parametrize("bias", [False, True])
-def test_int4_with_q8_activations_matches_its_reference(ext, rows, bias):
+@pytest.mark.parametrize("float16_scales", [False, True])
+def test_int4_with_q8_activations_matches_its_reference(ext, rows, bias, float16_scales):
     """The GGUF path's kernel: integer dot products at one row (channels 37: tiles of 8 and a
-    remainder), the float kernel on the rounded rows above that; against rounding in torch, then
-    dequantize-and-matmul."""
-    from dataclasses import replace
-
+    remainder; 3 groups: a pair and an odd one), the float kernel on the rounded rows above that;
+    against rounding in torch, then dequantize-and-matmul; scales in float32 or float16."""
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(37, 96, generator=g) * 0.05
     x = torch.randn(rows, 96, generator=g) * 2
     b = torch.randn(37, generator=g) if bias else None
     qw = replace(quantize_int4(w, 32), q8_activations=True)
+    if float16_scales:
+        qw = _float16_scales(qw)
     out = quantized_linear(x, qw, b, kernels=ext)
     torch.testing.assert_close(out, reference_linear(x, qw, b), atol=1e-4, rtol=1e-4)
     # and it is not the weight-only product: the rounding of x shows
@@ -364,19 +381,36 @@ def test_int4_with_q8_activations_matches_its_reference(ext, rows, bias):
     out_features=st.integers(1, 70),
     groups=st.integers(1, 20),
     scale=st.sampled_from([1e-3, 1.0, 50.0]),
+    float16_scales=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_int4_q8_one_row_on_random_shapes(ext, out_features, groups, scale, seed):
-    from dataclasses import replace
-
+def test_int4_q8_one_row_on_random_shapes(ext, out_features, groups, scale, float16_scales, seed):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(out_features, 32 * groups, generator=g)
     x = torch.randn(1, 32 * groups, generator=g) * scale
     qw = replace(quantize_int4(w, 32), q8_activations=True)
+    if float16_scales:
+        qw = _float16_scales(qw)
     ref = reference_linear(x, qw)
     torch.testing.assert_close(
         quantized_linear(x, qw, kernels=ext), ref, atol=1e-4 * scale, rtol=1e-4
     )
+
+
+def test_int4_kernels_refuse_scales_they_cannot_read(ext):
+    """Mixed float32/float16 scales and minimums, another dtype, or a count that is not one per
+    group: a clear error from the kernel, never a read past the end."""
+    qw = quantize_int4(torch.randn(8, 64), 32)
+    x = torch.randn(1, 64)
+    bad = [
+        (qw.scales.half(), qw.mins, "both float32 or both float16"),
+        (qw.scales.double(), qw.mins.double(), "both float32 or both float16"),
+        (qw.scales[:4], qw.mins[:4], "one scale and one min per group"),
+    ]
+    for name in ("int4_linear", "int4_q8_linear"):
+        for scales, mins, message in bad:
+            with pytest.raises(RuntimeError, match=message):
+                getattr(ext, name)(x, qw.packed, scales, mins, 32, None)
 
 
 @HYPOTHESIS

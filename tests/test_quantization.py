@@ -28,6 +28,7 @@ from engine.kernels.quant import (
 )
 from engine.models.llama import LlamaModel
 from engine.quantization import (
+    bits_per_weight,
     check_quantization,
     decode_bytes_per_step,
     q4_1_to_int4,
@@ -113,6 +114,9 @@ def test_q4_1_blocks_map_onto_int4_groups_of_32_in_ggml_order():
     qw = q4_1_to_int4(np.frombuffer(bytes(raw), dtype=np.uint8).reshape(rows, -1), rows, 64)
     assert qw.group_size == 32 and qw.shape == (rows, 64)
     assert torch.equal(dequantize(qw), expected)
+    # d and m stay the file's float16: 20 bytes per block of 32, as on disk (5 bits a weight)
+    assert qw.scales.dtype == qw.mins.dtype == torch.float16
+    assert qw.nbytes() == len(raw) and bits_per_weight(qw) == 5.0
 
 
 def test_dequantized_rows_are_the_rows_of_the_dequantized_matrix():

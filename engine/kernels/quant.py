@@ -6,7 +6,8 @@ and w ≈ q × scale with q an int8 in -127..127. A quarter of float32's bytes.
 int4, group-wise, with a scale and a minimum (the idea of GGUF's Q4_1): each row is cut into
 groups of `group_size` (32) consecutive input channels; in a group w ≈ q × scale + min with q in
 0..15, scale = (max - min) / 15. Two weights per byte, plus two floats per group: 4 + 64/32 =
-6 bits per weight at group 32, 0.19 × float32's bytes.
+6 bits per weight at group 32, 0.19 × float32's bytes. The scales and minimums may also be
+float16, as a GGUF's Q4_1 blocks store them (engine/quantization.py): 4 + 32/32 = 5 bits.
 Packing: in each group, byte j holds weight j in its low nibble and weight j + group_size/2 in its
 high nibble (the kernel unpacks a group with one mask and one shift).
 
@@ -46,8 +47,8 @@ class Int8Weight:
 @dataclass
 class Int4Weight:
     packed: torch.Tensor  # [out, in / 2] uint8, two weights per byte (see the module docstring)
-    scales: torch.Tensor  # [out, in / group_size] float32
-    mins: torch.Tensor  # [out, in / group_size] float32
+    scales: torch.Tensor  # [out, in / group_size] float32, or float16 (a GGUF's own values)
+    mins: torch.Tensor  # [out, in / group_size], the dtype of scales
     group_size: int
     # True: multiply by activations rounded to int8 in blocks of 32, as llama.cpp does for Q4_1
     q8_activations: bool = False
@@ -57,7 +58,9 @@ class Int4Weight:
         return torch.Size((self.packed.shape[0], self.packed.shape[1] * 2))
 
     def nbytes(self) -> int:
-        return self.packed.numel() + 4 * (self.scales.numel() + self.mins.numel())
+        return self.packed.numel() + self.scales.element_size() * (
+            self.scales.numel() + self.mins.numel()
+        )
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.packed, self.scales, self.mins)
@@ -113,7 +116,8 @@ def unpack_int4(qw: Int4Weight) -> torch.Tensor:
 def dequantize_int4(qw: Int4Weight) -> torch.Tensor:
     out_features, in_features = qw.shape
     q = unpack_int4(qw).float().view(out_features, -1, qw.group_size)
-    return (q * qw.scales.unsqueeze(-1) + qw.mins.unsqueeze(-1)).view(out_features, in_features)
+    scales, mins = qw.scales.float().unsqueeze(-1), qw.mins.float().unsqueeze(-1)
+    return (q * scales + mins).view(out_features, in_features)
 
 
 def dequantize(qw: QuantizedWeight) -> torch.Tensor:
