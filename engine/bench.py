@@ -843,6 +843,7 @@ def format_llama_cpp(peer: dict, r: dict) -> list[str]:
         f"({peer['decode_step_ms']:.1f} ms/step), prefill {peer['prefill_tokens_per_s']:.0f} "
         f"tokens/s; the engine's section-3 decode ({label}) ÷ llama.cpp's = "
         f"{_fmt(_ratio(ours, peer['decode_tokens_per_s']), '.2f')} ({peer['method']})",
+        *([f"  note: {peer['note']}"] if peer.get("note") else []),
     ]
 
 

@@ -93,6 +93,7 @@ def measure_llama_cpp(
         "version": version,
         "gguf": Path(gguf_path).name,
         "threads": threads,
+        "extra_buffers": extra_buffers,
         "decode_tokens_per_s": 1.0 / step,
         "decode_step_ms": 1000 * step,
         "prefill_tokens_per_s": statistics.median(prefill_rates),

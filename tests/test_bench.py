@@ -202,6 +202,34 @@ def test_llama_cpp_peer_is_optional_and_isolated(monkeypatch, tmp_path):
     assert set(row) == {"skipped"} and row["skipped"]
 
 
+def test_llama_cpp_peer_killed_by_a_signal_runs_again_without_extra_buffers(monkeypatch):
+    """llama.cpp's AMX kernels crashed its child on an AMX Xeon VM: a child killed by a signal is
+    run once more with use_extra_bufts off, and the row says so; an ordinary failure is not."""
+    import json
+    import subprocess
+
+    from engine import llama_cpp_peer as peer
+
+    monkeypatch.setattr(peer, "llama_cpp_version", lambda: "test")
+    jobs, codes = [], []
+
+    def fake_run(args, input, **kwargs):
+        jobs.append(json.loads(input))
+        code = codes.pop(0)
+        out = json.dumps({"decode_tokens_per_s": 100.0, "extra_buffers": False})
+        return subprocess.CompletedProcess(args, code, stdout=out if code == 0 else "", stderr="")
+
+    monkeypatch.setattr(peer.subprocess, "run", fake_run)
+    codes[:] = [-11, 0]
+    row = peer.measure_llama_cpp_isolated("x.gguf", [[1, 2]], 4, 1)
+    assert [j.get("extra_buffers", True) for j in jobs] == [True, False]
+    assert row["decode_tokens_per_s"] == 100.0 and "exit code -11" in row["note"]
+    jobs.clear()
+    codes[:] = [1]
+    row = peer.measure_llama_cpp_isolated("x.gguf", [[1, 2]], 4, 1)
+    assert len(jobs) == 1 and set(row) == {"skipped"}
+
+
 def test_best_time_keeps_the_fastest_call_and_stops_at_its_budget():
     """Best of N, but a very slow call (bfloat16 matmul on a CPU without bfloat16 instructions)
     stops after two timed calls once the budget is spent, instead of running all N."""

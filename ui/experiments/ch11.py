@@ -229,7 +229,8 @@ def peer_rows(results: dict | None) -> pd.DataFrame | None:
     ]
     rows.append(
         {
-            "엔진": f"llama.cpp {peer.get('version', '')} · Q4_1",
+            "엔진": f"llama.cpp {peer.get('version', '')} · Q4_1"
+            + (" · AMX 등 확장 버퍼 없이" if peer.get("extra_buffers") is False else ""),
             "스텝당 MB": None,
             "디코드 토큰/s": round(base, 1),
             "스텝 ms": round(peer.get("decode_step_ms", 1e3 / base), 2),
