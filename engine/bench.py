@@ -181,11 +181,11 @@ def _matmul_kernels(device: torch.device, dtype: torch.dtype) -> dict:
     """The ways this process can multiply matrices: torch's default (`a @ b`, BLAS on a CPU) and,
     where the engine uses it, oneDNN's linear (engine/models/llama.py). A ceiling is the best of
     them."""
-    from engine.models.llama import ONEDNN_LINEAR, linear
+    from engine.models.llama import ONEDNN_LINEAR, onednn_linear
 
     kernels = {"torch.matmul": lambda a, b: a @ b}
     if device.type == "cpu" and dtype == torch.float32 and ONEDNN_LINEAR:
-        kernels["oneDNN linear"] = lambda a, b: linear(a, b)  # a @ bᵀ: the same FLOPs
+        kernels["oneDNN linear"] = lambda a, b: onednn_linear(a, b)  # a @ bᵀ: the same FLOPs
     return kernels
 
 
@@ -566,13 +566,14 @@ def measure_linear_kernels(model, repeats: int) -> dict:
     """Every layer's weight matrices (qkv, o, gate_up, down of all layers; not the embedding or
     the output layer) through each path: GB/s of weights streamed at 1 row (a decode step at
     batch 1: the path's own weight bytes ÷ time) and GFLOP/s at 32 rows (a decode step at batch
-    32: 2 × weights × 32 ÷ time). Paths: torch's float32 (MKL's F.linear and oneDNN, the engine's
-    `linear`), bfloat16, and int8 / int4 (group 32) both through our C++ kernels ("ours") and
-    through the readable torch reference (dequantize, then F.linear) that kernels="torch" runs.
-    CPU only; the "ours" rows are left out when the extension does not build."""
+    32: 2 × weights × 32 ÷ time). Paths: torch's float32 (MKL's F.linear and oneDNN, one of
+    which the engine's `linear` runs: engine/models/llama.py `float32_linear_backend`),
+    bfloat16, and int8 / int4 (group 32) both through our C++ kernels ("ours") and through the
+    readable torch reference (dequantize, then F.linear) that kernels="torch" runs. CPU only;
+    the "ours" rows are left out when the extension does not build."""
     from engine import kernels as kernel_lib
     from engine.kernels.quant import quantize_int4, quantize_int8, quantized_linear
-    from engine.models.llama import ONEDNN_LINEAR, linear
+    from engine.models.llama import ONEDNN_LINEAR, onednn_linear
 
     mats = [t.float() for k, t in model.w.items() if t.dim() == 2 and k.split(".")[0].isdigit()]
     params = sum(m.numel() for m in mats)
@@ -585,7 +586,11 @@ def measure_linear_kernels(model, repeats: int) -> dict:
         "float32 F.linear (MKL)": (lambda x, i: F.linear(x, mats[i]), torch.float32, 4 * params),
     }
     if ONEDNN_LINEAR:
-        variants["float32 oneDNN"] = (lambda x, i: linear(x, mats[i]), torch.float32, 4 * params)
+        variants["float32 oneDNN"] = (
+            lambda x, i: onednn_linear(x, mats[i]),
+            torch.float32,
+            4 * params,
+        )
     variants["bfloat16 F.linear"] = (lambda x, i: F.linear(x, bf16[i]), torch.bfloat16, 2 * params)
     for fmt, label, qws, nbytes in (
         ("int8", "", q8, q8_bytes),
@@ -944,6 +949,11 @@ def run_benchmark(config: BenchConfig, log=print) -> dict:
     kernels_line = f"{config.kernels} → attention: {kernel_lib.describe(model.kernel_path)}"
     if config.quantization:
         kernels_line += f"; quantized linears: {kernel_lib.describe(model.linear_kernel_path)}"
+    if device.type == "cpu" and dtype == torch.float32:
+        from engine.models.llama import float32_linear_backend
+
+        choice = float32_linear_backend()
+        kernels_line += f"; float32 linears: {choice['backend']} ({choice['why']})"
     log(f"kernels: {kernels_line}")
     quantization_line = quant_lib.describe(model)
     log(f"quantization: {quantization_line}")

@@ -140,7 +140,8 @@ def _run_child(job: dict, timeout_s: float) -> dict:
         return {"skipped": f"llama.cpp did not finish within {timeout_s:.0f} s"}
     if done.returncode != 0:
         tail = (done.stderr.strip().splitlines() or [""])[-1]
-        row = {"skipped": f"llama.cpp's process failed (exit code {done.returncode}) {tail}"}
+        message = f"llama.cpp's process failed (exit code {done.returncode}) {tail}"
+        row = {"skipped": message.strip()}
         return row | {"signal": True} if done.returncode < 0 else row
     return json.loads(done.stdout.strip().splitlines()[-1])
 

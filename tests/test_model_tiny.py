@@ -118,6 +118,58 @@ def test_mixed_flat_batch_equals_alone_and_transformers(tiny_model, tiny_hf_mode
         assert batched[name].argmax() == ref.argmax(), name
 
 
+@pytest.fixture
+def float32_linear(monkeypatch):
+    """Force the float32 linear library ("mkl" or "onednn") for one test, then forget it."""
+    import engine.models.llama as llama
+
+    def force(backend: str | None):
+        monkeypatch.setattr(llama, "_float32_linear", None)
+        if backend is None:
+            monkeypatch.delenv(llama.FLOAT32_LINEAR_ENV, raising=False)
+        else:
+            monkeypatch.setenv(llama.FLOAT32_LINEAR_ENV, backend)
+        return llama.float32_linear_backend()
+
+    yield force
+    monkeypatch.setattr(llama, "_float32_linear", None)
+
+
+def test_float32_linear_library_is_timed_once_or_set_by_the_environment(float32_linear):
+    """Unset: both libraries are timed at 1 and 32 rows, once per process, and one is chosen;
+    the environment variable skips the timing. `linear` then runs exactly that library."""
+    import torch.nn.functional as F
+
+    from engine.models.llama import ONEDNN_LINEAR, float32_linear_backend, linear, onednn_linear
+
+    timed = float32_linear(None)
+    assert float32_linear_backend() is timed  # measured once
+    if ONEDNN_LINEAR:
+        assert timed["backend"] in ("mkl", "onednn") and set(timed["ms"]) == {1, 32}
+    x, w, b = torch.randn(3, 48), torch.randn(20, 48), torch.randn(20)
+    assert float32_linear("mkl")["why"].endswith("=mkl")
+    assert torch.equal(linear(x, w, b), F.linear(x, w, b))
+    if ONEDNN_LINEAR:
+        assert float32_linear("onednn")["backend"] == "onednn"
+        assert torch.equal(linear(x, w, b), onednn_linear(x, w, b))
+
+
+@pytest.mark.parametrize("backend", ["mkl", "onednn"])
+def test_both_float32_linear_libraries_match_transformers(
+    tiny_model, tiny_hf_model, sequences, float32_linear, backend
+):
+    """Whichever library this machine picks, the model agrees with transformers through it."""
+    from engine.models.llama import ONEDNN_LINEAR
+
+    if backend == "onednn" and not ONEDNN_LINEAR:
+        pytest.skip("this PyTorch build has no oneDNN linear")
+    float32_linear(backend)
+    batched, _ = run_mixed_batch(tiny_model, sequences)
+    for name, n in {"a": 13, "b": 37, "c": 31, "d": 33}.items():
+        ref = hf_logits(tiny_hf_model, sequences[name][:n])[-1]
+        assert rel_err(batched[name], ref) <= TOL, name
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_shuffled_block_tables_and_stale_blocks_give_same_logits(tiny_model, sequences, seed):
     contiguous, _ = run_mixed_batch(tiny_model, sequences)

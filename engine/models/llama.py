@@ -17,6 +17,8 @@ import copy
 import json
 import logging
 import math
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,9 +101,103 @@ def _onednn_linear_works() -> bool:
 
 # On a CPU, F.linear in float32 goes to the BLAS library PyTorch ships (MKL). oneDNN, the CPU
 # library PyTorch uses for convolutions (and torch.compile for linear layers), ran the same float32
-# matmuls 1.5-2× faster on our 2-core AMD EPYC at every batch size from 1 to 512 tokens
-# (`python -m engine bench` measures both). So on a CPU the model calls oneDNN's linear directly.
+# matmuls 1.5-2× faster on our 2-core AMD EPYC at every batch size from 1 to 512 tokens; on a
+# 2-core Intel Xeon (AMX, 2026-12-02) it was the other way round at one row: MKL 16.8 ms for the
+# 120 layer matrices, oneDNN 25.0 ms, and the same within 5 % from 8 rows up. Which is faster
+# depends on the CPU, so the first float32 model on a CPU times both (`float32_linear_backend`).
 ONEDNN_LINEAR = _onednn_linear_works()
+FLOAT32_LINEAR_ENV = "LLM_LAB_FLOAT32_LINEAR"  # "mkl" or "onednn": skip the timing, use that one
+_float32_linear: dict | None = None  # the choice and the timings behind it, once per process
+
+
+def onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None):
+    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+
+
+def _best_ms(fn, repeats: int) -> float:
+    fn()  # warm up (oneDNN prepares its kernel on the first call)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return 1e3 * best
+
+
+def float32_linear_backend(matrices: list[torch.Tensor] | None = None) -> dict:
+    """Which library runs float32 linears on this CPU, "mkl" (F.linear) or "onednn", with the
+    timings behind the choice: both libraries over `matrices` (the first model's own layer
+    weights, as a decode step reads them; else 8 synthetic 2048 × 2048 ones) at 1 row (decode
+    at batch 1) and at 32 rows. oneDNN stays (it was the faster where this was first measured)
+    unless MKL is at least 15 % faster at one row and no more than 10 % slower at 32: one library
+    for every row count, so that a request's numbers do not depend on the size of its batch.
+    Measured once per process (about half a second for the default model), or set by the
+    environment variable LLM_LAB_FLOAT32_LINEAR."""
+    global _float32_linear
+    if _float32_linear is not None:
+        return _float32_linear
+    forced = os.environ.get(FLOAT32_LINEAR_ENV, "").strip().lower()
+    if not ONEDNN_LINEAR:
+        _float32_linear = {"backend": "mkl", "why": "this PyTorch build has no oneDNN linear"}
+    elif forced in ("mkl", "onednn"):
+        _float32_linear = {"backend": forced, "why": f"{FLOAT32_LINEAR_ENV}={forced}"}
+    else:
+        if not matrices:
+            matrices = [torch.full((2048, 2048), 0.01) for _ in range(8)]
+        inputs = {m.shape[1]: None for m in matrices}
+        libraries = {"mkl": F.linear, "onednn": onednn_linear}
+        ms = {}
+        for rows, repeats in ((1, 3), (32, 2)):
+            for k in inputs:
+                inputs[k] = torch.full((rows, k), 0.01)
+            ms[rows] = {
+                name: _best_ms(lambda f=f: [f(inputs[m.shape[1]], m) for m in matrices], repeats)
+                for name, f in libraries.items()
+            }
+        mkl_wins = ms[1]["mkl"] < 0.85 * ms[1]["onednn"] and ms[32]["mkl"] < 1.1 * ms[32]["onednn"]
+        size = sum(m.numel() for m in matrices) * 4 / 1e6
+        _float32_linear = {
+            "backend": "mkl" if mkl_wins else "onednn",
+            "why": f"timed over {len(matrices)} matrices, {size:.0f} MB: "
+            + "; ".join(
+                f"{rows} row{'s' * (rows > 1)} MKL {t['mkl']:.1f} ms, oneDNN {t['onednn']:.1f} ms"
+                for rows, t in ms.items()
+            ),
+            "ms": ms,
+        }
+    logger.info(
+        "float32 linear on this CPU: %s (%s)", _float32_linear["backend"], _float32_linear["why"]
+    )
+    return _float32_linear
+    forced = os.environ.get(FLOAT32_LINEAR_ENV, "").strip().lower()
+    if not ONEDNN_LINEAR:
+        _float32_linear = {"backend": "mkl", "why": "this PyTorch build has no oneDNN linear"}
+    elif forced in ("mkl", "onednn"):
+        _float32_linear = {"backend": forced, "why": f"{FLOAT32_LINEAR_ENV}={forced}"}
+    else:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(2048, 2048, generator=g)
+        ms = {}
+        for rows in (1, 32):
+            x = torch.randn(rows, 2048, generator=g)
+            ms[rows] = {
+                "mkl": _best_ms(lambda: F.linear(x, w), 10),
+                "onednn": _best_ms(lambda: onednn_linear(x, w), 10),
+            }
+        mkl_wins = ms[1]["mkl"] < 0.85 * ms[1]["onednn"] and ms[32]["mkl"] < 1.10 * ms[32]["onednn"]
+        _float32_linear = {
+            "backend": "mkl" if mkl_wins else "onednn",
+            "why": "timed, 2048 × 2048, best of 10: "
+            + "; ".join(
+                f"{rows} row{'s' * (rows > 1)} MKL {t['mkl']:.2f} ms, oneDNN {t['onednn']:.2f} ms"
+                for rows, t in ms.items()
+            ),
+            "ms": ms,
+        }
+    logger.info(
+        "float32 linear on this CPU: %s (%s)", _float32_linear["backend"], _float32_linear["why"]
+    )
+    return _float32_linear
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, kernels=None) -> torch.Tensor:
@@ -112,8 +208,8 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, kernels=None) -
     (`LlamaModel.linear_kernels`), made once per engine from EngineConfig(kernels=...)."""
     if isinstance(w, (Int8Weight, Int4Weight)):
         return quantized_linear(x, w, bias, kernels)
-    if ONEDNN_LINEAR and x.is_cpu and x.dtype == torch.float32:
-        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    if x.is_cpu and x.dtype == torch.float32 and float32_linear_backend()["backend"] == "onednn":
+        return onednn_linear(x, w, bias)
     return F.linear(x, w, bias)
 
 
@@ -220,6 +316,14 @@ class LlamaModel:
         self.scale = cfg.head_dim**-0.5
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        if device.type == "cpu" and dtype == torch.float32:  # time MKL and oneDNN on them now
+            float32_linear_backend(
+                [
+                    t
+                    for k, t in weights.items()
+                    if k.split(".")[0].isdigit() and isinstance(t, torch.Tensor) and t.dim() == 2
+                ]
+            )
         self.kernel_path = "torch"  # which attention runs: "torch" (reference) or "cpu" (C++)
         self.kernels = None  # the compiled extension when kernel_path == "cpu"
         # The same for the weight-only int8/int4 linears (they also take bfloat16 activations).
