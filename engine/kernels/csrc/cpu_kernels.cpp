@@ -661,8 +661,9 @@ void paged_attention(const torch::Tensor& q, const torch::Tensor& k, const torch
 
 namespace {
 // An int4 weight's scales and minimums are float32 (engine/kernels/quant.py quantize_int4) or
-// float16 (a GGUF's Q4_1 blocks store them so: 20 bytes per 32 weights instead of 24, and the
-// one-row kernels are limited by the bytes they read). The kernels are templates over that type.
+// float16 (a GGUF's Q4_1 blocks store them so: 20 bytes per 32 weights instead of 24, and where
+// the weights stream from memory the one-row kernels are limited by the bytes they read).
+// int4_linear is a template over that type; int4_q8_linear widens a tile's float16 values first.
 inline float to_float(float v) { return v; }
 inline float to_float(at::Half v) {
 #if defined(__F16C__)
@@ -1162,7 +1163,8 @@ inline int64_t int4_q8_group_pairs(const int8_t* xq, const float* d, const uint8
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
       const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
       const __m512 dots = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv));
-      const __m128 both = _mm_mul_ps(load_two(scales + c * groups + g), d2);  // scale * d of group g, of group g + 1
+      // scale * d of group g, of group g + 1
+      const __m128 both = _mm_mul_ps(load_two(scales + c * groups + g), d2);
       const __m512 scale = _mm512_permutexvar_ps(pair_lanes, _mm512_castps128_ps512(both));
       acc[c] = _mm512_fmadd_ps(dots, scale, acc[c]);
     }
@@ -1229,9 +1231,9 @@ inline void int4_q8_row_tile(const int8_t* xq, const float* d, const float* dsum
 }
 
 // The same with float16 scales and minimums (a GGUF's): the tile's NC rows of them are widened
-// into float32 scratch first, a few instructions per 16 values, then the float tile runs. Widening
-// each scale where it is used instead took 3 instructions per channel and pair of groups, 5 %
-// more time where the weights sit in cache, more than the 2 bytes per group saved.
+// into float32 scratch first, one conversion per vector of them, then the float tile runs. Widening
+// each scale where it is used instead added 3 instructions per channel and pair of groups: 15-20 %
+// slower on a Xeon whose L3 holds all the weights (docs/performance.md, 2026-12-02).
 template <int NC>
 inline void int4_q8_row_tile(const int8_t* xq, const float* d, const float* dsum,
                              const uint8_t* w, int64_t row_bytes, const at::Half* scales,
