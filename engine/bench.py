@@ -179,8 +179,8 @@ def percentiles(values: list[float], ps=(50, 90, 99)) -> dict[str, float | None]
 
 def _matmul_kernels(device: torch.device, dtype: torch.dtype) -> dict:
     """The ways this process can multiply matrices: torch's default (`a @ b`, BLAS on a CPU) and,
-    where the engine uses it, oneDNN's linear (engine/models/llama.py). A ceiling is the best of
-    them."""
+    on a CPU in float32, oneDNN's linear (the engine runs one of the two: engine/models/llama.py
+    `float32_linear_backend`). A ceiling is the best of them."""
     from engine.models.llama import ONEDNN_LINEAR, onednn_linear
 
     kernels = {"torch.matmul": lambda a, b: a @ b}

@@ -80,7 +80,14 @@ import torch.nn.functional as F
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES
 from engine.executor import Executor, ExecutorDiedError
 from engine.model_runner import ModelRunner, ModelRunnerOutput
-from engine.models.llama import LlamaConfig, LlamaModel, linear, rms_norm
+from engine.models.llama import (
+    FLOAT32_LINEAR_ENV,
+    LlamaConfig,
+    LlamaModel,
+    float32_linear_backend,
+    linear,
+    rms_norm,
+)
 from engine.scheduler_output import SchedulerOutput
 from engine.worker import Worker
 
@@ -875,11 +882,14 @@ class MultiprocExecutor(Executor):
             timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
         )  # fmt: skip
         self.ranks.store = store
-        threads = 0
+        threads, same_library = 0, {}
         if self.spec["device"].type == "cpu":  # share the cores, do not oversubscribe them
             threads = max(1, torch.get_num_threads() // self.world_size)
+            if self.spec["dtype"] == torch.float32:  # every rank the same float32 linear library
+                same_library = {FLOAT32_LINEAR_ENV: float32_linear_backend()["backend"]}
         for rank in range(self.world_size):
             env = {
+                **same_library,
                 "MASTER_ADDR": self.master_addr,
                 "MASTER_PORT": str(port),
                 "RANK": str(rank),

@@ -231,6 +231,26 @@ def test_chunked_body_over_the_cap_is_refused(server):
     assert_error(response, 413)
 
 
+def test_an_oversized_body_that_stops_arriving_still_gets_its_413(server, monkeypatch):
+    """The server reads a declared over-limit body to its end before answering (so that the
+    client, still sending, can read the 413), but no longer than BodySizeLimit.DRAIN_TIMEOUT_S:
+    a client that declares 10 MB and stalls after 1 KB gets its 413 then (here after 0.5 s)."""
+    from engine.server import BodySizeLimit
+
+    monkeypatch.setattr(BodySizeLimit, "DRAIN_TIMEOUT_S", 0.5)
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {API_KEY}\r\nContent-Length: {10 * 1024 * 1024}\r\n\r\n"
+    )
+    started = time.monotonic()
+    with socket.create_connection((server.host, server.port), timeout=30) as sock:
+        sock.sendall(head.encode() + b"x" * 1024)
+        reply = sock.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+    assert time.monotonic() - started < BodySizeLimit.DRAIN_TIMEOUT_S + 10
+    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+
+
 def test_endless_headers_are_cut_off_by_uvicorn(server):
     """h11_max_incomplete_event_size: a header block that keeps growing past 16 KiB without
     ending is refused (uvicorn answers 400 and closes), and the server serves on."""

@@ -169,35 +169,6 @@ def float32_linear_backend(matrices: list[torch.Tensor] | None = None) -> dict:
         "float32 linear on this CPU: %s (%s)", _float32_linear["backend"], _float32_linear["why"]
     )
     return _float32_linear
-    forced = os.environ.get(FLOAT32_LINEAR_ENV, "").strip().lower()
-    if not ONEDNN_LINEAR:
-        _float32_linear = {"backend": "mkl", "why": "this PyTorch build has no oneDNN linear"}
-    elif forced in ("mkl", "onednn"):
-        _float32_linear = {"backend": forced, "why": f"{FLOAT32_LINEAR_ENV}={forced}"}
-    else:
-        g = torch.Generator().manual_seed(0)
-        w = torch.randn(2048, 2048, generator=g)
-        ms = {}
-        for rows in (1, 32):
-            x = torch.randn(rows, 2048, generator=g)
-            ms[rows] = {
-                "mkl": _best_ms(lambda: F.linear(x, w), 10),
-                "onednn": _best_ms(lambda: onednn_linear(x, w), 10),
-            }
-        mkl_wins = ms[1]["mkl"] < 0.85 * ms[1]["onednn"] and ms[32]["mkl"] < 1.10 * ms[32]["onednn"]
-        _float32_linear = {
-            "backend": "mkl" if mkl_wins else "onednn",
-            "why": "timed, 2048 × 2048, best of 10: "
-            + "; ".join(
-                f"{rows} row{'s' * (rows > 1)} MKL {t['mkl']:.2f} ms, oneDNN {t['onednn']:.2f} ms"
-                for rows, t in ms.items()
-            ),
-            "ms": ms,
-        }
-    logger.info(
-        "float32 linear on this CPU: %s (%s)", _float32_linear["backend"], _float32_linear["why"]
-    )
-    return _float32_linear
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, kernels=None) -> torch.Tensor:
