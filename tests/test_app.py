@@ -254,6 +254,11 @@ def test_sidebar_settings_rebuild_the_engine(app):
     path = engine_of(at, "main").executor.worker.model.kernel_path
     expected = f"C++ ({kernels.cpu_isa()})" if path == "cpu" else "torch 참조 경로"
     assert any(f"어텐션 **{expected}**" in m.value for m in at.sidebar.markdown)
+    # and which library runs the float32 linears (timed on this CPU: engine/models/llama.py)
+    assert any(
+        "float32 선형층 **MKL**" in m.value or "float32 선형층 **oneDNN**" in m.value
+        for m in at.sidebar.markdown
+    )
     at.number_input(key="cfg_num_kv_blocks").set_value(64)
     at.button(key="cfg_apply").click().run()
     assert engine_of(at, "main").num_blocks == 64

@@ -279,6 +279,11 @@ def kernel_paths(engine) -> str | None:
     text = f"어텐션 **{name(model.kernel_path)}**"
     if getattr(model, "quantization", None):
         text += f" · 양자화 선형층 **{name(model.linear_kernel_path)}**"
+    elif model.device.type == "cpu" and str(model.dtype) == "torch.float32":
+        from engine.models.llama import float32_linear_backend
+
+        library = {"mkl": "MKL", "onednn": "oneDNN"}[float32_linear_backend()["backend"]]
+        text += f" · float32 선형층 **{library}** (이 CPU에서 둘을 재어 고름)"
     return text
 
 
