@@ -385,7 +385,10 @@ def run_transformers_static(
     """transformers `generate` over padded static batches of `batch_size`, in workload order.
 
     Each batch is left-padded to its longest prompt (with an attention mask) and runs greedy for
-    its longest output (min_new_tokens = max_new_tokens, the static-batch analogue of ignore_eos).
+    its longest output with eos_token_id=None: EOS neither stops a row nor is masked, which is
+    what ignore_eos means to the engine (and to vLLM). min_new_tokens, the obvious alternative,
+    masks EOS out of the logits: three of the 64 requests then differed from the engine exactly
+    where the engine's greedy choice was EOS (2026-12-02; transformers alone agreed with us).
     Only each request's own output tokens count as useful."""
     from transformers import AutoModelForCausalLM
 
@@ -405,7 +408,7 @@ def run_transformers_static(
                 attention_mask=mask.to(device),
                 do_sample=False,
                 max_new_tokens=new,
-                min_new_tokens=new,
+                eos_token_id=None,
                 pad_token_id=pad_token_id,
                 temperature=None,
                 top_p=None,
