@@ -144,12 +144,11 @@ def float32_linear_backend(matrices: list[torch.Tensor] | None = None) -> dict:
     else:
         if not matrices:
             matrices = [torch.full((2048, 2048), 0.01) for _ in range(8)]
-        inputs = {m.shape[1]: None for m in matrices}
+        widths = {m.shape[1] for m in matrices}
         libraries = {"mkl": F.linear, "onednn": onednn_linear}
         ms = {}
         for rows, repeats in ((1, 3), (32, 2)):
-            for k in inputs:
-                inputs[k] = torch.full((rows, k), 0.01)
+            inputs = {k: torch.full((rows, k), 0.01) for k in widths}
             ms[rows] = {
                 name: _best_ms(lambda f=f: [f(inputs[m.shape[1]], m) for m in matrices], repeats)
                 for name, f in libraries.items()

@@ -759,7 +759,7 @@ struct Vec {
 // a . b over n floats: whole vectors, then the rest one by one. (An `omp simd reduction` loop
 // ends with GCC adding its lanes one after another: at a 576-wide row's 18 groups that serial end
 // cost as much as the int4 tile's dot products themselves.)
-// `a` may be float16 (an int4 weight's minimums, see to_float below).
+// `a` may be float16 (an int4 weight's minimums, see to_float above).
 template <typename S>
 inline float dot(const S* a, const float* b, int64_t n) {
   Vec acc = Vec::zero();
