@@ -13,7 +13,7 @@ from ui.lab import lab as engine_lab
 from ui.lesson import render_chapter
 from ui.predict import compare, predict
 from ui.session import current_settings
-from ui.widgets import evidence, show_code
+from ui.widgets import evidence, show_code, show_frame
 
 RUNS = "ch04_runs"  # list of RunResult, newest last (kept so runs can be compared)
 
@@ -232,7 +232,7 @@ def _whole_run(ctx: LabContext, gap: int) -> None:
             st.markdown(f"- **{name}**: {text}")
     st.markdown("**평균과 백분위수** (numpy 선형 보간; n이 작으면 p99는 사실상 최댓값)")
     pct = percentile_table(res)
-    st.dataframe(pct.astype(object).where(pct.notna(), "—"), hide_index=True)
+    show_frame(pct, hide_index=True)
     evidence(
         "측정값",
         f"출력 토큰 처리량 {res.throughput:.1f} 토큰/s ({res.output_tokens}토큰 / "
@@ -248,7 +248,7 @@ def _whole_run(ctx: LabContext, gap: int) -> None:
                 for i, r in enumerate(runs)
             ]
         )
-        st.dataframe(history.astype(object).where(history.notna(), "—"), hide_index=True)
+        show_frame(history, hide_index=True)
         st.plotly_chart(_history_figure(runs), key="ch04_history")
 
 

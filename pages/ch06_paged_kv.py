@@ -14,7 +14,7 @@ from ui.lab import lab as engine_lab
 from ui.lesson import render_chapter
 from ui.predict import compare, predict
 from ui.session import current_settings
-from ui.widgets import evidence, show_code
+from ui.widgets import evidence, show_code, show_frame
 
 RESULT = "ch06_result"
 
@@ -41,7 +41,7 @@ def _block_tables(ctx: LabContext) -> None:
     pivot = table.pivot(index="request_id", columns="logical", values="physical")
     pivot.index.name = "요청"
     pivot.columns = [f"논리 {c}" for c in pivot.columns]
-    st.dataframe(pivot.astype(object).where(pivot.notna(), "—"))
+    show_frame(pivot, hide_index=False)
 
 
 def _workload(n: int, max_out: int) -> Workload:

@@ -18,7 +18,7 @@ from ui.lesson import render_chapter
 from ui.predict import compare, predict
 from ui.session import current_settings
 from ui.simulation import simulation_overrides, simulation_picker
-from ui.widgets import evidence, show_code
+from ui.widgets import evidence, show_code, show_frame
 
 RESULTS = "ch07_results"
 SIDE_KEYS = {
@@ -52,7 +52,7 @@ def _summary_view(ctx: LabContext) -> None:
         return
     summary = batching_summary(results)
     st.markdown("**전체 실행 요약** (엔진 시계)")
-    st.dataframe(summary.astype(object).where(summary.notna(), "—"), hide_index=True)
+    show_frame(summary, hide_index=True)
     fig = go.Figure()
     for label, res in results.items():
         t = res.request_table()

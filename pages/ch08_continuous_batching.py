@@ -26,7 +26,7 @@ from ui.simulation import (
     simulation_overrides,
     simulation_picker,
 )
-from ui.widgets import decision_table, evidence, show_code
+from ui.widgets import decision_table, evidence, show_code, show_frame
 
 RESULT = "ch08_result"
 SIDE_KEYS = {"chunked prefill 켬": "ch08_on", "chunked prefill 끔": "ch08_off"}
@@ -74,7 +74,7 @@ def _summary_view(ctx: LabContext) -> None:
         st.info("모든 엔진이 워크로드를 끝내면 여기에 전체 요약이 나옵니다.")
         return
     st.markdown("**전체 실행 요약** (엔진 시계)")
-    st.dataframe(result.summary.astype(object).where(result.summary.notna(), "—"), hide_index=True)
+    show_frame(result.summary, hide_index=True)
     fig = go.Figure()
     for label, res in result.runs.items():
         steps = res.step_table()
@@ -144,14 +144,14 @@ def _summary_view(ctx: LabContext) -> None:
     mixed = [r for r in first.records if len({x.phase for x in r.scheduled}) > 1]
     if mixed:
         st.markdown(f"**섞인 스텝 하나의 결정** ({first.label}, 스텝 {mixed[0].step})")
-        st.dataframe(decision_table(mixed[0]).astype(object).fillna("—"), hide_index=True)
+        show_frame(decision_table(mixed[0]), hide_index=True)
     for res in result.runs.values():
         blocked = [r for r in res.records if "token_budget" in r.unscheduled.values()]
         if blocked:
             st.markdown(
                 f"**토큰 예산 때문에 빠진 요청이 있는 스텝** ({res.label}, 스텝 {blocked[0].step})"
             )
-            st.dataframe(decision_table(blocked[0]).astype(object).fillna("—"), hide_index=True)
+            show_frame(decision_table(blocked[0]), hide_index=True)
 
 
 def _budget_sweep_view(spec: dict) -> None:

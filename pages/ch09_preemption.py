@@ -5,6 +5,7 @@ static batching with a per-priority view of the waiting times; all on the real e
 import pandas as pd
 import streamlit as st
 
+from ui.experiments.common import display_frame
 from ui.experiments.ch09 import (
     NOBODY,
     PREEMPTION_CODE,
@@ -51,7 +52,7 @@ POLICY_CHOICES = ["줄어든다", "비슷하다", "늘어난다"]
 
 
 def _table(df: pd.DataFrame) -> pd.DataFrame:
-    return df.astype(object).where(df.notna(), "—")
+    return display_frame(df)
 
 
 # -- the live part: queue order and preemptions, every step ------------------------------------

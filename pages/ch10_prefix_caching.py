@@ -25,7 +25,7 @@ from ui.experiments.ch10 import (
     shared_grid_figure,
     ttft_figure,
 )
-from ui.experiments.common import measurement_conditions
+from ui.experiments.common import display_frame, measurement_conditions
 from ui.lab import LabContext, Progress, Side, run_results, run_workload_button
 from ui.lab import lab as engine_lab
 from ui.lesson import render_chapter
@@ -42,7 +42,7 @@ LRU_CHOICES = ["꽉 찬 블록 전부", "앞쪽 일부만", "하나도 못 찾�
 
 
 def _table(df):
-    return df.astype(object).where(df.notna(), "—")
+    return display_frame(df)
 
 
 def _sides() -> list[Side]:

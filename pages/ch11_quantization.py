@@ -23,7 +23,7 @@ from ui.lab import lab as engine_lab
 from ui.lesson import render_chapter
 from ui.predict import compare, predict
 from ui.session import current_settings
-from ui.widgets import evidence, show_code
+from ui.widgets import evidence, show_code, show_frame
 
 RESULT = "ch11_result"
 QUALITY = "ch11_quality"
@@ -76,7 +76,7 @@ def _summary_view(ctx: LabContext) -> None:
     weight_bytes = {s.label: ctx.engines[s.key].weight_bytes() for s in ctx.sides}
     summary = decode_summary(runs, weight_bytes)
     st.markdown("**측정 요약** (엔진 시계, 디코드만 한 스텝의 중앙값)")
-    st.dataframe(summary.astype(object).where(summary.notna(), "—"), hide_index=True)
+    show_frame(summary, hide_index=True)
     fig = go.Figure(
         go.Bar(
             x=summary["엔진"],

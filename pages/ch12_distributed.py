@@ -41,7 +41,7 @@ from ui.experiments.ch12 import (
     steady_step_ms,
     tp_scaling,
 )
-from ui.experiments.common import Workload, is_simulated
+from ui.experiments.common import Workload, display_frame, is_simulated
 from ui.lab import LabContext, Side, evidence_kind, run_results, run_workload_button
 from ui.lab import lab as engine_lab
 from ui.lesson import render_chapter
@@ -253,7 +253,7 @@ def _summary_view(ctx: LabContext, tp: int) -> None:
         st.info("모든 엔진이 워크로드를 끝내면 여기에 전체 비교가 나옵니다.")
         return
     st.markdown("**전체 비교** (같은 요청, 같은 기계)")
-    table = result.summary.astype(object).where(result.summary.notna(), "—")
+    table = display_frame(result.summary)
     st.dataframe(table.astype(str), hide_index=True)
     fig = go.Figure()
     for label, run in result.runs.items():
@@ -367,7 +367,7 @@ def _scale_view(spec: dict) -> None:
     )
     st.plotly_chart(fig, key="ch12_scale")
     shown = table.replace({"메모리에 들어감": {True: "예", False: "아니오"}})
-    shown = shown.astype(object).where(shown.notna(), "—")
+    shown = display_frame(shown)
     st.dataframe(shown.astype(str), hide_index=True)
     evidence(
         "계산값",

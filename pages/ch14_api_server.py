@@ -35,7 +35,7 @@ from ui.lab import lab as engine_lab
 from ui.lesson import render_chapter
 from ui.predict import compare, predict
 from ui.session import current_settings, get_engine, reset_engine
-from ui.widgets import evidence, show_code
+from ui.widgets import evidence, show_code, show_frame
 
 RESULT = "ch14_fair_result"
 FIELDS = (
@@ -84,7 +84,7 @@ def _fair_view(ctx: LabContext) -> None:
         return
     st.markdown("**전체 실행 요약** (엔진 시계)")
     s = result.summary
-    st.dataframe(s.astype(object).where(s.notna(), "—"), hide_index=True)
+    show_frame(s, hide_index=True)
     fig = go.Figure()
     for label, res in result.runs.items():
         t = res.request_table()
@@ -298,7 +298,7 @@ def _load_view(live) -> None:
     )
     c1, c2 = st.columns(2)
     c1.markdown("**지연 백분위수** (클라이언트 측)")
-    c1.dataframe(res.percentile_table().astype(object).fillna("—"), hide_index=True)
+    show_frame(res.percentile_table(), container=c1, hide_index=True)
     server = res.server_means_ms()
     c2.markdown("**서버가 스스로 잰 평균** (/metrics 히스토그램의 합 ÷ 개수, 이번 부하의 증가분)")
     c2.dataframe(
@@ -331,7 +331,7 @@ def _load_view(live) -> None:
     )
     st.plotly_chart(fig, key="ch14_ttft_scatter")
     with st.expander(f"요청별 표 ({len(table)}개)"):
-        st.dataframe(table.astype(object).where(table.notna(), "—"), hide_index=True)
+        show_frame(table, hide_index=True)
     one = max(res.clients, key=lambda c: len(c.chunk_times), default=None)
     if one is not None and one.chunk_times:
         st.markdown(f"**한 클라이언트(사용자 {one.index})의 SSE 조각이 도착한 시각**")
@@ -402,7 +402,7 @@ def _curve_view(live) -> None:
         margin=dict(l=10, r=10, t=40, b=10),
     )
     st.plotly_chart(fig, key="ch14_curve")
-    st.dataframe(table.astype(object).where(table.notna(), "—"), hide_index=True)
+    show_frame(table, hide_index=True)
     res = results[0]
     evidence(
         "측정값",

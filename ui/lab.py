@@ -398,10 +398,12 @@ def show_decision(record: StepRecord | None, names: dict[str, str] | None = None
         f"실행 {record.num_running} · 대기 {record.num_waiting}, "
         f"걸린 시간 {1000 * record.engine_duration:.0f} ms (엔진 시계)"
     )
+    from ui.widgets import show_frame
+
     table = decision_table(record)
     if names:
         table["요청"] = [names.get(r, r) for r in table["요청"]]
-    st.dataframe(table.astype(object).where(table.notna(), "—"), hide_index=True, width="stretch")
+    show_frame(table, width="stretch")
 
 
 def journey_builder(key: str, engine: EngineCore) -> figures.JourneyBuilder:

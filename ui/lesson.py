@@ -271,11 +271,28 @@ def lesson_markdown(text: str) -> None:
     st.markdown(CONTROL_MARK.sub(r"<strong>[\1]</strong>", text), unsafe_allow_html=True)
 
 
-def render_chapter(chapter_id: str, lab: Callable[[], None]) -> None:
+LAB_ANCHOR = "lab"
+
+
+def lab_claim(claim: str) -> None:
+    """The effect this chapter's default lab shows (its claim: a test runs the default workload
+    on the real engine and asserts it), stated above the lab so a learner knows what to watch."""
+    st.info(f"**이 실험이 보여 줄 것** — {claim}", icon=":material/science:")
+
+
+def render_chapter(chapter_id: str, lab: Callable[[], None], claim: str | None = None) -> None:
+    """The chapter page. `claim`: the effect the default lab must show (shown above the lab)."""
     before, rest, next_part = lesson_parts(chapter_id)
+    title, newline, body = before.partition("\n")
+    if title.startswith("# "):
+        lesson_markdown(title)
+        before = body
+    st.markdown(f"[:material/arrow_downward: 실험으로 가기](#{LAB_ANCHOR})")
     lesson_markdown(before)
     st.divider()
-    st.header("실험실")
+    st.header("실험실", anchor=LAB_ANCHOR)
+    if claim:
+        lab_claim(claim)
     try:
         lab()
     except Exception as exc:  # noqa: BLE001 - a learner sees a Korean message, never a traceback

@@ -14,6 +14,7 @@ import pandas as pd
 import streamlit as st
 
 from engine.trace import StepRecord
+from ui.experiments.common import display_frame
 from ui.figures import REASON_KO
 
 LESSONS_DIR = Path(__file__).resolve().parent.parent / "lessons"
@@ -26,6 +27,15 @@ EVIDENCE_KINDS = {
     "계산값": ("green", "derived"),
     "보고값": ("orange", "reported"),
 }
+
+
+# -- tables --------------------------------------------------------------------------------------
+
+def show_frame(df: pd.DataFrame, container=None, **kwargs) -> None:
+    """st.dataframe of display_frame(df) (hide_index=True unless given), in `container` if
+    given (a column or another container)."""
+    kwargs.setdefault("hide_index", True)
+    (container or st).dataframe(display_frame(df), **kwargs)
 
 
 # -- the plots -----------------------------------------------------------------------------------

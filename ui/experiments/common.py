@@ -37,6 +37,37 @@ SEED_TEXT = (
 ConfigLike = EngineConfig | dict
 
 
+# -- tables ------------------------------------------------------------------------------------
+
+MISSING = "—"
+
+
+def _cell_text(value) -> str:
+    if value is None or (isinstance(value, float) and value != value):
+        return MISSING
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int) or float(value).is_integer():
+        return f"{int(value):,}"
+    return f"{value:,.1f}" if abs(value) >= 10 else f"{value:.3g}"
+
+
+def display_frame(df: pd.DataFrame) -> pd.DataFrame:
+    """The table as a learner reads it, Arrow-safe: a column that is all numbers stays numeric;
+    one with gaps or mixed kinds becomes text with "—" for the gaps (a column mixing numbers and
+    strings makes Streamlit log a pyarrow traceback on every render)."""
+    out = df.copy()
+    for name in out.columns:
+        column = out[name]
+        numeric = pd.api.types.is_numeric_dtype(column) and not pd.api.types.is_bool_dtype(column)
+        if numeric and not column.isna().any():
+            continue
+        if pd.api.types.is_bool_dtype(column):
+            continue
+        out[name] = [_cell_text(v) for v in column.tolist()]
+    return out
+
+
 # -- workloads -----------------------------------------------------------------------------------
 
 
@@ -304,8 +335,7 @@ def korean_table(
     """A request table for display: Korean headers, rounded numbers, "—" for missing values."""
     if columns is not None:
         df = df[columns]
-    out = df.rename(columns=REQUEST_COLUMNS_KO).round(digits).astype(object)
-    return out.where(pd.notna(out), "—")
+    return display_frame(df.rename(columns=REQUEST_COLUMNS_KO).round(digits))
 
 
 def _r(x, nd: int = 1):
