@@ -4,47 +4,55 @@ percentiles, throughput, the conditions of the measurement, and the latest bench
 import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
+from plotly.subplots import make_subplots
 
+from ui import figures
 from ui.bench_runner import run_quick_bench
+from ui.experiments import ch04
 from ui.experiments.ch04 import METRIC_DEFINITIONS, latest_bench, percentile_table
 from ui.experiments.common import RunResult, Workload, korean_table, run_workload
 from ui.lab import LabContext, Side, run_results, run_workload_button
 from ui.lab import lab as engine_lab
 from ui.lesson import render_chapter
 from ui.predict import compare, predict
-from ui.session import current_settings
 from ui.widgets import evidence, show_code, show_frame
 
 RUNS = "ch04_runs"  # list of RunResult, newest last (kept so runs can be compared)
+PER_REQUEST = (("ttft_ms", "TTFT", "#1f77b4"), ("tpot_ms", "TPOT", "#ff7f0e"))
+PER_REQUEST += (("e2e_ms", "E2E", "#2ca02c"),)
 
 
 def _per_request_figure(res: RunResult) -> go.Figure:
     t = res.request_table()
     fig = go.Figure()
-    for col, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "E2E")):
-        fig.add_trace(go.Bar(name=name, x=t["request_id"], y=t[col]))
+    for col, name, color in PER_REQUEST:
+        fig.add_trace(go.Bar(name=name, x=t["request_id"], y=t[col], marker_color=color))
     fig.update_layout(
-        barmode="group",
-        height=300,
-        title="요청별 TTFT · TPOT · E2E (ms, 엔진 시계)",
-        yaxis_title="ms",
-        margin=dict(l=10, r=10, t=40, b=10),
+        figures.chart_layout(
+            "요청별 TTFT · TPOT · E2E (ms, 엔진 시계)",
+            [name for _, name, _ in PER_REQUEST],
+            barmode="group",
+            xaxis=figures.category_axis("요청", list(t["request_id"])),
+            yaxis=figures.zero_axis("ms"),
+        )
     )
     return fig
 
 
 def _percentile_figure(res: RunResult) -> go.Figure:
+    """Two panels on zero-based ms axes: per request (TTFT, E2E: hundreds of ms to seconds) and per
+    token (TPOT, ITL: tens of ms), so neither squeezes the other into a line."""
     t = res.request_table()
-    samples = {
-        "TTFT": t["ttft_ms"].dropna(),
-        "TPOT": t["tpot_ms"].dropna(),
-        "ITL": res.itl_samples_ms()["itl_ms"],
-        "E2E": t["e2e_ms"].dropna(),
-    }
-    fig = go.Figure()
-    for name, values in samples.items():
-        fig.add_trace(
-            go.Box(
+    panels = (
+        {"TTFT": t["ttft_ms"].dropna(), "E2E": t["e2e_ms"].dropna()},
+        {"TPOT": t["tpot_ms"].dropna(), "ITL": res.itl_samples_ms()["itl_ms"]},
+    )
+    fig = make_subplots(
+        rows=1, cols=2, subplot_titles=("요청마다 하나", "토큰 간격"), horizontal_spacing=0.14
+    )
+    for col, samples in enumerate(panels, start=1):
+        for name, values in samples.items():
+            box = go.Box(
                 y=values,
                 name=f"{name} (n={len(values)})",
                 boxpoints="all",
@@ -52,50 +60,31 @@ def _percentile_figure(res: RunResult) -> go.Figure:
                 pointpos=0,
                 marker_size=4,
             )
-        )
-    fig.update_layout(
-        height=340,
-        title="분포: 점 하나가 표본 하나 (상자 = p25–p75, 가운데 선 = p50)",
-        yaxis_title="ms (로그)",
-        yaxis_type="log",
-        showlegend=False,
-        margin=dict(l=10, r=10, t=40, b=10),
-    )
+            fig.add_trace(box, row=1, col=col)
+        fig.update_xaxes(type="category", row=1, col=col)
+        fig.update_yaxes(rangemode="tozero", type="linear", title_text="ms", row=1, col=col)
+    layout = figures.chart_layout("분포: 점 하나가 표본 하나 (상자 = p25–p75, 가운데 선 = p50)")
+    layout["margin"]["t"] += 22  # the panels' own titles sit between the title and the plots
+    layout["height"] += 22
+    fig.update_layout(layout)
     return fig
 
 
 def _history_figure(runs: list[RunResult]) -> go.Figure:
-    xs = [r.config.max_num_seqs for r in runs]
-    fig = go.Figure()
-    fig.add_trace(
-        go.Scatter(
-            x=xs,
-            y=[r.throughput for r in runs],
-            mode="markers+text",
-            name="처리량 (토큰/s)",
-            text=[f"#{i + 1}" for i in range(len(runs))],
-            textposition="top center",
-        )
+    labels = [f"#{i + 1} · 동시 {r.config.max_num_seqs}" for i, r in enumerate(runs)]
+    throughput = figures.AxisSeries(
+        "처리량", [r.throughput for r in runs], "토큰/s", "#1f77b4", "bar"
     )
-    fig.add_trace(
-        go.Scatter(
-            x=xs,
-            y=[r.request_table()["tpot_ms"].mean() for r in runs],
-            mode="markers",
-            name="TPOT 평균 (ms)",
-            yaxis="y2",
-            marker_symbol="diamond",
-        )
+    tpot = figures.AxisSeries(
+        "TPOT 평균",
+        [r.request_table()["tpot_ms"].mean() for r in runs],
+        "ms",
+        "#ff7f0e",
+        "lines+markers",
     )
-    fig.update_layout(
-        height=300,
-        title="실행 기록: 최대 동시 요청 수 ↔ 처리량, TPOT",
-        xaxis_title="최대 동시 요청 수",
-        yaxis=dict(title="토큰/s"),
-        yaxis2=dict(title="ms", overlaying="y", side="right"),
-        margin=dict(l=10, r=10, t=40, b=10),
+    return figures.dual_axis_figure(
+        labels, throughput, tpot, "실행 기록: 처리량과 TPOT", "실행 · 최대 동시 요청 수"
     )
-    return fig
 
 
 def _bench_section(runs: list[RunResult]) -> None:
@@ -176,42 +165,23 @@ def _bench_section(runs: list[RunResult]) -> None:
         st.json(bench, expanded=False)
 
 
-def _whole_run(ctx: LabContext, gap: int) -> None:
+def _runs(ctx: LabContext) -> list[RunResult]:
+    """This session's finished runs, newest last (the lab's latest run added once)."""
     last = run_results(ctx, "_ch04_last")
     runs: list[RunResult] = st.session_state.setdefault(RUNS, [])
     if last is not None:
         res = next(iter(last.values()))
         if not any(r is res for r in runs):
             runs.append(res)
-    if not runs:
-        st.info(
-            "설정을 고르고 **실행**을 누르면 실제 엔진이 워크로드를 끝까지 돌리고, 요청별 지연 "
-            "시간과 백분위수를 보여 줍니다. **워크로드 넣기** 뒤 **다음 스텝**으로 한 스텝씩 볼 "
-            "수도 있습니다."
-        )
-        return
-    res = runs[-1]
-    cond = dict(res.conditions, 워크로드=Workload(res.specs).describe(), 도착간격=f"{gap} ms")
+    return runs
+
+
+def _request_table(res: RunResult) -> None:
     st.markdown("**요청별 측정값** (엔진 시계)")
     table = res.request_table()
-    st.dataframe(
-        korean_table(
-            table,
-            [
-                "request_id",
-                "prompt_tokens",
-                "output_tokens",
-                "arrival_ms",
-                "queue_ms",
-                "ttft_ms",
-                "tpot_ms",
-                "mean_itl_ms",
-                "max_itl_ms",
-                "e2e_ms",
-            ],
-        ),
-        hide_index=True,
-    )
+    columns = ["request_id", "prompt_tokens", "output_tokens", "arrival_ms", "queue_ms"]
+    columns += ["ttft_ms", "tpot_ms", "mean_itl_ms", "max_itl_ms", "e2e_ms"]
+    st.dataframe(korean_table(table, columns), hide_index=True)
     row = table.iloc[-1]
     if row["output_tokens"] >= 2:
         evidence(
@@ -222,6 +192,29 @@ def _whole_run(ctx: LabContext, gap: int) -> None:
             f"(표의 값 {row['tpot_ms']:.1f} ms)",
             formula="TPOT = (E2E − TTFT) / (N − 1)",
         )
+    with st.expander("스윔레인과 표 맞춰 보기: 대기 = tokenize 막대 + 대기열 막대"):
+        show_frame(ch04.journey_waits(res.requests, res.t0), hide_index=True)
+        st.caption(
+            "표의 대기는 도착부터 첫 스케줄까지입니다. 스윔레인은 그 구간을 토큰화(이 실험실은 "
+            "토큰 id를 바로 넣으므로 1 ms도 안 됩니다)와 대기열로 나누어 그립니다."
+        )
+
+
+def _queue_evidence(res: RunResult) -> None:
+    effect = ch04.queue_effect(res)
+    if not effect.waited or effect.ttft_ratio is None:
+        return
+    evidence(
+        "계산값",
+        f"자리를 기다린 {', '.join(effect.waited)}의 가장 짧은 TTFT "
+        f"{effect.min_waited_ttft_ms:.1f} ms ÷ 바로 들어간 요청의 가장 긴 TTFT "
+        f"{effect.max_served_ttft_ms:.1f} ms = {effect.ttft_ratio:.1f}배; 그 TTFT의 "
+        f"{100 * effect.min_wait_share:.0f}% 이상이 대기열에서 보낸 시간",
+        formula="min TTFT(기다린 요청) / max TTFT(바로 들어간 요청), 대기 / TTFT",
+    )
+
+
+def _distribution(res: RunResult, cond: dict) -> None:
     st.plotly_chart(_per_request_figure(res), key="ch04_per_request")
     left, right = st.columns([3, 2])
     with left:
@@ -231,41 +224,61 @@ def _whole_run(ctx: LabContext, gap: int) -> None:
         for name, text in METRIC_DEFINITIONS.items():
             st.markdown(f"- **{name}**: {text}")
     st.markdown("**평균과 백분위수** (numpy 선형 보간; n이 작으면 p99는 사실상 최댓값)")
-    pct = percentile_table(res)
-    show_frame(pct, hide_index=True)
+    show_frame(percentile_table(res), hide_index=True)
     evidence(
         "측정값",
         f"출력 토큰 처리량 {res.throughput:.1f} 토큰/s ({res.output_tokens}토큰 / "
         f"{res.elapsed_s:.2f} s, 엔진 시계), 스텝 {len(res.records)}개",
         **cond,
     )
+
+
+def _history(runs: list[RunResult]) -> None:
+    st.markdown("**실행 기록** — 동시 요청 수만 바꿔 다시 실행하며 비교해 보세요.")
+    history = pd.DataFrame(
+        [
+            dict(r.summary(), 실행=f"#{i + 1}", 최대동시요청=r.config.max_num_seqs)
+            for i, r in enumerate(runs)
+        ]
+    )
+    show_frame(history, hide_index=True)
+    st.plotly_chart(_history_figure(runs), key="ch04_history")
+
+
+def _whole_run(ctx: LabContext, gap: int) -> None:
+    runs = _runs(ctx)
+    if not runs:
+        st.info(
+            "설정을 고르고 **실행**을 누르면 실제 엔진이 워크로드를 끝까지 돌리고, 요청별 지연 "
+            "시간과 백분위수를 보여 줍니다. **워크로드 넣기** 뒤 **다음 스텝**으로 한 스텝씩 볼 "
+            "수도 있습니다."
+        )
+        return
+    res = runs[-1]
+    cond = dict(res.conditions, 워크로드=Workload(res.specs).describe(), 도착간격=f"{gap} ms")
+    _request_table(res)
+    _queue_evidence(res)
+    _distribution(res, cond)
     compare("ch04_tput", res.throughput, "토큰/s")
     if len(runs) > 1:
-        st.markdown("**실행 기록** — 동시 요청 수만 바꿔 다시 실행하며 비교해 보세요.")
-        history = pd.DataFrame(
-            [
-                dict(r.summary(), 실행=f"#{i + 1}", 최대동시요청=r.config.max_num_seqs)
-                for i, r in enumerate(runs)
-            ]
-        )
-        show_frame(history, hide_index=True)
-        st.plotly_chart(_history_figure(runs), key="ch04_history")
+        _history(runs)
 
 
 def lab() -> None:
     st.subheader("① 워크로드를 실행하고 지연 시간을 재기")
-    settings = current_settings()
     c1, c2, c3 = st.columns(3)
-    n = c1.slider("요청 수", 2, 8, 6, key="ch04_n")
+    n = c1.slider("요청 수", 2, 8, ch04.DEFAULT_REQUESTS, key="ch04_n")
     prompt_len = c2.select_slider(
-        "프롬프트 길이 (토큰)", [16, 32, 64, 128], value=32, key="ch04_prompt"
+        "프롬프트 길이 (토큰)", [16, 32, 64, 128], value=ch04.DEFAULT_PROMPT_LEN, key="ch04_prompt"
     )
-    out_len = c3.slider("출력 길이 (토큰)", 8, 48, 24, step=4, key="ch04_out")
+    out_len = c3.slider("출력 길이 (토큰)", 8, 48, ch04.DEFAULT_OUTPUT_LEN, step=4, key="ch04_out")
     c1, c2 = st.columns(2)
-    seqs = c1.slider("최대 동시 요청 수", 1, 8, min(settings.max_num_seqs, 8), key="ch04_seqs")
-    gap = c2.slider("요청 사이 도착 간격 (ms)", 0, 500, 0, step=50, key="ch04_gap")
-    workload = Workload.uniform(n, prompt_len, out_len, gap)
-    side = Side("ch04", f"동시 {seqs}", dict(max_num_seqs=seqs, enable_prefix_caching=False))
+    seqs = c1.slider("최대 동시 요청 수", 1, 8, ch04.DEFAULT_MAX_NUM_SEQS, key="ch04_seqs")
+    gap = c2.slider(
+        "요청 사이 도착 간격 (ms)", 0, 500, ch04.DEFAULT_GAP_MS, step=50, key="ch04_gap"
+    )
+    workload = ch04.lab_workload(n, prompt_len, out_len, gap)
+    side = Side("ch04", f"동시 {seqs}", ch04.engine_overrides(seqs))
 
     def before(ctx: LabContext) -> None:
         predict(
@@ -294,4 +307,4 @@ def lab() -> None:
     _bench_section(st.session_state.get(RUNS, []))
 
 
-render_chapter("04", lab)
+render_chapter("04", lab, claim=ch04.CLAIM)

@@ -16,6 +16,7 @@ scans the events that step added.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import plotly.graph_objects as go
 import plotly.io as pio
@@ -38,8 +39,8 @@ REASON_KO = {
     "token_budget": "토큰 예산 소진",
     "no_free_kv_blocks": "빈 KV 블록 없음",
     "max_num_seqs": "최대 동시 요청 수 도달",
-    "preempted": "선점됨 (KV 반납, 나중에 재계산)",
-    "static_batch_in_progress": "정적 배치 진행 중 (다음 배치를 기다림)",
+    "preempted": "선점됨 (KV 반납·재계산)",
+    "static_batch_in_progress": "정적 배치 진행 중",
 }
 PHASE_LABELS = {"prefill": "prefill", "chunked_prefill": "chunked prefill", "decode": "decode"}
 OWNER_COLORS = [
@@ -62,6 +63,7 @@ OWNER_COLORS = [
 ]
 FREE_COLOR = "#eeeeee"
 CACHED_COLOR = "#c7e9c0"
+SHARED_COLOR = "#3d3d3d"  # a block several requests' tables list (prefix caching, ref_cnt > 1)
 
 
 # -- plain figure dicts ------------------------------------------------------------------------
@@ -105,15 +107,101 @@ def prebuilt(spec: dict) -> go.Figure:
     return _Prebuilt(spec)
 
 
-def _layout_spec(title: str, height: int = 320, barmode: str = "overlay", **extra) -> dict:
-    return dict(
-        margin=dict(l=10, r=10, t=40, b=10),
-        legend=dict(font=dict(size=11), yanchor="top", y=1.0, x=1.01),
-        title=dict(text=title),
-        height=height,
-        barmode=barmode,
+# Chart frames: a title at the top, the legend in a band of its own between the title and the plot
+# (horizontal, wrapping), so that it covers no data and no ticks even in a narrow column (three
+# engines side by side). The band's height is reserved in the top margin from an estimate of how
+# many rows the legend wraps into at NARROW_PX.
+NARROW_PX = 340  # a plot's width in one of three columns on a wide screen
+TITLE_PX = 34
+SUBTITLE_PX = 18
+LEGEND_ROW_PX = 20
+LEGEND_FONT = 11
+
+
+def legend_rows(labels, width_px: int = NARROW_PX) -> int:
+    """How many rows a horizontal legend with these labels wraps into at `width_px` (an estimate:
+    a symbol of 40 px per item, Hangul twice as wide as Latin letters at the legend font)."""
+    rows, used = 0, width_px
+    for label in labels:
+        text = sum(2 if ord(ch) >= 0x1100 else 1 for ch in str(label))
+        width = 40 + 0.55 * LEGEND_FONT * text
+        if used + width > width_px:
+            rows, used = rows + 1, 0
+        used += width
+    return rows
+
+
+def chart_layout(
+    title: str,
+    legend_labels=(),
+    height: int = 320,
+    subtitle: str | None = None,
+    **extra,
+) -> dict:
+    """A layout dict: the title (and subtitle) at the top, a horizontal legend just above the plot
+    area (y > 1, in a top margin reserved for it), `height` px for the plot itself plus that band.
+    Pass every legend entry's label (a figure with no legend passes none)."""
+    rows = legend_rows(legend_labels)
+    top = TITLE_PX + (SUBTITLE_PX if subtitle else 0) + rows * LEGEND_ROW_PX + (6 if rows else 0)
+    title_spec = dict(
+        text=title,
+        x=0.01,
+        xanchor="left",
+        xref="container",
+        y=1.0,
+        yanchor="top",
+        yref="container",
+        pad=dict(t=8),
+        font=dict(size=14),
+    )
+    if subtitle:
+        title_spec["subtitle"] = dict(text=subtitle, font=dict(size=11, color="#555"))
+    layout = dict(
+        margin=dict(l=10, r=10, t=top, b=10),
+        title=title_spec,
+        height=height + top - TITLE_PX,
+        showlegend=rows > 0,
         **extra,
     )
+    if rows:
+        layout["legend"] = dict(
+            orientation="h",
+            x=0,
+            xanchor="left",
+            y=1.02,
+            yanchor="bottom",
+            font=dict(size=LEGEND_FONT),
+            itemwidth=30,
+            tracegroupgap=0,
+        )
+    return layout
+
+
+def _layout_spec(
+    title: str, legend_labels=(), height: int = 320, barmode: str = "overlay", **extra
+) -> dict:
+    return chart_layout(title, legend_labels, height, barmode=barmode, **extra)
+
+
+def zero_axis(title: str | None = None, color: str | None = None, **extra) -> dict:
+    """A linear axis for a magnitude: it starts at 0 (never at the data's minimum). `color`
+    colours its title (the series it belongs to, on a two-axis chart)."""
+    axis = dict(rangemode="tozero", type="linear", **extra)
+    if title:
+        axis["title"] = dict(text=title)
+        if color:
+            axis["title"]["font"] = dict(color=color)
+    return axis
+
+
+def category_axis(title: str | None = None, order: list | None = None, **extra) -> dict:
+    """An axis for categories (request names, settings): each one a slot, in `order` if given."""
+    axis = dict(type="category", **extra)
+    if order is not None:
+        axis.update(categoryorder="array", categoryarray=list(order))
+    if title:
+        axis["title"] = dict(text=title)
+    return axis
 
 
 def short_names(request_ids) -> dict[str, str]:
@@ -155,6 +243,7 @@ class _Lane:
     def __init__(self, request: Request, lane: str, t0: float, clock: str, first_arrival=None):
         self.request, self.lane, self.t0, self.clock = request, lane, t0, clock
         self.first_arrival = first_arrival  # ms; known up front only for an out-of-order scan
+        self.arrival_wall = None  # perf_counter seconds of the arrival (tokenize time's origin)
         self.incremental = first_arrival is None
         self.consumed = 0  # events of request.journey scanned so far
         self.last_time = -math.inf  # of the last scanned event (on self.clock)
@@ -162,6 +251,7 @@ class _Lane:
         self.bars: list[dict] = []
         self.markers: list[dict] = []
         self.queued = None  # (ms, kind) while the request waits for the scheduler
+        self.tokenize_bar = None  # index in self.bars of the tokenize segment
         self.open_bar = None  # index in self.bars of the scheduled segment without an end yet
         self.open_next = None  # ms of the event right after it (its end if nothing ends it)
 
@@ -178,24 +268,21 @@ class _Lane:
                 if kind in _SEGMENT_ENDS:
                     self.bars[self.open_bar]["end"] = t
                     self.open_bar = self.open_next = None
-            if kind == "arrival" and self.first_arrival is None:
-                self.first_arrival = t
+            if kind == "arrival":
+                if self.first_arrival is None:
+                    self.first_arrival = t
+                if self.arrival_wall is None:
+                    self.arrival_wall = e.time
             if kind in _MARKER_KINDS:
                 info = str(e.detail.get("reason", "")) if kind == "finished" else ""
                 self.markers.append(
                     dict(lane=lane, rid=rid, t=t, kind=_MARKER_KINDS[kind], step=e.step, info=info)
                 )
             if kind == "tokenized":
-                if self.first_arrival is None and self.incremental:
-                    self.incremental = False  # an arrival may come later: only a full scan knows
-                start = self.first_arrival if self.first_arrival is not None else t
-                info = f"{e.detail.get('num_prompt_tokens', '')} 토큰"
-                self._bar(start, t, "tokenize", None, info)
-                self.queued = (t, "대기열")
+                self._tokenized(e, t)
             elif kind == "scheduled":
                 if self.queued is not None:
-                    self._bar(self.queued[0], t, self.queued[1], e.step)
-                    self.queued = None
+                    self._queue_bar(t, e.step)
                 phase = e.detail.get("phase", "decode")
                 info = f"{e.detail.get('num_tokens', '')} 토큰"
                 self._bar(t, None, PHASE_LABELS.get(phase, phase), e.step, info)
@@ -206,6 +293,38 @@ class _Lane:
             self.last_time = _event_time(e, self.clock)
         self.consumed += n
         return n
+
+    def _tokenized(self, e, t: float) -> None:
+        """The tokenize segment: arrival → arrival + the tokenizer's own (wall) time. On the engine
+        clock the tokenized event sits where the request was admitted, which may be a whole step
+        after its arrival (an arrival a step passed): that time is waiting, not tokenizing."""
+        if self.first_arrival is None and self.incremental:
+            self.incremental = False  # an arrival may come later: only a full scan knows
+        start = self.first_arrival if self.first_arrival is not None else t
+        took = t - start
+        if self.arrival_wall is not None:
+            took = max(1000.0 * (e.time - self.arrival_wall), 0.0)
+        end = start + took  # on the wall clock: the tokenized event's own time
+        info = f"{e.detail.get('num_prompt_tokens', '')} 토큰 · {end - start:.2f} ms"
+        self.tokenize_bar = len(self.bars)
+        self._bar(start, end, "tokenize", None, info)
+        self.queued = (end, "대기열")
+
+    def _queue_bar(self, t: float, step) -> None:
+        """The wait that ends at this scheduling. The first one spans tokenized → first scheduled,
+        so tokenize + 대기열 = arrival → first scheduled: RequestMetrics.queue_time, the table's
+        대기 (a tokenize segment longer than that interval is cut at the scheduling)."""
+        start, kind = self.queued
+        self.queued = None
+        info = ""
+        if kind == "대기열":
+            if start > t and self.tokenize_bar is not None:
+                tok = self.bars[self.tokenize_bar]
+                self.bars[self.tokenize_bar] = {**tok, "end": max(tok["start"], t)}
+                start = t
+            if self.first_arrival is not None:
+                info = f"도착→첫 스케줄 {t - self.first_arrival:.1f} ms (토큰화 포함)"
+        self._bar(start, t, kind, step, info)
 
     def _bar(self, start, end, kind, step, info="") -> None:
         rid, lane = self.request.request_id, self.lane
@@ -329,18 +448,8 @@ MARKER_STYLE = {
 }
 
 
-def journey_spec(
-    requests: list[Request],
-    t0: float | None = None,
-    clock: str = "wall",
-    builder: JourneyBuilder | None = None,
-) -> dict:
-    """journey_figure as a plain dict. With a builder (kept between calls for the same engine),
-    only the events added since its last call are scanned."""
-    requests = list(requests)
-    bars, markers = (builder or JourneyBuilder()).segments(requests, t0, clock)
-    names = short_names(r.request_id for r in requests)
-    lanes = [names[r.request_id] for r in requests]
+def _segment_traces(bars: list[dict]) -> list[dict]:
+    """One horizontal bar trace per segment kind (legend order = the journey's order)."""
     by_kind: dict[str, list] = {}
     for b in bars:
         by_kind.setdefault(b["kind"], []).append(b)
@@ -376,9 +485,15 @@ def journey_spec(
                 type="bar",
             )
         )
-    by_kind = {}
+    return data
+
+
+def _marker_traces(markers: list[dict]) -> list[dict]:
+    """One scatter trace per marker kind (API 수신, 첫 토큰, …)."""
+    by_kind: dict[str, list] = {}
     for m in markers:
         by_kind.setdefault(m["kind"], []).append(m)
+    data = []
     for kind, style in MARKER_STYLE.items():
         rows = by_kind.get(kind)
         if not rows:
@@ -406,12 +521,33 @@ def journey_spec(
                 type="scatter",
             )
         )
+    return data
+
+
+def _legend_names(data: list[dict]) -> list[str]:
+    return [t["name"] for t in data if t.get("name") and t.get("showlegend", True)]
+
+
+def journey_spec(
+    requests: list[Request],
+    t0: float | None = None,
+    clock: str = "wall",
+    builder: JourneyBuilder | None = None,
+) -> dict:
+    """journey_figure as a plain dict. With a builder (kept between calls for the same engine),
+    only the events added since its last call are scanned."""
+    requests = list(requests)
+    bars, markers = (builder or JourneyBuilder()).segments(requests, t0, clock)
+    names = short_names(r.request_id for r in requests)
+    lanes = [names[r.request_id] for r in requests]
+    data = _segment_traces(bars) + _marker_traces(markers)
     axis = "엔진 시계" if clock == "engine" else "벽시계"
     layout = _layout_spec(
         "요청 여정 (스윔레인)",
+        _legend_names(data),
         height=max(280, 100 + 40 * len(lanes)),
-        yaxis=dict(categoryorder="array", categoryarray=list(reversed(lanes))),
-        xaxis=dict(title=dict(text=f"시간 (ms, {axis}, 첫 요청 도착 기준)")),
+        yaxis=category_axis(order=list(reversed(lanes))),
+        xaxis=zero_axis(f"시간 (ms, {axis}, 첫 요청 도착 기준)"),
     )
     return dict(data=data, layout=layout)
 
@@ -427,20 +563,17 @@ def journey_figure(
 # -- scheduler decisions -----------------------------------------------------------------------
 
 
-def schedule_spec(records: list[StepRecord]) -> dict:
-    """schedule_figure as a plain dict."""
+def _schedule_bars(records: list[StepRecord], names: dict[str, str]) -> list[dict]:
+    """Per (request, phase): its tokens in each step, stacked; one legend entry per phase."""
     groups: dict[tuple[str, str], tuple[list, list, list]] = {}
-    scheduled_ids = []
     for r in records:
         for s in r.scheduled:
-            scheduled_ids.append(s.request_id)
             group = groups.get((s.request_id, s.phase))
             if group is None:
                 group = groups[(s.request_id, s.phase)] = ([], [], [])
             group[0].append(r.step)
             group[1].append(s.num_tokens)
             group[2].append([s.num_computed_tokens, s.num_prefix_hit_tokens])
-    names = short_names(scheduled_ids + [rid for r in records for rid in r.unscheduled])
     data, shown = [], set()
     for (rid, phase), (steps, tokens, computed) in groups.items():
         label = PHASE_LABELS.get(phase, phase)
@@ -466,46 +599,62 @@ def schedule_spec(records: list[StepRecord]) -> dict:
             )
         )
         shown.add(label)
-    if records:
+    return data
+
+
+def _schedule_lines(records: list[StepRecord], names: dict[str, str]) -> list[dict]:
+    """The token budget of each step, and an ✕ where some request got nothing (with why)."""
+    if not records:
+        return []
+    data = [
+        dict(
+            hovertemplate="토큰 예산 %{y}<extra></extra>",
+            line=dict(color="#d62728", dash="dash", shape="hvh"),
+            mode="lines",
+            name="토큰 예산",
+            x=[r.step for r in records],
+            y=[r.token_budget for r in records],
+            type="scatter",
+        )
+    ]
+    waiting = [r for r in records if r.unscheduled]
+    if waiting:
         data.append(
             dict(
-                hovertemplate="토큰 예산 %{y}<extra></extra>",
-                line=dict(color="#d62728", dash="dash", shape="hvh"),
-                mode="lines",
-                name="토큰 예산",
-                x=[r.step for r in records],
-                y=[r.token_budget for r in records],
+                hovertemplate="스텝 %{x}<br>%{text}<extra></extra>",
+                marker=dict(color="#444", size=9, symbol="x"),
+                mode="markers",
+                name="못 받은 요청",
+                text=[
+                    "<br>".join(
+                        f"{names.get(rid, rid)}: {REASON_KO.get(reason, reason)}"
+                        for rid, reason in r.unscheduled.items()
+                    )
+                    for r in waiting
+                ],
+                x=[r.step for r in waiting],
+                y=[r.total_tokens for r in waiting],
                 type="scatter",
             )
         )
-        waiting = [r for r in records if r.unscheduled]
-        if waiting:
-            data.append(
-                dict(
-                    hovertemplate="스텝 %{x}<br>%{text}<extra></extra>",
-                    marker=dict(color="#444", size=9, symbol="x"),
-                    mode="markers",
-                    name="못 받은 요청",
-                    text=[
-                        "<br>".join(
-                            f"{names.get(rid, rid)}: {REASON_KO.get(reason, reason)}"
-                            for rid, reason in r.unscheduled.items()
-                        )
-                        for r in waiting
-                    ],
-                    x=[r.step for r in waiting],
-                    y=[r.total_tokens for r in waiting],
-                    type="scatter",
-                )
-            )
-    xaxis = dict(title=dict(text="스텝"))
+    return data
+
+
+def schedule_spec(records: list[StepRecord]) -> dict:
+    """schedule_figure as a plain dict."""
+    ids = [s.request_id for r in records for s in r.scheduled]
+    names = short_names(ids + [rid for r in records for rid in r.unscheduled])
+    data = _schedule_bars(records, names) + _schedule_lines(records, names)
+    # Steps are an ordered count (a linear axis with integer ticks); tokens a magnitude from 0.
+    xaxis = dict(type="linear", title=dict(text="스텝"))
     if len(records) <= 30:
         xaxis["dtick"] = 1
     layout = _layout_spec(
         "스케줄러 결정: 스텝별 요청당 토큰 수",
+        _legend_names(data),
         barmode="stack",
         xaxis=xaxis,
-        yaxis=dict(title=dict(text="이번 스텝에 처리한 토큰 수")),
+        yaxis=zero_axis("이번 스텝에 처리한 토큰 수"),
     )
     return dict(data=data, layout=layout)
 
@@ -519,51 +668,79 @@ def schedule_figure(records: list[StepRecord]) -> go.Figure:
 # -- KV cache ----------------------------------------------------------------------------------
 
 
+_STATUS_KO = {"used": "사용 중", "free": "빈 블록", "cached": "빈 블록 (prefix 캐시 보관)"}
+# Heatmap categories: 0 free, 1 cached-free, 2 shared (several owners), 3.. one owner each.
+FREE, CACHED, SHARED = 0, 1, 2
+
+
+def _kv_owners(snapshot: KVSnapshot) -> list[str]:
+    owners: list[str] = []
+    for b in snapshot.blocks:
+        for o in b.owners:
+            if o not in owners:
+                owners.append(o)
+    return owners
+
+
+def _kv_cell(b, names: dict[str, str], code: dict[str, int]) -> tuple[int, str, str]:
+    """(category, text, hover) of one block. A block in several block tables (a prefix-cache hit,
+    ref_cnt > 1) is drawn as shared, its text the owners' short names (or ×n), its hover naming
+    every owner."""
+    owners = list(b.owners)
+    if b.status == "used" and len(owners) > 1:
+        short = "+".join(names[o].replace("req-", "") for o in owners)
+        text = short if len(short) <= 5 else f"×{len(owners)}"
+        who = ", ".join(names[o] if names[o] == o else f"{names[o]} ({o})" for o in owners)
+        hover = f"블록 #{b.block_id}<br>공유: 요청 {len(owners)}개가 함께 씀<br>소유: {who}"
+        return SHARED, text, f"{hover}<br>ref_cnt {b.ref_cnt}"
+    if b.status == "used" and owners:
+        z, text = code[owners[0]], names[owners[0]].replace("req-", "")
+    elif b.status == "cached":
+        z, text = CACHED, "·"
+    else:
+        z, text = FREE, ""
+    hover = (
+        f"블록 #{b.block_id}<br>{_STATUS_KO.get(b.status, b.status)}"
+        f"<br>소유: {', '.join(owners) or '없음'}<br>ref_cnt {b.ref_cnt}"
+    )
+    return z, text, hover
+
+
+def _stepped_colorscale(colors: list[str]) -> list:
+    """Each integer category 0..k-1 its own colour (with zmin -0.5, zmax k - 0.5)."""
+    k = len(colors)
+    scale = []
+    for i, c in enumerate(colors):
+        scale += [[i / k, c], [(i + 1) / k, c]]
+    return scale
+
+
 def kv_grid_spec(snapshot: KVSnapshot, columns: int = 16) -> dict:
     """kv_grid_figure as a plain dict."""
     n = snapshot.num_blocks
     columns = max(1, min(columns, n))
     rows = math.ceil(n / columns)
-    owners = []
-    for b in snapshot.blocks:
-        for o in b.owners:
-            if o not in owners:
-                owners.append(o)
-    # Categories: 0 free, 1 cached-free, 2.. owners. A stepped colorscale maps each integer to one
-    # colour.
+    owners = _kv_owners(snapshot)
     kv_names = short_names(owners)
-    owner_code = {o: 2 + i for i, o in enumerate(owners)}
-    colors = [FREE_COLOR, CACHED_COLOR] + [
+    owner_code = {o: 3 + i for i, o in enumerate(owners)}
+    colors = [FREE_COLOR, CACHED_COLOR, SHARED_COLOR] + [
         OWNER_COLORS[i % len(OWNER_COLORS)] for i in range(len(owners))
     ]
-    k = len(colors)
-    colorscale = []
-    for i, c in enumerate(colors):
-        colorscale += [[i / k, c], [(i + 1) / k, c]]
     z = [[math.nan] * columns for _ in range(rows)]
     text = [[""] * columns for _ in range(rows)]
     hover = [[""] * columns for _ in range(rows)]
-    status_ko = {"used": "사용 중", "free": "빈 블록", "cached": "빈 블록 (prefix 캐시 보관)"}
+    num_shared = 0
     for b in snapshot.blocks:
         r, c = divmod(b.block_id, columns)
-        if b.status == "used" and b.owners:
-            z[r][c] = owner_code[b.owners[0]]
-            text[r][c] = kv_names[b.owners[0]].replace("req-", "")
-        elif b.status == "cached":
-            z[r][c] = 1
-            text[r][c] = "·"
-        else:
-            z[r][c] = 0
-        hover[r][c] = (
-            f"블록 #{b.block_id}<br>{status_ko.get(b.status, b.status)}"
-            f"<br>소유: {', '.join(b.owners) or '없음'}<br>ref_cnt {b.ref_cnt}"
-        )
+        z[r][c], text[r][c], hover[r][c] = _kv_cell(b, kv_names, owner_code)
+        num_shared += z[r][c] == SHARED
     data = [
         dict(
-            colorscale=colorscale,
+            colorscale=_stepped_colorscale(colors),
             customdata=hover,
             hoverongaps=False,
             hovertemplate="%{customdata}<extra></extra>",
+            showlegend=False,
             showscale=False,
             text=text,
             textfont=dict(size=9),
@@ -571,33 +748,28 @@ def kv_grid_spec(snapshot: KVSnapshot, columns: int = 16) -> dict:
             xgap=2,
             ygap=2,
             z=z,
-            zmax=k - 0.5,
+            zmax=len(colors) - 0.5,
             zmin=-0.5,
             type="heatmap",
         )
     ]
     # Legend entries (invisible points) so that colours are readable without hovering.
-    legend = [("빈 블록", FREE_COLOR), ("prefix 캐시 보관(빈 블록)", CACHED_COLOR)]
-    legend += [(kv_names[o], colors[2 + i]) for i, o in enumerate(owners)]
-    for name, c in legend:
-        data.append(
-            dict(
-                marker=dict(color=c, line=dict(color="#999", width=1), size=12, symbol="square"),
-                mode="markers",
-                name=name,
-                x=[None],
-                y=[None],
-                type="scatter",
-            )
-        )
-    title = (
-        f"KV 캐시 블록 격자: 사용 {snapshot.num_used}/{n} ({100 * snapshot.usage:.0f}%),"
-        f" 캐시 보관 {snapshot.num_cached_free}, 블록당 {snapshot.block_size} 토큰"
+    legend = [("빈 블록", FREE_COLOR), ("캐시 보관", CACHED_COLOR)]
+    if num_shared:
+        legend.append(("공유 (여러 요청)", SHARED_COLOR))
+    legend += [(kv_names[o], colors[3 + i]) for i, o in enumerate(owners)]
+    data += [_legend_square(name, c) for name, c in legend]
+    shared = f" · 공유 {num_shared}" if num_shared else ""
+    subtitle = (
+        f"사용 {snapshot.num_used}/{n} ({100 * snapshot.usage:.0f}%){shared}"
+        f" · 캐시 보관 {snapshot.num_cached_free} · 블록당 {snapshot.block_size} 토큰"
     )
     axis = dict(showticklabels=False, showgrid=False, zeroline=False)
-    layout = _layout_spec(
-        title,
+    layout = chart_layout(
+        "KV 캐시 블록 격자",
+        [name for name, _ in legend],
         height=max(200, 110 + 30 * rows),
+        subtitle=subtitle,
         yaxis=dict(autorange="reversed", **axis),
         xaxis=dict(axis),
         plot_bgcolor="white",
@@ -605,8 +777,20 @@ def kv_grid_spec(snapshot: KVSnapshot, columns: int = 16) -> dict:
     return dict(data=data, layout=layout)
 
 
+def _legend_square(name: str, color: str) -> dict:
+    return dict(
+        marker=dict(color=color, line=dict(color="#999", width=1), size=12, symbol="square"),
+        mode="markers",
+        name=name,
+        x=[None],
+        y=[None],
+        type="scatter",
+    )
+
+
 def kv_grid_figure(snapshot: KVSnapshot, columns: int = 16) -> go.Figure:
-    """KV blocks as a grid: colour = owner request, grey = free, green = cached-free (reusable)."""
+    """KV blocks as a grid: colour = owner request, dark = shared by several requests, light grey =
+    free, green = cached-free (reusable)."""
     return go.Figure(kv_grid_spec(snapshot, columns))
 
 
@@ -621,7 +805,7 @@ def kv_usage_spec(records: list[StepRecord]) -> dict:
             ),
             line=dict(color="#1f77b4", shape="hv"),
             mode="lines+markers",
-            name="사용 중 블록 (%)",
+            name="사용 중 (%)",
             x=steps,
             y=[100 * r.kv.usage for r in records],
             type="scatter",
@@ -630,7 +814,7 @@ def kv_usage_spec(records: list[StepRecord]) -> dict:
             hovertemplate="스텝 %{x}: %{y:.1f}%<extra></extra>",
             line=dict(color="#2ca02c", dash="dot", shape="hv"),
             mode="lines",
-            name="prefix 캐시 보관 (%)",
+            name="캐시 보관 (%)",
             x=steps,
             y=[
                 100 * r.kv.num_cached_free / r.kv.num_blocks if r.kv.num_blocks else 0
@@ -641,9 +825,10 @@ def kv_usage_spec(records: list[StepRecord]) -> dict:
     ]
     layout = _layout_spec(
         "KV 캐시 사용률 (스텝별)",
+        _legend_names(data),
         height=260,
-        yaxis=dict(title=dict(text="KV 블록 (%)"), range=[0, 105]),
-        xaxis=dict(title=dict(text="스텝")),
+        yaxis=zero_axis("KV 블록 (%)", range=[0, 105]),
+        xaxis=dict(type="linear", title=dict(text="스텝")),
     )
     return dict(data=data, layout=layout)
 
@@ -651,3 +836,82 @@ def kv_usage_spec(records: list[StepRecord]) -> dict:
 def kv_usage_figure(records: list[StepRecord]) -> go.Figure:
     """KV usage over steps: used blocks (%) and cached-free blocks (%)."""
     return go.Figure(kv_usage_spec(records))
+
+
+# -- two magnitudes on two y axes --------------------------------------------------------------
+
+
+@dataclass
+class AxisSeries:
+    """One magnitude of a dual-axis chart: its values, the unit on its axis, how it is drawn."""
+
+    name: str  # legend label (short: the legend sits above the plot)
+    values: list
+    unit: str  # the axis title, e.g. "토큰/s" or "ms"
+    color: str = "#1f77b4"
+    kind: str = "bar"  # "bar", or a scatter mode: "markers", "lines+markers", ...
+    text: list | None = None  # drawn on/above each point (e.g. run labels)
+    hover: str = "%{y:.1f}"  # the value's hover format
+
+
+def _series_trace(series: AxisSeries, x: list, axis: str) -> dict:
+    trace = dict(
+        hovertemplate=f"%{{x}}<br>{series.name}: {series.hover} {series.unit}<extra></extra>",
+        name=series.name,
+        x=list(x),
+        y=list(series.values),
+        yaxis=axis,
+    )
+    if series.kind == "bar":
+        trace.update(type="bar", marker=dict(color=series.color), offsetgroup=axis)
+        if series.text is not None:
+            trace.update(text=list(series.text), textposition="outside")
+        return trace
+    trace.update(
+        type="scatter",
+        mode=series.kind,
+        marker=dict(color=series.color, size=9, symbol="diamond"),
+        line=dict(color=series.color),
+    )
+    if series.text is not None:
+        trace.update(text=list(series.text), textposition="top center")
+        trace["mode"] = series.kind + "+text" if "text" not in series.kind else series.kind
+    return trace
+
+
+def dual_axis_spec(
+    x: list,
+    left: AxisSeries,
+    right: AxisSeries,
+    title: str,
+    x_title: str = "",
+    categorical_x: bool = True,
+    height: int = 300,
+) -> dict:
+    """Two magnitudes over the same x (e.g. throughput and TPOT per run), each on its own y axis
+    (left, right), both starting at 0 so neither axis exaggerates a change; axis titles in their
+    series' colours, the legend above the plot, clear of both axes' ticks. Bars of the two series
+    stand side by side (offset groups), never on top of each other."""
+    data = [_series_trace(left, x, "y"), _series_trace(right, x, "y2")]
+    xaxis = category_axis(x_title or None) if categorical_x else zero_axis(x_title or None)
+    layout = chart_layout(
+        title,
+        [left.name, right.name],
+        height=height,
+        barmode="group",
+        xaxis=xaxis,
+        yaxis=zero_axis(left.unit, left.color),
+        yaxis2=zero_axis(
+            right.unit,
+            right.color,
+            overlaying="y",
+            side="right",
+            showgrid=False,
+        ),
+    )
+    return dict(data=data, layout=layout)
+
+
+def dual_axis_figure(*args, **kwargs) -> go.Figure:
+    """dual_axis_spec as a go.Figure (same arguments)."""
+    return go.Figure(dual_axis_spec(*args, **kwargs))

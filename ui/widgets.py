@@ -31,18 +31,42 @@ EVIDENCE_KINDS = {
 
 # -- tables --------------------------------------------------------------------------------------
 
+
 def show_frame(df: pd.DataFrame, container=None, **kwargs) -> None:
     """st.dataframe of display_frame(df) (hide_index=True unless given), in `container` if
-    given (a column or another container)."""
+    given (a column or another container). A frame may carry its own column widths in
+    df.attrs["column_config"] (decision_table does): used unless column_config is given."""
     kwargs.setdefault("hide_index", True)
+    config = df.attrs.get("column_config")
+    if config and "column_config" not in kwargs:
+        kwargs["column_config"] = {k: v for k, v in config.items() if k in df.columns}
     (container or st).dataframe(display_frame(df), **kwargs)
 
 
 # -- the plots -----------------------------------------------------------------------------------
 
+# The decision table is read in a narrow column (two or three engines side by side): the request,
+# what it got and why come first; the token counts after them, under short headers.
+DECISION_COLUMNS = ["요청", "결정", "이유", "토큰", "국면", "계산됨", "prefix 히트"]
+
+
+def _decision_column_config() -> dict:
+    column = st.column_config.Column  # no type: display_frame may turn a column with gaps to text
+    return {
+        "요청": column(width="small", pinned=True),
+        "결정": column(width="small"),
+        "이유": column(width="medium", help="배정받지 못한 요청이 이번 스텝에 빠진 까닭"),
+        "토큰": column(width="small", help="이번 스텝에 배정된 토큰 수"),
+        "국면": column(width="small"),
+        "계산됨": column(width="small", help="이 스텝 전에 이미 KV가 계산된 토큰 수"),
+        "prefix 히트": column(width="small", help="prefix 캐시에서 찾아 계산을 건너뛴 토큰 수"),
+    }
+
 
 def decision_table(record: StepRecord | None) -> pd.DataFrame:
-    """The scheduler's decision of one step: who got how many tokens, and why the others did not."""
+    """The scheduler's decision of one step: who got how many tokens, and why the others did not.
+    Columns: DECISION_COLUMNS (the reason third, so a narrow column shows it without scrolling);
+    show_frame applies the column widths it carries."""
     rows = []
     if record is not None:
         for s in record.scheduled:
@@ -50,11 +74,11 @@ def decision_table(record: StepRecord | None) -> pd.DataFrame:
                 {
                     "요청": s.request_id,
                     "결정": "배정",
-                    "국면": PHASE_KO.get(s.phase, s.phase),
-                    "토큰 수": s.num_tokens,
-                    "이미 계산된 토큰": s.num_computed_tokens,
-                    "prefix 히트": s.num_prefix_hit_tokens,
                     "이유": "",
+                    "토큰": s.num_tokens,
+                    "국면": PHASE_KO.get(s.phase, s.phase),
+                    "계산됨": s.num_computed_tokens,
+                    "prefix 히트": s.num_prefix_hit_tokens,
                 }
             )
         for rid, reason in record.unscheduled.items():
@@ -62,11 +86,11 @@ def decision_table(record: StepRecord | None) -> pd.DataFrame:
                 {
                     "요청": rid,
                     "결정": "선점" if reason == "preempted" else "대기",
-                    "국면": "",
-                    "토큰 수": 0,
-                    "이미 계산된 토큰": None,
-                    "prefix 히트": None,
                     "이유": REASON_KO.get(reason, reason),
+                    "토큰": 0,
+                    "국면": "",
+                    "계산됨": None,
+                    "prefix 히트": None,
                 }
             )
         for rid in record.finished:
@@ -74,9 +98,9 @@ def decision_table(record: StepRecord | None) -> pd.DataFrame:
                 if row["요청"] == rid:
                     reason = FINISH_KO.get(record.finished[rid], record.finished[rid])
                     row["결정"] += f" → 완료({reason})"
-    return pd.DataFrame(
-        rows, columns=["요청", "결정", "국면", "토큰 수", "이미 계산된 토큰", "prefix 히트", "이유"]
-    )
+    table = pd.DataFrame(rows, columns=DECISION_COLUMNS)
+    table.attrs["column_config"] = _decision_column_config()
+    return table
 
 
 # -- evidence, quiz, code ----------------------------------------------------------------------
