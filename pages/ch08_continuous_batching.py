@@ -1,18 +1,26 @@
 """08 · continuous batching과 토큰 단위 스케줄링: a long prompt arriving while others decode, with
 chunked prefill on and off under the same token budget, stepped side by side on the real engine."""
 
-import plotly.graph_objects as go
 import streamlit as st
 
 from engine.scheduler import Scheduler
 from ui.experiments.ch08 import (
     CHUNKED_MODES,
+    ITL_CHOICES,
+    OFF,
+    REAL_DEFAULTS,
+    SIM_DEFAULTS,
     SWEEP_BUDGETS,
-    budget_sweep,
     ChunkedComparison,
+    budget_sweep,
+    budget_sweep_figure,
     chunked_config,
     chunked_summary,
+    itl_change,
+    itl_figure,
     long_prompt_workload,
+    step_time_figure,
+    worst_itl,
 )
 from ui.lab import LabContext, Progress, Side, evidence_kind, run_results, run_workload_button
 from ui.lab import lab as engine_lab
@@ -30,7 +38,6 @@ from ui.widgets import decision_table, evidence, show_code, show_frame
 
 RESULT = "ch08_result"
 SIDE_KEYS = {"chunked prefill 켬": "ch08_on", "chunked prefill 끔": "ch08_off"}
-CHOICES = ["줄어든다", "비슷하다", "늘어난다"]
 FIELDS = (
     "enable_chunked_prefill",
     "max_num_batched_tokens",
@@ -45,8 +52,9 @@ def _sides(labels: list[str], budget: int, seqs: int, spec: dict | None) -> list
     settings = current_settings()
     blocks = max(settings.num_kv_blocks, 1024 // settings.block_size)
     # simulated: a long context, and the KV capacity from the GPU's memory budget
+    defaults = SIM_DEFAULTS if spec else REAL_DEFAULTS
     base = settings.to_config(
-        max_model_len=8192 if spec else 1024, num_kv_blocks=None if spec else blocks
+        max_model_len=defaults.max_model_len, num_kv_blocks=None if spec else blocks
     )
     sides = []
     for label in labels:
@@ -60,74 +68,32 @@ def _wrap(results: dict) -> ChunkedComparison:
     return ChunkedComparison(results, chunked_summary(results))
 
 
-def _summary_view(ctx: LabContext) -> None:
+def _refusals(ctx: LabContext) -> None:
+    """Both sides accept the default workload; a request refused anyway (a prompt longer than
+    max_model_len) is named, never silently left out of the comparison."""
     for side in ctx.sides:
         feeder = ctx.feeders.get(side.key)
         if feeder is not None and feeder.rejected:
             st.warning(
                 f"{side.label}: 최대 길이({ctx.engines[side.key].max_model_len}토큰)보다 긴 요청을 "
-                f"엔진이 거절했습니다 — {', '.join(feeder.rejected)}. chunked prefill 없이 긴 "
-                "프롬프트를 받으려면 토큰 예산을 그 길이 이상으로 올려야 합니다."
+                f"엔진이 거절했습니다 — {', '.join(feeder.rejected)}."
             )
+
+
+def _summary_view(ctx: LabContext) -> None:
+    _refusals(ctx)
     result = run_results(ctx, RESULT, _wrap)
     if result is None:
         st.info("모든 엔진이 워크로드를 끝내면 여기에 전체 요약이 나옵니다.")
         return
     st.markdown("**전체 실행 요약** (엔진 시계)")
     show_frame(result.summary, hide_index=True)
-    fig = go.Figure()
-    for label, res in result.runs.items():
-        steps = res.step_table()
-        fig.add_trace(
-            go.Scatter(
-                x=steps["start_ms"],
-                y=steps["duration_ms"],
-                mode="lines+markers",
-                name=f"{label} 스텝 시간",
-                customdata=steps[["step", "num_tokens"]],
-                hovertemplate=(
-                    "스텝 %{customdata[0]} · 토큰 %{customdata[1]}<br>%{y:.1f} ms<extra></extra>"
-                ),
-            )
-        )
-    fig.update_layout(
-        height=320,
-        title="스텝 시간 (ms) — 긴 프롬프트가 든 스텝이 튀는지",
-        xaxis_title="시작 시각 (ms, 엔진 시계)",
-        yaxis_title="ms",
-        margin=dict(l=10, r=10, t=40, b=10),
-    )
-    st.plotly_chart(fig, key="ch08_step_times")
-    fig = go.Figure()
-    for label, res in result.runs.items():
-        itl = res.itl_samples_ms()
-        others = itl[itl["request_id"] != "긴-프롬프트"]
-        fig.add_trace(
-            go.Scatter(
-                x=others["time_ms"],
-                y=others["itl_ms"],
-                mode="markers",
-                name=f"{label}: 짧은 요청 ITL",
-                text=others["request_id"],
-            )
-        )
-    fig.update_layout(
-        height=320,
-        title="짧은 요청들의 ITL (토큰 사이 간격)",
-        xaxis_title="시각 (ms, 엔진 시계)",
-        yaxis_title="ms",
-        margin=dict(l=10, r=10, t=40, b=10),
-    )
-    st.plotly_chart(fig, key="ch08_itl")
-    s = result.summary.set_index("실행")
-    if len(s) == 2:
-        on, off = s["다른 요청 ITL 최대 (ms)"]
-        if on is not None and off is not None:
-            measured = (
-                CHOICES[0] if on < 0.8 * off else CHOICES[2] if on > 1.25 * off else CHOICES[1]
-            )
-            compare("ch08_itl", measured)
-            st.caption(f"짧은 요청 ITL 최대: 켬 {on:.1f} ms, 끔 {off:.1f} ms")
+    st.plotly_chart(step_time_figure(result.runs), key="ch08_step_times")
+    st.plotly_chart(itl_figure(result.runs), key="ch08_itl")
+    on, off = worst_itl(result.summary)
+    if on is not None and off is not None:
+        compare("ch08_itl", itl_change(on, off))
+        st.caption(f"짧은 요청들의 ITL 최대(가장 긴 토큰 간격): 켬 {on:.1f} ms, 끔 {off:.1f} ms")
     for side, (label, res) in zip(ctx.sides, result.runs.items()):
         evidence(
             evidence_kind(ctx.engines[side.key]),
@@ -184,21 +150,7 @@ def _budget_sweep_view(spec: dict) -> None:
     if table is None:
         st.info("버튼을 누르면 예산마다 시뮬레이션을 한 번씩 돌려 표와 그림을 그립니다.")
         return
-    fig = go.Figure()
-    for col, dash in (("TTFT p50 (ms)", "solid"), ("TTFT p90 (ms)", "dot")):
-        fig.add_trace(go.Scatter(x=table["토큰 예산"], y=table[col], name=col, line_dash=dash))
-    for col, dash in (("ITL p50 (ms)", "solid"), ("ITL p99 (ms)", "dot")):
-        fig.add_trace(
-            go.Scatter(x=table["토큰 예산"], y=table[col], name=col, line_dash=dash, yaxis="y2")
-        )
-    fig.update_layout(
-        height=340,
-        title="예산이 크면 TTFT는 줄고 ITL 꼬리는 길어진다",
-        xaxis=dict(title="max_num_batched_tokens", type="log"),
-        yaxis=dict(title="TTFT (ms)"),
-        yaxis2=dict(title="ITL (ms)", overlaying="y", side="right"),
-        margin=dict(l=10, r=10, t=40, b=10),
-    )
+    fig = budget_sweep_figure(table)
     st.plotly_chart(fig, key="ch08_sweep_fig")
     st.dataframe(table, hide_index=True)
     evidence(
@@ -209,29 +161,23 @@ def _budget_sweep_view(spec: dict) -> None:
     st.caption(simulation_caption(spec))
 
 
-def lab() -> None:
-    st.subheader("긴 프롬프트가 decode 중인 요청들 사이에 끼어들 때")
-    spec = simulation_picker("ch08")
+def _settings(spec: dict | None) -> tuple[int, int, int, int, list[str]]:
+    """The lab's sliders: budget, max_num_seqs, long prompt length, its arrival, the sides."""
     c1, c2, c3, c4 = st.columns(4)
+    d = REAL_DEFAULTS if spec is None else SIM_DEFAULTS
+    budget_label, long_label = "토큰 예산 (max_num_batched_tokens)", "긴 프롬프트 길이 (토큰)"
     if spec is None:
-        budget = c1.slider(
-            "토큰 예산 (max_num_batched_tokens)", 16, 512, 64, step=16, key="ch08_budget"
-        )
-        long_len = c3.slider("긴 프롬프트 길이 (토큰)", 100, 600, 420, step=20, key="ch08_long")
+        budget = c1.slider(budget_label, 16, 512, d.budget, step=16, key="ch08_budget")
+        long_len = c3.slider(long_label, 100, 600, d.long_prompt_len, step=20, key="ch08_long")
     else:  # a GPU-scale engine: GPU-scale budgets and prompts
-        budget = c1.slider(
-            "토큰 예산 (max_num_batched_tokens)",
-            256,
-            8192,
-            512,
-            step=256,
-            key="ch08_budget_sim",
-        )
+        budget = c1.slider(budget_label, 256, 8192, d.budget, step=256, key="ch08_budget_sim")
         long_len = c3.slider(
-            "긴 프롬프트 길이 (토큰)", 1000, 8000, 6000, step=500, key="ch08_long_sim"
+            long_label, 1000, 8000, d.long_prompt_len, step=500, key="ch08_long_sim"
         )
-    seqs = c2.slider("최대 동시 요청 수 (max_num_seqs)", 1, 8, 4, key="ch08_seqs")
-    arrival = c4.slider("긴 프롬프트 도착 (ms)", 0, 500, 250, step=50, key="ch08_arrival")
+    seqs = c2.slider("최대 동시 요청 수 (max_num_seqs)", 1, 8, d.max_num_seqs, key="ch08_seqs")
+    arrival = c4.slider(
+        "긴 프롬프트 도착 (ms)", 0, 500, int(d.long_arrival_ms), step=50, key="ch08_arrival"
+    )
     c1, c2 = st.columns(2)
     chunked = c1.toggle(
         "chunked prefill",
@@ -241,40 +187,48 @@ def lab() -> None:
     )
     both = c2.checkbox("켬·끔 나란히 비교 (한 스텝에 두 엔진)", value=True, key="ch08_both")
     chosen = next(k for k, v in CHUNKED_MODES.items() if v == chunked)
-    labels = list(CHUNKED_MODES) if both else [chosen]
+    return budget, seqs, long_len, arrival, list(CHUNKED_MODES) if both else [chosen]
+
+
+def _off_note(sides: list[Side], budget: int) -> None:
+    """Why the chunked-prefill-off engine runs with a larger budget (vLLM's rule)."""
+    off = next((s for s in sides if s.label == OFF), None)
+    if off is None:
+        return
+    off_budget = off.overrides["max_num_batched_tokens"]
+    st.info(
+        "chunked prefill을 끈 엔진은 프롬프트를 한 스텝에 통째로 넣어야 하므로, vLLM은 이때 토큰 "
+        "예산이 최대 길이(max_model_len) 이상이기를 요구하고 따로 정하지 않으면 예산을 최대 "
+        f"길이로 올립니다. 이 실험실도 같은 규칙을 따라 끔 쪽 예산을 {off_budget:,}토큰"
+        f"(최대 길이)으로 두었습니다. 켬 쪽은 고른 예산 {budget:,}토큰 그대로입니다. 그래서 두 "
+        "엔진은 같은 요청을 모두 받고, 다른 것은 긴 프롬프트를 나눠 넣느냐뿐입니다."
+    )
+
+
+def lab() -> None:
+    st.subheader("긴 프롬프트가 decode 중인 요청들 사이에 끼어들 때")
+    spec = simulation_picker("ch08")
+    budget, seqs, long_len, arrival, labels = _settings(spec)
     workload = long_prompt_workload(long_len, long_arrival_ms=float(arrival))
-    long_total = long_len + workload.requests[-1].max_tokens
     st.caption(
         f"워크로드: 짧은 요청 3개(프롬프트 16, 출력 40)가 먼저 오고, {arrival} ms 뒤(엔진 시계) "
         f"{long_len}토큰 프롬프트 하나(출력 {workload.requests[-1].max_tokens})가 도착합니다."
     )
-    if "chunked prefill 끔" in labels:
-        verdict = (
-            f"이 워크로드의 긴 요청({long_total}토큰)은 {budget}토큰을 넘으므로 이 엔진이 "
-            "거절합니다."
-            if long_total > budget
-            else "긴 프롬프트는 한 스텝에 통째로 들어가야 해서, 남은 예산이 모자라면 '토큰 예산 "
-            "소진'으로 기다립니다."
-        )
-        st.info(
-            f"chunked prefill을 끈 엔진은 토큰 예산을 올리지 않습니다 (예산 {budget}토큰 그대로). "
-            "청크 없이는 요청 하나(선점 뒤 재계산 포함)가 한 스텝에 들어가야 하므로 엔진은 예산 ≥ "
-            f"최대 길이를 요구합니다. 그래서 이 엔진의 최대 길이(max_model_len)를 {budget}토큰으로 "
-            "낮췄습니다. " + verdict
-        )
+    sides = _sides(labels, budget, seqs, spec)
+    _off_note(sides, budget)
 
     def before(ctx: LabContext) -> None:
         predict(
             "ch08_itl",
             "chunked prefill을 켜면, 끌 때에 비해 짧은 요청들의 ITL 최대(가장 긴 토큰 간격)는?",
-            options=CHOICES,
+            options=ITL_CHOICES,
             locked=ctx.started,
         )
         run_workload_button(ctx, workload)
 
     engine_lab(
         "ch08",
-        _sides(labels, budget, seqs, spec),
+        sides,
         presets=None,
         workload=workload,
         before=before,
@@ -286,4 +240,11 @@ def lab() -> None:
     show_code(Scheduler.schedule, "방금 실행된 코드 (스케줄러의 결정)")
 
 
-render_chapter("08", lab)
+CLAIM = (
+    "짧은 요청 셋이 decode하는 사이에 긴 프롬프트가 들어오면, chunked prefill을 켠 엔진은 그 "
+    "프롬프트를 예산 크기로 나눠 넣어 짧은 요청들의 가장 긴 토큰 간격(ITL 최대)을 끈 엔진보다 "
+    "크게 줄입니다."
+)
+
+
+render_chapter("08", lab, claim=CLAIM)

@@ -139,18 +139,22 @@ def test_ch07_engines_step_in_lockstep(app):
     assert all(len(app.session_state["_records"][k]) == 0 for k in keys)
 
 
-def test_ch08_chunking_off_keeps_the_budget(app):
+def test_ch08_chunking_off_takes_vllms_budget(app):
+    """The default run: the off engine's budget is raised to max_model_len (vLLM's rule), so both
+    engines take the same four requests and the off one prefills the long prompt in one step."""
     app.switch_page(PAGES["08"][0])
     app.run()
-    app.slider(key="ch08_budget").set_value(208).run()
-    app.slider(key="ch08_long").set_value(200).run()
-    app.slider(key="ch08_arrival").set_value(0).run()
     app.button(key="ch08_run").click().run()
     assert not app.exception, [e.value for e in app.exception]
-    off = app.session_state["ch08_result"].runs["chunked prefill 끔"]
-    assert off.config.max_num_batched_tokens == 208 == off.max_model_len
-    assert any("token_budget" in r.unscheduled.values() for r in off.records)
-    assert any("최대 길이(max_model_len)를 208토큰으로 낮췄습니다" in i.value for i in app.info)
+    runs = app.session_state["ch08_result"].runs
+    on, off = runs["chunked prefill 켬"], runs["chunked prefill 끔"]
+    assert on.config.max_num_batched_tokens == 64
+    assert off.config.max_num_batched_tokens == 1024 == off.max_model_len
+    assert not on.rejected and not off.rejected and len(on.requests) == len(off.requests) == 4
+    long_steps = [s for r in off.records for s in r.scheduled if s.request_id == "긴-프롬프트"]
+    assert long_steps[0].num_tokens == 420
+    assert any("예산을 1,024토큰" in i.value for i in app.info)
+    assert not app.warning, [w.value for w in app.warning]
 
 
 def test_ch08_simulation_switch_runs_the_same_lab_at_8b_scale(app):

@@ -216,17 +216,20 @@ def test_chunked_prefill_comparison(cfg):
     on, off = cmp.runs.values()
     assert on.config.enable_chunked_prefill and not off.config.enable_chunked_prefill
     assert max(r.total_tokens for r in on.records) <= 64
-    # chunking off never raises the budget: max_model_len is lowered to it, the long prompt refused
-    assert off.config.max_num_batched_tokens == 64 == off.max_model_len
-    assert "긴-프롬프트" in off.rejected
+    # chunking off: vLLM's rule, the budget covers max_model_len, so both accept the long prompt
+    assert off.config.max_num_batched_tokens == 1024 == off.max_model_len
+    assert not on.rejected and not off.rejected
     s = cmp.summary.set_index("실행")
     assert s.loc["chunked prefill 켬", "긴 요청 prefill 스텝 수"] >= 400 // 64
-    assert s.loc["chunked prefill 끔", "긴 요청 prefill 스텝 수"] == 0
-    # a budget that holds the long prompt, arriving with the others: it waits for the token budget
+    assert s.loc["chunked prefill 끔", "긴 요청 prefill 스텝 수"] == 1
+    assert s.loc["chunked prefill 끔", "최대 스텝 토큰"] >= 400  # the whole prompt in one step
+    # max_model_len 208 (so the unchunked budget is 208 too), the long prompt arriving with the
+    # others: the first step's remaining budget cannot hold it whole, so it waits for the budget
     wl = ex.long_prompt_workload(
         long_prompt_len=200, num_short=2, short_max_tokens=6, long_arrival_ms=0.0, long_max_tokens=3
     )
-    cmp = ex.compare_chunked_prefill(cfg, wl, budget=208, max_num_seqs=4)
+    short_ctx = ex.make_config(cfg, max_model_len=208)
+    cmp = ex.compare_chunked_prefill(short_ctx, wl, budget=64, max_num_seqs=4)
     off = cmp.runs["chunked prefill 끔"]
     assert not off.rejected and any(s.num_tokens == 200 for r in off.records for s in r.scheduled)
     assert cmp.summary.set_index("실행").loc["chunked prefill 끔", "긴 요청 prefill 스텝 수"] == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pandas as pd
+import plotly.graph_objects as go
 
 from ui.experiments.common import (
     ConfigLike,
@@ -15,6 +16,24 @@ from ui.experiments.common import (
     make_config,
     run_workload,
 )
+
+
+LONG_NAME = "긴-프롬프트"
+
+
+@dataclass(frozen=True)
+class LabDefaults:
+    """The lab's default sliders in one mode (the page and the claim tests read these)."""
+
+    budget: int  # max_num_batched_tokens of the chunked side
+    long_prompt_len: int
+    max_model_len: int  # also the unchunked side's budget (chunked_config)
+    max_num_seqs: int = 4
+    long_arrival_ms: float = 250.0  # the short requests are still decoding then, in both modes
+
+
+REAL_DEFAULTS = LabDefaults(budget=64, long_prompt_len=420, max_model_len=1024)
+SIM_DEFAULTS = LabDefaults(budget=512, long_prompt_len=6000, max_model_len=8192)
 
 
 def long_prompt_workload(
@@ -28,7 +47,7 @@ def long_prompt_workload(
     specs = [
         RequestSpec(short_prompt_len, short_max_tokens, 0.0, f"짧은-{i}") for i in range(num_short)
     ]
-    specs.append(RequestSpec(long_prompt_len, long_max_tokens, long_arrival_ms, "긴-프롬프트"))
+    specs.append(RequestSpec(long_prompt_len, long_max_tokens, long_arrival_ms, LONG_NAME))
     return Workload(specs)
 
 
@@ -39,13 +58,21 @@ class ChunkedComparison:
 
 
 CHUNKED_MODES = {"chunked prefill 켬": True, "chunked prefill 끔": False}
+ON, OFF = CHUNKED_MODES
+# The lab's question: with chunked prefill on, the running decodes' worst ITL compared with off.
+ITL_CHOICES = ["줄어든다", "비슷하다", "늘어난다"]
+WORST_ITL = "다른 요청 ITL 최대 (ms)"
 
 
 def chunked_config(config: ConfigLike | None, chunked: bool, budget: int, max_num_seqs: int):
-    """The engine config of one side. The budget is never raised: without chunking a request is
-    prefilled (or recomputed after a preemption) in one step, so the engine requires
-    max_num_batched_tokens >= max_model_len; that side gets max_model_len = the budget instead,
-    and a request longer than that is refused (the page says so)."""
+    """The engine config of one side.
+
+    With chunked prefill the budget is the learner's. Without it a prompt (or a preempted
+    request's recompute) must go through one step whole, so vLLM requires
+    max_num_batched_tokens >= max_model_len and, when chunking is off, raises the budget to
+    max_model_len by default. The off side follows that rule: its budget becomes
+    max(budget, max_model_len), so both sides accept the same requests and the comparison is
+    chunking itself, not a refused prompt (the page says so)."""
     cfg = make_config(
         config,
         enable_chunked_prefill=chunked,
@@ -53,12 +80,12 @@ def chunked_config(config: ConfigLike | None, chunked: bool, budget: int, max_nu
         max_num_seqs=max_num_seqs,
         enable_prefix_caching=False,
     )
-    if not chunked and (cfg.max_model_len is None or cfg.max_model_len > budget):
-        cfg = make_config(cfg, max_model_len=budget)
+    if not chunked and cfg.max_model_len is not None:
+        cfg = make_config(cfg, max_num_batched_tokens=max(budget, cfg.max_model_len))
     return cfg
 
 
-def chunked_summary(runs: dict[str, RunResult], long_name: str = "긴-프롬프트") -> pd.DataFrame:
+def chunked_summary(runs: dict[str, RunResult], long_name: str = LONG_NAME) -> pd.DataFrame:
     """Per run (engine-clock times): long request TTFT and prefill steps; the other requests' ITL
     and TTFT; the largest step; requests refused or left out for the token budget."""
     rows = []
@@ -100,6 +127,21 @@ def chunked_summary(runs: dict[str, RunResult], long_name: str = "긴-프롬프�
             }
         )
     return pd.DataFrame(rows)
+
+
+def worst_itl(summary: pd.DataFrame) -> tuple[float | None, float | None]:
+    """(on, off): the decoding requests' worst inter-token gap (ms, engine clock) per side."""
+    s = summary.set_index("실행")
+    on, off = (s.loc[label, WORST_ITL] if label in s.index else None for label in (ON, OFF))
+    return on, off
+
+
+def itl_change(on: float, off: float) -> str:
+    """The answer to the lab's question (ITL_CHOICES) as measured: on below 0.8 × off is
+    "줄어든다", above 1.25 × off "늘어난다", otherwise "비슷하다"."""
+    if on < 0.8 * off:
+        return ITL_CHOICES[0]
+    return ITL_CHOICES[2] if on > 1.25 * off else ITL_CHOICES[1]
 
 
 def compare_chunked_prefill(
@@ -177,3 +219,92 @@ def budget_sweep(
         if progress is not None:
             progress(i + 1, len(budgets))
     return pd.DataFrame(rows)
+
+
+# -- figures -------------------------------------------------------------------------------------
+
+_MARGIN = dict(l=10, r=10, t=40, b=10)
+# Legends sit in a row under the plot, clear of the data and of every axis's ticks.
+_LEGEND_BELOW = dict(orientation="h", yanchor="top", y=-0.22, xanchor="left", x=0.0)
+
+
+def step_time_figure(runs: dict[str, RunResult]) -> go.Figure:
+    """Each side's step durations over the engine clock (zero-based: a magnitude)."""
+    fig = go.Figure()
+    for label, res in runs.items():
+        steps = res.step_table()
+        fig.add_trace(
+            go.Scatter(
+                x=steps["start_ms"],
+                y=steps["duration_ms"],
+                mode="lines+markers",
+                name=f"{label} 스텝 시간",
+                customdata=steps[["step", "num_tokens"]],
+                hovertemplate=(
+                    "스텝 %{customdata[0]} · 토큰 %{customdata[1]}<br>%{y:.1f} ms<extra></extra>"
+                ),
+            )
+        )
+    fig.update_layout(
+        height=340,
+        title="스텝 시간 (ms) — 긴 프롬프트가 든 스텝이 튀는지",
+        xaxis=dict(title="시작 시각 (ms, 엔진 시계)", rangemode="tozero"),
+        yaxis=dict(title="ms", rangemode="tozero"),
+        legend=_LEGEND_BELOW,
+        margin=dict(_MARGIN, b=70),
+    )
+    return fig
+
+
+def itl_figure(runs: dict[str, RunResult], long_name: str = LONG_NAME) -> go.Figure:
+    """Every inter-token gap of the decoding (short) requests, per side (zero-based)."""
+    fig = go.Figure()
+    for label, res in runs.items():
+        itl = res.itl_samples_ms()
+        others = itl[itl["request_id"] != long_name]
+        fig.add_trace(
+            go.Scatter(
+                x=others["time_ms"],
+                y=others["itl_ms"],
+                mode="markers",
+                name=f"{label}: 짧은 요청 ITL",
+                text=others["request_id"],
+            )
+        )
+    fig.update_layout(
+        height=340,
+        title="짧은 요청들의 ITL (토큰 사이 간격)",
+        xaxis=dict(title="시각 (ms, 엔진 시계)", rangemode="tozero"),
+        yaxis=dict(title="ms", rangemode="tozero"),
+        legend=_LEGEND_BELOW,
+        margin=dict(_MARGIN, b=70),
+    )
+    return fig
+
+
+def budget_sweep_figure(table: pd.DataFrame) -> go.Figure:
+    """TTFT (left axis) and ITL (right axis) against the token budget. Both scales start at 0
+    (they are magnitudes) and the legend sits under the plot, so no tick hides behind it."""
+    fig = go.Figure()
+    for col, dash in (("TTFT p50 (ms)", "solid"), ("TTFT p90 (ms)", "dot")):
+        fig.add_trace(go.Scatter(x=table["토큰 예산"], y=table[col], name=col, line_dash=dash))
+    for col, dash in (("ITL p50 (ms)", "solid"), ("ITL p99 (ms)", "dot")):
+        fig.add_trace(
+            go.Scatter(x=table["토큰 예산"], y=table[col], name=col, line_dash=dash, yaxis="y2")
+        )
+    budgets = [int(b) for b in table["토큰 예산"]]
+    fig.update_layout(
+        height=380,
+        title="예산이 크면 TTFT는 줄고 ITL 꼬리는 길어진다",
+        xaxis=dict(
+            title="max_num_batched_tokens",
+            type="log",
+            tickvals=budgets,
+            ticktext=[f"{b:,}" for b in budgets],
+        ),
+        yaxis=dict(title="TTFT (ms)", rangemode="tozero"),
+        yaxis2=dict(title="ITL (ms)", overlaying="y", side="right", rangemode="tozero"),
+        legend=dict(_LEGEND_BELOW, y=-0.3),
+        margin=dict(_MARGIN, b=90),
+    )
+    return fig
