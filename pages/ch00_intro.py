@@ -3,12 +3,19 @@
 import pandas as pd
 import streamlit as st
 
-from ui.lab import LabContext, first_finished, steps_of
+from ui.experiments.ch00 import (
+    FIRST_MAX_TOKENS,
+    FIRST_PROMPT,
+    first_workload,
+    predicted_steps,
+    step_count,
+)
+from ui.lab import LabContext, first_finished
 from ui.lab import lab as engine_lab
 from ui.lesson import render_chapter
 from ui.predict import compare, predict
 from ui.session import get_engine
-from ui.widgets import evidence
+from ui.widgets import FINISH_KO, evidence
 
 JOURNEY = [
     ("1", "API 서버", "HTTP 수신, 인증, SSE 스트리밍", "engine/server.py"),
@@ -62,17 +69,30 @@ def lab() -> None:
     )
     st.subheader("첫 실험: 요청 하나를 한 스텝씩")
     st.caption(
-        "예측을 적고, 예시 요청을 추가한 뒤 **다음 스텝**을 눌러 보세요. 세 그림이 스텝마다 "
-        "갱신됩니다. **N 스텝**, **재생**, **끝까지**, **리셋**도 같은 엔진을 움직입니다."
+        "예측을 적고 **워크로드 넣기**로 요청 하나를 넣은 뒤 **다음 스텝**을 눌러 보세요. 세 "
+        "그림이 스텝마다 갱신됩니다. **N 스텝**, **재생**, **끝까지**, **리셋**도 같은 엔진을 "
+        "움직입니다. 예시 프롬프트로 요청을 더 넣어 볼 수도 있습니다."
     )
-    engine_lab("main", default_max_tokens=24, before=_predict, chapter_view=_compare)
+    max_tokens = int(st.session_state.get("main_max_tokens", FIRST_MAX_TOKENS))
+    engine_lab(
+        "main",
+        default_max_tokens=FIRST_MAX_TOKENS,
+        workload=first_workload(engine, max_tokens),
+        workload_note=(
+            f"워크로드: '{FIRST_PROMPT}' 요청 하나 (채팅 템플릿 포함), 출력 정확히 "
+            f"{max_tokens} 토큰 (종료 토큰이 나와도 멈추지 않음, ignore_eos; 위 max_tokens를 따름)"
+        ),
+        before=_predict,
+        chapter_view=_compare,
+    )
 
 
 def _predict(ctx: LabContext) -> None:
-    max_tokens = st.session_state.get("main_max_tokens", 24)
+    max_tokens = st.session_state.get("main_max_tokens", FIRST_MAX_TOKENS)
     predict(
         "ch00_steps",
-        f"max_tokens={max_tokens}인 요청 하나가 혼자 끝나려면 엔진 스텝이 몇 번 필요할까요?",
+        f"max_tokens={max_tokens}인 요청 하나가 혼자 끝나려면 엔진 스텝이 몇 번 필요할까요? "
+        "(워크로드의 요청은 종료 토큰을 무시하고 max_tokens까지 갑니다)",
         unit="스텝",
         locked=ctx.started,
         step=1.0,
@@ -80,18 +100,46 @@ def _predict(ctx: LabContext) -> None:
 
 
 def _compare(ctx: LabContext) -> None:
-    request = first_finished(ctx.engines["main"])
+    engine = ctx.engines["main"]
+    request = first_finished(engine)
     if request is None:
         return
-    measured = steps_of(ctx.records("main"), request.request_id)
-    compare("ch00_steps", measured, "스텝", fmt="{:,.0f}")
+    count = step_count(ctx.records("main"), request)
+    compare("ch00_steps", count.steps, "스텝", fmt="{:,.0f}")
+    if count.stopped_early:
+        st.info(
+            f"이 요청은 {count.output_tokens}번째 토큰으로 종료 토큰(EOS)을 내어 "
+            f"max_tokens={count.max_tokens}보다 일찍 끝났습니다. 그래서 스텝도 "
+            f"{count.steps}번입니다. max_tokens까지 갔다면 {count.full_length_steps} 스텝이었을 "
+            "것입니다 (계산값: prefill 스텝 + max_tokens − 1). 정확히 max_tokens개를 보려면 "
+            "**워크로드 넣기**로 종료 토큰을 무시하는 요청을 넣으세요.",
+            icon=":material/info:",
+        )
+    reason = FINISH_KO.get(count.finish_reason, count.finish_reason)
+    budget = engine.config.max_num_batched_tokens
+    rule = predicted_steps(count.num_prompt_tokens, count.output_tokens, budget)
     evidence(
         "측정값",
-        f"첫 요청이 배정된 스텝 {measured}개 = prefill 스텝 + decode 스텝 "
-        f"(출력 {request.num_output_tokens} 토큰)",
-        모델=ctx.engines["main"].model_dir.name,
+        f"첫 요청이 배정된 스텝 {count.steps}개 = prefill {count.prefill_steps} 스텝 + decode "
+        f"{count.decode_steps} 스텝 (프롬프트 {count.num_prompt_tokens} 토큰, 출력 "
+        f"{count.output_tokens} 토큰, 종료 이유: {reason})",
+        모델=engine.model_dir.name,
         근거="StepRecord.scheduled",
+    )
+    evidence(
+        "계산값",
+        f"규칙 (요청이 혼자일 때): ⌈{count.num_prompt_tokens} ÷ {budget}⌉ + "
+        f"{count.output_tokens} − 1 = {rule} 스텝",
+        formula="⌈프롬프트 토큰 ÷ 토큰 예산⌉ (prefill, 첫 토큰까지) + 출력 토큰 − 1 (decode)",
     )
 
 
-render_chapter("00", lab)
+render_chapter(
+    "00",
+    lab,
+    claim=(
+        f"종료 토큰을 무시하는 max_tokens={FIRST_MAX_TOKENS} 요청 하나는 정확히 "
+        f"{FIRST_MAX_TOKENS} 스텝을 받습니다: prefill 한 스텝이 프롬프트를 계산하며 첫 토큰을 "
+        "내고, decode 스텝마다 토큰이 하나씩 더해집니다."
+    ),
+)

@@ -1,7 +1,7 @@
 """01 · 학습된 모델에서 추론 서버까지: the artifact inspector and one real HTTP request traced."""
 
+import dataclasses
 import json
-import time
 
 import pandas as pd
 import plotly.express as px
@@ -9,6 +9,13 @@ import streamlit as st
 
 from engine.artifact import DTYPE_BYTES, inspect_artifact
 from ui import figures
+from ui.experiments.ch01 import (
+    HTTP_MAX_TOKENS,
+    HTTP_PROMPT,
+    HttpResult,
+    derived_param_count,
+    send_http_request,
+)
 from ui.lesson import render_chapter
 from ui.lab import show_decision
 from ui.predict import compare, predict
@@ -38,19 +45,6 @@ STAGE_MODULE = {
 @st.cache_data(show_spinner=False)
 def _artifact(model: str):
     return inspect_artifact(model or None)
-
-
-def derived_param_count(c: dict) -> dict[str, int]:
-    """Parameters from config.json alone (matrix shapes multiplied and summed)."""
-    h, i, v, L = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["num_hidden_layers"]
-    nh = c["num_attention_heads"]
-    nkv = c.get("num_key_value_heads", nh)
-    hd = c.get("head_dim") or h // nh
-    emb = v * h * (1 if c.get("tie_word_embeddings") else 2)
-    attn = L * (h * nh * hd + 2 * h * nkv * hd + nh * hd * h)
-    mlp = L * 3 * h * i
-    norm = L * 2 * h + h
-    return {"embedding": emb, "attention": attn, "mlp": mlp, "norm": norm}
 
 
 def artifact_inspector() -> None:
@@ -171,31 +165,6 @@ def _server():
     return state
 
 
-def send_http_request(url: str, prompt: str, max_tokens: int) -> dict:
-    """POST /v1/chat/completions with stream=True; every SSE chunk is kept with its arrival time."""
-    import httpx
-
-    body = {
-        "model": None,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "stream": True,
-    }
-    body.pop("model")
-    chunks = []
-    start = time.perf_counter()
-    with httpx.Client(timeout=120) as client:
-        with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-            status = response.status_code
-            for line in response.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: ") :]
-                chunks.append({"t": time.perf_counter(), "data": data})
-    return {"status": status, "chunks": chunks, "start": start, "body": body}
-
-
 def http_lab() -> None:
     st.subheader("② 실제 HTTP 요청 하나, 모든 컴포넌트를 지나며")
     st.caption(
@@ -203,10 +172,8 @@ def http_lab() -> None:
         "서버는 이 세션 전용 엔진을 따로 가집니다."
     )
     c1, c2 = st.columns([3, 1])
-    prompt = c1.text_input(
-        "보낼 메시지", "안녕하세요! 한 문장으로 인사해 주세요.", key="ch01_prompt"
-    )
-    max_tokens = c2.number_input("max_tokens", 1, 128, 16, key="ch01_max_tokens")
+    prompt = c1.text_input("보낼 메시지", HTTP_PROMPT, key="ch01_prompt")
+    max_tokens = c2.number_input("max_tokens", 1, 128, HTTP_MAX_TOKENS, key="ch01_max_tokens")
     predict(
         "ch01_ttft", "이 요청의 서버 안 TTFT(도착 → 첫 토큰)는 몇 ms일까요?", unit="ms", step=10.0
     )
@@ -215,31 +182,25 @@ def http_lab() -> None:
         if state is not None:
             with st.spinner("요청을 보내고 SSE 조각을 받는 중…"):
                 try:
-                    st.session_state["_ch01_result"] = send_http_request(
-                        state["handle"].url, prompt, int(max_tokens)
-                    )
+                    sent = send_http_request(state["handle"].url, prompt, int(max_tokens))
+                    st.session_state["_ch01_result"] = dataclasses.asdict(sent)
                 except Exception as exc:  # noqa: BLE001 - show any transport error to the learner
                     st.error(f"HTTP 요청 실패: {exc!r}")
-    result = st.session_state.get("_ch01_result")
+    stored = st.session_state.get("_ch01_result")  # a plain dict of HttpResult's fields
     state = st.session_state.get("_ch01_server")
-    if not result or not state:
+    if not stored or not state:
         st.info("버튼을 누르면 실제 HTTP 요청이 서버로 가고, 그 여정이 아래에 그려집니다.")
         return
+    result = HttpResult(**stored)
     handle, engine, records = state["handle"], state["engine"], state["records"]
-    chunks = result["chunks"]
-    payloads = [json.loads(c["data"]) for c in chunks if c["data"] != "[DONE]"]
-    request_id = next((p.get("id") for p in payloads if p.get("id")), None)
-    text = "".join(
-        (p.get("choices") or [{}])[0].get("delta", {}).get("content", "") or ""
-        for p in payloads
-        if p.get("choices")
-    )
+    chunks = result.chunks
+    request_id = result.request_id
     st.markdown(
-        f"`POST {handle.url}/v1/chat/completions` → HTTP **{result['status']}**, "
+        f"`POST {handle.url}/v1/chat/completions` → HTTP **{result.status}**, "
         f"SSE 조각 **{len(chunks)}개**, 요청 id `{request_id}`"
     )
     st.markdown("**클라이언트가 받은 글 (스트리밍 조각을 이어 붙임)**")
-    st.text(text or "(빈 응답)")
+    st.text(result.text or "(빈 응답)")
     rows = []
     for c in chunks:
         data = c["data"]
@@ -252,7 +213,7 @@ def http_lab() -> None:
             )
         rows.append(
             {
-                "받은 시각 (ms)": round(1000 * (c["t"] - result["start"]), 1),
+                "받은 시각 (ms)": round(1000 * (c["t"] - result.start), 1),
                 "조각": delta or data[:40],
             }
         )
@@ -322,4 +283,12 @@ def lab() -> None:
     http_lab()
 
 
-render_chapter("01", lab)
+render_chapter(
+    "01",
+    lab,
+    claim=(
+        "디스크의 가중치 파일에서 센 파라미터 수는 config.json의 숫자만으로 계산한 수와 "
+        "같습니다. HTTP 요청 하나는 서버 수신 → tokenize → 대기열 → 스케줄링 → 첫 토큰 → "
+        "완료를 차례로 지나고, 그 여정이 엔진 기록에 순서대로 남습니다."
+    ),
+)

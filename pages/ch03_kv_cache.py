@@ -6,7 +6,9 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from engine.kv_cache import KVCacheManager
-from ui.lab import Progress
+from ui.experiments.ch00 import FIRST_PROMPT
+from ui.experiments.ch03 import GROWTH_MAX_TOKENS, block_growth, growth_workload
+from ui.lab import LabContext, Progress
 from ui.lab import lab as engine_lab
 from ui.lesson import render_chapter
 from ui.measure import compare_kv_cache, kv_allocated_bytes, prompt_of_length, read_config
@@ -83,7 +85,7 @@ def cache_compare_lab() -> None:
         height=300,
         title="생성 토큰마다 걸린 시간",
         xaxis_title="몇 번째 생성 토큰",
-        yaxis_title="ms",
+        yaxis=dict(title="ms", rangemode="tozero"),
         margin=dict(l=10, r=10, t=40, b=10),
     )
     st.plotly_chart(fig, key="ch03_compare_fig")
@@ -169,11 +171,56 @@ def kv_bytes_lab() -> None:
 def growth_lab() -> None:
     st.subheader("③ 캐시가 블록 단위로 자라는 모습")
     st.caption(
-        "예시 요청을 넣고 **다음 스텝**을 여러 번 눌러 보세요. 블록 격자에서 요청의 칸이 "
-        "16토큰마다 하나씩 늘고, 요청이 끝나면 블록이 빈칸(또는 prefix 캐시 보관)으로 돌아갑니다."
+        "**워크로드 넣기**로 요청 하나(출력 정확히 "
+        f"{GROWTH_MAX_TOKENS} 토큰)를 넣고 **다음 스텝**이나 **N 스텝**을 눌러 보세요. 'KV 캐시' "
+        "탭의 격자에서 요청의 칸이 16토큰마다 하나씩 늘고, 사용률 그림이 계단처럼 오릅니다. "
+        "요청이 끝나면 블록이 빈칸(또는 prefix 캐시 보관)으로 돌아갑니다."
     )
-    engine_lab("ch03", default_max_tokens=40, show_code_panel=False)
+    engine = get_engine("ch03")
+    engine_lab(
+        "ch03",
+        default_max_tokens=GROWTH_MAX_TOKENS,
+        workload=growth_workload(engine),
+        workload_note=(
+            f"워크로드: '{FIRST_PROMPT}' 요청 하나, 출력 정확히 {GROWTH_MAX_TOKENS} 토큰 (종료 "
+            "토큰이 나와도 멈추지 않음, ignore_eos). 예시 프롬프트는 답을 마치면 종료 토큰에서 "
+            "멈춰 블록이 거의 늘지 않습니다."
+        ),
+        chapter_view=_growth_view,
+        show_code_panel=False,
+    )
     show_code(KVCacheManager.allocate_slots, "방금 실행된 코드 (블록 배정)")
+
+
+def _growth_view(ctx: LabContext) -> None:
+    """The first request's blocks so far: after its prefill, now, and the ⌈tokens ÷ 16⌉ rule."""
+    requests = sorted(ctx.engines["ch03"].all_requests(), key=lambda r: r.arrival_time)
+    growth = block_growth(ctx.records("ch03"), requests[0].request_id) if requests else None
+    if growth is None:
+        return
+    last_blocks, last_tokens = growth.blocks[-1], growth.tokens[-1]
+    live = last_blocks > 0
+    now = growth.rule(last_tokens) if live else growth.peak
+    cols = st.columns(3)
+    cols[0].metric("prefill 직후 블록", growth.after_prefill)
+    cols[1].metric("지금 블록" if live else "가장 많을 때 블록", now)
+    cols[2].metric("decode 중 새로 받은 블록", growth.grown)
+    later = (
+        f"지금 {last_blocks}개 (캐시에 든 토큰 {last_tokens}개)"
+        if live
+        else f"가장 많을 때 {growth.peak}개, 끝나며 모두 반납"
+    )
+    evidence(
+        "측정값",
+        f"요청의 블록 테이블: prefill 직후 {growth.after_prefill}개 → {later}",
+        **conditions_of(ctx.engines["ch03"], 근거="StepRecord.kv.block_tables"),
+    )
+    if live:
+        evidence(
+            "계산값",
+            f"⌈{last_tokens} ÷ {growth.block_size}⌉ = {growth.rule(last_tokens)} 블록",
+            formula="블록 수 = ⌈캐시에 든 토큰 수 ÷ 블록 크기⌉",
+        )
 
 
 def lab() -> None:
@@ -184,4 +231,12 @@ def lab() -> None:
     growth_lab()
 
 
-render_chapter("03", lab)
+render_chapter(
+    "03",
+    lab,
+    claim=(
+        f"출력 {GROWTH_MAX_TOKENS} 토큰을 만드는 요청 하나의 KV 캐시는 prefill이 받은 블록에 "
+        "머물지 않습니다. decode가 블록 하나(16토큰)를 채울 때마다 새 블록을 받아, 끝나기 "
+        "직전에는 prefill 직후보다 블록이 세 개 많습니다 (블록 크기 16 기준)."
+    ),
+)

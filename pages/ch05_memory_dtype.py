@@ -3,10 +3,22 @@ memory sizes (계산값, sizes 보고값), and our model loaded in fp32/bf16/fp1
 
 import pandas as pd
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 import streamlit as st
 
 from ui import figures
-from ui.experiments.ch05 import DtypeMeasurement, measure_dtype, simulate_capacity
+from ui.experiments.ch05 import (
+    DEFAULT_GPU,
+    DEFAULT_MODEL,
+    DEFAULT_NUM_TOKENS,
+    DEFAULT_SEQ_LEN,
+    DEFAULT_SIM_REQUESTS,
+    DEFAULT_UTILIZATION,
+    DTYPES,
+    DtypeMeasurement,
+    measure_dtype,
+    simulate_capacity,
+)
 from ui.hardware_data import GB, GPU_KEYS, GPUS, MODEL_KEYS, MODELS, memory_budget
 from ui.lab import Progress
 from ui.lesson import render_chapter
@@ -17,6 +29,11 @@ from ui.widgets import evidence, show_code
 
 MEASURED = "ch05_measured"  # dtype → DtypeMeasurement
 SPEED_CHOICES = ["bf16이 더 빠르다", "비슷하다", "bf16이 더 느리다"]
+
+
+def _name_of(keys: dict[str, str], key: str) -> str:
+    """The display name whose preset key is `key` (ui.hardware_data maps names → keys)."""
+    return next(name for name, k in keys.items() if k == key)
 
 
 def _budget_figure(b) -> go.Figure:
@@ -61,7 +78,8 @@ def _requests_figure(
         barmode="group",
         height=320,
         title=f"길이 {seq_len:,} 토큰 요청이 동시에 몇 개 들어가나 (0 = 불가)",
-        yaxis_title="요청 수",
+        xaxis=dict(type="category"),
+        yaxis=dict(title="요청 수", rangemode="tozero"),
         margin=dict(l=10, r=10, t=40, b=10),
     )
     return fig
@@ -71,18 +89,25 @@ def calculator() -> tuple[str, str, float, int]:
     """The budget calculator; returns its model, GPU, utilization and L for the next section."""
     st.subheader("① 메모리 예산 계산기 (계산값)")
     c1, c2, c3 = st.columns(3)
-    model = c1.selectbox("모델", list(MODELS), index=1, key="ch05_model")
-    gpu = c2.selectbox("GPU", list(GPUS), index=0, key="ch05_gpu")
+    models, gpus = list(MODELS), list(GPUS)
+    model = c1.selectbox(
+        "모델", models, index=models.index(_name_of(MODEL_KEYS, DEFAULT_MODEL)), key="ch05_model"
+    )
+    gpu = c2.selectbox(
+        "GPU", gpus, index=gpus.index(_name_of(GPU_KEYS, DEFAULT_GPU)), key="ch05_gpu"
+    )
     dtype = c3.selectbox(
         "가중치·KV dtype", ["bfloat16", "float16", "float32", "int8"], key="ch05_dtype"
     )
     c1, c2, c3 = st.columns(3)
-    util = c1.slider("사용률 (gpu_memory_utilization)", 0.5, 0.98, 0.9, 0.01, key="ch05_util")
+    util = c1.slider(
+        "사용률 (gpu_memory_utilization)", 0.5, 0.98, DEFAULT_UTILIZATION, 0.01, key="ch05_util"
+    )
     headroom = c2.slider("활성값·여유 (GB)", 0.0, 10.0, 2.0, 0.5, key="ch05_headroom")
     seq_len = c3.select_slider(
         "요청 길이 L (토큰)",
         [512, 1024, 2048, 4096, 8192, 16384, 32768, 131072],
-        value=4096,
+        value=DEFAULT_SEQ_LEN,
         key="ch05_len",
     )
     m, g = MODELS[model], GPUS[gpu]
@@ -186,7 +211,9 @@ def capacity_simulation(model: str, gpu: str, util: float, seq_len: int) -> None
     if gpu not in GPU_KEYS:
         st.info("이 GPU는 시뮬레이터 프리셋이 없습니다.")
         return
-    num = st.slider("한꺼번에 도착하는 요청 수", 10, 300, 150, step=10, key="ch05_sim_requests")
+    num = st.slider(
+        "한꺼번에 도착하는 요청 수", 10, 300, DEFAULT_SIM_REQUESTS, step=10, key="ch05_sim_requests"
+    )
     key = (model, gpu, util, seq_len, num)
     runs = st.session_state.setdefault(CAPACITY, {})
     if st.button("시뮬레이션 실행", key="ch05_sim_run", icon=":material/play_arrow:"):
@@ -269,6 +296,40 @@ def _measure_table(results: dict[str, DtypeMeasurement]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _measure_figure(results: dict[str, DtypeMeasurement]) -> go.Figure:
+    """Two panels, each on its own zero-based axis: weight bytes (computed beside measured) and
+    decode speed. One axis per quantity, so neither a shared scale nor a second axis that starts
+    near the data's minimum makes a small difference look large; the legend sits above the plots,
+    clear of their ticks."""
+    names = list(results)
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        subplot_titles=("가중치 메모리 (MB)", "decode 속도 (토큰/s)"),
+        horizontal_spacing=0.12,
+    )
+    bars = [
+        ("계산 가중치 (MB)", [results[d].computed_bytes / 1e6 for d in names], "#9ecae1"),
+        ("측정 텐서 바이트 (MB)", [results[d].tensor_bytes / 1e6 for d in names], "#1f77b4"),
+    ]
+    for label, values, color in bars:
+        fig.add_trace(go.Bar(name=label, x=names, y=values, marker_color=color), row=1, col=1)
+    speeds = [results[d].decode_tokens_per_s for d in names]
+    fig.add_trace(
+        go.Bar(name="decode 토큰/s (측정)", x=names, y=speeds, marker_color="#ff7f0e"), row=1, col=2
+    )
+    fig.update_yaxes(rangemode="tozero")
+    fig.update_xaxes(type="category")
+    fig.update_layout(
+        barmode="group",
+        height=360,
+        title=dict(text="dtype별 가중치 메모리와 decode 속도", y=0.98, yanchor="top"),
+        legend=dict(orientation="h", x=0, xanchor="left", y=1.12, yanchor="bottom"),
+        margin=dict(l=10, r=10, t=90, b=10),
+    )
+    return fig
+
+
 def measurement() -> None:
     st.subheader("③ 우리 모델을 fp32 · bf16 · fp16으로 올려 재기 (측정값)")
     st.caption(
@@ -277,13 +338,8 @@ def measurement() -> None:
         "없으면 fp32보다 느릴 수 있습니다."
     )
     c1, c2 = st.columns(2)
-    dtypes = c1.multiselect(
-        "dtype",
-        ["float32", "bfloat16", "float16"],
-        default=["float32", "bfloat16", "float16"],
-        key="ch05_dtypes",
-    )
-    n_tokens = c2.slider("생성 토큰 수", 4, 32, 12, key="ch05_ntok")
+    dtypes = c1.multiselect("dtype", DTYPES, default=DTYPES, key="ch05_dtypes")
+    n_tokens = c2.slider("생성 토큰 수", 4, 32, DEFAULT_NUM_TOKENS, key="ch05_ntok")
     predict("ch05_bf16", "이 기계에서 bf16 decode는 fp32에 비해 어떨까요?", options=SPEED_CHOICES)
     if st.button("실행", key="ch05_run", type="primary"):
         cfg = current_settings().to_config()
@@ -302,35 +358,7 @@ def measurement() -> None:
         st.info("**실행**을 누르면 이 기계에서 실제로 측정합니다 (dtype당 수 초).")
         return
     st.dataframe(_measure_table(results), hide_index=True)
-    fig = go.Figure()
-    names = list(results)
-    fig.add_trace(
-        go.Bar(name="계산 가중치 (MB)", x=names, y=[results[d].computed_bytes / 1e6 for d in names])
-    )
-    fig.add_trace(
-        go.Bar(
-            name="측정 텐서 바이트 (MB)", x=names, y=[results[d].tensor_bytes / 1e6 for d in names]
-        )
-    )
-    fig.add_trace(
-        go.Scatter(
-            name="decode 토큰/s",
-            x=names,
-            y=[results[d].decode_tokens_per_s for d in names],
-            yaxis="y2",
-            mode="markers+lines",
-            marker_size=10,
-        )
-    )
-    fig.update_layout(
-        barmode="group",
-        height=320,
-        title="dtype별 가중치 메모리와 decode 속도",
-        yaxis=dict(title="MB"),
-        yaxis2=dict(title="토큰/s", overlaying="y", side="right"),
-        margin=dict(l=10, r=10, t=40, b=10),
-    )
-    st.plotly_chart(fig, key="ch05_measure_fig")
+    st.plotly_chart(_measure_figure(results), key="ch05_measure_fig")
     for dt, r in results.items():
         evidence(
             "측정값",
@@ -383,4 +411,12 @@ def lab() -> None:
     measurement()
 
 
-render_chapter("05", lab)
+render_chapter(
+    "05",
+    lab,
+    claim=(
+        "bf16·fp16으로 올린 우리 모델의 가중치 텐서는 fp32의 정확히 절반 바이트입니다(측정). "
+        "계산기가 말한 동시 요청 수보다 많은 요청을 한꺼번에 넣으면, 스케줄러는 그보다 많이 "
+        "받아들였다가 요청들이 자라며 KV가 모자라 선점합니다(시뮬레이션)."
+    ),
+)

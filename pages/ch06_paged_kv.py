@@ -7,13 +7,22 @@ import streamlit as st
 from engine.kv_cache import KVCacheManager
 from engine.utils import cdiv
 from ui import figures
-from ui.experiments import RequestSpec, Workload, block_tables_frame, fragmentation, run_workload
+from ui.experiments import block_tables_frame, fragmentation, run_workload
+from ui.experiments.ch06 import (
+    DEFAULT_MAX_LEN,
+    DEFAULT_MAX_OUT,
+    DEFAULT_NUM_REQUESTS,
+    MIN_BLOCKS,
+    live_workload,
+    paged_workload,
+    shared_blocks,
+)
 from ui.experiments.common import expected_steps
 from ui.lab import LabContext, Progress
 from ui.lab import lab as engine_lab
 from ui.lesson import render_chapter
 from ui.predict import compare, predict
-from ui.session import current_settings
+from ui.session import current_settings, get_engine
 from ui.widgets import evidence, show_code, show_frame
 
 RESULT = "ch06_result"
@@ -22,10 +31,21 @@ RESULT = "ch06_result"
 def live_lab() -> None:
     st.subheader("① 블록 격자와 블록 테이블 (한 스텝씩)")
     st.caption(
-        "예시 요청을 몇 개 넣고 **다음 스텝**을 눌러 보세요. 'KV 캐시' 탭의 격자에서 색은 주인 "
-        "요청입니다."
+        "**워크로드 넣기**로 요청 세 개를 넣고 **다음 스텝**을 눌러 보세요. 'KV 캐시' 탭의 "
+        "격자에서 색은 주인 요청입니다. 두 번째 요청은 첫 요청과 프롬프트가 같아, prefix 캐시가 "
+        "켜져 있으면 앞쪽 블록을 첫 요청과 함께 씁니다(블록 테이블의 '공유')."
     )
-    engine_lab("ch06", default_max_tokens=40, chapter_view=_block_tables, show_code_panel=False)
+    engine_lab(
+        "ch06",
+        default_max_tokens=40,
+        workload=live_workload(get_engine("ch06")),
+        workload_note=(
+            "워크로드: 예시 프롬프트 요청 세 개 (채팅 템플릿 포함, 출력 40·24·32 토큰, 종료 토큰 "
+            "무시). 두 번째는 첫 요청과 같은 프롬프트로 조금 뒤에 도착합니다."
+        ),
+        chapter_view=_block_tables,
+        show_code_panel=False,
+    )
     show_code(KVCacheManager.allocate_slots, "방금 실행된 코드 (블록 배정)")
 
 
@@ -33,35 +53,44 @@ def _block_tables(ctx: LabContext) -> None:
     records = ctx.records("ch06")
     if not records:
         return
-    table = block_tables_frame(records[-1])
-    st.markdown(f"**스텝 {records[-1].step}의 블록 테이블** (논리 블록 번호 → 물리 블록 번호)")
+    record = records[-1]
+    table = block_tables_frame(record)
+    st.markdown(f"**스텝 {record.step}의 블록 테이블** (논리 블록 번호 → 물리 블록 번호)")
     if table.empty:
         st.caption("지금 블록을 가진 요청이 없습니다.")
         return
+    shared = shared_blocks(record)
+    names = figures.short_names(r.request_id for r in ctx.engines["ch06"].all_requests())
+    table["physical"] = [f"{b} (공유)" if b in shared else str(b) for b in table["physical"]]
     pivot = table.pivot(index="request_id", columns="logical", values="physical")
+    pivot.index = [names.get(rid, rid) for rid in pivot.index]
     pivot.index.name = "요청"
     pivot.columns = [f"논리 {c}" for c in pivot.columns]
-    show_frame(pivot, hide_index=False)
-
-
-def _workload(n: int, max_out: int) -> Workload:
-    prompts = [20, 44, 28, 60, 36, 24, 52, 32]
-    outs = [max(4, int(max_out * f)) for f in (0.3, 1.0, 0.5, 0.7, 0.2, 0.9, 0.4, 0.6)]
-    arrivals = [0, 0, 0, 0, 150, 300, 450, 600]
-    return Workload([RequestSpec(prompts[i], outs[i], arrivals[i]) for i in range(n)])
+    show_frame(pivot.fillna(""), hide_index=False)
+    if shared:
+        listed = ", ".join(
+            f"{b}번 ({', '.join(names.get(r, r) for r in rids)})" for b, rids in shared.items()
+        )
+        st.caption(
+            f"(공유) 물리 블록 {listed}은 여러 요청의 블록 테이블에 함께 올라 있습니다. 프롬프트 "
+            "앞부분이 같아 prefix 캐시가 꽉 찬 블록을 한 번만 저장하고 나눠 쓰는 것입니다(10장). "
+            "이 블록은 그 요청들이 모두 끝나야 풀로 돌아갑니다."
+        )
 
 
 def compare_lab() -> None:
     st.subheader("② 연속 최대 길이 예약 vs 블록 방식 (같은 실행에서)")
     c1, c2, c3, c4 = st.columns(4)
-    n = c1.slider("요청 수", 2, 8, 6, key="ch06_n")
-    max_out = c2.slider("출력 길이 상한 (max_tokens)", 8, 64, 32, step=8, key="ch06_maxout")
+    n = c1.slider("요청 수", 2, 8, DEFAULT_NUM_REQUESTS, key="ch06_n")
+    max_out = c2.slider(
+        "출력 길이 상한 (max_tokens)", 8, 64, DEFAULT_MAX_OUT, step=8, key="ch06_maxout"
+    )
     max_len = c3.select_slider(
-        "최대 길이 (max_model_len)", [128, 256, 512], value=256, key="ch06_maxlen"
+        "최대 길이 (max_model_len)", [128, 256, 512], value=DEFAULT_MAX_LEN, key="ch06_maxlen"
     )
     mode = c4.radio("연속 예약 크기 R", ["max_model_len", "prompt+max_tokens"], key="ch06_mode")
     bs = current_settings().block_size
-    blocks = max(48, cdiv(max_len, bs))
+    blocks = max(MIN_BLOCKS, cdiv(max_len, bs))
     predict(
         "ch06_util",
         "블록 방식의 사용률(사용량/예약량)은 몇 %일까요? (연속 예약과 비교해 보세요)",
@@ -72,7 +101,7 @@ def compare_lab() -> None:
         cfg = current_settings().to_config(
             max_model_len=max_len, num_kv_blocks=blocks, enable_prefix_caching=False
         )
-        workload = _workload(n, max_out)
+        workload = paged_workload(n, max_out)
         progress = Progress(expected_steps(workload, cfg))
         res = run_workload(cfg, workload, "paged", on_step=progress)
         progress.close()
@@ -121,10 +150,11 @@ def compare_lab() -> None:
     fig.add_hline(y=fr.pool_slots, line_dash="dash", annotation_text=f"KV 풀 {fr.pool_slots} 칸")
     fig.update_layout(
         height=340,
-        title="스텝마다의 KV 칸 (토큰 자리)",
+        title=dict(text="스텝마다의 KV 칸 (토큰 자리)", y=0.98, yanchor="top"),
         xaxis_title="스텝",
-        yaxis_title="칸",
-        margin=dict(l=10, r=10, t=40, b=10),
+        yaxis=dict(title="칸", rangemode="tozero"),
+        legend=dict(orientation="h", x=0, xanchor="left", y=1.02, yanchor="bottom"),
+        margin=dict(l=10, r=10, t=90, b=10),
     )
     st.plotly_chart(fig, key="ch06_compare_fig")
     st.dataframe(fr.summary, hide_index=True)
@@ -163,4 +193,12 @@ def lab() -> None:
     compare_lab()
 
 
-render_chapter("06", lab)
+render_chapter(
+    "06",
+    lab,
+    claim=(
+        "같은 워크로드에서 블록 방식은 실제 토큰이 든 칸의 비율(사용량/예약량)이 요청마다 "
+        "max_model_len을 통째로 잡아 두는 연속 예약보다 몇 배 높습니다. 블록은 토큰이 찰 "
+        "때마다 16칸씩만 받기 때문입니다."
+    ),
+)

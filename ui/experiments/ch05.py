@@ -12,6 +12,15 @@ from engine.sampling_params import SamplingParams
 from engine.utils import cdiv
 from ui.experiments.common import ConfigLike, make_config, measurement_conditions
 
+# The lab's defaults (the page's widgets start here; the claim tests run them).
+DEFAULT_MODEL = "llama-3.1-8b"  # model preset of the calculator and the capacity run
+DEFAULT_GPU = "h100-sxm"
+DEFAULT_UTILIZATION = 0.9
+DEFAULT_SEQ_LEN = 4096
+DEFAULT_SIM_REQUESTS = 150
+DTYPES = ["float32", "bfloat16", "float16"]
+DEFAULT_NUM_TOKENS = 12
+
 
 def _rss_bytes() -> int | None:
     try:

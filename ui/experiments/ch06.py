@@ -6,8 +6,43 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from engine.core import EngineCore
 from engine.trace import StepRecord
-from ui.experiments.common import RunResult, _r
+from ui.experiments.ch00 import chat_prompt_ids
+from ui.experiments.common import RequestSpec, RunResult, Workload, _r
+
+# The comparison's defaults (the page's sliders start here; the claim test runs them).
+DEFAULT_NUM_REQUESTS = 6
+DEFAULT_MAX_OUT = 32
+DEFAULT_MAX_LEN = 256
+MIN_BLOCKS = 48  # the comparison's KV pool, at least (and at least one max-length request)
+
+
+LIVE_PROMPTS = [
+    ("What is the capital of France?", 40, 0.0),
+    ("What is the capital of France?", 24, 1.0),  # the same prompt, one step later
+    ("Write a Python function that returns the n-th Fibonacci number.", 32, 1.0),
+]
+
+
+def live_workload(engine: EngineCore) -> Workload:
+    """The step-by-step lab's requests (the lab's presets, chat template applied, ignore_eos so
+    each grows past its prefill blocks): the second repeats the first prompt a moment later, so
+    with prefix caching on its table lists the first one's full prompt blocks (shared)."""
+    specs = []
+    for prompt, max_tokens, arrival_ms in LIVE_PROMPTS:
+        ids = chat_prompt_ids(engine, prompt)
+        specs.append(RequestSpec(len(ids), max_tokens, arrival_ms, prompt_token_ids=ids))
+    return Workload(specs)
+
+
+def paged_workload(num_requests: int, max_out: int) -> Workload:
+    """Up to eight requests of mixed prompt (20–60 tokens) and output lengths (a fraction of
+    `max_out`), four at once and the rest 150 ms apart on the engine clock."""
+    prompts = [20, 44, 28, 60, 36, 24, 52, 32]
+    outs = [max(4, int(max_out * f)) for f in (0.3, 1.0, 0.5, 0.7, 0.2, 0.9, 0.4, 0.6)]
+    arrivals = [0, 0, 0, 0, 150, 300, 450, 600]
+    return Workload([RequestSpec(prompts[i], outs[i], arrivals[i]) for i in range(num_requests)])
 
 
 @dataclass
@@ -150,6 +185,16 @@ def fragmentation(result: RunResult, reservation: str = "max_model_len") -> Frag
     return FragmentationResult(
         per_step, summary, reservation, pool, rejected, pool // max(r_max, 1), paged_max, r_max
     )
+
+
+def shared_blocks(record: StepRecord) -> dict[int, list[str]]:
+    """Physical blocks listed in more than one request's block table (prefix-cache sharing:
+    identical full prompt blocks are stored once), each with the requests that list it."""
+    owners: dict[int, list[str]] = {}
+    for rid, blocks in record.kv.block_tables.items():
+        for b in blocks:
+            owners.setdefault(b, []).append(rid)
+    return {b: rids for b, rids in sorted(owners.items()) if len(rids) > 1}
 
 
 def block_tables_frame(record: StepRecord) -> pd.DataFrame:
