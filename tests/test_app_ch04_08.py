@@ -95,6 +95,40 @@ def test_ch04_runs_accumulate_and_ch08_sliders_drive_runs(app):
     assert max(r.total_tokens for r in on.records) <= 128
 
 
+def test_ch04_states_its_claim_and_draws_honest_axes(app):
+    """The default run (the sliders at their defaults): the claim above the lab, r4 and r5 waiting
+    in the swimlanes' 대기열 colour, request names on a categorical axis, every magnitude from 0,
+    and the run history on two zero-based axes with the legend above the plot."""
+    from _apptest import chart
+
+    from ui import figures
+    from ui.experiments import ch04
+
+    app.switch_page(PAGES["04"][0])
+    app.run()
+    assert any(ch04.CLAIM in i.value for i in app.info)
+    app.slider(key="ch04_seqs").set_value(ch04.DEFAULT_MAX_NUM_SEQS).run()
+    app.button(key="ch04_run").click().run()
+    assert not app.exception, [e.value for e in app.exception]
+    journey = chart(app, "ch04_journey")
+    queue = next(t for t in journey["data"] if t["name"] == "대기열")
+    assert queue["marker"]["color"] == figures.SEGMENT_COLORS["대기열"]
+    assert {"r4", "r5"} <= set(queue["y"])
+    assert journey["layout"]["yaxis"]["type"] == "category"
+    per_request = chart(app, "ch04_per_request")["layout"]
+    assert per_request["xaxis"]["type"] == "category"
+    assert per_request["yaxis"]["rangemode"] == "tozero"
+    assert per_request["legend"]["y"] > 1 and per_request["legend"]["orientation"] == "h"
+    dist = chart(app, "ch04_dist")["layout"]
+    assert dist["yaxis"]["rangemode"] == dist["yaxis2"]["rangemode"] == "tozero"
+    assert dist["yaxis"].get("type") != "log"
+    if len(app.session_state["ch04_runs"]) < 2:  # the history is drawn from the second run on
+        app.button(key="ch04_run").click().run()
+    history = chart(app, "ch04_history")["layout"]
+    assert history["yaxis"]["rangemode"] == history["yaxis2"]["rangemode"] == "tozero"
+    assert history["yaxis2"]["overlaying"] == "y" and history["legend"]["y"] > 1
+
+
 def test_ch04_shows_bench_json_with_its_conditions(app, monkeypatch):
     import engine.bench as bench
 
