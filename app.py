@@ -3,7 +3,8 @@
     streamlit run app.py
 
 Every chapter of the course is a page; a chapter whose page file does not exist yet shows a short
-"준비 중" page. The sidebar holds the engine settings and the status of this session's engine.
+"준비 중" page. The sidebar holds the engine settings and the status of this session's engine;
+the URL carries a token (?lab=...) under which a reload finds the session's engines again.
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ if str(ROOT) not in sys.path:
 import streamlit as st  # noqa: E402
 
 from ui.lesson import CHAPTERS, PAGES, SECTIONS, coming_soon  # noqa: E402
-from ui.lab import ACTIVE_KEY, sidebar_status  # noqa: E402
-from ui.session import engine_settings_sidebar  # noqa: E402
+from ui.lab import ACTIVE_KEY, sidebar_status, sidebar_status_slot  # noqa: E402
+from ui.session import engine_settings_sidebar, restore_session  # noqa: E402
 
-st.set_page_config(page_title="LLM 추론 실험실", page_icon=":material/science:", layout="wide")
+# The favicon is a file of this repository, served by this server: a ":material/…" icon would be
+# fetched from fonts.gstatic.com by the browser, which fails on a closed classroom network.
+FAVICON = ROOT / "ui" / "assets" / "favicon.png"
+st.set_page_config(page_title="LLM 추론 실험실", page_icon=str(FAVICON), layout="wide")
 
 
 def build_pages() -> dict[str, list]:
@@ -49,10 +53,11 @@ def build_pages() -> dict[str, list]:
     return sections
 
 
+restore_session()  # ?lab=<token>: a reload of the page gets this session's engines and settings
 navigation = st.navigation(build_pages(), expanded=True)  # every chapter listed, no "View more"
 st.sidebar.caption("LLM 추론 시스템의 원리 · 실제 엔진을 한 스텝씩")
 engine_settings_sidebar(show_status=False)
 st.session_state[ACTIVE_KEY] = None  # the page's lab names its engine; none → "main"
+sidebar_status_slot()  # the page's lab draws 엔진 상태 here after each of its steps
 navigation.run()
-with st.sidebar:
-    sidebar_status()  # after the page ran, so it shows this run's steps (and follows 재생)
+sidebar_status()  # a page without a lab: the status of "main", after the page ran

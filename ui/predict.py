@@ -1,11 +1,15 @@
 """Predict → run → compare: the learner commits to a guess before the run, then sees it beside
-the measurement with one sentence on the gap. Predictions are kept per browser session."""
+the measurement with one sentence on the gap. Predictions are kept per browser session (and
+across a reload of its page)."""
 
 from __future__ import annotations
 
 import streamlit as st
 
+from ui.session import persist_key
+
 _STORE = "_predictions"  # pid → {"value": ..., "unit": ..., "question": ...}
+persist_key(_STORE)  # a reload of the page keeps them (ui/session.py, restore_session)
 
 
 def prediction(pid: str):

@@ -268,6 +268,7 @@ class _Session:
     runtime_id: str = ""  # the Streamlit session id, asked about the connection ("" = session_id)
     seen_connected: bool = False
     disconnected_since: float | None = None
+    saved: dict = field(default_factory=dict)  # what a reload of its page gets back (claim)
 
 
 def is_served() -> bool:
@@ -332,14 +333,19 @@ class SessionRegistry:
         self.released_engines = 0
 
     # -- what sessions report ------------------------------------------------------------------
-    def touch(self, session_id: str, *state: dict, runtime_id: str = "") -> None:
+    def touch(
+        self, session_id: str, *state: dict, runtime_id: str = "", saved: dict | None = None
+    ) -> None:
         """A script run of this session: it is alive now. `state` are its dicts to empty on reap;
-        `runtime_id` is the id to ask the Streamlit runtime about (default: session_id)."""
+        `runtime_id` is the id to ask the Streamlit runtime about (default: session_id); `saved`
+        what a reload of its page gets back (claim), kept until the session is released."""
         with self._lock:
             entry = self._sessions.get(session_id)
             if entry is None:
                 entry = self._sessions[session_id] = _Session(session_id, self._clock())
             entry.runtime_id = runtime_id or entry.runtime_id
+            if saved:
+                entry.saved.update(saved)
             entry.last_seen = self._clock()
             entry.disconnected_since = None
             if not entry.seen_connected:  # so a tab closed before the reaper's first look counts
@@ -347,6 +353,29 @@ class SessionRegistry:
             for d in state:
                 if not any(d is known for known in entry.state):
                     entry.state.append(d)
+
+    def claim(self, session_id: str, runtime_id: str, wait_s: float = 1.0) -> dict | None:
+        """A new browser session (a reload) takes over what `session_id` saved: returns a copy of
+        it, or None where there is none or where another connected tab still holds it (after
+        waiting up to `wait_s` for a reloading tab's old connection to close). The session then
+        answers to `runtime_id`, so the reaper watches the new tab."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            with self._lock:
+                entry = self._sessions.get(session_id)
+                if entry is None:
+                    return None
+                owner = entry.runtime_id or entry.session_id
+            if owner == runtime_id or not self._is_connected(owner):
+                break  # gone (a reload closed it), or unknown (no Streamlit runtime)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.1)
+        with self._lock:
+            entry.runtime_id = runtime_id
+            entry.last_seen = self._clock()
+            entry.disconnected_since = None
+            return dict(entry.saved)
 
     def usage(self) -> tuple[int, int]:
         """(engines, KV bytes) over all sessions."""
@@ -425,6 +454,7 @@ class SessionRegistry:
             self._release_slot(slot)
         for d in entry.state:
             d.clear()
+        entry.saved.clear()
         n = len(entry.engines)
         entry.engines.clear()
         if trim:

@@ -4,13 +4,16 @@ Weights are read-only, so they are loaded once per process (engine/worker.py's l
 them). Everything that changes — queues, KV cache, requests, records — lives in st.session_state,
 so two learners never see each other's requests. A process-wide registry (ui/registry.py) knows
 every session's engines: it caps how many there are, allocates their KV tensors on first use and
-gives the memory back once the browser tab has gone.
+gives the memory back once the browser tab has gone. A token in the URL (restore_session) lets a
+reload of the page find its state in that registry again, until the same reaper releases it.
 """
 
 from __future__ import annotations
 
 
 import datetime as _dt
+import re
+import secrets
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -86,146 +89,167 @@ def current_settings() -> EngineSettings:
     return st.session_state.get(SETTINGS_KEY) or EngineSettings()
 
 
+# The sidebar form's number fields: widget key → (EngineSettings field, label, lowest, highest).
+# The inputs themselves take any number (a browser keeps an out-of-range number in the box with
+# a red mark and sends nothing); validate_settings brings it into range and says so.
+NUMBER_FIELDS = {
+    "cfg_block_size": ("block_size", "블록 크기", 1, 256),
+    "cfg_num_kv_blocks": ("num_kv_blocks", "KV 블록 수", 1, 100_000),
+    "cfg_budget": ("max_num_batched_tokens", "토큰 예산/스텝", 1, 8192),
+    "cfg_max_seqs": ("max_num_seqs", "최대 동시 요청", 1, 256),
+    "cfg_max_len": ("max_model_len", "최대 길이", 16, 32768),
+    "cfg_spec_k": ("num_speculative_tokens", "초안 k", 1, 16),
+    "cfg_spec_max": ("prompt_lookup_max", "n-gram 최대", 1, 8),
+    "cfg_spec_min": ("prompt_lookup_min", "n-gram 최소", 1, 8),
+}
+_OTHER_FIELDS = {  # widget key → EngineSettings field (text, choices, a checkbox)
+    "cfg_model": "model",
+    "cfg_device": "device",
+    "cfg_dtype": "dtype",
+    "cfg_prefix": "enable_prefix_caching",
+    "cfg_policy": "scheduling_policy",
+    "cfg_quantization": "quantization",
+}
+SPEC_METHODS = {"끔": "", "ngram (prompt lookup)": "ngram"}  # sidebar label → method
+_FORM_SHOWS = "_settings_form_shows"  # the settings the form's fields were last set from
+
+
+def form_values(settings: EngineSettings) -> dict:
+    """The sidebar form's widget values that show `settings`."""
+    values = {key: getattr(settings, f) for key, (f, *_) in NUMBER_FIELDS.items()}
+    values.update({key: getattr(settings, f) for key, f in _OTHER_FIELDS.items()})
+    method = next(k for k, v in SPEC_METHODS.items() if v == settings.speculative_method)
+    values["cfg_spec_method"] = method
+    return values
+
+
+def settings_from_form(values) -> EngineSettings:
+    """The settings the form's widget values ask for (numbers as typed: validate_settings
+    brings them into range)."""
+    fields = {f: int(values[key]) for key, (f, *_) in NUMBER_FIELDS.items()}
+    fields.update({f: values[key] for key, f in _OTHER_FIELDS.items()})
+    fields["model"] = str(fields["model"] or "").strip()
+    fields["enable_prefix_caching"] = bool(fields["enable_prefix_caching"])
+    fields["speculative_method"] = SPEC_METHODS[values["cfg_spec_method"]]
+    return EngineSettings(**fields)
+
+
+def _show_in_form(settings: EngineSettings) -> None:
+    """Set the form's fields to `settings` (before the widgets are drawn), so the sidebar always
+    shows the settings in use."""
+    st.session_state.update(form_values(settings))
+    st.session_state[_FORM_SHOWS] = settings
+
+
+def _apply_form() -> None:
+    """설정 적용 (the form's callback, run before the script): validate what the fields ask for,
+    apply it or refuse it with a Korean note, and set the fields to what is in use."""
+    asked = settings_from_form(st.session_state)
+    new, note, ok = validate_settings(asked)
+    st.session_state[_SETTINGS_NOTE] = (note, ok)
+    if ok:
+        st.session_state[SETTINGS_KEY] = new
+    _show_in_form(current_settings())
+
+
 def engine_settings_sidebar(show_status: bool = True) -> EngineSettings:
     """The sidebar's engine settings form (and the main engine's status). Returns the settings.
 
-    app.py passes show_status=False and draws the status after the page ran, so it is current."""
-    defaults = current_settings()
+    The fields always show the settings in use: a value out of range is brought into range, one
+    the KV cache cannot serve is lowered, a refused change is undone, each with a Korean note.
+    app.py passes show_status=False: the lab draws the status into the sidebar (ui/lab.py)."""
+    settings = current_settings()
+    st.session_state.setdefault(SETTINGS_KEY, settings)
+    if st.session_state.get(_FORM_SHOWS) != settings:
+        _show_in_form(settings)
     with st.sidebar:
         st.subheader("엔진 설정")
         with st.form("engine_settings_form", border=False):
-            model = st.text_input(
-                "모델 경로 (비우면 기본 SmolLM2-135M-Instruct)",
-                value=defaults.model,
-                key="cfg_model",
-            )
-            c1, c2 = st.columns(2)
-            device = c1.selectbox(
-                "장치", DEVICES, index=DEVICES.index(defaults.device), key="cfg_device"
-            )
-            dtype = c2.selectbox(
-                "dtype", DTYPES, index=DTYPES.index(defaults.dtype), key="cfg_dtype"
-            )
-            c1, c2 = st.columns(2)
-            block_size = c1.number_input(
-                "블록 크기 (토큰)", 1, 256, defaults.block_size, key="cfg_block_size"
-            )
-            num_kv_blocks = c2.number_input(
-                "KV 블록 수", 1, 100_000, defaults.num_kv_blocks, key="cfg_num_kv_blocks"
-            )
-            c1, c2 = st.columns(2)
-            budget = c1.number_input(
-                "토큰 예산/스텝", 1, 8192, defaults.max_num_batched_tokens, key="cfg_budget"
-            )
-            max_seqs = c2.number_input(
-                "최대 동시 요청", 1, 256, defaults.max_num_seqs, key="cfg_max_seqs"
-            )
-            max_len = st.number_input(
-                "최대 길이 (max_model_len)", 16, 32768, defaults.max_model_len, key="cfg_max_len"
-            )
-            c1, c2 = st.columns(2)
-            prefix = c1.checkbox(
-                "prefix caching", value=defaults.enable_prefix_caching, key="cfg_prefix"
-            )
-            policy = c2.selectbox(
-                "정책", POLICIES, index=POLICIES.index(defaults.scheduling_policy), key="cfg_policy"
-            )
-            quantization = st.selectbox(
-                "가중치 양자화",
-                QUANTIZATIONS,
-                index=QUANTIZATIONS.index(defaults.quantization),
-                key="cfg_quantization",
-                help="int8: 출력 채널마다 scale 하나 · int4: 32개 묶음마다 scale과 min · "
-                "gguf: 기본 모델 GGUF 파일의 Q4_1 블록 그대로 (11장)",
-            )
-            speculative = _speculative_inputs(defaults)
-            submitted = st.form_submit_button("설정 적용 (엔진 재시작)", key="cfg_apply")
-        if submitted:
-            new = EngineSettings(
-                model.strip(),
-                device,
-                dtype,
-                int(block_size),
-                int(num_kv_blocks),
-                int(max_len),
-                int(budget),
-                int(max_seqs),
-                bool(prefix),
-                policy,
-                quantization=quantization,
-            )
-            new = replace(new, **speculative)
-            new, note, ok = validate_settings(new)
-            st.session_state[_SETTINGS_NOTE] = (note, ok)
-            if ok and new != defaults:
-                st.session_state[SETTINGS_KEY] = new
-                defaults = new
+            _settings_fields()
+            st.form_submit_button("설정 적용 (엔진 재시작)", key="cfg_apply", on_click=_apply_form)
         note = st.session_state.get(_SETTINGS_NOTE)
         if note and note[0]:
             (st.warning if note[1] else st.error)(note[0], icon=":material/info:")
-        st.session_state.setdefault(SETTINGS_KEY, defaults)
         if show_status:
             engine_status()
-    return defaults
+    return current_settings()
 
 
-SPEC_METHODS = {"끔": "", "ngram (prompt lookup)": "ngram"}  # sidebar label → method
+def _number(column, key: str, label: str, help: str | None = None) -> None:
+    low, high = NUMBER_FIELDS[key][2:]
+    rng = f"{low:,}–{high:,}"
+    column.number_input(label, step=1, key=key, help=f"{help} ({rng})" if help else rng)
 
 
-def _speculative_inputs(defaults: EngineSettings) -> dict:
-    """The sidebar's speculative decoding fields (chapter 13), as EngineSettings fields."""
-    labels = list(SPEC_METHODS)
-    current = next(k for k, v in SPEC_METHODS.items() if v == defaults.speculative_method)
-    method = st.selectbox(
+def _settings_fields() -> None:
+    """The form's widgets; their values live in st.session_state (form_values)."""
+    st.text_input("모델 경로 (비우면 기본 SmolLM2-135M-Instruct)", key="cfg_model")
+    c1, c2 = st.columns(2)
+    c1.selectbox("장치", DEVICES, key="cfg_device")
+    c2.selectbox("dtype", DTYPES, key="cfg_dtype")
+    c1, c2 = st.columns(2)
+    _number(c1, "cfg_block_size", "블록 크기 (토큰)")
+    _number(c2, "cfg_num_kv_blocks", "KV 블록 수")
+    c1, c2 = st.columns(2)
+    _number(c1, "cfg_budget", "토큰 예산/스텝")
+    _number(c2, "cfg_max_seqs", "최대 동시 요청")
+    _number(st, "cfg_max_len", "최대 길이 (max_model_len)")
+    c1, c2 = st.columns(2)
+    c1.checkbox("prefix caching", key="cfg_prefix")
+    c2.selectbox("정책", POLICIES, key="cfg_policy")
+    st.selectbox(
+        "가중치 양자화",
+        QUANTIZATIONS,
+        key="cfg_quantization",
+        help="int8: 출력 채널마다 scale 하나 · int4: 32개 묶음마다 scale과 min · "
+        "gguf: 기본 모델 GGUF 파일의 Q4_1 블록 그대로 (11장)",
+    )
+    st.selectbox(
         "추측 디코딩 (speculative decoding)",
-        labels,
-        index=labels.index(current),
+        list(SPEC_METHODS),
         key="cfg_spec_method",
         help="ngram: 요청 자신의 글에서 다음 토큰 후보(초안)를 찾아 한 forward로 검증합니다",
     )
     c1, c2, c3 = st.columns(3)
-    k = c1.number_input(
-        "초안 k",
-        1,
-        16,
-        defaults.num_speculative_tokens,
-        key="cfg_spec_k",
-        help="num_speculative_tokens: 한 스텝에 검증할 초안 토큰 수",
-    )
-    lookup_max = c2.number_input(
-        "n-gram 최대",
-        1,
-        8,
-        defaults.prompt_lookup_max,
-        key="cfg_spec_max",
-        help="prompt_lookup_max: 찾아볼 가장 긴 n-gram",
-    )
-    lookup_min = c3.number_input(
-        "n-gram 최소",
-        1,
-        8,
-        defaults.prompt_lookup_min,
-        key="cfg_spec_min",
-        help="prompt_lookup_min: 찾아볼 가장 짧은 n-gram",
-    )
-    return {
-        "speculative_method": SPEC_METHODS[method],
-        "num_speculative_tokens": int(k),
-        "prompt_lookup_max": int(lookup_max),
-        "prompt_lookup_min": int(lookup_min),
-    }
+    _number(c1, "cfg_spec_k", "초안 k", "num_speculative_tokens: 한 스텝에 검증할 초안 토큰 수")
+    _number(c2, "cfg_spec_max", "n-gram 최대", "prompt_lookup_max: 찾아볼 가장 긴 n-gram")
+    _number(c3, "cfg_spec_min", "n-gram 최소", "prompt_lookup_min: 찾아볼 가장 짧은 n-gram")
 
 
 _SETTINGS_NOTE = "_settings_note"  # (Korean note on the last 설정 적용, whether it was applied)
 MIN_MAX_MODEL_LEN = 16
 
 
+def clamp_settings(settings: EngineSettings) -> tuple[EngineSettings, list[str]]:
+    """Every number field brought into its range (NUMBER_FIELDS), with a Korean note for each
+    one that moved."""
+    changes, notes = {}, []
+    for field_name, label, low, high in NUMBER_FIELDS.values():
+        value = int(getattr(settings, field_name))
+        fixed = min(max(value, low), high)
+        if fixed != value:
+            changes[field_name] = fixed
+            notes.append(
+                f"{label} {value:,}은(는) 쓸 수 있는 범위({low:,}–{high:,}) 밖이라 "
+                f"{fixed:,}(으)로 맞췄습니다."
+            )
+    return replace(settings, **changes), notes
+
+
 def validate_settings(settings: EngineSettings) -> tuple[EngineSettings, str, bool]:
     """Check what the sidebar form asks for before an engine is built from it.
 
-    Returns (settings to apply, a Korean note or "", whether to apply). A KV cache that cannot hold
-    one request of max_model_len gets max_model_len lowered to what its blocks hold (with a note);
-    a cache too small for even a short request is refused with the fix named."""
+    Returns (settings to apply, a Korean note or "", whether to apply). Numbers out of range are
+    brought into range; a KV cache that cannot hold one request of max_model_len gets
+    max_model_len lowered to what its blocks hold; a cache too small for even a short request is
+    refused with the fix named. Each change comes with its note."""
+    settings, notes = clamp_settings(settings)
+    settings, note, ok = _check_capacity(settings)
+    return settings, " ".join(notes + ([note] if note else [])), ok
+
+
+def _check_capacity(settings: EngineSettings) -> tuple[EngineSettings, str, bool]:
+    """The n-gram range and the KV cache's capacity, on settings already in range."""
     if settings.speculative_method and settings.prompt_lookup_min > settings.prompt_lookup_max:
         return (
             settings,
@@ -287,9 +311,10 @@ def kernel_paths(engine) -> str | None:
     return text
 
 
-def engine_status(key: str = "main") -> None:
-    """Device, dtype, blocks used/total and running/waiting of the session's engine (sidebar)."""
-    from engine.worker import device_memory
+def engine_status(key: str = "main", others: list[tuple[str, str]] = ()) -> None:
+    """Device, dtype, blocks used/total, running/waiting and the step of the session's engine
+    under `key` (the sidebar), read as the lab's counters read it (the step = its records); for a
+    comparison, `others` (label, key) get one line each."""
     from ui.registry import MB, get_registry, lazy_worker_of, planned_kv_bytes
 
     track_session()
@@ -315,23 +340,44 @@ def engine_status(key: str = "main") -> None:
         f"- 장치 **{engine.device}** · dtype **{str(engine.dtype).replace('torch.', '')}**"
         + (f" · 양자화 **{engine.config.quantization}**" if engine.config.quantization else "")
         + "\n"
-        f"- KV 블록 **{snap.num_used}/{snap.num_blocks}** 사용 (캐시 보관 {snap.num_cached_free})\n"
+        f"- 스텝 **{len(get_records(key))}** · KV 블록 **{snap.num_used}/{snap.num_blocks}** 사용 "
+        f"(캐시 보관 {snap.num_cached_free})\n"
         f"- {kv_state}\n"
         f"- 실행 중 **{len(engine.scheduler.running)}** · "
-        f"대기 **{len(engine.scheduler.waiting)}**\n"
-        f"- 스텝 **{engine.stats['steps']}**"
+        f"대기 **{len(engine.scheduler.waiting)}**"
         + (f"\n- 커널 {kernels}" if (kernels := kernel_paths(engine)) else "")
     )
-    gpu = device_memory(engine.device)
-    if gpu is not None:
-        gib = 1 << 30
-        st.markdown(
-            f"- GPU **{gpu.name}**: 가중치 {engine.weight_bytes() / gib:.2f} GiB · "
-            f"KV {engine.kv_cache_bytes() / gib:.2f} GiB · 여유 {gpu.free / gib:.1f}/"
-            f"{gpu.total / gib:.1f} GiB"
-        )
-        st.caption("측정값: torch.cuda.mem_get_info, 이 프로세스의 모든 세션 합계")
+    for label, other in others:
+        _other_status(label, other)
+    _gpu_status(engine)
     st.caption(classroom)
+
+
+def _other_status(label: str, key: str) -> None:
+    """One line for another engine of a comparison: its step and KV blocks."""
+    entry = st.session_state.get(_ENGINES, {}).get(key)
+    if entry is None:
+        return
+    snap = entry["engine"].kv_cache_manager.snapshot()
+    st.markdown(
+        f"- {label}: 스텝 **{len(get_records(key))}** · KV 블록 **{snap.num_used}/"
+        f"{snap.num_blocks}**"
+    )
+
+
+def _gpu_status(engine: EngineCore) -> None:
+    from engine.worker import device_memory
+
+    gpu = device_memory(engine.device)
+    if gpu is None:
+        return
+    gib = 1 << 30
+    st.markdown(
+        f"- GPU **{gpu.name}**: 가중치 {engine.weight_bytes() / gib:.2f} GiB · "
+        f"KV {engine.kv_cache_bytes() / gib:.2f} GiB · 여유 {gpu.free / gib:.1f}/"
+        f"{gpu.total / gib:.1f} GiB"
+    )
+    st.caption("측정값: torch.cuda.mem_get_info, 이 프로세스의 모든 세션 합계")
 
 
 def _signature(settings: EngineSettings, overrides: dict) -> tuple:
@@ -393,14 +439,67 @@ def session_id() -> str:
     return ctx.session_id if ctx is not None else "bare"
 
 
+# -- a learner's state across a page reload ------------------------------------------------------
+
+TOKEN_PARAM = "lab"  # the URL's ?lab=<token>: which saved state this browser tab holds
+_TOKEN = "_session_token"
+_TOKEN_SHAPE = re.compile(r"[A-Za-z0-9_-]{16,64}")
+# What a reload keeps: the engines, their records and texts, the settings (other modules add theirs
+# with persist_key: the lab's workload feeders, the predictions). Kept by reference in the
+# registry's entry for the token, so they are released with the engines (ui/registry.py).
+PERSISTED_KEYS = {_ENGINES, _RECORDS, _TEXTS, SETTINGS_KEY}
+
+
+def persist_key(name: str) -> None:
+    """Keep st.session_state[name] across a reload of the page (see restore_session)."""
+    PERSISTED_KEYS.add(name)
+
+
+def restore_session() -> str:
+    """A token for this browser session's state, in the URL (?lab=...) so that a reload finds it.
+
+    A new Streamlit session (a reload) whose URL names a token still held by the registry takes
+    that state over: its engines, records, texts, feeders, settings, predictions. Only when the
+    token's last session is gone (a reload closes it) or unknown: a second live tab opened on the
+    same link gets a token of its own, never a shared engine. An unknown or expired token (its
+    engines were released after LLM_LAB_SESSION_TTL_S) gives a fresh state. Called by app.py on
+    every full run (a page switch drops the query string; it is put back)."""
+    from ui.registry import get_registry
+
+    state = st.session_state
+    token = state.get(_TOKEN)
+    if token is None:
+        asked = str(st.query_params.get(TOKEN_PARAM) or "")
+        saved = None
+        if _TOKEN_SHAPE.fullmatch(asked):
+            saved = get_registry().claim(_key_of(asked), runtime_id=session_id())
+        if saved is not None:
+            state.update(saved)
+            token = asked
+        else:
+            token = secrets.token_urlsafe(16)
+        state[_TOKEN] = token
+    if st.query_params.get(TOKEN_PARAM) != token:
+        st.query_params[TOKEN_PARAM] = token
+    return token
+
+
+def _key_of(token: str) -> str:
+    return f"lab:{token}"
+
+
 def _registry_key() -> str:
-    """The registry's name for this session: its id plus its engine table, since AppTest gives
-    every test app the same session id."""
+    """The registry's name for this session: its token (restore_session), else its id plus its
+    engine table, since AppTest gives every test app the same session id."""
+    token = st.session_state.get(_TOKEN)
+    if token is not None:
+        return _key_of(token)
     return f"{session_id()}/{id(st.session_state.setdefault(_ENGINES, {})):x}"
 
 
 def track_session() -> None:
-    """Tell the process-wide registry this session is alive (every script or fragment run)."""
+    """Tell the process-wide registry this session is alive (every script or fragment run), and
+    hand it what a reload keeps."""
     from ui.registry import get_registry
 
     state = st.session_state
@@ -410,6 +509,7 @@ def track_session() -> None:
         state.setdefault(_RECORDS, {}),
         state.setdefault(_TEXTS, {}),
         runtime_id=session_id(),
+        saved={k: state[k] for k in PERSISTED_KEYS if k in state},
     )
 
 

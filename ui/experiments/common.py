@@ -105,11 +105,37 @@ class Workload:
 
 
 def prompt_ids(engine: EngineCore, length: int, variant: int = 0) -> list[int]:
-    """`length` token ids cut from the seed text, shifted per variant so prompts differ."""
-    base = engine.tokenizer.encode(SEED_TEXT)
-    start = (variant * 7) % len(base)
-    ids = (base[start:] + base) * (length // len(base) + 2)
+    """`length` token ids cut from the seed text, shifted per variant so prompts differ.
+
+    Byte-level BPE splits a Hangul syllable (3 UTF-8 bytes) over several tokens, so a cut at any
+    token offset may start or end inside a character (shown as U+FFFD). The cut starts at the
+    first offset from `variant * 7` on where both of its ends fall on character boundaries: the
+    prompt is real text, and an output's first bytes never complete a character the prompt
+    began."""
+    tokenizer = engine.tokenizer
+    base = tokenizer.encode(SEED_TEXT)
+    n = len(base)
+    starts_char = _char_starts(tokenizer, base)
+    first = (variant * 7) % n
+    for shift in range(n):
+        start = (first + shift) % n
+        # the prompt repeats base[start:] + base; the token right after the cut begins a character
+        after = length % (2 * n - start)
+        after = start + after if after < n - start else after - (n - start)
+        if starts_char[start] and starts_char[after]:
+            break
+    else:
+        start = first  # a seed text without two boundaries (never with the one above)
+    ids = (base[start:] + base) * (length // n + 2)
     return ids[:length]
+
+
+def _char_starts(tokenizer, ids: list[int]) -> list[bool]:
+    """Per token: whether its bytes begin a character (not a UTF-8 continuation byte)."""
+    token_bytes = getattr(tokenizer, "token_bytes", None)
+    if token_bytes is None:  # a tokenizer without byte access: every offset counts as a boundary
+        return [True] * len(ids)
+    return [not (b := token_bytes(t)) or (b[0] & 0xC0) != 0x80 for t in ids]
 
 
 def make_config(config: ConfigLike | None = None, **overrides) -> EngineConfig:
