@@ -6,17 +6,24 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from engine.kernels.quant import quantize_int4, quantize_int8
+from engine.quality import TIE_MARGIN
 from ui.experiments.ch11 import (
+    DEFAULT_BATCH,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_PROMPT_LEN,
     DEFAULT_SIDES,
     VARIANTS,
+    agreement_explanation,
     bytes_table,
     decode_summary,
     decode_workload,
+    grid_fit_table,
     greedy_agreement_table,
     kernel_rows,
-    peer_rows,
     outlier_table,
+    peer_rows,
     quality_table,
+    tie_report,
 )
 from ui.lab import LabContext, Side, run_results, run_workload_button
 from ui.lab import lab as engine_lab
@@ -27,6 +34,13 @@ from ui.widgets import evidence, show_code, show_frame
 
 RESULT = "ch11_result"
 QUALITY = "ch11_quality"
+EXPLAIN = "_ch11_explanation"  # (id of the runs it explains, grid fit, tie report)
+CLAIM = (
+    "동시 요청 1개에서 int8과 int4 엔진은 float32가 읽는 가중치 바이트의 약 1/4과 1/5만 "
+    "읽습니다. 토큰이 float32와 갈라지는 곳은 float32 자신이 망설이는(1·2순위 로짓 차가 아주 "
+    "작은) 위치이고, int4(그룹 32)의 선형층 가중치는 float32와 똑같습니다: 이 모델의 float32가 "
+    "원래 그 4비트 격자에서 왔기 때문입니다."
+)
 CHOICES = ["float32보다 느리다", "1~2배 빠르다", "2배 이상 빠르다"]
 
 
@@ -92,9 +106,6 @@ def _summary_view(ctx: LabContext) -> None:
         margin=dict(l=10, r=10, t=40, b=10),
     )
     st.plotly_chart(fig, key="ch11_decode_fig")
-    agreement = greedy_agreement_table(runs)
-    st.markdown(f"**생성된 토큰이 {ctx.sides[0].label}와 얼마나 같은가** (greedy, 같은 프롬프트)")
-    st.dataframe(agreement, hide_index=True)
     for side in ctx.sides:
         res = runs[side.label]
         evidence(
@@ -115,6 +126,58 @@ def _summary_view(ctx: LabContext) -> None:
         if ms["float32"] and ms["int8"]:
             compare("ch11_speed", _speed_choice(ms["float32"] / ms["int8"]))
             st.caption(f"디코드 스텝: float32 {ms['float32']} ms, int8 {ms['int8']} ms")
+    _agreement_view(ctx, runs)
+
+
+def _explanation(runs) -> tuple:
+    """The grid fit (계산값) and the reference's margins (측정값) for these runs, kept in the
+    session for the runs they explain (the grid fit is cached per process)."""
+    stored = st.session_state.get(EXPLAIN)
+    if stored is None or stored[0] != id(runs):
+        with st.spinner("float32 가중치를 각 형식과 비교하고, float32의 로짓 차를 재는 중…"):
+            stored = (id(runs), grid_fit_table(_model_dir()), tie_report(_model_dir(), runs))
+        st.session_state[EXPLAIN] = stored
+    return stored[1], stored[2]
+
+
+def _agreement_view(ctx: LabContext, runs) -> None:
+    """Greedy agreement with the first engine, and why it comes out as it does."""
+    reference = ctx.sides[0].label
+    st.markdown(f"**생성된 토큰이 {reference}와 얼마나 같은가** (greedy, 같은 프롬프트)")
+    show_frame(greedy_agreement_table(runs))
+    evidence(
+        "측정값",
+        f"각 엔진이 이 실행에서 낸 greedy 토큰을 위치마다 {reference}의 토큰과 비교한 비율",
+        **runs[reference].conditions,
+    )
+    if reference != "float32":
+        st.caption("왜 이런 숫자가 나오는지는 float32를 첫 엔진으로 고르면 설명합니다.")
+        return
+    fit, ties = _explanation(runs)
+    st.markdown("**왜 이런 일치율인가**")
+    c1, c2 = st.columns(2)
+    show_frame(fit, c1)
+    with c1:
+        evidence(
+            "계산값",
+            "양자화 엔진이 가진 선형층(30개 층 × 4행렬)을 펼쳐 float32 엔진의 가중치와 비교",
+            formula="max |dequantize(W_q) − W_float32|, 같은 값인 가중치의 비율",
+        )
+    if ties.table.empty:
+        c2.caption("float32와 다른 토큰을 낸 엔진이 없습니다.")
+    else:
+        show_frame(ties.table, c2)
+    with c2:
+        evidence(
+            "측정값",
+            f"float32 모델에 프롬프트와 float32의 출력을 한 번에 넣어(teacher forcing) 위치마다 "
+            f"1순위와 2순위 로짓 차를 잼: {len(ties.margins)}개 위치 중 {ties.near_ties}곳이 "
+            f"{TIE_MARGIN} 미만",
+            모델=_model_dir().name,
+            dtype="float32",
+        )
+    for sentence in agreement_explanation(fit, ties):
+        st.markdown("- " + sentence)
 
 
 def _quality_section() -> None:
@@ -205,21 +268,21 @@ def lab() -> None:
         max_selections=3,
         key="ch11_sides",
     )
-    batch = c2.slider("동시 요청 수", 1, 8, 1, key="ch11_batch")
-    max_tokens = c3.slider("출력 토큰 수", 8, 64, 24, step=8, key="ch11_tokens")
+    batch = c2.slider("동시 요청 수", 1, 8, DEFAULT_BATCH, key="ch11_batch")
+    max_tokens = c3.slider("출력 토큰 수", 8, 64, DEFAULT_MAX_TOKENS, step=8, key="ch11_tokens")
     if not labels:
         st.info("비교할 엔진을 하나 이상 고르세요.")
         return
-    workload = decode_workload(32, max_tokens, batch)
+    workload = decode_workload(DEFAULT_PROMPT_LEN, max_tokens, batch)
     st.caption(
-        f"워크로드: 32토큰 프롬프트 {batch}개가 함께 도착, 각각 {max_tokens}토큰을 greedy로 "
-        "생성합니다. 한 스텝에 모든 엔진이 한 번씩 실행됩니다."
+        f"워크로드: {DEFAULT_PROMPT_LEN}토큰 프롬프트 {batch}개가 함께 도착, 각각 "
+        f"{max_tokens}토큰을 greedy로 생성합니다. 한 스텝에 모든 엔진이 한 번씩 실행됩니다."
     )
 
     def before(ctx: LabContext) -> None:
         predict(
             "ch11_speed",
-            "동시 요청 1개일 때, int8 엔진의 디코드 스텝은 float32 엔진과 비교해 어떨까?",
+            f"동시 요청 {batch}개일 때, int8 엔진의 디코드 스텝은 float32 엔진과 비교해 어떨까?",
             options=CHOICES,
             locked=ctx.started,
         )
@@ -240,4 +303,4 @@ def lab() -> None:
     _bench_sections()
 
 
-render_chapter("11", lab)
+render_chapter("11", lab, claim=CLAIM)

@@ -10,6 +10,7 @@ and the per-rank compute vs all-reduce times are computed (engine/simulator.py's
 SimulatedExecutor, 계산값), plus a table of the communication share as tp grows."""
 
 import os
+import time
 from pathlib import Path
 
 import plotly.graph_objects as go
@@ -34,6 +35,7 @@ from ui.experiments.ch12 import (
     lab_run,
     matrix_cuts,
     parallel_conditions,
+    planned_layout,
     shard_table,
     simulated_fit_error,
     simulated_sizes,
@@ -41,14 +43,24 @@ from ui.experiments.ch12 import (
     steady_step_ms,
     tp_scaling,
 )
-from ui.experiments.common import Workload, display_frame, is_simulated
-from ui.lab import LabContext, Side, evidence_kind, run_results, run_workload_button
+from ui.errors import show_error
+from ui.experiments.common import Workload, WorkloadFeeder, is_simulated
+from ui.lab import (
+    LabContext,
+    Side,
+    _feeders,
+    evidence_kind,
+    reset_lab,
+    run_results,
+    run_steps,
+    set_playing,
+)
 from ui.lab import lab as engine_lab
 from ui.lesson import render_chapter
 from ui.predict import compare, predict
-from ui.session import current_settings, reset_engine
+from ui.session import current_settings, get_engine, reset_engine
 from ui.simulation import simulation_caption, simulation_overrides, simulation_picker
-from ui.widgets import evidence, show_code
+from ui.widgets import evidence, show_code, show_frame
 
 RESULT = "ch12_result"
 BASE_KEY, TP_KEY, PP_KEY = "ch12_tp1", "ch12_tpn", "ch12_pp2"
@@ -58,6 +70,15 @@ COLORS = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#B279A2", "#72B7B2", "#FF
 NVLINK = "H100 SXM의 NVLink(4세대): GPU 한 장당 900 GB/s (양방향 합)"
 PCIE = "PCIe 5.0 x16: 약 128 GB/s (양방향 합)"
 SIM_MODEL, SIM_TP = "llama-3.1-70b", 8  # the simulated default: 70B on 8 GPUs vs 4
+DEFAULT_REQUESTS, DEFAULT_OUT = 2, 12  # the lab's default workload (with PROMPT_LEN)
+LIVE = "_ch12_live"  # the signature of the real engines the learner started (None: not yet)
+PENDING = "_ch12_pending"  # "run" or "load": what to do once those engines are up
+LEGEND_BELOW = dict(orientation="h", yanchor="top", y=-0.22, xanchor="left", x=0)
+CLAIM = (
+    "tp 3(워커 3개)과 pp 2(워커 2개)는 tp 1과 토큰 하나까지 같은 greedy 출력을 냅니다. tp 3의 "
+    "워커 하나는 층마다 행렬의 1/3만 가지고(임베딩·lm_head는 모두 똑같이 가짐), pp 2의 워커는 "
+    "층의 절반씩을 가집니다: 워커마다의 바이트는 실험실 표가 보여 주는 그대로입니다."
+)
 
 
 def _model_config() -> LlamaConfig:
@@ -112,6 +133,34 @@ def _shard_figure(model_config: LlamaConfig, layout: list[dict], tp: int) -> go.
     return fig
 
 
+def _draw_layout(model_config: LlamaConfig, layout: list[dict], tp: int) -> None:
+    """The shard figure and the per-worker table of one layout (measured, planned or computed)."""
+    st.plotly_chart(_shard_figure(model_config, layout, tp), key="ch12_shards")
+    st.caption(
+        "그림은 Y = X·A의 A(입력 × 출력)로 그렸습니다. 열 분할은 A의 열(출력 특징)을, 행 분할은 "
+        "A의 행(입력 특징)을 워커마다 나눕니다. PyTorch는 같은 행렬을 [출력, 입력]으로 저장하므로 "
+        "표의 조각 모양은 출력 × 입력 순서입니다."
+    )
+    show_frame(shard_table(layout))
+
+
+def _planned_view(model_config: LlamaConfig, tp: int) -> None:
+    """Before any worker starts: what each of the tp workers will hold (계산값)."""
+    st.markdown(f"**워커가 가질 것** (tp {tp} 엔진, 워커 프로세스 {tp}개: 아직 띄우지 않음)")
+    layout = planned_layout(model_config, tp, 1)
+    _draw_layout(model_config, layout, tp)
+    total = sum(r["weight_bytes"] for r in layout)
+    replicated = sum(r["replicated_bytes"] for r in layout)
+    evidence(
+        "계산값",
+        f"워커 {len(layout)}개의 가중치 합 {total / 1e6:,.1f} MB, 그중 여러 워커가 똑같이 가질 "
+        f"몫(임베딩·lm_head·정규화) {replicated / 1e6:,.1f} MB. 워커를 띄우면 각 워커가 자기 "
+        "텐서를 센 측정값으로 바뀝니다 (KV 캐시는 그때 정해짐)",
+        formula="engine/multiproc_executor.py의 shard_weights를 이 모델 모양의 빈(meta) 텐서에 "
+        "적용해, 워커마다 자기 조각의 원소 수 × 4 B (float32)",
+    )
+
+
 def _holdings_view(ctx: LabContext, model_config: LlamaConfig, tp: int) -> None:
     engine = ctx.engines[TP_KEY]
     simulated = is_simulated(engine)
@@ -122,13 +171,7 @@ def _holdings_view(ctx: LabContext, model_config: LlamaConfig, tp: int) -> None:
     if not layout:
         st.info("tp 엔진이 아직 없습니다.")
         return
-    st.plotly_chart(_shard_figure(model_config, layout, tp), key="ch12_shards")
-    st.caption(
-        "그림은 Y = X·A의 A(입력 × 출력)로 그렸습니다. 열 분할은 A의 열(출력 특징)을, 행 분할은 "
-        "A의 행(입력 특징)을 워커마다 나눕니다. PyTorch는 같은 행렬을 [출력, 입력]으로 저장하므로 "
-        "표의 조각 모양은 출력 × 입력 순서입니다."
-    )
-    st.dataframe(shard_table(layout), hide_index=True)
+    _draw_layout(model_config, layout, tp)
     total = sum(r["weight_bytes"] for r in layout)
     replicated = sum(r["replicated_bytes"] for r in layout)
     if simulated:
@@ -146,8 +189,8 @@ def _holdings_view(ctx: LabContext, model_config: LlamaConfig, tp: int) -> None:
         f"워커 {len(layout)}개의 가중치 합 {total / 1e6:,.1f} MB, 그중 여러 워커가 똑같이 가진 "
         f"몫(임베딩·lm_head·정규화) {replicated / 1e6:,.1f} MB",
         출처="executor.layout() (각 워커가 자기 텐서의 바이트를 셈)",
-        모델=Path(ctx.engines[TP_KEY].model_dir).name,
-        dtype=str(ctx.engines[TP_KEY].dtype).replace("torch.", ""),
+        모델=Path(engine.model_dir).name,
+        dtype=str(engine.dtype).replace("torch.", ""),
     )
 
 
@@ -180,12 +223,13 @@ def _communication_view(ctx: LabContext, model_config: LlamaConfig, tp: int) -> 
     )
     fig.update_layout(
         barmode="stack",
-        height=330,
+        height=390,
         title=f"tp {tp}: 스텝마다 계산 시간과 통신 시간 (워커 rank 0)",
         xaxis_title="스텝",
-        yaxis=dict(title="ms"),
+        yaxis=dict(title="ms", rangemode="tozero"),
         yaxis2=dict(title="all-reduce 횟수", overlaying="y", side="right", rangemode="tozero"),
-        margin=dict(l=10, r=10, t=40, b=10),
+        legend=LEGEND_BELOW,
+        margin=dict(l=10, r=10, t=40, b=90),
     )
     st.plotly_chart(fig, key="ch12_comm")
     counts = sorted(set(int(c) for c in first["all_reduce_count"]))
@@ -253,8 +297,7 @@ def _summary_view(ctx: LabContext, tp: int) -> None:
         st.info("모든 엔진이 워크로드를 끝내면 여기에 전체 비교가 나옵니다.")
         return
     st.markdown("**전체 비교** (같은 요청, 같은 기계)")
-    table = display_frame(result.summary)
-    st.dataframe(table.astype(str), hide_index=True)
+    show_frame(result.summary)
     fig = go.Figure()
     for label, run in result.runs.items():
         steps = run.result.step_table()
@@ -269,11 +312,12 @@ def _summary_view(ctx: LabContext, tp: int) -> None:
             )
         )
     fig.update_layout(
-        height=320,
+        height=380,
         title="스텝 시간 (ms): 워커를 늘리면 짧아지는가",
         xaxis_title="스텝",
-        yaxis_title="ms",
-        margin=dict(l=10, r=10, t=40, b=10),
+        yaxis=dict(title="ms", rangemode="tozero"),
+        legend=LEGEND_BELOW,
+        margin=dict(l=10, r=10, t=40, b=90),
     )
     st.plotly_chart(fig, key="ch12_step_times")
     runs = list(result.runs.values())
@@ -360,15 +404,15 @@ def _scale_view(spec: dict) -> None:
         )
     fig.update_layout(
         barmode="stack",
-        height=330,
+        height=390,
         title="GPU 수(tp)별 한 스텝: 계산은 1/N로 줄고, all-reduce는 줄지 않는다",
-        yaxis_title="ms",
-        margin=dict(l=10, r=10, t=40, b=10),
+        xaxis=dict(type="category"),
+        yaxis=dict(title="ms", rangemode="tozero"),
+        legend=LEGEND_BELOW,
+        margin=dict(l=10, r=10, t=40, b=90),
     )
     st.plotly_chart(fig, key="ch12_scale")
-    shown = table.replace({"메모리에 들어감": {True: "예", False: "아니오"}})
-    shown = display_frame(shown)
-    st.dataframe(shown.astype(str), hide_index=True)
+    show_frame(table.replace({"메모리에 들어감": {True: "예", False: "아니오"}}))
     evidence(
         "계산값",
         "decode 스텝: 요청 32개가 각자 1,024토큰을 캐시에 두고 한 토큰씩; prefill 스텝: 한 요청의 "
@@ -418,15 +462,122 @@ def _simulated_sides(spec: dict, with_pp: bool) -> list[Side] | str:
     ]
 
 
-def lab() -> None:
-    st.subheader("같은 요청을 워커 1개와 워커 여러 개로")
-    spec = simulation_picker("ch12", default_model=SIM_MODEL, default_tp=SIM_TP)
-    real_config = _model_config()
-    model_config = real_config if spec is None else load_model_preset(spec["model_preset"]).config
-    sizes = [s for s in valid_tensor_parallel_sizes(real_config) if s > 1]
-    if not sizes and spec is None:
-        st.warning("이 모델은 tensor parallel로 나눌 수 있는 크기가 없습니다.")
+def _real_sides(tp: int, with_pp: bool, model_config: LlamaConfig) -> list[Side]:
+    """tp 1 and tp N (and pp 2) on the CPU, each multi-worker engine one process per rank.
+    Prefix caching off: a rerun on the same engines computes every prompt token again."""
+    common = {"device": "cpu", "enable_prefix_caching": False}
+    sides = [
+        Side(BASE_KEY, _label(1, 1), dict(common)),
+        Side(TP_KEY, _label(tp, 1), {**common, "tensor_parallel_size": tp}),
+    ]
+    if with_pp and model_config.num_layers >= 2:
+        sides.append(Side(PP_KEY, _label(1, 2), {**common, "pipeline_parallel_size": 2}))
+    return sides
+
+
+def _workers(sides: list[Side]) -> int:
+    """Worker processes the sides start (tp × pp of each multi-worker engine)."""
+    sizes = [
+        s.overrides.get("tensor_parallel_size", 1) * s.overrides.get("pipeline_parallel_size", 1)
+        for s in sides
+    ]
+    return sum(n for n in sizes if n > 1)
+
+
+def _signature(sides: list[Side]) -> tuple:
+    return (current_settings(), tuple((s.key, tuple(sorted(s.overrides.items()))) for s in sides))
+
+
+def _start_engines(sides: list[Side]) -> bool:
+    """Build every side's engine now, saying which one is starting and how long each took (the
+    worker processes import torch and load their shards: seconds each on a CPU)."""
+    n = _workers(sides)
+    with st.status(f"엔진을 만드는 중… (워커 프로세스 {n}개)", expanded=True) as status:
+        for side in sides:
+            start = time.perf_counter()
+            st.write(f"{side.label}: 시작하는 중…")
+            try:
+                get_engine(side.key, **side.overrides)
+            except Exception as exc:  # noqa: BLE001 - a Korean message, the page stays usable
+                status.update(label="엔진을 만들지 못했습니다", state="error")
+                show_error(exc, f"엔진을 만들 수 없습니다 ({side.label})")
+                return False
+            st.write(f"{side.label}: 준비됨 ({time.perf_counter() - start:.1f} s)")
+        status.update(label=f"엔진 준비됨 (워커 프로세스 {n}개)", state="complete", expanded=False)
+    return True
+
+
+def _not_started(sides: list[Side], question: str, model_config: LlamaConfig, tp: int) -> None:
+    """The real lab before its engines exist: the planned layout, the prediction, and the two
+    buttons that start the worker processes (nothing heavy runs when the page opens)."""
+    stale = st.session_state.pop(LIVE, None)
+    if stale is not None:  # the learner changed the layout: stop the old worker processes
+        reset_engine(TP_KEY)
+        reset_engine(PP_KEY)
+    _planned_view(model_config, tp)
+    evidence(
+        "계산값",
+        f"tp {tp}: 스텝마다 워커 하나가 all-reduce {all_reduces_per_step(model_config, tp, 1)}번 "
+        f"(층 {model_config.num_layers}개 × 2: o 뒤 한 번, down 뒤 한 번)",
+        formula="2 × 층 수 (tp > 1일 때; tp 1이면 0)",
+    )
+    predict("ch12_speed", question, options=SPEED_CHOICES)
+    st.caption(
+        f"아래 버튼을 누르면 엔진 {len(sides)}개와 워커 프로세스 {_workers(sides)}개가 뜹니다. "
+        "워커마다 torch를 불러오고 자기 몫의 가중치를 읽으므로 이 기계에서 십수 초 걸립니다 "
+        "(진행 상황이 여기 보입니다)."
+    )
+    c1, c2 = st.columns(2)
+    run = c1.button(
+        "실행", key="ch12_start_run", type="primary", width="stretch",
+        help="엔진과 워커를 띄우고, 워크로드를 넣어 끝까지 실행합니다",
+    )  # fmt: skip
+    load = c2.button(
+        "워크로드 넣기", key="ch12_start_load", width="stretch",
+        help="엔진과 워커를 띄우고 워크로드만 넣습니다 (그 뒤 다음 스텝으로 한 스텝씩)",
+    )  # fmt: skip
+    if (run or load) and _start_engines(sides):
+        st.session_state[LIVE] = _signature(sides)
+        st.session_state[PENDING] = "run" if run else "load"
+        st.rerun()
+
+
+def load_workload(ctx: LabContext, workload: Workload) -> None:
+    """Put the workload on every engine. Engines that have run nothing yet are used as they are
+    (no second start of their workers); used ones are rebuilt first, with a message."""
+    fresh = all(not ctx.records(s) and not ctx.engines[s.key].all_requests() for s in ctx.sides)
+    if not fresh:
+        n = _workers(ctx.sides)
+        with st.spinner(f"엔진을 새로 만드는 중… (워커 프로세스 {n}개를 다시 띄웁니다, 십수 초)"):
+            reset_lab(ctx, workload)
         return
+    for side in ctx.sides:
+        feeder = WorkloadFeeder(ctx.engines[side.key], workload)
+        ctx.feeders[side.key] = _feeders()[side.key] = feeder
+
+
+def _run_buttons(ctx: LabContext, workload: Workload) -> None:
+    """실행 and 워크로드 넣기 of the real lab (and what the start buttons asked for)."""
+    pending = st.session_state.pop(PENDING, None)
+    c1, c2 = st.columns(2)
+    run = c1.button(
+        "실행", key="ch12_run", type="primary", width="stretch",
+        help="워크로드를 넣고 끝까지 실행합니다 (한 스텝씩 보려면 워크로드 넣기 → 다음 스텝)",
+    ) or pending == "run"  # fmt: skip
+    load = c2.button(
+        "워크로드 넣기", key="ch12_load", width="stretch",
+        help="워크로드의 요청을 모든 엔진에 넣습니다 (다음 스텝으로 한 스텝씩)",
+    ) or pending == "load"  # fmt: skip
+    if run or load:
+        set_playing("ch12", False)
+        load_workload(ctx, workload)
+        if run:
+            run_steps(ctx, None)
+
+
+def _layout_controls(real_config: LlamaConfig, spec: dict | None) -> tuple[int, int, int, bool]:
+    """tp, requests, output tokens and the pp switch (tp: the sizes this model divides into)."""
+    sizes = [s for s in valid_tensor_parallel_sizes(real_config) if s > 1] or [1]
     c1, c2, c3, c4 = st.columns(4)
     tp = c1.selectbox(
         "tp 크기 (tensor_parallel_size)",
@@ -438,52 +589,62 @@ def lab() -> None:
         "GPU 수를 씀)",
         disabled=spec is not None,
     )
-    num = c2.slider("요청 수", 1, 4, 2, key="ch12_requests")
-    out = c3.slider("출력 토큰 수", 4, 32, 12, step=4, key="ch12_out")
+    num = c2.slider("요청 수", 1, 4, DEFAULT_REQUESTS, key="ch12_requests")
+    out = c3.slider("출력 토큰 수", 4, 32, DEFAULT_OUT, step=4, key="ch12_out")
     with_pp = c4.checkbox(
         "pp 2도 나란히", value=False, key="ch12_pp", help="층을 두 워커에 나눈 엔진을 하나 더"
     )
-    if spec is None:
-        sides = [
-            Side(BASE_KEY, _label(1, 1), {"device": "cpu"}),
-            Side(TP_KEY, _label(tp, 1), {"device": "cpu", "tensor_parallel_size": tp}),
-        ]
-        if with_pp and model_config.num_layers >= 2:
-            sides.append(Side(PP_KEY, _label(1, 2), {"device": "cpu", "pipeline_parallel_size": 2}))
-    else:
-        tp = spec["tensor_parallel_size"]
-        sides = _simulated_sides(spec, with_pp)
-        if isinstance(sides, str):
-            st.warning(sides)
-            return
-    if len(sides) < 3:
-        reset_engine(PP_KEY)  # its worker processes stop
-    base_label = sides[0].label
-    workload = Workload.uniform(num, PROMPT_LEN, out)
+    return tp, num, out, with_pp
+
+
+def _caption(spec: dict | None, num: int, out: int, tp: int, sides: list[Side]) -> None:
     if spec is None:
         st.caption(
             f"워크로드: 요청 {num}개(프롬프트 {PROMPT_LEN}토큰, 출력 {out}토큰)를 모든 엔진에 "
             "똑같이 넣습니다. 모든 엔진은 CPU에서 실행되고, tp·pp 엔진은 랭크마다 워커 프로세스 "
             "하나를 띄웁니다 (torch.distributed, gloo)."
         )
+        return
+    st.caption(
+        f"워크로드: 요청 {num}개(프롬프트 {PROMPT_LEN}토큰, 출력 {out}토큰)를 모든 엔진에 "
+        f"똑같이 넣습니다. 기준은 GPU {tp // 2}장(tp {tp // 2}), 비교는 GPU {tp}장(tp {tp})"
+        + (f", 그리고 같은 {tp}장을 tp {tp // 2} × pp 2로" if len(sides) > 2 else "")
+        + ". 스케줄러와 KV 관리자는 실제 코드이고, 스텝 시간과 워커별 시간은 계산값입니다."
+    )
+
+
+def lab() -> None:
+    st.subheader("같은 요청을 워커 1개와 워커 여러 개로")
+    spec = simulation_picker("ch12", default_model=SIM_MODEL, default_tp=SIM_TP)
+    real_config = _model_config()
+    model_config = real_config if spec is None else load_model_preset(spec["model_preset"]).config
+    if spec is None and not [s for s in valid_tensor_parallel_sizes(real_config) if s > 1]:
+        st.warning("이 모델은 tensor parallel로 나눌 수 있는 크기가 없습니다.")
+        return
+    tp, num, out, with_pp = _layout_controls(real_config, spec)
+    if spec is None:
+        sides = _real_sides(tp, with_pp, model_config)
+        question = f"tp {tp}(워커 {tp}개)로 돌리면, tp 1에 비해 decode 스텝 시간은?"
     else:
-        st.caption(
-            f"워크로드: 요청 {num}개(프롬프트 {PROMPT_LEN}토큰, 출력 {out}토큰)를 모든 엔진에 "
-            f"똑같이 넣습니다. 기준은 GPU {tp // 2}장(tp {tp // 2}), 비교는 GPU {tp}장(tp {tp})"
-            + (f", 그리고 같은 {tp}장을 tp {tp // 2} × pp 2로" if len(sides) > 2 else "")
-            + ". 스케줄러와 KV 관리자는 실제 코드이고, 스텝 시간과 워커별 시간은 계산값입니다."
+        tp = spec["tensor_parallel_size"]
+        sides = _simulated_sides(spec, with_pp)
+        if isinstance(sides, str):
+            st.warning(sides)
+            return
+        question = (
+            f"GPU를 {tp // 2}장에서 {tp}장으로 늘리면(tp {tp // 2} → tp {tp}), decode 스텝 시간은?"
         )
+    if len(sides) < 3:
+        reset_engine(PP_KEY)  # its worker processes stop
+    workload = Workload.uniform(num, PROMPT_LEN, out)
+    _caption(spec, num, out, tp, sides)
+    if spec is None and st.session_state.get(LIVE) != _signature(sides):
+        _not_started(sides, question, model_config, tp)
+        return
 
     def before(ctx: LabContext) -> None:
-        if spec is None:
-            question = f"tp {tp}(워커 {tp}개)로 돌리면, tp 1에 비해 decode 스텝 시간은?"
-        else:
-            question = (
-                f"GPU를 {tp // 2}장에서 {tp}장으로 늘리면({base_label} → tp {tp}), "
-                "decode 스텝 시간은?"
-            )
         predict("ch12_speed", question, options=SPEED_CHOICES, locked=ctx.started)
-        run_workload_button(ctx, workload)
+        _run_buttons(ctx, workload)
 
     def chapter_view(ctx: LabContext) -> None:
         _holdings_view(ctx, model_config, tp)
@@ -494,7 +655,6 @@ def lab() -> None:
         "ch12",
         sides,
         presets=None,
-        workload=workload,
         before=before,
         chapter_view=chapter_view,
         show_code_panel=False,
@@ -510,4 +670,4 @@ def lab() -> None:
     show_code(MultiprocExecutor.execute_model, "방금 실행된 코드 (실행자가 워커들에게 스텝을 보냄)")
 
 
-render_chapter("12", lab)
+render_chapter("12", lab, claim=CLAIM)

@@ -93,21 +93,39 @@ def test_lab_runs_tp1_and_tp2_and_leaves_no_workers(tiny_model_dir):
         at.selectbox(key="ch12_tp").set_value(2).run()
         assert not at.exception, [e.value for e in at.exception]
         at.slider(key="ch12_out").set_value(8).run()
-        # the shard figure is there before any step: two ranks, four matrices
+        # opening the page starts nothing: the planned shard figure (two ranks, four matrices)
+        # and its per-worker table come from the model's shapes, no worker process yet
+        assert set(multiprocessing.active_children()) == before
+        assert not [k for k in at.session_state["_engines"] if k.startswith("ch12")]
         shards = chart(at, "ch12_shards")["data"]
         assert len(shards) == 8 and all(t["x"] for t in shards)
+        text = " ".join(m.value for m in at.markdown)
+        assert "워커가 가질 것" in text and "계산값" in text and "all-reduce 4번" in text
+        # 워크로드 넣기 starts the engines once; 실행 then runs those same engines
+        at.button(key="ch12_start_load").click().run()
+        assert not at.exception, [e.value for e in at.exception]
+        tp_engine = at.session_state["_engines"]["ch12_tpn"]["engine"]
+        assert len(set(multiprocessing.active_children()) - before) == 2
         at.button(key="ch12_run").click().run()
         assert not at.exception, [e.value for e in at.exception]
+        assert at.session_state["_engines"]["ch12_tpn"]["engine"] is tp_engine  # no restart
 
         result = at.session_state["ch12_result"]
         summary = result.summary.set_index("실행")
         assert list(summary.index) == ["tp 1 × pp 1", "tp 2 × pp 1"]
         assert summary["tp 1과 같은 출력"].all()  # greedy tokens agree
         assert list(summary["스텝당 all-reduce (측정)"]) == [0, 4]  # 2 layers × 2
-        comm = chart(at, "ch12_comm")["data"]
-        counts = values(next(t for t in comm if t["name"].startswith("all-reduce 횟수"))["y"])
+        comm = chart(at, "ch12_comm")
+        counts = values(
+            next(t for t in comm["data"] if t["name"].startswith("all-reduce 횟수"))["y"]
+        )
         assert counts and set(counts) == {4}
-        assert all(values(t["y"]) for t in chart(at, "ch12_step_times")["data"])
+        layout = comm["layout"]
+        assert layout["yaxis"]["rangemode"] == "tozero" == layout["yaxis2"]["rangemode"]
+        assert layout["legend"]["y"] < 0  # below the plot: clear of the top ticks
+        steps = chart(at, "ch12_step_times")
+        assert all(values(t["y"]) for t in steps["data"])
+        assert steps["layout"]["yaxis"]["rangemode"] == "tozero"
         text = " ".join(m.value for m in at.markdown)
         assert "측정값" in text and "계산값" in text and "보고값" in text
         assert "all-reduce 4번" in text  # derived: 2 × 2 layers

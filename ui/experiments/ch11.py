@@ -4,6 +4,9 @@ step, measured step time) and what it costs (agreement with float32, perplexity,
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 
 import pandas as pd
 
@@ -18,9 +21,16 @@ VARIANTS: dict[str, dict] = {
     "gguf (Q4_1)": {"dtype": "float32", "quantization": "gguf"},
 }
 DEFAULT_SIDES = ("float32", "int8", "int4")
+# The lab's default workload: one 32-token prompt, 24 greedy tokens (batch 1 is what
+# weight-only quantization is for).
+DEFAULT_PROMPT_LEN, DEFAULT_MAX_TOKENS, DEFAULT_BATCH = 32, 24, 1
 
 
-def decode_workload(prompt_len: int = 32, max_tokens: int = 24, batch: int = 1) -> Workload:
+def decode_workload(
+    prompt_len: int = DEFAULT_PROMPT_LEN,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    batch: int = DEFAULT_BATCH,
+) -> Workload:
     """`batch` requests arriving together: batch 1 is the case quantization is for."""
     return Workload([RequestSpec(prompt_len, max_tokens, 0.0, f"요청-{i}") for i in range(batch)])
 
@@ -135,6 +145,161 @@ def greedy_agreement_table(runs: dict[str, RunResult]) -> pd.DataFrame:
             }
         )
     return pd.DataFrame(rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# Why the lab's agreement numbers come out as they do
+
+
+# (label, quantization, group) of the formats whose weights the explanation compares with float32
+GRIDS = (("int8 (행마다 scale)", "int8", 32), ("int4 (그룹 32)", "int4", 32))
+
+
+@lru_cache(maxsize=4)
+def _grid_fit_rows(model_dir: str) -> tuple[dict, ...]:
+    """Per format: the linear matrices the quantized engine holds (the process's shared copy,
+    engine/quantization.py), unpacked and compared with the float32 engine's: the largest
+    difference and the share of weights that came back bit for bit. Cached per process: the
+    weights never change and the check reads 106 M numbers."""
+    import torch
+
+    from engine.kernels.quant import dequantize
+    from engine.quantization import LINEAR_NAMES, load_quantized_model
+    from engine.worker import load_model
+
+    cpu, f32 = torch.device("cpu"), torch.float32
+    base = load_model(model_dir, cpu, f32)
+    keys = [f"{i}.{n}" for i in range(base.cfg.num_layers) for n in LINEAR_NAMES]
+    rows = []
+    for label, method, group in GRIDS:
+        quantized = load_quantized_model(model_dir, cpu, f32, method, group)
+        worst, same, total = 0.0, 0, 0
+        for key in keys:
+            w, back = base.w[key], dequantize(quantized.w[key]).float()
+            worst = max(worst, float((back - w).abs().max()))
+            same += int((back == w).sum())
+            total += w.numel()
+        rows.append(
+            {"형식": label, "최대 절대 오차": worst, "그대로인 가중치 (%)": 100 * same / total}
+        )
+    return tuple(rows)
+
+
+def grid_fit_table(model_dir) -> pd.DataFrame:
+    """계산값: how far each quantized engine's linears lie from float32's (0 = the same)."""
+    return pd.DataFrame(list(_grid_fit_rows(str(Path(model_dir).resolve()))))
+
+
+def reproduces_exactly(fit: pd.DataFrame, label: str) -> bool:
+    row = fit[fit["형식"] == label]
+    return bool(len(row)) and float(row["최대 절대 오차"].iloc[0]) == 0.0
+
+
+@dataclass
+class TieReport:
+    """float32's own margins along the reference run's tokens, and where each side parted."""
+
+    margins: list[float]  # float32's top-1 minus top-2 logit at every generated position
+    table: pd.DataFrame  # one row per side that parted from the reference
+
+    @property
+    def near_ties(self) -> int:
+        from engine.quality import TIE_MARGIN
+
+        return sum(m < TIE_MARGIN for m in self.margins)
+
+
+def _reference_margins(model, request) -> tuple[list[float], list[int]]:
+    """Teacher-forced float32 logits along prompt + the reference's output: at each generated
+    position, top-1 minus top-2 logit and the runner-up token."""
+    from engine.quality import teacher_forced_logits
+
+    prompt, out = list(request.prompt_token_ids), list(request.output_token_ids)
+    logits = teacher_forced_logits(model, prompt + out)[
+        len(prompt) - 1 : len(prompt) - 1 + len(out)
+    ]
+    top2 = logits.topk(2, dim=-1)
+    margins = (top2.values[:, 0] - top2.values[:, 1]).tolist()
+    return margins, top2.indices[:, 1].tolist()
+
+
+def tie_report(model_dir, runs: dict[str, RunResult]) -> TieReport:
+    """측정값: float32's top-1/top-2 logit margin at every position of the first side's greedy
+    tokens (teacher forced through the float32 model), and for each other side the first position
+    it wrote another token, float32's margin there and whether it wrote float32's runner-up."""
+    import torch
+
+    from engine.worker import load_model
+
+    labels = list(runs)
+    model = load_model(model_dir, torch.device("cpu"), torch.float32)
+    per_request = [_reference_margins(model, r) for r in runs[labels[0]].requests]
+    rows = []
+    for label in labels[1:]:
+        for i, (ref, ours) in enumerate(zip(runs[labels[0]].requests, runs[label].requests)):
+            a, b = list(ref.output_token_ids), list(ours.output_token_ids)
+            pos = next((j for j in range(min(len(a), len(b))) if a[j] != b[j]), None)
+            if pos is None:
+                continue
+            margins, runners = per_request[i]
+            rows.append(
+                {
+                    "엔진": label,
+                    "요청": ref.request_id,
+                    "처음 달라진 위치": pos,
+                    "그 위치의 float32 1·2순위 로짓 차": round(margins[pos], 3),
+                    "float32의 2순위를 골랐나": "예" if b[pos] == runners[pos] else "아니오",
+                }
+            )
+    margins = [m for ms, _ in per_request for m in ms]
+    columns = ["엔진", "요청", "처음 달라진 위치", "그 위치의 float32 1·2순위 로짓 차"]
+    return TieReport(margins, pd.DataFrame(rows, columns=columns + ["float32의 2순위를 골랐나"]))
+
+
+def agreement_explanation(fit: pd.DataFrame, ties: TieReport) -> list[str]:
+    """The reasons behind the agreement table, in Korean, each stated only when the numbers
+    above it (fit: 계산값, ties: 측정값) show it."""
+    from engine.quality import TIE_MARGIN
+
+    out = []
+    int8 = fit[fit["형식"] == GRIDS[0][0]]
+    if reproduces_exactly(fit, GRIDS[1][0]):
+        out.append(
+            "이 모델의 float32 가중치는 처음부터 4비트 격자 위에 있습니다. 아티팩트가 GGUF의 "
+            "Q4_1(32개 묶음마다 scale과 min)을 펼쳐 만든 것이라, int4(그룹 32) 엔진의 선형층 "
+            "가중치는 float32와 하나도 다르지 않습니다(최대 절대 오차 0). int4 엔진이 float32와 "
+            "다른 것은 lm_head(양자화 엔진은 둘 다 int8)와 더하는 순서뿐이라, 대개 같은 토큰을 "
+            "씁니다. int4가 int8보다 좋은 형식이라서가 아닙니다."
+        )
+    if len(int8) and float(int8["최대 절대 오차"].iloc[0]) > 0:
+        out.append(
+            f"int8(행마다 scale)은 그 격자를 모르는 다른 눈금이라, 선형층 가중치의 "
+            f"{float(int8['그대로인 가중치 (%)'].iloc[0]):.1f}%만 그대로 두고 나머지를 최대 "
+            f"{float(int8['최대 절대 오차'].iloc[0]):.3g}만큼 옮깁니다."
+        )
+    if ties.margins:
+        out.append(
+            f"135M 모델은 자주 망설입니다: float32 자신도 이 실행의 {len(ties.margins)}개 위치 "
+            f"가운데 {ties.near_ties}곳에서 1순위와 2순위 로짓 차가 {TIE_MARGIN}보다 작았습니다"
+            "(동점에 가까운 위치)."
+        )
+    for row in ties.table.to_dict("records"):
+        margin = row["그 위치의 float32 1·2순위 로짓 차"]
+        near = "동점에 가까운 곳" if margin < TIE_MARGIN else "동점이 아닌 곳"
+        runner = (
+            " float32의 2순위 토큰을 골랐습니다." if row["float32의 2순위를 골랐나"] == "예" else ""
+        )
+        out.append(
+            f"{row['엔진']}는 {row['요청']}의 위치 {row['처음 달라진 위치']}에서 처음 달라졌고, "
+            f"그곳의 float32 로짓 차는 {margin}로 {near}입니다.{runner} 한 번 다른 토큰을 쓰면 "
+            "그 뒤 문장은 다른 길을 가므로, 같은 토큰 비율은 그 위치에서부터 크게 떨어집니다."
+        )
+    if len(ties.table) > 0:
+        out.append(
+            "그러니 이 표의 비율은 형식의 품질보다 '처음 갈라진 동점이 어디였나'를 더 많이 "
+            "말합니다. 품질은 아래의 teacher forcing 측정(위치마다 따로 비교)으로 읽으세요."
+        )
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

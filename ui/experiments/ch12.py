@@ -36,7 +36,9 @@ def shard_table(layout: list[dict]) -> pd.DataFrame:
                 **{k: " × ".join(map(str, shapes[k])) for k in ("qkv", "o", "gate_up", "down")},
                 "가중치 (MB)": _r(r["weight_bytes"] / MB, 2),
                 "중복 보관 (MB)": _r(r["replicated_bytes"] / MB, 2),
-                "KV 캐시 (MB)": _r(r["kv_cache_bytes"] / MB, 2),
+                "KV 캐시 (MB)": None
+                if r.get("kv_cache_bytes") is None
+                else _r(r["kv_cache_bytes"] / MB, 2),
             }
         )
     return pd.DataFrame(rows)
@@ -166,6 +168,84 @@ def parallel_summary(runs: dict[str, ParallelRun]) -> pd.DataFrame:
         )
     table = pd.DataFrame(rows)
     return table.drop(columns=[same_name]) if base.simulated else table
+
+
+def _meta_weights(cfg, dtype) -> dict:
+    """The full model's weight dict (LlamaModel's names) as meta tensors: shapes and dtype, no
+    memory, so the engine's own shard_weights can cut it without loading a byte."""
+    import torch
+
+    def t(*shape):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    q_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    w = {"embed": t(cfg.vocab_size, cfg.hidden_size)}
+    for i in range(cfg.num_layers):
+        w[f"{i}.input_norm"] = t(cfg.hidden_size)
+        w[f"{i}.qkv"] = t(q_rows, cfg.hidden_size)
+        if cfg.attention_bias:
+            w[f"{i}.qkv_bias"] = t(q_rows)
+        w[f"{i}.o"] = t(cfg.hidden_size, cfg.num_heads * cfg.head_dim)
+        w[f"{i}.post_norm"] = t(cfg.hidden_size)
+        w[f"{i}.gate_up"] = t(2 * cfg.intermediate_size, cfg.hidden_size)
+        w[f"{i}.down"] = t(cfg.hidden_size, cfg.intermediate_size)
+    w["final_norm"] = t(cfg.hidden_size)
+    w["lm_head"] = w["embed"] if cfg.tie_word_embeddings else t(cfg.vocab_size, cfg.hidden_size)
+    return w
+
+
+def _nbytes(tensors) -> int:
+    """Bytes of distinct tensors (a tied lm_head is the embedding's tensor: counted once)."""
+    distinct = {id(t): t for t in tensors}.values()
+    return sum(t.numel() * t.element_size() for t in distinct)
+
+
+def planned_layout(model_config, tp: int, pp: int, dtype=None) -> list[dict]:
+    """계산값: what each of the tp × pp workers will hold, before any worker starts: the engine's
+    own shard_weights (engine/multiproc_executor.py) applied to meta tensors of the model's
+    shapes. The same fields as executor.layout() (KV-cache bytes: None, decided at start-up), so
+    the page draws the same figure and table; a test checks it against the workers' own count."""
+    import torch
+
+    from engine.multiproc_executor import head_ranges, mlp_range, shard_weights, stage_layers
+
+    dtype = dtype or torch.float32
+    full = _meta_weights(model_config, dtype)
+    rows = []
+    for rank in range(tp * pp):
+        tp_rank, pp_rank = rank % tp, rank // tp
+        local, w = shard_weights(model_config, full, tp, tp_rank, pp, pp_rank)
+        shared = [t for n, t in w.items() if tp > 1 and (n in ("embed", "lm_head") or "norm" in n)]
+        replicated = _nbytes(shared)
+        if tp > model_config.num_kv_heads:  # this rank's K and V rows live on other ranks too
+            kv_rows = 2 * local.num_kv_heads * local.head_dim
+            qkv = [t for n, t in w.items() if n.endswith(".qkv") or n.endswith(".qkv_bias")]
+            replicated += sum(kv_rows * (t.numel() // t.shape[0]) * t.element_size() for t in qkv)
+        layers = stage_layers(model_config.num_layers, pp)[pp_rank]
+        q, kv = head_ranges(model_config, tp, tp_rank)
+        inter = mlp_range(model_config, tp, tp_rank)
+        rows.append(
+            {
+                "rank": rank,
+                "tp_rank": tp_rank,
+                "pp_rank": pp_rank,
+                "layers": [layers.start, layers.stop],
+                "q_heads": [q.start, q.stop],
+                "kv_heads": [kv.start, kv.stop],
+                "mlp_columns": [inter.start, inter.stop],
+                "holds_embedding": "embed" in w,
+                "holds_lm_head": "lm_head" in w,
+                "weight_bytes": _nbytes(w.values()),
+                "replicated_bytes": replicated,
+                "shapes": {
+                    n.split(".", 1)[-1]: list(t.shape)
+                    for n, t in w.items()
+                    if n.startswith("0.") or n in ("embed", "lm_head")
+                },
+                "kv_cache_bytes": None,
+            }
+        )
+    return rows
 
 
 def derived_all_reduces(model_config, tp: int, pp: int) -> int:
