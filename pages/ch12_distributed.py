@@ -27,6 +27,10 @@ from engine.multiproc_executor import (
 from engine.presets import load_hardware_preset, load_model_preset
 from engine.simulator import SimulatedExecutor
 from ui.experiments.ch12 import (
+    DEFAULT_OUT,
+    DEFAULT_REQUESTS,
+    DEFAULT_TP,
+    PROMPT_LEN,
     MATRICES,
     SPEED_CHOICES,
     base_names,
@@ -34,6 +38,7 @@ from ui.experiments.ch12 import (
     lab_comparison,
     lab_run,
     matrix_cuts,
+    lab_workload,
     parallel_conditions,
     planned_layout,
     shard_table,
@@ -64,13 +69,11 @@ from ui.widgets import evidence, show_code, show_frame
 
 RESULT = "ch12_result"
 BASE_KEY, TP_KEY, PP_KEY = "ch12_tp1", "ch12_tpn", "ch12_pp2"
-PROMPT_LEN = 32
 COLORS = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#B279A2", "#72B7B2", "#FF9DA6", "#9D755D"]
 # Vendor-reported interconnect figures (NVIDIA H100 datasheet / PCI-SIG), for scale only.
 NVLINK = "H100 SXM의 NVLink(4세대): GPU 한 장당 900 GB/s (양방향 합)"
 PCIE = "PCIe 5.0 x16: 약 128 GB/s (양방향 합)"
 SIM_MODEL, SIM_TP = "llama-3.1-70b", 8  # the simulated default: 70B on 8 GPUs vs 4
-DEFAULT_REQUESTS, DEFAULT_OUT = 2, 12  # the lab's default workload (with PROMPT_LEN)
 LIVE = "_ch12_live"  # the signature of the real engines the learner started (None: not yet)
 PENDING = "_ch12_pending"  # "run" or "load": what to do once those engines are up
 LEGEND_BELOW = dict(orientation="h", yanchor="top", y=-0.22, xanchor="left", x=0)
@@ -582,7 +585,7 @@ def _layout_controls(real_config: LlamaConfig, spec: dict | None) -> tuple[int, 
     tp = c1.selectbox(
         "tp 크기 (tensor_parallel_size)",
         sizes,
-        index=sizes.index(3) if 3 in sizes else 0,
+        index=sizes.index(DEFAULT_TP) if DEFAULT_TP in sizes else 0,
         key="ch12_tp",
         help=f"이 모델(query 헤드 {real_config.num_heads}개, KV 헤드 "
         f"{real_config.num_kv_heads}개)을 나눌 수 있는 크기만 보입니다 (시뮬레이션에서는 위의 "
@@ -636,7 +639,7 @@ def lab() -> None:
         )
     if len(sides) < 3:
         reset_engine(PP_KEY)  # its worker processes stop
-    workload = Workload.uniform(num, PROMPT_LEN, out)
+    workload = lab_workload(num, out)
     _caption(spec, num, out, tp, sides)
     if spec is None and st.session_state.get(LIVE) != _signature(sides):
         _not_started(sides, question, model_config, tp)

@@ -8,6 +8,7 @@ from engine.spec_decode import NgramProposer
 from engine.spec_decode.rejection_sampler import verify_greedy
 from ui.experiments.ch13 import (
     BATCHES,
+    DEFAULT_MAX_TOKENS,
     PROMPTS,
     REPEATING,
     SPEED_KINDS,
@@ -37,6 +38,11 @@ SIDE_KEYS = {"추측 디코딩 켬": "ch13_on", "추측 디코딩 끔": "ch13_of
 SPEED = "ch13_speedup"
 SPEED_CHOICES = ["줄어든다", "비슷하다", "늘어난다"]
 SIDE_VIEW = "ch13_view_request"
+CLAIM = (
+    "기본 프롬프트(목록 그대로 옮기기)의 답은 프롬프트의 목록을 되풀이합니다. 그래서 n-gram "
+    "초안이 받아들여져 초안을 검증한 스텝 하나가 평균 1개보다 많은 토큰을 내고, 추측 디코딩을 "
+    "끈 엔진과 토큰 하나까지 같은 출력을 절반도 안 되는 스텝에 냅니다."
+)
 
 
 def _sides(spec: dict) -> list[Side]:
@@ -63,7 +69,7 @@ def _run_button(ctx: LabContext) -> None:
     add_prompt(
         ctx,
         PROMPTS[label],
-        max_tokens=int(state.get(f"{KEY}_max_tokens", 32)),
+        max_tokens=int(state.get(f"{KEY}_max_tokens", DEFAULT_MAX_TOKENS)),
         temperature=float(state.get(f"{KEY}_temperature", 0.0)),
         top_p=float(state.get(f"{KEY}_top_p", 1.0)),
         seed=int(state.get(f"{KEY}_seed", 0)) or None,
@@ -323,7 +329,7 @@ def lab() -> None:
         KEY,
         _sides(spec),
         presets=PROMPTS,
-        default_max_tokens=32,
+        default_max_tokens=DEFAULT_MAX_TOKENS,
         before=before,
         chapter_view=lambda ctx: _chapter_view(ctx, k),
         show_code_panel=False,
@@ -333,4 +339,4 @@ def lab() -> None:
     _speed_section(spec, k)
 
 
-render_chapter("13", lab)
+render_chapter("13", lab, claim=CLAIM)

@@ -9,13 +9,26 @@ from plotly.subplots import make_subplots
 from engine.scheduler import TokenBudget
 from ui.experiments.ch14 import (
     CHOICES,
+    FAIR_BUDGET,
+    FAIR_LONG,
+    FAIR_SEQS,
+    FAIR_SHORT,
+    FAIR_THRESHOLD,
+    LOAD_MAX_TOKENS,
+    LOAD_PROMPT_LEN,
     LONG_NAME,
+    SERVER_BLOCKS,
+    SERVER_SEQS,
+    STREAM_MIN_TOKENS,
+    STREAM_REPEATS,
+    STREAM_RULE,
     BackgroundStream,
     FairnessComparison,
     capacity_estimate,
     curve_table,
     direction,
     disconnect_and_watch,
+    fairness_base,
     fairness_config,
     fairness_label,
     fairness_summary,
@@ -24,6 +37,7 @@ from ui.experiments.ch14 import (
     request_body,
     run_load_test,
     samples_table,
+    server_overrides,
     start_live_server,
     stream_e2e_verdict,
     stream_summary,
@@ -38,6 +52,11 @@ from ui.session import current_settings, get_engine, reset_engine
 from ui.widgets import evidence, show_code, show_frame
 
 RESULT = "ch14_fair_result"
+CLAIM = (
+    "긴 프롬프트가 먼저 줄을 서도, long_prefill_token_threshold(32)를 켜면 짧은 요청들이 긴 "
+    "프롬프트의 prefill 조각과 같은 스텝에 실립니다. 그래서 짧은 요청들의 TTFT 평균이 임계값을 "
+    "끈 엔진보다 크게 줄어듭니다 (엔진 시계)."
+)
 FIELDS = (
     "enable_chunked_prefill",
     "max_num_batched_tokens",
@@ -62,9 +81,7 @@ CURVE_RATES = [0.5, 1.0, 2.0, 4.0, 8.0, 16.0]
 
 
 def _sides(thresholds: list[int], budget: int, seqs: int) -> list[Side]:
-    settings = current_settings()
-    blocks = max(settings.num_kv_blocks, 1024 // settings.block_size)
-    base = settings.to_config(max_model_len=1024, num_kv_blocks=blocks)
+    base = fairness_base(current_settings().to_config())
     sides = []
     for th in thresholds:
         cfg = fairness_config(base, th, budget, seqs)
@@ -121,13 +138,13 @@ def fairness_lab() -> None:
     st.subheader("① prefill 공정성: 긴 프롬프트 하나가 짧은 요청들 앞에 설 때")
     c1, c2, c3, c4 = st.columns(4)
     budget = c1.slider(
-        "토큰 예산 (max_num_batched_tokens)", 32, 256, 64, step=16, key="ch14_budget"
+        "토큰 예산 (max_num_batched_tokens)", 32, 256, FAIR_BUDGET, step=16, key="ch14_budget"
     )
     threshold = c2.slider(
-        "long_prefill_token_threshold (켠 쪽)", 8, 128, 32, step=8, key="ch14_threshold"
+        "long_prefill_token_threshold (켠 쪽)", 8, 128, FAIR_THRESHOLD, step=8, key="ch14_threshold"
     )
-    long_len = c3.slider("긴 프롬프트 길이 (토큰)", 100, 600, 320, step=20, key="ch14_long")
-    num_short = c4.slider("짧은 요청 수", 1, 6, 3, key="ch14_num_short")
+    long_len = c3.slider("긴 프롬프트 길이 (토큰)", 100, 600, FAIR_LONG, step=20, key="ch14_long")
+    num_short = c4.slider("짧은 요청 수", 1, 6, FAIR_SHORT, key="ch14_num_short")
     workload = fairness_workload(long_len, num_short=num_short)
     st.caption(
         f"워크로드: {long_len}토큰 프롬프트 하나(출력 4)가 먼저 줄을 서고, 같은 순간 짧은 요청 "
@@ -151,7 +168,7 @@ def fairness_lab() -> None:
 
     engine_lab(
         "ch14",
-        _sides([0, threshold], budget, 4),
+        _sides([0, threshold], budget, FAIR_SEQS),
         presets=None,
         workload=workload,
         workload_note=workload.describe() + f" · 긴 요청 이름: {LONG_NAME}",
@@ -167,16 +184,6 @@ def fairness_lab() -> None:
 
 def _signature(overrides: dict) -> tuple:
     return (current_settings(), tuple(sorted(overrides.items())))
-
-
-def _server_overrides(seqs: int, blocks: int) -> dict:
-    return dict(
-        max_num_seqs=int(seqs),
-        num_kv_blocks=int(blocks),
-        max_model_len=512,
-        max_num_batched_tokens=128,
-        enable_prefix_caching=False,
-    )
 
 
 def _stop_stream() -> None:
@@ -247,9 +254,14 @@ def _live_figure(samples, key: str, title: str, marker_s: float | None = None) -
     )
     if marker_s is not None:
         fig.add_vline(x=marker_s, line_dash="dash", annotation_text="연결 끊음")
-    fig.update_layout(height=320, title=title, margin=dict(l=10, r=10, t=40, b=10))
+    fig.update_layout(
+        height=380,
+        title=title,
+        legend=dict(orientation="h", yanchor="top", y=-0.22, xanchor="left", x=0),
+        margin=dict(l=10, r=10, t=40, b=90),
+    )
     fig.update_xaxes(title_text="시각 (s)")
-    fig.update_yaxes(title_text="요청 수", secondary_y=False)
+    fig.update_yaxes(title_text="요청 수", rangemode="tozero", secondary_y=False)
     fig.update_yaxes(
         title_text="KV %", range=[0, 105], tickvals=[0, 25, 50, 75, 100], secondary_y=True
     )
@@ -453,7 +465,8 @@ def _stream_view(live) -> None:
         + ", ".join(
             f"{mode} {row['min']:.0f}–{row['max']:.0f} ms" for mode, row in spread.iterrows()
         )
-        + ". 두 범위가 겹치면 차이는 이 기계의 측정 잡음 안에 있다고 보고 '비슷하다'로 판정합니다."
+        + ". "
+        + STREAM_RULE
     )
     measured = stream_e2e_verdict(table)
     if measured is not None:
@@ -530,9 +543,9 @@ def server_lab() -> None:
         "수와 KV 블록을 작게 둡니다."
     )
     c1, c2, c3 = st.columns(3)
-    seqs = c1.slider("서버 최대 동시 요청 수 (max_num_seqs)", 1, 8, 4, key="ch14s_seqs")
-    blocks = c2.slider("서버 KV 블록 수", 16, 128, 48, step=8, key="ch14s_blocks")
-    overrides = _server_overrides(seqs, blocks)
+    seqs = c1.slider("서버 최대 동시 요청 수 (max_num_seqs)", 1, 8, SERVER_SEQS, key="ch14s_seqs")
+    blocks = c2.slider("서버 KV 블록 수", 16, 128, SERVER_BLOCKS, step=8, key="ch14s_blocks")
+    overrides = server_overrides(seqs, blocks)
     live = st.session_state.get(SERVER)
     with c3:
         if st.button("서버 시작", key="ch14s_start", width="stretch"):
@@ -557,8 +570,12 @@ def server_lab() -> None:
     users = c1.slider("사용자 수 (N)", 1, 40, 12, key="ch14s_users")
     rate = c2.slider("도착률 (요청/초)", 0.5, 20.0, 2.0, step=0.5, key="ch14s_rate")
     duration = c3.slider("측정 시간 상한 (초)", 1, 6, 3, key="ch14s_duration")
-    max_tokens = c4.slider("출력 길이 (max_tokens)", 4, 64, 8, step=4, key="ch14s_max_tokens")
-    prompt_len = c5.slider("프롬프트 길이 (토큰)", 8, 256, 32, step=8, key="ch14s_prompt_len")
+    max_tokens = c4.slider(
+        "출력 길이 (max_tokens)", 4, 64, LOAD_MAX_TOKENS, step=4, key="ch14s_max_tokens"
+    )
+    prompt_len = c5.slider(
+        "프롬프트 길이 (토큰)", 8, 256, LOAD_PROMPT_LEN, step=8, key="ch14s_prompt_len"
+    )
     st.caption(
         f"사용자마다 요청 하나: /v1/completions, stream=true, greedy, 출력 정확히 {max_tokens}토큰 "
         f"(ignore_eos). 도착은 포아송 과정(평균 간격 {1 / rate:.2f} s), 도착은 {duration} s "
@@ -651,7 +668,11 @@ def server_lab() -> None:
             bar.progress(min(done / total, 1.0), text=f"요청 {done}/{total} 끝남 (한 번에 하나씩)")
 
         st.session_state[STREAMCMP] = stream_vs_nonstream(
-            live.url, _prompts(live, prompt_len, 1)[0], max(max_tokens, 16), 3, tick
+            live.url,
+            _prompts(live, prompt_len, 1)[0],
+            max(max_tokens, STREAM_MIN_TOKENS),
+            STREAM_REPEATS,
+            tick,
         )
         bar.empty()
     if live is not None:
@@ -690,4 +711,4 @@ def lab() -> None:
     server_lab()
 
 
-render_chapter("14", lab)
+render_chapter("14", lab, claim=CLAIM)

@@ -17,6 +17,13 @@ from engine.multiproc_executor import all_reduces_per_step
 from ui.experiments.common import ConfigLike, RunResult, Workload, _r, make_config, run_workload
 
 MB = 1e6
+# The lab's default workload: 2 requests of 32 prompt tokens, 12 greedy output tokens each, on
+# tp 1 beside tp 3 (the default model's 9 query / 3 KV heads divide by 3).
+PROMPT_LEN, DEFAULT_REQUESTS, DEFAULT_OUT, DEFAULT_TP = 32, 2, 12, 3
+
+
+def lab_workload(num: int = DEFAULT_REQUESTS, out: int = DEFAULT_OUT) -> Workload:
+    return Workload.uniform(num, PROMPT_LEN, out)
 
 
 def shard_table(layout: list[dict]) -> pd.DataFrame:

@@ -78,6 +78,8 @@ PROMPTS = {
     "이야기 쓰기 (반복 없음)": story_prompt(0),
 }
 REPEATING = {label for label in PROMPTS if label.endswith("(반복)")}
+# The lab's default: the first example prompt, 32 greedy tokens (the lab's max_tokens default).
+DEFAULT_PROMPT, DEFAULT_MAX_TOKENS = next(iter(PROMPTS)), 32
 # The speed comparison: the same kind of prompt, one request or a full batch of different ones.
 SPEED_KINDS = {
     "반복하는 프롬프트 (목록 옮기기)": list_prompt,
@@ -366,14 +368,16 @@ def run_prompts(
     engine_factory: Callable | None = None,
     on_step: Callable[[StepRecord], None] | None = None,
     max_steps: int = 2000,
+    ignore_eos: bool = True,
 ) -> PromptRun:
-    """Build an engine, add every prompt at once (chat template, greedy, ignore_eos so that each
-    request makes exactly max_tokens), step to the end."""
+    """Build an engine, add every prompt at once (chat template, greedy; with ignore_eos each
+    request makes exactly max_tokens, without it a request may stop early as in the lab), step
+    to the end."""
     from ui.experiments.common import measurement_conditions
 
     config = make_config(config)
     engine: EngineCore = (engine_factory or EngineCore)(config)
-    params = SamplingParams(max_tokens=int(max_tokens), temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=int(max_tokens), temperature=0.0, ignore_eos=ignore_eos)
     requests = []
     for i, prompt in enumerate(prompts):
         text = prompt

@@ -37,6 +37,9 @@ from ui.experiments.common import (
 # -- part 1: prefill fairness ----------------------------------------------------------------
 
 LONG_NAME = "긴-프롬프트"
+# The fairness lab's defaults: a 320-token prompt first in line, 3 short requests behind it, a
+# token budget of 64, at most 4 running, the threshold 32 on one side and 0 (off) on the other.
+FAIR_LONG, FAIR_SHORT, FAIR_BUDGET, FAIR_THRESHOLD, FAIR_SEQS = 320, 3, 64, 32, 4
 
 
 def fairness_workload(
@@ -58,6 +61,13 @@ def fairness_workload(
 
 def fairness_label(threshold: int) -> str:
     return "임계값 끔 (0)" if threshold <= 0 else f"임계값 {threshold}"
+
+
+def fairness_base(config: ConfigLike | None):
+    """The sidebar's config with room for the longest prompt the lab offers (1,024 tokens)."""
+    cfg = make_config(config)
+    blocks = max(cfg.num_kv_blocks or 0, 1024 // cfg.block_size)
+    return make_config(cfg, max_model_len=1024, num_kv_blocks=blocks)
 
 
 def fairness_config(config: ConfigLike | None, threshold: int, budget: int, max_num_seqs: int):
@@ -155,6 +165,22 @@ def direction(new: float | None, old: float | None, tol: float = 0.2) -> str | N
 
 
 # -- part 2: the live server -----------------------------------------------------------------
+
+# The server lab's defaults: its engine (max_num_seqs, KV blocks) and the requests' sizes; the
+# streaming comparison sends at least STREAM_MIN_TOKENS tokens, STREAM_REPEATS tries per mode.
+SERVER_SEQS, SERVER_BLOCKS, LOAD_PROMPT_LEN, LOAD_MAX_TOKENS = 4, 48, 32, 8
+STREAM_MIN_TOKENS, STREAM_REPEATS = 16, 3
+
+
+def server_overrides(seqs: int = SERVER_SEQS, blocks: int = SERVER_BLOCKS) -> dict:
+    """EngineConfig overrides of the live server's engine."""
+    return dict(
+        max_num_seqs=int(seqs),
+        num_kv_blocks=int(blocks),
+        max_model_len=512,
+        max_num_batched_tokens=128,
+        enable_prefix_caching=False,
+    )
 
 
 IDLE_STOP_S = 600.0  # a server nobody used for this long stops itself (an abandoned tab)
@@ -768,18 +794,31 @@ def stream_summary(table: pd.DataFrame) -> pd.DataFrame:
     return med
 
 
+STREAM_RULE = (
+    "두 범위가 겹치면 차이는 이 기계의 측정 잡음 안에 있다고 보고 '비슷하다', 겹치지 않으면 "
+    "스트리밍의 범위가 통째로 위에 있을 때 '늘어난다', 아래에 있을 때 '줄어든다'로 판정합니다."
+)
+
+
+def ranges_verdict(streamed: Sequence[float], whole: Sequence[float]) -> str | None:
+    """STREAM_RULE on two sets of E2E tries: '비슷하다' when their [min, max] ranges overlap,
+    else '늘어난다' / '줄어든다' as streaming's whole range lies above / below non-streaming's."""
+    if not len(streamed) or not len(whole):
+        return None
+    if min(streamed) > max(whole):
+        return CHOICES[2]
+    if max(streamed) < min(whole):
+        return CHOICES[0]
+    return CHOICES[1]
+
+
 def stream_e2e_verdict(table: pd.DataFrame) -> str | None:
-    """Streaming's E2E against non-streaming's: '비슷하다' when the two modes' E2E ranges over
-    the tries overlap (the difference is within this machine's noise), else the direction of the
-    medians (±20%)."""
+    """Streaming's E2E against non-streaming's over the tries of stream_vs_nonstream, by
+    STREAM_RULE (the rule the page states beside the ranges)."""
     col = "전체 답 (E2E, ms)"
     streamed = table.loc[table["방식"].str.startswith("스트리밍"), col].dropna()
     whole = table.loc[table["방식"].str.startswith("비스트리밍"), col].dropna()
-    if streamed.empty or whole.empty:
-        return None
-    if streamed.min() <= whole.max() and whole.min() <= streamed.max():
-        return CHOICES[1]
-    return direction(float(streamed.median()), float(whole.median()))
+    return ranges_verdict(streamed.tolist(), whole.tolist())
 
 
 # -- a live stream the learner disconnects ---------------------------------------------------
