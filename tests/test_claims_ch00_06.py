@@ -225,9 +225,11 @@ def test_ch06_live_workload_shares_the_repeated_prompt_blocks(default_model_dir)
     engine = EngineCore(app_config(default_model_dir))
     feeder, records = feed(engine, live_workload(engine))
     first, second, _ = feeder.requests
-    shared = {b: set(rids) for r in records for b, rids in shared_blocks(r).items()}
-    both = [b for b, rids in shared.items() if {first.request_id, second.request_id} <= rids]
-    assert len(both) == first.num_prompt_tokens // 16  # every full prompt block, once
+    pair = {first.request_id, second.request_id}
+    admitted = next(r for r in records if second.request_id in r.kv.block_tables)
+    full_prompt_blocks = admitted.kv.block_tables[first.request_id][: first.num_prompt_tokens // 16]
+    both = {b for b, rids in shared_blocks(admitted).items() if pair <= set(rids)}
+    assert len(full_prompt_blocks) == 2 and set(full_prompt_blocks) <= both  # stored once
     assert all(r.finish_reason == "length" for r in feeder.requests)
 
 
