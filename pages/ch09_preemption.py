@@ -7,6 +7,10 @@ import streamlit as st
 
 from ui.experiments.common import display_frame
 from ui.experiments.ch09 import (
+    DEFAULT_BLOCKS,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_POLICY_SEQS,
+    DEFAULT_REQUESTS,
     NOBODY,
     PREEMPTION_CODE,
     POLICIES,
@@ -247,68 +251,66 @@ def _policy_view(ctx: LabContext) -> None:
 # -- the lab -----------------------------------------------------------------------------------
 
 
-def lab() -> None:
-    st.subheader("KV 캐시가 모자랄 때, 누가 양보하나")
-    exp = st.radio("실험", EXPERIMENTS, horizontal=True, key="ch09_exp")
-    # 시뮬레이션: the same scenario (the same small KV cache) with a large model's computed step
-    # times; not for ② (the simulator has no cost for swap copies)
-    spec = simulation_picker("ch09") if exp != EXP_SWAP else None
-    settings = current_settings()
-    base = settings.to_config()
-    c1, c2, c3 = st.columns(3)
-    blocks = c1.slider("KV 블록 수", 4, 16, 8, key="ch09_blocks")
-    sim = simulation_overrides(spec and {**spec, "num_kv_blocks": blocks})
-    if exp == EXP_POLICY:
-        seqs = c2.slider("최대 동시 요청 수 (max_num_seqs)", 1, 6, 3, key="ch09_seqs")
-        max_tokens = c3.slider("출력 토큰 수 (max_tokens)", 8, 32, 24, step=4, key="ch09_p_tokens")
-        workload = policy_workload(max_tokens)
+def _policy_setup(base, blocks: int, sim: dict, c2, c3):
+    """③: the six prioritised requests, one engine per policy."""
+    seqs = c2.slider("최대 동시 요청 수 (max_num_seqs)", 1, 6, DEFAULT_POLICY_SEQS, key="ch09_seqs")
+    max_tokens = c3.slider(
+        "출력 토큰 수 (max_tokens)", 8, 32, DEFAULT_MAX_TOKENS, step=4, key="ch09_p_tokens"
+    )
+    workload = policy_workload(max_tokens)
+    sides = [
+        Side(
+            f"ch09_{policy}",
+            label,
+            overrides_of(preemption_config(base, blocks, policy=policy, max_num_seqs=seqs)) | sim,
+        )
+        for label, policy in POLICIES.items()
+    ]
+    note = (
+        "워크로드: 요청 6개(프롬프트 16토큰)가 모두 0 ms에 A, B, C, … 순서로 도착합니다. "
+        "이름 끝의 p0/p1/p2가 우선순위(낮을수록 중요)이고, 덜 중요한 요청이 먼저 옵니다."
+    )
+    return sides, workload, note
+
+
+def _burst_setup(exp: str, base, blocks: int, sim: dict, c2, c3):
+    """① one recompute engine, or ② recompute vs swap, on the burst."""
+    num = c2.slider("요청 수", 2, 6, DEFAULT_REQUESTS, key="ch09_requests")
+    max_tokens = c3.slider(
+        "출력 토큰 수 (max_tokens)", 8, 32, DEFAULT_MAX_TOKENS, step=4, key="ch09_tokens"
+    )
+    workload = burst_workload(num, max_tokens)
+    if exp == EXP_BURST:
+        cfg = preemption_config(base, blocks)
+        sides = [Side("ch09_one", f"재계산 · KV {blocks}블록", overrides_of(cfg) | sim)]
+    else:
+        swap_blocks = st.slider(
+            "스왑 공간 (블록)",
+            0,
+            16,
+            8,
+            key="ch09_swap_blocks",
+            help="스왑된 K/V를 담는 호스트 메모리 블록 수. 가득 차면 재계산으로 넘어갑니다.",
+        )
         sides = [
             Side(
-                f"ch09_{policy}",
+                f"ch09_{mode}",
                 label,
-                overrides_of(preemption_config(base, blocks, policy=policy, max_num_seqs=seqs))
-                | sim,
+                overrides_of(
+                    preemption_config(base, blocks, mode=mode, num_swap_blocks=swap_blocks)
+                ),
             )
-            for label, policy in POLICIES.items()
+            for label, mode in PREEMPTION_MODES.items()
         ]
-        note = (
-            "워크로드: 요청 6개(프롬프트 16토큰)가 모두 0 ms에 A, B, C, … 순서로 도착합니다. "
-            "이름 끝의 p0/p1/p2가 우선순위(낮을수록 중요)이고, 덜 중요한 요청이 먼저 옵니다."
-        )
-    else:
-        num = c2.slider("요청 수", 2, 6, 5, key="ch09_requests")
-        max_tokens = c3.slider("출력 토큰 수 (max_tokens)", 8, 32, 24, step=4, key="ch09_tokens")
-        workload = burst_workload(num, max_tokens)
-        if exp == EXP_BURST:
-            cfg = preemption_config(base, blocks)
-            sides = [Side("ch09_one", f"재계산 · KV {blocks}블록", overrides_of(cfg) | sim)]
-        else:
-            swap_blocks = st.slider(
-                "스왑 공간 (블록)",
-                0,
-                16,
-                8,
-                key="ch09_swap_blocks",
-                help="스왑된 K/V를 담는 호스트 메모리 블록 수. 가득 차면 재계산으로 넘어갑니다.",
-            )
-            sides = [
-                Side(
-                    f"ch09_{mode}",
-                    label,
-                    overrides_of(
-                        preemption_config(base, blocks, mode=mode, num_swap_blocks=swap_blocks)
-                    ),
-                )
-                for label, mode in PREEMPTION_MODES.items()
-            ]
-        note = (
-            f"워크로드: 요청 {num}개({', '.join(workload.names())}; "
-            f"프롬프트 {workload.requests[0].prompt_len}토큰, 출력 {max_tokens}토큰)가 모두 "
-            "0 ms에 이 순서로 도착합니다."
-        )
-    st.caption(
-        note + " 토큰 예산은 128, prefix caching은 꺼 두었습니다(재계산 비용이 가려지지 않도록)."
+    note = (
+        f"워크로드: 요청 {num}개({', '.join(workload.names())}; "
+        f"프롬프트 {workload.requests[0].prompt_len}토큰, 출력 {max_tokens}토큰)가 모두 "
+        "0 ms에 이 순서로 도착합니다."
     )
+    return sides, workload, note
+
+
+def _fit_evidence(workload, blocks: int) -> None:
     need = blocks_needed(workload)
     verdict = (
         "모자라므로, 어딘가에서 선점이 일어납니다"
@@ -322,29 +324,53 @@ def lab() -> None:
         formula="Σ ⌈(프롬프트 + 출력 − 1) / 블록 크기 16⌉",
     )
 
+
+def _predict_box(exp: str, workload, locked: bool) -> None:
+    if exp == EXP_BURST:
+        predict(
+            "ch09_victim",
+            "KV 블록이 처음 모자라는 순간, 가장 먼저 선점되는 요청은?",
+            options=workload.names() + [NOBODY],
+            locked=locked,
+        )
+    elif exp == EXP_SWAP:
+        predict(
+            "ch09_swap",
+            "이 기계에서, 선점된 K/V를 스왑으로 옮기는 시간과 다시 계산하는 시간 중 어느 "
+            "쪽이 클까?",
+            options=SWAP_CHOICES,
+            locked=locked,
+        )
+    else:
+        predict(
+            "ch09_policy",
+            "우선순위 0(가장 중요) 요청들의 평균 대기 시간은, FCFS에 비해 우선순위 정책에서?",
+            options=POLICY_CHOICES,
+            locked=locked,
+        )
+
+
+def lab() -> None:
+    st.subheader("KV 캐시가 모자랄 때, 누가 양보하나")
+    exp = st.radio("실험", EXPERIMENTS, horizontal=True, key="ch09_exp")
+    # 시뮬레이션: the same scenario (the same small KV cache) with a large model's computed step
+    # times; not for ② (the simulator has no cost for swap copies)
+    spec = simulation_picker("ch09") if exp != EXP_SWAP else None
+    base = current_settings().to_config()
+    c1, c2, c3 = st.columns(3)
+    blocks = c1.slider("KV 블록 수", 4, 16, DEFAULT_BLOCKS, key="ch09_blocks")
+    sim = simulation_overrides(spec and {**spec, "num_kv_blocks": blocks})
+    if exp == EXP_POLICY:
+        sides, workload, note = _policy_setup(base, blocks, sim, c2, c3)
+    else:
+        sides, workload, note = _burst_setup(exp, base, blocks, sim, c2, c3)
+    st.caption(
+        note + " 토큰 예산은 128, prefix caching은 꺼 두었습니다(재계산 비용이 가려지지 않도록)."
+    )
+    _fit_evidence(workload, blocks)
+
     def before(ctx: LabContext) -> None:
-        if exp == EXP_BURST:
-            predict(
-                "ch09_victim",
-                "KV 블록이 처음 모자라는 순간, 가장 먼저 선점되는 요청은?",
-                options=workload.names() + [NOBODY],
-                locked=ctx.started,
-            )
-        elif exp == EXP_SWAP:
-            predict(
-                "ch09_swap",
-                "이 기계에서, 선점된 K/V를 스왑으로 옮기는 시간과 다시 계산하는 시간 중 어느 "
-                "쪽이 클까?",
-                options=SWAP_CHOICES,
-                locked=ctx.started,
-            )
-        else:
-            predict(
-                "ch09_policy",
-                "우선순위 0(가장 중요) 요청들의 평균 대기 시간은, FCFS에 비해 우선순위 정책에서?",
-                options=POLICY_CHOICES,
-                locked=ctx.started,
-            )
+        _predict_box(exp, workload, ctx.started)
         run_workload_button(ctx, workload)
 
     views = {EXP_BURST: _burst_view, EXP_SWAP: _swap_view, EXP_POLICY: _policy_view}
@@ -362,4 +388,10 @@ def lab() -> None:
         show_code(function, f"방금 실행된 코드 ({title})")
 
 
-render_chapter("09", lab)
+CLAIM = (
+    "KV 블록 8개(128토큰)에 블록 15개가 필요한 요청 다섯(A–E)이 한꺼번에 오면 선점이 "
+    "일어납니다. 스케줄러는 가장 나중에 실행을 시작한 D부터 밀어내고, 밀려난 요청은 K/V를 "
+    "다시 계산하느라 유용한 토큰 말고도 토큰을 더 씁니다."
+)
+
+render_chapter("09", lab, claim=CLAIM)

@@ -158,6 +158,11 @@ def test_ch07_engines_step_in_lockstep(app):
     """One 다음 스텝 advances each of the three engines; 리셋 clears all three."""
     app.switch_page(PAGES["07"][0])
     app.run()
+    assert any("이 실험이 보여 줄 것" in i.value and "처리량" in i.value for i in app.info)
+    # the late arrivals' gap is set in steps and turned into engine-clock ms with this engine's
+    # own decode step (measured once, kept for the session)
+    (step_ms,) = app.session_state["ch07_step_ms"].values()
+    assert step_ms > 0 and any("늦게 오는 요청 둘의 도착" in m.value for m in app.markdown)
     app.button(key="ch07_load").click().run()
     assert not app.exception, [e.value for e in app.exception]
     keys = ("ch07_seq", "ch07_static", "ch07_cont")
@@ -188,6 +193,7 @@ def test_ch08_chunking_off_takes_vllms_budget(app):
     long_steps = [s for r in off.records for s in r.scheduled if s.request_id == "긴-프롬프트"]
     assert long_steps[0].num_tokens == 420
     assert any("예산을 1,024토큰" in i.value for i in app.info)
+    assert any("이 실험이 보여 줄 것" in i.value and "ITL 최대" in i.value for i in app.info)
     assert not app.warning, [w.value for w in app.warning]
 
 

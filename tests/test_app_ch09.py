@@ -219,6 +219,8 @@ app = app_fixture(PAGE, TIMEOUT)
 
 def test_page_burst_lab_steps_to_the_preemption_and_runs(app):
     assert any("실험실" in h.value for h in app.header)
+    # the claim above the lab names what the default run shows (asserted in test_claims_ch07_10)
+    assert any("이 실험이 보여 줄 것" in i.value and "D부터" in i.value for i in app.info)
     app.radio(key="predict_ch09_victim").set_value("E").run()
     app.button(key="ch09_load").click().run()
     app.number_input(key="ch09_step_count").set_value(10).run()

@@ -164,6 +164,7 @@ def test_page_lab_and_experiments_run(app):
     app.run()
     assert not app.exception, [e.value for e in app.exception]
     assert any("실험실" in h.value for h in app.header)
+    assert any("이 실험이 보여 줄 것" in i.value and "TTFT" in i.value for i in app.info)
     app.slider(key="ch10_n").set_value(3).run()
     app.button(key="ch10_run").click().run()
     assert not app.exception, [e.value for e in app.exception]

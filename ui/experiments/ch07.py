@@ -5,27 +5,60 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from engine.core import EngineCore
 from ui.experiments.common import (
     ConfigLike,
     RequestSpec,
     RunResult,
     Workload,
+    WorkloadFeeder,
     _r,
     make_config,
+    result_of,
     run_workload,
 )
 
 
-def batching_workload(num_requests: int = 6, late_ms: float = 400.0) -> Workload:
-    """Output lengths that differ a lot (so a static batch waits for its longest) and two late
-    arrivals."""
-    outs = [8, 40, 12, 32, 10, 24, 16, 36][:num_requests]
-    prompts = [24, 16, 40, 20, 32, 28, 18, 36][:num_requests]
+# Output lengths that differ a lot: each batch of 4 holds one long request and short ones, so a
+# static batch runs as long as its longest while continuous batching refills the short ones'
+# slots. The last two requests come late (one of them long).
+OUTPUT_LENS = [48, 4, 6, 8, 44, 5, 40, 6]
+PROMPT_LENS = [24, 16, 40, 20, 32, 28, 18, 36]
+DEFAULT_REQUESTS = 6
+DEFAULT_BATCH = 4
+# The late arrivals' gap in decode steps (not ms): a step lasts ~60 ms on this CPU and ~8 ms on a
+# simulated H100, so a gap in ms that shows head-of-line blocking on one would land after the
+# whole run on the other. The page turns steps into ms with the engine's own decode step time.
+DEFAULT_LATE_STEPS = 4
+
+
+def batching_workload(num_requests: int = DEFAULT_REQUESTS, late_ms: float = 0.0) -> Workload:
+    """OUTPUT_LENS/PROMPT_LENS for `num_requests` requests; all but the last two arrive at 0, the
+    last two at late_ms and 2 × late_ms (late_arrival_ms turns a gap in steps into ms)."""
     specs = []
-    for i, (p, o) in enumerate(zip(prompts, outs)):
+    for i, (p, o) in enumerate(zip(PROMPT_LENS[:num_requests], OUTPUT_LENS[:num_requests])):
         arrival = 0.0 if i < max(num_requests - 2, 1) else late_ms * (i - num_requests + 3)
         specs.append(RequestSpec(p, o, arrival))
     return Workload(specs)
+
+
+def late_arrival_ms(late_steps: int, step_ms: float) -> float:
+    """The late requests' gap on the engine clock: `late_steps` decode steps of `step_ms`."""
+    return late_steps * step_ms
+
+
+def decode_step_ms(config: ConfigLike | None, batch_size: int, engine_factory=None) -> float:
+    """How long one decode step of `batch_size` requests takes on this engine (ms, engine
+    clock): a short run on a fresh engine, the median of its decode-only steps. Measured on a
+    real engine, computed by the cost model on a simulated one."""
+    probe = Workload.uniform(max(batch_size, 1), 16, 6)
+    result = run_workload(config, probe, "probe", engine_factory=engine_factory)
+    decodes = [
+        r.engine_duration
+        for r in result.records
+        if r.scheduled and all(s.phase == "decode" for s in r.scheduled)
+    ]
+    return 1000 * float(np.median(decodes)) if decodes else 0.0
 
 
 BATCHING_MODES = {
@@ -88,19 +121,38 @@ def batching_config(config: ConfigLike | None, mode: str, batch_size: int):
     return make_config(config, **overrides)
 
 
-def compare_batching(
-    config: ConfigLike | None, workload: Workload, batch_size: int = 4, engine_factory=None
+def run_lockstep(
+    configs: dict[str, ConfigLike], workload: Workload, engine_factory=None, max_steps: int = 2000
 ) -> dict[str, RunResult]:
-    """The same workload under each mode of BATCHING_MODES, one fresh engine each."""
-    results = {}
-    for label in BATCHING_MODES:
-        results[label] = run_workload(
-            batching_config(config, label, batch_size),
-            workload,
-            label,
-            engine_factory=engine_factory,
-        )
-    return results
+    """The same workload on one fresh engine per config, stepped in lockstep as the lab does (one
+    step of each in turn): a busy machine slows every engine alike, so their engine clocks stay
+    comparable."""
+    factory = engine_factory or EngineCore
+    feeders = {
+        label: WorkloadFeeder(factory(make_config(c)), workload) for label, c in configs.items()
+    }
+    records: dict[str, list] = {label: [] for label in configs}
+    for _ in range(max_steps):
+        stepped = False
+        for label, feeder in feeders.items():
+            record = feeder.step()
+            if record is not None:
+                records[label].append(record)
+                stepped = True
+        if not stepped:
+            break
+    return {label: result_of(feeders[label], records[label], label) for label in configs}
+
+
+def compare_batching(
+    config: ConfigLike | None,
+    workload: Workload,
+    batch_size: int = DEFAULT_BATCH,
+    engine_factory=None,
+) -> dict[str, RunResult]:
+    """The same workload under each mode of BATCHING_MODES, one fresh engine each, in lockstep."""
+    configs = {label: batching_config(config, label, batch_size) for label in BATCHING_MODES}
+    return run_lockstep(configs, workload, engine_factory)
 
 
 def batching_summary(results: dict[str, RunResult]) -> pd.DataFrame:

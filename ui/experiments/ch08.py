@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import pandas as pd
 import plotly.graph_objects as go
 
+from ui.experiments.ch07 import run_lockstep
 from ui.experiments.common import (
     ConfigLike,
     RequestSpec,
@@ -14,7 +15,6 @@ from ui.experiments.common import (
     Workload,
     _r,
     make_config,
-    run_workload,
 )
 
 
@@ -151,16 +151,13 @@ def compare_chunked_prefill(
     max_num_seqs: int,
     engine_factory=None,
 ) -> ChunkedComparison:
-    """Run the workload with chunked prefill on and off, both under the same token budget."""
-    runs = {
-        label: run_workload(
-            chunked_config(config, chunked, budget, max_num_seqs),
-            workload,
-            label,
-            engine_factory=engine_factory,
-        )
+    """Run the workload with chunked prefill on and off (the off side with vLLM's budget,
+    chunked_config), stepped in lockstep as the lab does."""
+    configs = {
+        label: chunked_config(config, chunked, budget, max_num_seqs)
         for label, chunked in CHUNKED_MODES.items()
     }
+    runs = run_lockstep(configs, workload, engine_factory)
     return ChunkedComparison(runs, chunked_summary(runs))
 
 

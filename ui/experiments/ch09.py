@@ -24,6 +24,12 @@ from ui.experiments.common import (
 )
 
 PROMPT_LEN = 24  # every burst request's prompt (tokens)
+# The lab's defaults (the page's sliders and the claim tests read these): 5 requests of 24 + 24
+# tokens need 15 blocks of 16, the cache has 8, so the default run preempts.
+DEFAULT_BLOCKS = 8
+DEFAULT_REQUESTS = 5
+DEFAULT_MAX_TOKENS = 24
+DEFAULT_POLICY_SEQS = 3
 BUDGET = 128  # the token budget of every engine in this chapter
 NAMES = "ABCDEFGH"
 NOBODY = "아무도 선점되지 않는다"

@@ -57,6 +57,24 @@ CHAT = [
 SCENARIOS = {"공유 시스템 프롬프트": "shared", "멀티턴 대화": "chat"}
 CACHING_MODES = {"prefix caching 켬": True, "prefix caching 끔": False}
 
+# The lab's defaults (the page's sliders and the claim test read these).
+LAB_MAX_TOKENS = 8
+LAB_BUDGET = 512
+LAB_MAX_MODEL_LEN = 1024
+DEFAULT_REQUESTS = 4
+DEFAULT_GAP_MS = {"shared": 100.0, "chat": 1500.0}
+
+
+def lab_overrides(caching: bool, num_kv_blocks: int) -> dict:
+    """One side of the lab: the same engine settings, prefix caching on or off."""
+    return {
+        "enable_prefix_caching": caching,
+        "enable_chunked_prefill": True,
+        "max_num_batched_tokens": LAB_BUDGET,
+        "max_model_len": LAB_MAX_MODEL_LEN,
+        "num_kv_blocks": num_kv_blocks,
+    }
+
 
 def _encode(tokenizer, text: str, first: bool) -> list[int]:
     """Pieces are encoded separately and concatenated, so equal pieces give equal token ids
@@ -239,6 +257,33 @@ CACHED_COLOR = "#c7e9c0"
 REF_COLORS = ["#9ecae1", "#fd8d3c", "#d94801"]  # ref_cnt 1, 2, ≥3
 
 
+GRID_WIDTH_PX = 640  # the narrowest width the page gives a grid (a lab column, a laptop screen)
+MIN_FONT_PX, MAX_FONT_PX = 8, 13
+
+
+def cell_font_px(columns: int, longest_label: int) -> int | None:
+    """A font size at which the longest label fits its cell (a glyph ≈ 0.7 × the font size wide,
+    a 4 px pad), or None when even the smallest readable font would not (hover only then)."""
+    if longest_label <= 0:
+        return MAX_FONT_PX
+    cell = GRID_WIDTH_PX / max(columns, 1) - 4
+    size = int(cell / (0.7 * longest_label))
+    return None if size < MIN_FONT_PX else min(size, MAX_FONT_PX)
+
+
+def _grid_cell(block, labels: dict[int, str]) -> tuple[float, str, str]:
+    """(colour index, cell text, state in words) of one block. The cell text is short: the
+    block's label if the caller named its contents, else the ref count of a shared block only
+    (a ref-1 or cached block is told by its colour and its hover)."""
+    label = labels.get(block.block_id, "")
+    if block.ref_cnt:
+        text = label or (str(block.ref_cnt) if block.ref_cnt > 1 else "")
+        return 1 + min(block.ref_cnt, 3), text, f"사용 중 · ref_cnt {block.ref_cnt}"
+    if block.status == "cached":
+        return 1, label, "빈 블록 (prefix 캐시 보관, ref_cnt 0)"
+    return 0, "", "빈 블록"
+
+
 def shared_grid_figure(
     snapshot: KVSnapshot,
     title: str = "",
@@ -248,7 +293,8 @@ def shared_grid_figure(
 ) -> go.Figure:
     """The KV blocks coloured by reference count: how many requests' block tables list each block
     (≥ 2 = one copy of K/V read by several requests). `labels` (block id → text) names what a
-    block holds, e.g. "A2" for the third block of prompt A."""
+    block holds, e.g. "A2" for the third block of prompt A. Cell texts are short and sized to
+    the cell (cell_font_px); the legend sits under the grid, clear of the cells."""
     labels = labels or {}
     n = snapshot.num_blocks
     columns = max(1, min(columns, n))
@@ -263,28 +309,21 @@ def shared_grid_figure(
     hover = [[""] * columns for _ in range(rows)]
     for b in snapshot.blocks:
         r, c = divmod(b.block_id, columns)
-        if b.ref_cnt:
-            z[r][c] = 1 + min(b.ref_cnt, 3)
-            text[r][c] = labels.get(b.block_id, str(b.ref_cnt))
-            state = f"사용 중 · ref_cnt {b.ref_cnt}"
-        elif b.status == "cached":
-            z[r][c] = 1
-            text[r][c] = labels.get(b.block_id, "·")
-            state = "빈 블록 (prefix 캐시 보관, ref_cnt 0)"
-        else:
-            z[r][c] = 0
-            state = "빈 블록"
+        z[r][c], text[r][c], state = _grid_cell(b, labels)
         held = f"<br>내용: {labels[b.block_id]}" if b.block_id in labels else ""
         hover[r][c] = (
             f"블록 #{b.block_id}<br>{state}<br>소유: {', '.join(b.owners) or '없음'}{held}"
         )
+    font = cell_font_px(columns, max((len(t) for row in text for t in row), default=0))
+    if font is None:  # too narrow for any readable label: colours and hover only
+        text = [[""] * columns for _ in range(rows)]
     fig = go.Figure(
         go.Heatmap(
             z=z,
             text=text,
             customdata=hover,
             texttemplate="%{text}",
-            textfont=dict(size=10),
+            textfont=dict(size=font or MIN_FONT_PX),
             colorscale=scale,
             zmin=-0.5,
             zmax=k - 0.5,
@@ -295,6 +334,23 @@ def shared_grid_figure(
             hoverongaps=False,
         )
     )
+    _grid_legend(fig)
+    fig.update_yaxes(autorange="reversed", showticklabels=False, showgrid=False, zeroline=False)
+    fig.update_xaxes(showticklabels=False, showgrid=False, zeroline=False)
+    fig.update_layout(
+        title=title
+        or f"블록별 참조 수: 공유 블록 {num_shared_blocks(snapshot)}개, 캐시 보관 "
+        f"{snapshot.num_cached_free}개",
+        height=(height or max(160, 60 + 30 * rows)) + 50,  # + the legend's row under the grid
+        margin=dict(l=10, r=10, t=40, b=50),
+        legend=dict(orientation="h", yanchor="top", y=-0.04, x=0.0, font=dict(size=11)),
+        plot_bgcolor="white",
+    )
+    return fig
+
+
+def _grid_legend(fig: go.Figure) -> None:
+    """One legend entry per cell colour (empty traces: the heatmap itself has no legend)."""
     legend = [
         ("빈 블록", FREE_COLOR),
         ("캐시 보관 (ref 0)", CACHED_COLOR),
@@ -312,18 +368,6 @@ def shared_grid_figure(
                 marker=dict(symbol="square", size=12, color=c, line=dict(color="#999", width=1)),
             )
         )
-    fig.update_yaxes(autorange="reversed", showticklabels=False, showgrid=False, zeroline=False)
-    fig.update_xaxes(showticklabels=False, showgrid=False, zeroline=False)
-    fig.update_layout(
-        title=title
-        or f"블록별 참조 수: 공유 블록 {num_shared_blocks(snapshot)}개, 캐시 보관 "
-        f"{snapshot.num_cached_free}개",
-        height=height or max(180, 100 + 30 * rows),
-        margin=dict(l=10, r=10, t=40, b=10),
-        legend=dict(yanchor="top", y=1.0, x=1.01, font=dict(size=11)),
-        plot_bgcolor="white",
-    )
-    return fig
 
 
 def hit_rate_figure(records: list[StepRecord], title: str = "") -> go.Figure:
