@@ -228,7 +228,7 @@ def test_ch14_default_threshold_cuts_the_short_requests_ttft(default_model_dir):
     off, on = result.summary.set_index("실행")["짧은 요청 TTFT 평균 (ms)"]
     assert on < off / 2  # the engine clock: the short requests ride along from the first step
     first = result.summary.set_index("실행")["짧은 요청이 처음 들어간 스텝"]
-    assert list(first) == [5, 1]  # off: after the 320-token prompt's 5 chunks of 64; on: at once
+    assert list(first) == [6, 1]  # off: after the 320-token prompt's 5 chunks of 64; on: at once
 
 
 @pytest.mark.slow
