@@ -365,3 +365,48 @@ def test_the_favicon_is_a_local_png():
     source = (ROOT / "app.py").read_text()
     assert 'FAVICON = ROOT / "ui" / "assets" / "favicon.png"' in source
     assert "page_icon=str(FAVICON)" in source
+
+
+def test_a_negative_prediction_is_set_to_zero_in_the_box(app):
+    at = app
+    at.number_input(key="predict_ch00_steps").set_value(-3.0).run()
+    no_exception(at)
+    assert at.number_input(key="predict_ch00_steps").value == 0.0
+    assert at.session_state["_predictions"]["ch00_steps"]["value"] == 0.0
+    assert any("-3" in c.value and "0으로" in c.value for c in at.caption)
+    at.number_input(key="predict_ch00_steps").set_value(4.0).run()
+    assert at.session_state["_predictions"]["ch00_steps"]["value"] == 4.0
+
+
+def test_a_comparison_draws_both_journeys_on_one_x_range(tiny_model_dir):
+    """Two engines of one lab, one slower to finish (one running slot): after the workload ran,
+    both journey charts carry the same engine-clock x range, the slower side's end."""
+    from streamlit.testing.v1 import AppTest
+
+    from _apptest import charts
+
+    script = f"""
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+import streamlit as st
+from ui.experiments.common import Workload
+from ui.lab import Side, lab
+from ui.session import SETTINGS_KEY, EngineSettings
+
+st.session_state[SETTINGS_KEY] = EngineSettings(model={str(tiny_model_dir)!r}, device="cpu")
+sides = [Side("cmp_one", "한 슬롯", {{"max_num_seqs": 1}}), Side("cmp_many", "여러 슬롯", {{}})]
+lab("cmp", sides, presets=None, workload=Workload.uniform(3, 8, 6), show_code_panel=False)
+"""
+    at = AppTest.from_string(script, default_timeout=TIMEOUT)
+    at.run()
+    at.button(key="cmp_load").click().run()
+    at.button(key="cmp_to_end").click().run()
+    no_exception(at)
+    specs = charts(at)
+    one = next(s for i, s in specs.items() if "cmp_one_journey" in i)
+    many = next(s for i, s in specs.items() if "cmp_many_journey" in i)
+    from ui.lab import journey_end_ms
+
+    assert journey_end_ms(one) > journey_end_ms(many) > 0  # one slot: the requests take turns
+    assert one["layout"]["xaxis"]["range"] == many["layout"]["xaxis"]["range"]
+    assert one["layout"]["xaxis"]["range"][1] == pytest.approx(journey_end_ms(one) * 1.03)

@@ -18,6 +18,18 @@ def prediction(pid: str):
     return None if entry is None else entry["value"]
 
 
+def _not_negative(key: str) -> None:
+    """A negative guess is set to 0 in the box itself (a browser would keep it with a red mark
+    and send nothing), with a note."""
+    value = st.session_state.get(key)
+    note = f"_{key}_note"
+    if value is not None and value < 0:
+        st.session_state[key] = 0.0
+        st.session_state[note] = f"예측 {value:g}은(는) 음수라 0으로 맞췄습니다."
+    else:
+        st.session_state.pop(note, None)
+
+
 def predict(
     pid: str,
     question: str,
@@ -51,18 +63,21 @@ def predict(
             c1, c2 = st.columns([2, 3], vertical_alignment="center")
             value = c1.number_input(
                 f"내 예측 ({unit})" if unit else "내 예측",
-                min_value=0.0,
                 value=current,
                 step=step,
                 key=key,
                 disabled=locked,
                 placeholder="숫자를 쓰세요",
+                on_change=_not_negative,
+                args=(key,),
             )
             c2.caption(
                 "실행 전에 적어 두세요. 실행하면 잠기고, 측정값과 나란히 보여 줍니다."
                 if not locked
                 else "실행 중에는 예측이 잠깁니다 (리셋하면 다시 쓸 수 있음)."
             )
+            if st.session_state.get(f"_{key}_note"):
+                st.caption(f":orange[{st.session_state[f'_{key}_note']}]")
         if value is not None and not locked:
             store[pid] = {"value": value, "unit": unit, "question": question}
     return prediction(pid)
