@@ -247,3 +247,66 @@ def test_step_count_and_shared_blocks_on_the_tiny_model(make_engine):
     assert count.prefill_steps == -(-request.num_prompt_tokens // 16) > 1
     assert count.steps == predicted_steps(request.num_prompt_tokens, 5, 16)
     assert not any(shared_blocks(r) for r in records)  # one request shares nothing
+
+
+# -- the pages: what a learner sees after running the defaults (AppTest, real model) -----------
+
+
+@pytest.fixture(scope="module")
+def real_app(default_model_dir):
+    pytest.importorskip("streamlit")
+    from _apptest import open_app
+
+    return open_app(default_model_dir)
+
+
+def _open(at, page: str):
+    from _apptest import no_exception
+
+    at.switch_page(page)
+    at.run()
+    no_exception(at)
+    return at
+
+
+def _markdown(at) -> str:
+    return " ".join(m.value for m in at.markdown)
+
+
+@pytest.mark.slow
+def test_ch00_page_scores_the_prediction_against_the_engine_and_names_an_early_stop(real_app):
+    from ui.experiments.ch00 import FIRST_MAX_TOKENS
+
+    at = _open(real_app, "pages/ch00_intro.py")
+    assert any("정확히 24 스텝" in i.value for i in at.info)  # the claim above the lab
+    at.button(key="main_reset").click().run()
+    at.number_input(key="predict_ch00_steps").set_value(float(FIRST_MAX_TOKENS)).run()
+    at.button(key="main_load").click().run()
+    at.button(key="main_to_end").click().run()
+    measured = next(m for m in at.metric if m.label == "측정값")
+    assert measured.value == f"{FIRST_MAX_TOKENS} 스텝"
+    assert "20% 안에 들었습니다" in _markdown(at)
+    assert not any("일찍 끝났습니다" in i.value for i in at.info)
+    # the preset keeps EOS: the comparison uses the engine's count and says why it is short
+    at.button(key="main_reset").click().run()
+    at.button(key="main_add_preset").click().run()
+    at.button(key="main_to_end").click().run()
+    measured = next(m for m in at.metric if m.label == "측정값")
+    assert measured.value != f"{FIRST_MAX_TOKENS} 스텝"
+    assert any("종료 토큰(EOS)" in i.value and "일찍 끝났습니다" in i.value for i in at.info)
+
+
+@pytest.mark.slow
+def test_ch03_and_ch06_pages_show_growth_and_shared_blocks(real_app):
+    at = _open(real_app, "pages/ch03_kv_cache.py")
+    at.button(key="ch03_load").click().run()
+    at.button(key="ch03_to_end").click().run()
+    grown = next(m for m in at.metric if m.label == "decode 중 새로 받은 블록")
+    assert int(grown.value) >= 3
+    at = _open(real_app, "pages/ch06_paged_kv.py")
+    at.button(key="ch06_load").click().run()
+    at.number_input(key="ch06_step_count").set_value(3).run()
+    at.button(key="ch06_nsteps").click().run()
+    tables = [df.value for df in at.dataframe if any("논리" in str(c) for c in df.value.columns)]
+    assert tables and (tables[0].astype(str) == "0 (공유)").any().any()
+    assert "함께 올라 있습니다" in " ".join(c.value for c in at.caption)
