@@ -78,9 +78,8 @@ def _run_button(ctx: LabContext) -> None:
 
 
 def _chapter_view(ctx: LabContext, k: int) -> None:
-    on_key, off_key = SIDE_KEYS["추측 디코딩 켬"], SIDE_KEYS["추측 디코딩 끔"]
-    on_engine, off_engine = ctx.engines[on_key], ctx.engines[off_key]
-    on_records, off_records = ctx.records(on_key), ctx.records(off_key)
+    on_engine = ctx.engines[SIDE_KEYS["추측 디코딩 켬"]]
+    on_records = ctx.records(SIDE_KEYS["추측 디코딩 켬"])
     st.markdown("#### 초안 → 검증 → 받아들임")
     requests = sorted(on_engine.all_requests(), key=lambda r: r.arrival_time)
     if not requests or not on_records:
@@ -93,7 +92,14 @@ def _chapter_view(ctx: LabContext, k: int) -> None:
     rid = ids[0]
     if len(ids) > 1:
         rid = st.selectbox("볼 요청", ids, key=SIDE_VIEW)
-    table = draft_table(on_records, on_engine.tokenizer, rid)
+    _draft_view(on_records, on_engine.tokenizer, rid, k)
+    _stats_view(on_records, k, rid, ids)
+    _outputs_view(ctx, requests, k)
+
+
+def _draft_view(on_records, tokenizer, rid: str, k: int) -> None:
+    """The drafts of one request, step by step (grid and table)."""
+    table = draft_table(on_records, tokenizer, rid)
     if table.empty:
         st.caption(
             "이 요청은 아직 초안을 검증한 스텝이 없습니다 (prefill 중이거나, 마지막 n-gram이 "
@@ -105,6 +111,10 @@ def _chapter_view(ctx: LabContext, k: int) -> None:
             st.dataframe(
                 display_table(table.drop(columns=["_drafts"])), hide_index=True, width="stretch"
             )
+
+
+def _stats_view(on_records, k: int, rid: str, ids: list[str]) -> None:
+    """α and tokens per verifying step measured, against the formula at the measured α."""
     stats = spec_stats(on_records, k, rid)
     all_stats = spec_stats(on_records, k)
     c1, c2, c3, c4 = st.columns(4)
@@ -153,6 +163,13 @@ def _chapter_view(ctx: LabContext, k: int) -> None:
         )
     st.plotly_chart(formula_figure(k, stats), width="stretch", key=f"{KEY}_formula")
 
+
+def _outputs_view(ctx: LabContext, requests: list, k: int) -> None:
+    """How many steps each engine took for the same output, and whether the outputs agree."""
+    on_key, off_key = SIDE_KEYS["추측 디코딩 켬"], SIDE_KEYS["추측 디코딩 끔"]
+    on_records, off_records = ctx.records(on_key), ctx.records(off_key)
+    off_engine = ctx.engines[off_key]
+    ids = [r.request_id for r in requests]
     st.markdown("#### 같은 출력을 몇 스텝에?")
     on_out = [list(r.output_token_ids) for r in requests]
     off_requests = sorted(off_engine.all_requests(), key=lambda r: r.arrival_time)

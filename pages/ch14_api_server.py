@@ -2,6 +2,7 @@
 learner's own OpenAI-compatible server (engine/server.py) on 127.0.0.1 driven by simulated users
 over real HTTP, read through its own /metrics."""
 
+import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
@@ -313,17 +314,17 @@ def _load_view(live) -> None:
     show_frame(res.percentile_table(), container=c1, hide_index=True)
     server = res.server_means_ms()
     c2.markdown("**서버가 스스로 잰 평균** (/metrics 히스토그램의 합 ÷ 개수, 이번 부하의 증가분)")
-    c2.dataframe(
-        [
-            {
-                "지표": k,
-                "평균 (ms)": "—" if server[k] is None else server[k],
-                "관측 수": server[f"{k} 관측 수"],
-            }
-            for k in ("TTFT", "ITL", "E2E")
-        ],
-        hide_index=True,
-    )
+    means = [
+        {"지표": k, "평균 (ms)": server[k], "관측 수": server[f"{k} 관측 수"]}
+        for k in ("TTFT", "ITL", "E2E")
+    ]
+    show_frame(pd.DataFrame(means), container=c2)  # a missing mean shows as "—", Arrow-safe
+    _arrivals_view(res)
+    _load_evidence(live, res, p)
+
+
+def _arrivals_view(res) -> None:
+    """TTFT by arrival time, the per-request table and one client's SSE chunks."""
     table = res.request_table()
     fig = go.Figure(
         go.Scatter(
@@ -371,6 +372,9 @@ def _load_view(live) -> None:
                 [{"받은 시각 (ms)": t, "조각": repr(x)} for t, x in zip(times, one.chunk_texts)],
                 hide_index=True,
             )
+
+
+def _load_evidence(live, res, p: dict) -> None:
     evidence(
         "측정값",
         f"TTFT p50 {p['TTFT p50 (ms)']} ms · p90 {p['TTFT p90 (ms)']} ms, ITL p50 "
@@ -535,7 +539,8 @@ def _disconnect_view(live) -> None:
     )
 
 
-def server_lab() -> None:
+def _server_controls():
+    """The server's own settings, its start and stop buttons. Returns (overrides, live server)."""
     st.subheader("② 내 서버에 사용자들을 보내기: 실제 HTTP, 서버의 /metrics")
     st.caption(
         "같은 프로세스 안에서 이 세션 전용 OpenAI 호환 서버(engine/server.py)가 127.0.0.1의 빈 "
@@ -564,7 +569,12 @@ def server_lab() -> None:
         )
     else:
         st.caption("서버가 꺼져 있습니다. 아래 측정 버튼을 누르면 먼저 서버를 시작합니다.")
+    return overrides, live
 
+
+def _load_section(overrides: dict, live):
+    """Simulated users against the server, and the load-latency curve. Returns
+    (live server, prompt length, max_tokens) for the sections below."""
     st.markdown("#### 가상 사용자들")
     c1, c2, c3, c4, c5 = st.columns(5)
     users = c1.slider("사용자 수 (N)", 1, 40, 12, key="ch14s_users")
@@ -636,22 +646,33 @@ def server_lab() -> None:
     if live is not None:
         _load_view(live)
         _curve_view(live)
-        points = st.session_state.get(CURVE)
-        if points:
-            p50 = curve_table(points)["TTFT p50 (ms)"].dropna().tolist()
-            if len(p50) >= 3:
-                jumps = [b / a if a else 0 for a, b in zip(p50, p50[1:])]
-                knee = max(jumps) > 2 * min(jumps) and max(jumps) > 1.5
-                flat = max(p50) < 1.25 * min(p50)
-                measured = (
-                    "변하지 않음"
-                    if flat
-                    else "어느 지점까지 거의 그대로, 그 뒤 급격히"
-                    if knee
-                    else "도착률에 비례해 조금씩"
-                )
-                compare("ch14_knee", measured)
+        _knee_compare()
+    return live, prompt_len, max_tokens
 
+
+def _knee_compare() -> None:
+    """The measured curve's shape (TTFT p50 over the rates) beside the learner's prediction."""
+    points = st.session_state.get(CURVE)
+    if not points:
+        return
+    p50 = curve_table(points)["TTFT p50 (ms)"].dropna().tolist()
+    if len(p50) < 3:
+        return
+    jumps = [b / a if a else 0 for a, b in zip(p50, p50[1:])]
+    knee = max(jumps) > 2 * min(jumps) and max(jumps) > 1.5
+    flat = max(p50) < 1.25 * min(p50)
+    measured = (
+        "변하지 않음"
+        if flat
+        else "어느 지점까지 거의 그대로, 그 뒤 급격히"
+        if knee
+        else "도착률에 비례해 조금씩"
+    )
+    compare("ch14_knee", measured)
+
+
+def _stream_section(overrides: dict, live, prompt_len: int, max_tokens: int):
+    """The same request streamed and not, on an idle server. Returns the live server."""
     st.markdown("#### 스트리밍은 무엇을 줄이나")
     predict(
         "ch14_stream",
@@ -677,7 +698,11 @@ def server_lab() -> None:
         bar.empty()
     if live is not None:
         _stream_view(live)
+    return live
 
+
+def _disconnect_section(overrides: dict, live, prompt_len: int) -> None:
+    """A long stream the learner cuts, and the server freeing its blocks."""
     st.markdown("#### 연결이 끊기면")
     st.caption(
         "긴 답(출력 400토큰)을 스트리밍으로 받기 시작한 뒤, 사용자가 탭을 닫은 것처럼 연결을 "
@@ -703,6 +728,13 @@ def server_lab() -> None:
                 st.session_state[DISCONNECT] = disconnect_and_watch(live.url, stream)
     if live is not None:
         _disconnect_view(live)
+
+
+def server_lab() -> None:
+    overrides, live = _server_controls()
+    live, prompt_len, max_tokens = _load_section(overrides, live)
+    live = _stream_section(overrides, live, prompt_len, max_tokens)
+    _disconnect_section(overrides, live, prompt_len)
 
 
 def lab() -> None:
