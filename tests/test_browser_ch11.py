@@ -45,7 +45,11 @@ def test_ch11_lab_in_browser(page, app_url):
     no_exception(page)
     traces = plot_traces(page)
     assert len(traces) >= before + 1 and all(n > 0 for n in traces[before:]), traces
-    assert "측정 요약" in page.inner_text("body")
+    body = page.inner_text("body")
+    assert "측정 요약" in body and "이 실험이 보여 줄 것" in body
+    # the agreement table is explained beside it, with its evidence labels
+    assert "왜 이런 일치율인가" in body and "최대 절대 오차 0" in body
+    assert "계산값" in body and "측정값" in body
     page.get_by_text("측정 요약").last.scroll_into_view_if_needed()
     page.wait_for_timeout(500)
     page.screenshot(path=str(SHOTS / "ch11_lab.png"))

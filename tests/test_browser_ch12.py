@@ -1,6 +1,7 @@
 """Chapter 12 in a real browser: `streamlit run app.py` (the real default model, 9 query / 3 KV
-heads, so tp 3), Playwright with Debian's Chromium. The lab shows what each of the three workers
-holds before any step; 실행 runs the same requests on tp 1 and tp 3 (three worker processes), and
+heads, so tp 3), Playwright with Debian's Chromium. The page opens without starting a worker and
+shows what each of the three workers will hold (computed from the shapes); 실행 starts the engines
+(a status box says so) and runs the same requests on tp 1 and tp 3 (three worker processes), and
 the per-step compute vs all-reduce figure and the step times render with data. Screenshot:
 tests/screenshots/ch12_lab.png. The 시뮬레이션 switch draws the same views for a simulated
 Llama-3.1-70B on 8 H100s against 4 (tests/screenshots/ch12_simulation.png). Skips only where no
@@ -25,7 +26,7 @@ def test_ch12_lab_in_browser(page, app_url):
     lab.open_chapter(page, app_url, "ch12")
     body = page.inner_text("body")
     assert "같은 요청을 워커 1개와 워커 여러 개로" in body
-    assert "워커가 가진 것" in body and "tp 3 × pp 1" in body
+    assert "워커가 가질 것" in body and "아직 띄우지 않음" in body
     # plotly draws after the script run ends; on a loaded machine that can be after "idle"
     page.wait_for_function(
         "() => [...document.querySelectorAll('.js-plotly-plot')]"
@@ -36,6 +37,7 @@ def test_ch12_lab_in_browser(page, app_url):
     assert any(n >= 12 for n in before), before  # the shard figure: 4 matrices × 3 ranks
     lab.click(page, "실행")
     body = page.inner_text("body")
+    assert "엔진 준비됨" in body and "tp 3 × pp 1" in body and "워커가 가진 것" in body
     assert "전체 비교" in body and "측정값" in body and "보고값" in body
     assert "all-reduce 60번" in body  # derived: 2 × 30 layers
     traces = lab.plot_traces(page)

@@ -7,6 +7,8 @@ each). Skips only where no Chromium (or Playwright) can be found."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from _browser import SHOTS, LabDriver, chapter_fixtures
@@ -47,6 +49,10 @@ def test_ch13_lab_in_browser(page, app_url):
     lab.no_exception(page)
     body = page.inner_text("body")
     assert "토큰 하나하나까지 같습니다" in body, body[-3000:]
+    # the claim stated above the lab holds on the default prompt: drafts were accepted
+    assert "이 실험이 보여 줄 것" in body
+    drafts = re.search(r"초안 (\d+)개 중 (\d+)개 받아들임", body)
+    assert drafts and int(drafts.group(2)) > 0, body[-3000:]
     grid_index = find_plot(page, is_draft_grid)
     assert grid_index is not None, plot_traces(page)
     formula = find_plot(page, lambda ts: any(t["name"].startswith("공식 k=") for t in ts))

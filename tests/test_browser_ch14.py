@@ -30,7 +30,8 @@ def test_ch14_lab_in_browser(page, app_url):
     lab.click(page, "실행")
     traces = lab.plot_traces(page)
     assert len(traces) >= before + 1 and all(n > 0 for n in traces[before:]), traces
-    assert "짧은 요청이 처음 들어간 스텝" in page.inner_text("body")
+    body = page.inner_text("body")
+    assert "짧은 요청이 처음 들어간 스텝" in body and "이 실험이 보여 줄 것" in body
 
     # ② the live server under load
     lab.click(page, "서버 시작")
