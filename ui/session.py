@@ -176,9 +176,10 @@ def engine_settings_sidebar(show_status: bool = True) -> EngineSettings:
 
 
 def _number(column, key: str, label: str, help: str | None = None) -> None:
+    """A number field; out of NUMBER_FIELDS' range it is brought into range on 설정 적용."""
     low, high = NUMBER_FIELDS[key][2:]
-    rng = f"{low:,}–{high:,}"
-    column.number_input(label, step=1, key=key, help=f"{help} ({rng})" if help else rng)
+    help = f"{help} ({low:,}–{high:,})" if help else None
+    column.number_input(label, step=1, key=key, help=help)
 
 
 def _settings_fields() -> None:
