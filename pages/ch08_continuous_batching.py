@@ -152,7 +152,7 @@ def _budget_sweep_view(spec: dict) -> None:
         return
     fig = budget_sweep_figure(table)
     st.plotly_chart(fig, key="ch08_sweep_fig")
-    st.dataframe(table, hide_index=True)
+    show_frame(table)
     evidence(
         "계산값",
         "TTFT·ITL 백분위, 처리량: 시뮬레이션 엔진 시계 (실제 스케줄러, 비용 모델의 스텝 시간)",

@@ -5,7 +5,6 @@ static batching with a per-priority view of the waiting times; all on the real e
 import pandas as pd
 import streamlit as st
 
-from ui.experiments.common import display_frame
 from ui.experiments.ch09 import (
     DEFAULT_BLOCKS,
     DEFAULT_MAX_TOKENS,
@@ -39,7 +38,7 @@ from ui.lesson import render_chapter
 from ui.predict import compare, predict
 from ui.session import current_settings
 from ui.simulation import simulation_overrides, simulation_picker
-from ui.widgets import evidence, show_code
+from ui.widgets import evidence, show_code, show_frame
 
 EXP_BURST = "① 누가 선점되나"
 EXP_SWAP = "② 재계산 vs 스왑"
@@ -53,10 +52,6 @@ RESULT = {
 HISTORY = "ch09_history"
 SWAP_CHOICES = ["스왑 복사가 더 오래 걸린다", "비슷하다", "재계산이 더 오래 걸린다"]
 POLICY_CHOICES = ["줄어든다", "비슷하다", "늘어난다"]
-
-
-def _table(df: pd.DataFrame) -> pd.DataFrame:
-    return display_frame(df)
 
 
 # -- the live part: queue order and preemptions, every step ------------------------------------
@@ -73,13 +68,13 @@ def _live_view(ctx: LabContext) -> None:
             queue = waiting_queue(engine)
             if len(queue):
                 st.caption("대기열 (앞 → 뒤): 다음 스텝에 자리가 나면 위에서부터 들어갑니다")
-                st.dataframe(queue, hide_index=True, width="stretch")
+                show_frame(queue, width="stretch")
             else:
                 st.caption("대기열이 비어 있습니다.")
             events = preemption_events(ctx.records(side))
             if len(events):
                 st.caption("선점 기록")
-                st.dataframe(events, hide_index=True, width="stretch")
+                show_frame(events, width="stretch")
             else:
                 st.caption("아직 선점이 없었습니다.")
 
@@ -133,7 +128,7 @@ def _burst_view(ctx: LabContext) -> None:
             "KV 블록 수나 요청 수를 바꿔 다시 실행할 때마다 점이 하나씩 늘어납니다. 블록이 "
             "모자랄수록 같은 일을 하려고 다시 계산하는 토큰이 늘어나는지 보세요 (스래싱)."
         )
-    st.dataframe(_table(result.costs), hide_index=True)
+    show_frame(result.costs)
 
 
 # -- ② recompute vs swap ------------------------------------------------------------------------
@@ -148,7 +143,7 @@ def _swap_view(ctx: LabContext) -> None:
     costs = result.costs.set_index("실행")
     st.plotly_chart(swap_vs_recompute_figure(result.costs), key="ch09_swap_cost")
     st.plotly_chart(token_cost_figure(result.costs), key="ch09_cost2")
-    st.dataframe(_table(result.costs), hide_index=True)
+    show_frame(result.costs)
     labels = list(result.runs)
     recompute = costs.loc[labels[0], "재계산 시간 (ms, 추정)"]
     swap = costs.loc[labels[1], "스왑 복사 시간 (ms)"]
@@ -215,11 +210,11 @@ def _policy_view(ctx: LabContext) -> None:
     st.plotly_chart(policy_latency_figure(result.waits), key="ch09_policy_e2e")
     st.plotly_chart(policy_latency_figure(result.waits, "TTFT (ms)"), key="ch09_policy_ttft")
     st.markdown("**정책별 요약** (엔진 시계)")
-    st.dataframe(_table(result.summary), hide_index=True)
+    show_frame(result.summary)
     with st.expander("요청별 표 (우선순위, 대기, TTFT, E2E, 선점)"):
         waits = result.waits.copy()
         waits["우선순위"] = [PRIORITY_KO.get(p, p) for p in waits["우선순위"]]
-        st.dataframe(_table(waits.round(1)), hide_index=True)
+        show_frame(waits.round(1))
     s = result.summary.set_index("정책")
     col = "우선순위 0 대기 평균 (ms)"
     labels = list(result.runs)

@@ -31,22 +31,18 @@ from ui.experiments.ch10 import (
     shared_grid_figure,
     ttft_figure,
 )
-from ui.experiments.common import display_frame, measurement_conditions
+from ui.experiments.common import measurement_conditions
 from ui.lab import LabContext, Progress, Side, run_results, run_workload_button
 from ui.lab import lab as engine_lab
 from ui.lesson import render_chapter
 from ui.predict import compare, predict
 from ui.session import build_engine, current_settings, get_engine
-from ui.widgets import evidence, show_code
+from ui.widgets import evidence, show_code, show_frame
 
 RESULT = "ch10_result"
 SIDE_KEYS = {"prefix caching 켬": "ch10_on", "prefix caching 끔": "ch10_off"}
 ON, OFF = list(SIDE_KEYS)
 LRU_CHOICES = ["꽉 찬 블록 전부", "앞쪽 일부만", "하나도 못 찾음"]
-
-
-def _table(df):
-    return display_frame(df)
 
 
 def _sides() -> list[Side]:
@@ -101,7 +97,7 @@ def _summary_view(ctx: LabContext) -> None:
     on = result.runs[ON]
     table = result.table
     st.markdown("**요청별 비교** (히트 토큰은 스케줄러 기록, 시간은 엔진 시계)")
-    st.dataframe(_table(table), hide_index=True)
+    show_frame(table)
     st.plotly_chart(ttft_figure(table), key="ch10_ttft")
     if result.hit_rate is not None:
         compare("ch10_hit", 100 * result.hit_rate, unit="%")
@@ -192,7 +188,7 @@ def _chain_section(block_size: int) -> None:
         }
         for s in state.sent
     ]
-    st.dataframe(pd.DataFrame(rows), hide_index=True)
+    show_frame(pd.DataFrame(rows))
     second = state.sent[1]
     compare("ch10_chain", second.hit_tokens, unit="토큰", fmt="{:,.0f}")
     full = state.prompt_len // state.block_size
@@ -241,7 +237,7 @@ def _lru_section(block_size: int) -> None:
     res = st.session_state.get("ch10_lru")
     if res is None:
         return
-    st.dataframe(_table(res.rows), hide_index=True)
+    show_frame(res.rows)
     measured = (
         LRU_CHOICES[0]
         if res.resent_hit_tokens >= res.expected_full_hit
@@ -291,7 +287,7 @@ def _salt_section(block_size: int) -> None:
     table = st.session_state.get("ch10_salt")
     if table is None:
         return
-    st.dataframe(table, hide_index=True)
+    show_frame(table)
     evidence(
         "측정값",
         "히트 토큰: " + ", ".join(str(v) for v in table["히트 토큰 (측정값)"]),
