@@ -70,7 +70,13 @@ def artifact_inspector() -> None:
     cols[2].metric("최대 위치", c.get("max_position_embeddings"))
     cols[3].metric("임베딩 공유(tied)", "예" if c.get("tie_word_embeddings") else "아니오")
     st.caption("위 숫자는 config.json에서 그대로 읽은 값입니다 (아티팩트의 선언).")
+    _tokenizer_summary(info)
+    _parameters(info)
+    _bytes_by_dtype(info)
+    show_code(inspect_artifact, "방금 실행된 코드 (아티팩트 검사)")
 
+
+def _tokenizer_summary(info) -> None:
     from engine.tokenizer import Tokenizer
 
     tok = Tokenizer(info.path)
@@ -83,7 +89,10 @@ def artifact_inspector() -> None:
     )
     st.dataframe(pd.DataFrame(special), hide_index=True)
 
-    derived = derived_param_count(c)
+
+def _parameters(info) -> None:
+    """Parameters by kind: counted in the weights file beside derived from config.json alone."""
+    derived = derived_param_count(info.config)
     rows = []
     for kind, counted in info.params_by_kind.items():
         rows.append(
@@ -112,6 +121,9 @@ def artifact_inspector() -> None:
         formula="V·h (임베딩, tied) + L·(h·n_q·d + 2·h·n_kv·d + n_q·d·h) + L·3·h·i + (2L+1)·h",
     )
 
+
+def _bytes_by_dtype(info) -> None:
+    """Weight bytes per dtype (계산값) and the files on disk (측정값)."""
     rows = [
         {
             "dtype": d,
@@ -137,7 +149,6 @@ def artifact_inspector() -> None:
         측정="파일 크기 (os.stat)",
         경로=str(info.path),
     )
-    show_code(inspect_artifact, "방금 실행된 코드 (아티팩트 검사)")
 
 
 # -- one real HTTP request ---------------------------------------------------------------------
@@ -192,37 +203,53 @@ def http_lab() -> None:
         st.info("버튼을 누르면 실제 HTTP 요청이 서버로 가고, 그 여정이 아래에 그려집니다.")
         return
     result = HttpResult(**stored)
-    handle, engine, records = state["handle"], state["engine"], state["records"]
-    chunks = result.chunks
-    request_id = result.request_id
-    st.markdown(
-        f"`POST {handle.url}/v1/chat/completions` → HTTP **{result.status}**, "
-        f"SSE 조각 **{len(chunks)}개**, 요청 id `{request_id}`"
-    )
-    st.markdown("**클라이언트가 받은 글 (스트리밍 조각을 이어 붙임)**")
-    st.text(result.text or "(빈 응답)")
+    _show_response(result, state["handle"].url)
+    engine = state["engine"]
+    request = engine.get_request(result.request_id) if result.request_id else None
+    if request is None:
+        st.warning("서버 엔진에서 이 요청의 기록을 찾지 못했습니다.")
+        return
+    _show_journey(request, engine)
+    _show_views(request, engine, state["records"])
+    if st.button("서버 멈추기", key="ch01_stop"):
+        state["handle"].stop()
+        state["async_llm"].shutdown()
+        st.session_state.pop("_ch01_server", None)
+        st.session_state.pop("_ch01_result", None)
+        st.rerun()
+
+
+def _chunk_rows(result: HttpResult) -> list[dict]:
+    """One row per SSE chunk: when it arrived (ms after sending) and its text delta."""
     rows = []
-    for c in chunks:
+    for c in result.chunks:
         data = c["data"]
         delta = ""
         if data != "[DONE]":
-            p = json.loads(data)
-            ch = (p.get("choices") or [{}])[0]
+            ch = (json.loads(data).get("choices") or [{}])[0]
             delta = ch.get("delta", {}).get("content") or (
                 f"finish_reason={ch.get('finish_reason')}" if ch.get("finish_reason") else ""
             )
         rows.append(
-            {
-                "받은 시각 (ms)": round(1000 * (c["t"] - result.start), 1),
-                "조각": delta or data[:40],
-            }
+            {"받은 시각 (ms)": round(1000 * (c["t"] - result.start), 1), "조각": delta or data[:40]}
         )
-    with st.expander(f"HTTP 응답 조각 {len(chunks)}개 (data: …)", expanded=False):
-        st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
-    request = engine.get_request(request_id) if request_id else None
-    if request is None:
-        st.warning("서버 엔진에서 이 요청의 기록을 찾지 못했습니다.")
-        return
+    return rows
+
+
+def _show_response(result: HttpResult, url: str) -> None:
+    """What the client got: the status, the joined text, every SSE chunk."""
+    st.markdown(
+        f"`POST {url}/v1/chat/completions` → HTTP **{result.status}**, "
+        f"SSE 조각 **{len(result.chunks)}개**, 요청 id `{result.request_id}`"
+    )
+    st.markdown("**클라이언트가 받은 글 (스트리밍 조각을 이어 붙임)**")
+    st.text(result.text or "(빈 응답)")
+    with st.expander(f"HTTP 응답 조각 {len(result.chunks)}개 (data: …)", expanded=False):
+        st.dataframe(pd.DataFrame(_chunk_rows(result)), hide_index=True, width="stretch")
+
+
+def _show_journey(request, engine) -> None:
+    """The server engine's journey events of the request, its TTFT and the prediction."""
     t0 = request.arrival_time
     journey = [
         {
@@ -247,6 +274,11 @@ def http_lab() -> None:
         **conditions_of(engine, 배치="요청 1개", 경로="HTTP 127.0.0.1", 시계="벽시계"),
     )
     compare("ch01_ttft", ttft, "ms", fmt="{:,.0f}")
+
+
+def _show_views(request, engine, records) -> None:
+    """The lab's three views for this one request, from the server engine's step records."""
+    request_id = request.request_id
     st.caption(
         f"요청 id `{request_id}`는 그림과 표에서 짧은 이름(req-0)으로 보입니다. 전체 id는 그림의 "
         "말풍선(hover)에 있습니다."
@@ -269,12 +301,6 @@ def http_lab() -> None:
     from engine.core import EngineCore
 
     show_code(EngineCore.step)
-    if st.button("서버 멈추기", key="ch01_stop"):
-        handle.stop()
-        state["async_llm"].shutdown()
-        st.session_state.pop("_ch01_server", None)
-        st.session_state.pop("_ch01_result", None)
-        st.rerun()
 
 
 def lab() -> None:

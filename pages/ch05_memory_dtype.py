@@ -110,7 +110,6 @@ def calculator() -> tuple[str, str, float, int]:
         value=DEFAULT_SEQ_LEN,
         key="ch05_len",
     )
-    m, g = MODELS[model], GPUS[gpu]
     b = memory_budget(model, gpu, dtype, util, headroom, seq_len)
     st.plotly_chart(_budget_figure(b), key="ch05_budget_fig")
     cols = st.columns(4)
@@ -118,6 +117,17 @@ def calculator() -> tuple[str, str, float, int]:
     cols[1].metric("KV 예산", f"{b.kv_budget_bytes / GB:.2f} GB" if b.fits else "0 (부족)")
     cols[2].metric("토큰당 KV", f"{b.kv_bytes_per_token:,} B")
     cols[3].metric(f"L={seq_len:,} 동시 요청", f"{b.max_requests:,}")
+    _budget_evidence(b, model, gpu, util, headroom)
+    st.plotly_chart(
+        _requests_figure(model, dtype, util, headroom, seq_len), key="ch05_requests_fig"
+    )
+    _source_tables()
+    return model, gpu, util, seq_len
+
+
+def _budget_evidence(b, model: str, gpu: str, util: float, headroom: float) -> None:
+    """The calculator's numbers with their formulas (계산값) and the GPU's figures (보고값)."""
+    m, g = MODELS[model], GPUS[gpu]
     evidence(
         "계산값",
         f"가중치 = {m.param_count:,} 파라미터 × {b.weight_bytes // m.param_count} B = "
@@ -154,9 +164,10 @@ def calculator() -> tuple[str, str, float, int]:
         f"모델 숫자 출처: {m.source} (config 숫자로 센 파라미터 {m.param_count / 1e9:.3f} B, "
         f"모델 카드 표기 ≈ {m.reported_params / 1e9:g} B)"
     )
-    st.plotly_chart(
-        _requests_figure(model, dtype, util, headroom, seq_len), key="ch05_requests_fig"
-    )
+
+
+def _source_tables() -> None:
+    """The public config numbers of every model preset and the GPU figures behind the calculator."""
     with st.expander("모델 config 숫자 표 (공개 config.json에서)"):
         st.dataframe(
             pd.DataFrame(
@@ -194,7 +205,6 @@ def calculator() -> tuple[str, str, float, int]:
             ),
             hide_index=True,
         )
-    return model, gpu, util, seq_len
 
 
 CAPACITY = "ch05_capacity"  # settings → CapacityRun

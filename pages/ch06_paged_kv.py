@@ -113,7 +113,11 @@ def compare_lab() -> None:
             "연속 예약이었다면 어땠을지를 계산해 나란히 보여 줍니다."
         )
         return
-    fr = fragmentation(res, mode)
+    _show_comparison(res, fragmentation(res, mode), mode)
+
+
+def _compare_figure(fr, mode: str) -> go.Figure:
+    """Slots per step: used, paged reserved (measured) and the contiguous replay (계산값)."""
     df = fr.per_step
     fig = go.Figure()
     fig.add_trace(
@@ -156,7 +160,12 @@ def compare_lab() -> None:
         legend=dict(orientation="h", x=0, xanchor="left", y=1.02, yanchor="bottom"),
         margin=dict(l=10, r=10, t=90, b=10),
     )
-    st.plotly_chart(fig, key="ch06_compare_fig")
+    return fig
+
+
+def _show_comparison(res, fr, mode: str) -> None:
+    """The comparison's figure, table, evidence, prediction and the run's middle grid."""
+    st.plotly_chart(_compare_figure(fr, mode), key="ch06_compare_fig")
     st.dataframe(fr.summary, hide_index=True)
     evidence(
         "측정값",

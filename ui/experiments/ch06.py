@@ -153,6 +153,18 @@ def fragmentation(result: RunResult, reservation: str = "max_model_len") -> Frag
         )
     per_step = pd.DataFrame(rows)
 
+    summary = fragmentation_summary(per_step, reservation, bs, paged_max)
+    return FragmentationResult(
+        per_step, summary, reservation, pool, rejected, pool // max(r_max, 1), paged_max, r_max
+    )
+
+
+def fragmentation_summary(
+    per_step: pd.DataFrame, reservation: str, block_size: int, paged_max: int
+) -> pd.DataFrame:
+    """One row per scheme: step means of reserved, used, internal fragmentation and unusable
+    slots, utilization (used / reserved over the run) and the most requests held at once."""
+
     def summarise(
         name: str, prefix: str, used_col: str, unusable_col: str, concurrent: int
     ) -> dict:
@@ -168,7 +180,7 @@ def fragmentation(result: RunResult, reservation: str = "max_model_len") -> Frag
             "최대 동시 요청": concurrent,
         }
 
-    summary = pd.DataFrame(
+    return pd.DataFrame(
         [
             summarise(
                 f"연속 예약 (R = {reservation})",
@@ -178,12 +190,13 @@ def fragmentation(result: RunResult, reservation: str = "max_model_len") -> Frag
                 int(per_step["contiguous_requests"].max()) if len(per_step) else 0,
             ),
             summarise(
-                f"블록 방식 (블록 {bs} 토큰)", "paged", "used_slots", "paged_unusable", paged_max
+                f"블록 방식 (블록 {block_size} 토큰)",
+                "paged",
+                "used_slots",
+                "paged_unusable",
+                paged_max,
             ),
         ]
-    )
-    return FragmentationResult(
-        per_step, summary, reservation, pool, rejected, pool // max(r_max, 1), paged_max, r_max
     )
 
 
