@@ -80,7 +80,8 @@ def lab() -> None:
         workload=first_workload(engine, max_tokens),
         workload_note=(
             f"워크로드: '{FIRST_PROMPT}' 요청 하나 (채팅 템플릿 포함), 출력 정확히 "
-            f"{max_tokens} 토큰 (종료 토큰이 나와도 멈추지 않음, ignore_eos; 위 max_tokens를 따름)"
+            f"{max_tokens} 토큰 (종료 토큰이 나와도 멈추지 않음, ignore_eos; 출력 수는 아래 "
+            "max_tokens 칸을 따름)"
         ),
         before=_predict,
         chapter_view=_compare,
