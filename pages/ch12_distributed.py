@@ -55,7 +55,6 @@ from ui.lab import (
     Side,
     _feeders,
     evidence_kind,
-    reset_lab,
     run_results,
     run_steps,
     set_playing,
@@ -514,9 +513,11 @@ def _not_started(sides: list[Side], question: str, model_config: LlamaConfig, tp
     """The real lab before its engines exist: the planned layout, the prediction, and the two
     buttons that start the worker processes (nothing heavy runs when the page opens)."""
     stale = st.session_state.pop(LIVE, None)
-    if stale is not None:  # the learner changed the layout: stop the old worker processes
-        reset_engine(TP_KEY)
-        reset_engine(PP_KEY)
+    if stale is not None:  # the learner changed the layout: stop the workers it no longer uses
+        now = dict(_signature(sides)[1])
+        for key, overrides in stale[1]:
+            if key != BASE_KEY and now.get(key) != overrides:
+                reset_engine(key)
     _planned_view(model_config, tp)
     evidence(
         "계산값",
@@ -546,14 +547,16 @@ def _not_started(sides: list[Side], question: str, model_config: LlamaConfig, tp
 
 
 def load_workload(ctx: LabContext, workload: Workload) -> None:
-    """Put the workload on every engine. Engines that have run nothing yet are used as they are
-    (no second start of their workers); used ones are rebuilt first, with a message."""
-    fresh = all(not ctx.records(s) and not ctx.engines[s.key].all_requests() for s in ctx.sides)
-    if not fresh:
-        n = _workers(ctx.sides)
-        with st.spinner(f"엔진을 새로 만드는 중… (워커 프로세스 {n}개를 다시 띄웁니다, 십수 초)"):
-            reset_lab(ctx, workload)
-        return
+    """Put the workload on every engine, each from step 0. An engine that has run nothing yet is
+    used as it is (its workers are not started twice); a used one is rebuilt first, with a
+    message while its workers start again."""
+    used = [s for s in ctx.sides if ctx.records(s) or ctx.engines[s.key].all_requests()]
+    n = _workers(used)
+    message = f"엔진을 새로 만드는 중… (워커 프로세스 {n}개를 다시 띄웁니다, 십수 초)"
+    with st.spinner(message if n else "엔진을 새로 만드는 중…"):
+        for side in used:
+            reset_engine(side.key)
+            ctx.engines[side.key] = get_engine(side.key, **side.overrides)
     for side in ctx.sides:
         feeder = WorkloadFeeder(ctx.engines[side.key], workload)
         ctx.feeders[side.key] = _feeders()[side.key] = feeder

@@ -129,6 +129,24 @@ def test_lab_runs_tp1_and_tp2_and_leaves_no_workers(tiny_model_dir):
         text = " ".join(m.value for m in at.markdown)
         assert "측정값" in text and "계산값" in text and "보고값" in text
         assert "all-reduce 4번" in text  # derived: 2 × 2 layers
+
+        # another layout goes back to the planned view; 실행 there starts the pp 2 engine, and
+        # runs the workload in one click (the engines that ran before are built anew, the new
+        # pp 2 engine is not started twice)
+        at.slider(key="ch12_requests").set_value(1).run()
+        at.checkbox(key="ch12_pp").check().run()
+        assert not at.exception, [e.value for e in at.exception]
+        assert at.button(key="ch12_start_run")
+        at.button(key="ch12_start_run").click().run()
+        assert not at.exception, [e.value for e in at.exception]
+        entries = at.session_state["_engines"]
+        assert entries["ch12_tpn"]["engine"] is not tp_engine
+        # the pp engine the start built is the one that ran: created before the rebuilt tp one
+        assert entries["ch12_pp2"]["created"] < entries["ch12_tpn"]["created"]
+        rerun = at.session_state["ch12_result"]
+        assert list(rerun.runs) == ["tp 1 × pp 1", "tp 2 × pp 1", "tp 1 × pp 2"]
+        assert all(len(run.result.requests) == 1 for run in rerun.runs.values())
+        assert rerun.summary["tp 1과 같은 출력"].all()
     finally:
         shutdown_all(at)
     assert set(multiprocessing.active_children()) - before == set()

@@ -36,8 +36,12 @@ def test_ch12_lab_in_browser(page, app_url):
     before = lab.plot_traces(page)
     assert any(n >= 12 for n in before), before  # the shard figure: 4 matrices × 3 ranks
     lab.click(page, "실행")
+    # 실행 starts the engines, then reruns the page to run the workload: wait past that rerun
+    page.get_by_text("전체 비교", exact=False).first.wait_for(timeout=STEP_TIMEOUT_MS)
+    lab.wait_idle(page)
+    lab.no_exception(page)
     body = page.inner_text("body")
-    assert "엔진 준비됨" in body and "tp 3 × pp 1" in body and "워커가 가진 것" in body
+    assert "tp 3 × pp 1" in body and "워커가 가진 것" in body
     assert "전체 비교" in body and "측정값" in body and "보고값" in body
     assert "all-reduce 60번" in body  # derived: 2 × 30 layers
     traces = lab.plot_traces(page)
