@@ -229,7 +229,14 @@ def _communication_view(ctx: LabContext, model_config: LlamaConfig, tp: int) -> 
         title=f"tp {tp}: 스텝마다 계산 시간과 통신 시간 (워커 rank 0)",
         xaxis_title="스텝",
         yaxis=dict(title="ms", rangemode="tozero"),
-        yaxis2=dict(title="all-reduce 횟수", overlaying="y", side="right", rangemode="tozero"),
+        yaxis2=dict(
+            title="all-reduce 횟수",
+            overlaying="y",
+            side="right",
+            range=[0, 1.2 * max(max(first["all_reduce_count"]), 1)],
+            tickformat="d",
+            showgrid=False,
+        ),
         legend=LEGEND_BELOW,
         margin=dict(l=10, r=10, t=40, b=90),
     )
