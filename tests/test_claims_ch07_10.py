@@ -28,6 +28,20 @@ SIM_SPEC = {
 MODES = [pytest.param("real", marks=pytest.mark.slow), "sim"]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Real-engine steps on one thread: on this shared 2-core machine two OpenMP threads per
+    step spin against the other processes and single steps stretch 10x at random (a 4-token
+    decode step measured 250-1,800 ms), which a worst-ITL statistic cannot absorb. One thread
+    keeps each step's time proportional to its work (ui/registry.py does the same per click)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def sim_factory(spec: dict):
     return lambda config: build_simulated_engine(spec, config)
 
