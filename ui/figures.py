@@ -2,8 +2,13 @@
 
 - journey_figure: one swimlane per request on a real millisecond axis
 - schedule_figure: per step, the tokens each request got (prefill vs decode) under the token budget
-- kv_grid_figure: the KV blocks of one snapshot, coloured by owner
+- kv_grid_figure: the KV blocks of one snapshot, coloured by owner (shared blocks: their own look)
 - kv_usage_figure: KV usage (%) over the steps
+- dual_axis_figure: two magnitudes over one x on two zero-based y axes (for chapter charts)
+
+Every chart's frame comes from chart_layout: the title on top, the legend in its own band just
+above the plot (never over data or ticks, also in a narrow column); magnitudes use zero_axis
+(from 0), categories category_axis.
 
 Each figure is first built as a plain dict in plotly's JSON shape (journey_spec, schedule_spec,
 kv_grid_spec, kv_usage_spec); the *_figure functions wrap that in a validated go.Figure. The lab
@@ -118,17 +123,23 @@ LEGEND_ROW_PX = 20
 LEGEND_FONT = 11
 
 
+def _legend_item_px(label) -> float:
+    """An entry's width as plotly lays it out: symbol and gaps (about 45 px) plus its text, Hangul
+    about twice as wide as a Latin letter (generous: an estimate must not fall short)."""
+    units = sum(2 if ord(ch) >= 0x1100 else 1 for ch in str(label))
+    return 50 + 0.64 * LEGEND_FONT * units
+
+
 def legend_rows(labels, width_px: int = NARROW_PX) -> int:
-    """How many rows a horizontal legend with these labels wraps into at `width_px` (an estimate:
-    a symbol of 40 px per item, Hangul twice as wide as Latin letters at the legend font)."""
-    rows, used = 0, width_px
-    for label in labels:
-        text = sum(2 if ord(ch) >= 0x1100 else 1 for ch in str(label))
-        width = 40 + 0.55 * LEGEND_FONT * text
-        if used + width > width_px:
-            rows, used = rows + 1, 0
-        used += width
-    return rows
+    """How many rows a horizontal legend with these labels takes at `width_px`. Plotly puts the
+    entries in one row when they fit; otherwise in columns as wide as the widest entry."""
+    widths = [_legend_item_px(label) for label in labels]
+    if not widths:
+        return 0
+    if sum(widths) <= width_px:
+        return 1
+    per_row = max(1, int(width_px // max(widths)))
+    return math.ceil(len(widths) / per_row)
 
 
 def chart_layout(
