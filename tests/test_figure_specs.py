@@ -83,6 +83,10 @@ def test_a_longer_legend_reserves_more_rows():
     assert long["margin"]["t"] > short["margin"]["t"]
     assert long["height"] - long["margin"]["t"] == short["height"] - short["margin"]["t"]
     assert "legend" not in figures.chart_layout("t") and not figures.chart_layout("t")["showlegend"]
+    # the journey's eight entries wrap into three columns of the widest entry at 380 px (as
+    # Chromium drew them); the estimate must not fall short of that
+    journey = ["tokenize", "대기열", "prefill", "decode", "API 수신", "첫 토큰", "스트리밍", "완료"]
+    assert figures.legend_rows(journey) >= 3
 
 
 def test_magnitudes_start_at_zero_and_lanes_are_categories(busy):
