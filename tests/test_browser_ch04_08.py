@@ -5,6 +5,8 @@ tests/screenshots/. Skips only where no Chromium (or Playwright) can be found.""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from _browser import SHOTS, LabDriver, chapter_fixtures
@@ -16,7 +18,6 @@ STEP_TIMEOUT_MS = 300_000
 # chapter url → (text that must be on the page, minimum plots after 실행). A lab engine's views
 # draw only their open tab (ui/lab.py, views): its journey, one plot per engine.
 CHAPTERS = {
-    "ch04": ("지연 시간", 3),
     "ch05": ("메모리 예산 계산기", 3),
     "ch06": ("연속 최대 길이 예약", 3),
     "ch07": ("같은 워크로드, 세 가지 방식", 6),
@@ -47,3 +48,42 @@ def test_chapter_lab_in_browser(page, app_url, chapter):
     page.locator(".js-plotly-plot").nth(before).scroll_into_view_if_needed()
     page.wait_for_timeout(500)
     page.screenshot(path=str(SHOTS / f"{chapter}_lab.png"))
+
+
+def _wait_for_the_run(page, timeout_ms: int = STEP_TIMEOUT_MS) -> None:
+    """실행 runs in slices (ui/lab.py, LabRun): the page goes idle between two of them while the
+    run's 정지 button stays. Wait until that button is gone and the page is idle."""
+    deadline = time.monotonic() + timeout_ms / 1000
+    while True:
+        lab.wait_idle(page)
+        lab.no_exception(page)
+        if page.get_by_role("button", name="정지", exact=True).count() == 0:
+            return
+        assert time.monotonic() < deadline, "실행 did not finish"
+        page.wait_for_timeout(1000)
+
+
+def test_ch04_lab_in_browser(page, app_url):
+    """The default run to its end on the real model: its claim above the lab, the journey with
+    r4 and r5 in the 대기열 colour, the per-request and distribution charts, the request table."""
+    from ui import figures
+    from ui.experiments import ch04
+
+    lab.open_chapter(page, app_url, "ch04")
+    body = page.inner_text("body")
+    assert "지연 시간" in body and ch04.CLAIM[:30] in body
+    button = page.get_by_role("button", name="실행", exact=True).first
+    button.scroll_into_view_if_needed()
+    button.click()
+    _wait_for_the_run(page)
+    traces = lab.plot_traces(page)
+    assert len(traces) >= 3 and all(n > 0 for n in traces), traces
+    queue = page.locator(".js-plotly-plot").first.evaluate(
+        "e => (e.data || []).filter(t => t.name === '대기열').map(t => [t.marker.color, t.y])"
+    )
+    assert queue and queue[0][0] == figures.SEGMENT_COLORS["대기열"]
+    assert {"r4", "r5"} <= set(queue[0][1])
+    assert "요청별 측정값" in page.inner_text("body")
+    page.locator(".js-plotly-plot").nth(1).scroll_into_view_if_needed()
+    page.wait_for_timeout(500)
+    page.screenshot(path=str(SHOTS / "ch04_lab.png"))
