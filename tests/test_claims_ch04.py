@@ -19,9 +19,7 @@ TABLE_ROUNDING_MS = 0.05
 
 def _run(model_dir, **workload) -> RunResult:
     """The page's default engine (the sidebar's defaults, the lab's overrides) on `model_dir`."""
-    config = EngineSettings(model=str(model_dir), device="cpu").to_config(
-        **ch04.engine_overrides()
-    )
+    config = EngineSettings(model=str(model_dir), device="cpu").to_config(**ch04.engine_overrides())
     return run_workload(config, ch04.lab_workload(**workload))
 
 
@@ -52,7 +50,9 @@ def assert_journey_agrees_with_table(res: RunResult) -> None:
         [(tok_start, tok_end)] = segments[(rid, "tokenize")]
         # tokenize: from the arrival, exactly as long as the tokenizer took (wall), under 1 ms here
         assert tok_start == pytest.approx(1000 * (m.arrival_time - t0), abs=1e-6)
-        assert tok_end - tok_start == pytest.approx(1000 * (tokenized.time - arrival.time), abs=1e-6)
+        assert tok_end - tok_start == pytest.approx(
+            1000 * (tokenized.time - arrival.time), abs=1e-6
+        )
         assert tok_end - tok_start < 1.0, (rid, tok_start, tok_end)
         # 대기열: from there to the first scheduling; the two add up to the table's 대기
         q_start, q_end = segments[(rid, "대기열")][0]
