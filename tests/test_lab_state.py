@@ -104,6 +104,7 @@ def test_a_run_to_the_end_stops_at_the_next_step_on_stop_or_reset(app, monkeypat
     import ui.lab as lab
 
     monkeypatch.setattr(lab, "slice_budget", lambda: 0.0)
+    monkeypatch.setattr(lab, "MAX_SLICE_S", 0.0)
     at = app
     _add_request(at, 30)
     at.button(key="main_to_end").click().run()
@@ -410,3 +411,37 @@ lab("cmp", sides, presets=None, workload=Workload.uniform(3, 8, 6), show_code_pa
     assert journey_end_ms(one) > journey_end_ms(many) > 0  # one slot: the requests take turns
     assert one["layout"]["xaxis"]["range"] == many["layout"]["xaxis"]["range"]
     assert one["layout"]["xaxis"]["range"][1] == pytest.approx(journey_end_ms(one) * 1.03)
+
+
+def test_a_slice_is_twice_the_redraw_between_slices_within_bounds(monkeypatch):
+    """LabRun.budget: the first slice takes the floor; later ones twice the gap since the last
+    slice ended (the redraw), never below the floor nor above MAX_SLICE_S; no floor, no limit."""
+    import ui.lab as lab
+
+    now = [100.0]
+    monkeypatch.setattr(lab.time, "perf_counter", lambda: now[0])
+    run = lab.LabRun(limit=50, total=50)
+    assert run.budget(0.3) == 0.3 and run.budget(None) is None
+    run.slice_end = 100.0
+    now[0] = 100.1  # a quick redraw
+    assert run.budget(0.3) == 0.3
+    now[0] = 100.5  # a redraw of 0.5 s
+    assert run.budget(0.3) == pytest.approx(1.0)
+    now[0] = 105.0
+    assert run.budget(0.3) == lab.MAX_SLICE_S
+    assert run.budget(None) is None
+
+
+def test_a_busy_cpu_gets_one_thread_per_step(monkeypatch):
+    """A lone learner's step uses torch's threads on a quiet machine, one where the load fills
+    every core (two torch threads then wait on each other: ui/registry.py, step_threads)."""
+    from ui import registry as reg
+
+    monkeypatch.delenv("LLM_LAB_STEP_THREADS", raising=False)
+    assert reg.step_threads(1, busy=False) == reg.DEFAULT_THREADS
+    assert reg.step_threads(1, busy=True) == 1
+    assert reg.step_threads(1, "3", busy=True) == 3  # a number in the environment wins
+    monkeypatch.setattr(reg.os, "getloadavg", lambda: (64.0, 0.0, 0.0))
+    assert reg.cpu_busy()
+    monkeypatch.setattr(reg.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert not reg.cpu_busy()

@@ -59,7 +59,8 @@ persist_key(_JOURNEYS)
 SPEEDS = [0.25, 0.5, 1.0, 2.0]
 MAX_STEPS = 2000
 MAX_N = 500  # N 스텝 at most
-SLICE_S = 0.3  # served: one fragment rerun of a run steps this long at most, then redraws
+SLICE_S = 0.3  # served: one fragment rerun of a run steps at least this long, then redraws
+MAX_SLICE_S = 2.0  # ... and at most this long (a slice is twice the redraw between two slices)
 RUN_TICK_S = 0.1  # the fragment's timer while a run goes on (the reruns then follow each other)
 
 # English prompts first: the 135M default model answers them sensibly (its Korean is poor, as
@@ -415,6 +416,17 @@ class LabRun:
     total: int  # expected steps (the progress bar's 100 %)
     done: int = 0
     started: float = field(default_factory=time.perf_counter)
+    slice_end: float | None = None  # when the last slice ended (the redraw came after it)
+
+    def budget(self, floor_s: float | None) -> float | None:
+        """This slice's seconds: at least `floor_s`, and twice the time the last redraw took
+        (the gap since the last slice), so that stepping, not redrawing three engines' views,
+        takes most of a run's time; at most MAX_SLICE_S. A waiting click ends any slice after
+        its step in progress (click_pending), so a longer slice never delays 정지."""
+        if floor_s is None or self.slice_end is None:
+            return floor_s
+        redraw = time.perf_counter() - self.slice_end
+        return min(max(floor_s, 2 * redraw), MAX_SLICE_S)
 
     def label(self) -> str:
         shown = max(self.total, self.done)
@@ -433,8 +445,9 @@ def active_run(key: str) -> LabRun | None:
 
 
 def slice_budget() -> float | None:
-    """Seconds one script run may step a run: SLICE_S in the served app; no limit under AppTest,
-    where no timer fires (the whole run then happens in the click's own script run)."""
+    """Seconds one script run steps a run at least (LabRun.budget): SLICE_S in the served app; no
+    limit under AppTest, where no timer fires (the whole run then happens in the click's own
+    script run)."""
     return SLICE_S if is_served() else None
 
 
@@ -483,6 +496,7 @@ def advance_run(
     if run is None:
         return 0
     bar = _run_bar(ctx, run)
+    budget_s = run.budget(budget_s)
     start, stepped, finished = time.perf_counter(), 0, False
     while run.done < run.limit:
         if not step_all(ctx):
@@ -493,6 +507,7 @@ def advance_run(
         bar.progress(run.fraction(), text=run.label())
         if stop() or (budget_s is not None and time.perf_counter() - start >= budget_s):
             break
+    run.slice_end = time.perf_counter()
     if finished or run.done >= run.limit:
         st.session_state.pop(_RUN.format(ctx.key), None)
         bar.empty()

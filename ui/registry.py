@@ -577,19 +577,31 @@ DEFAULT_THREADS = (
 )  # torch's own choice at start (the cores, or OMP_NUM_THREADS)
 
 
-def step_threads(active_sessions: int, setting: str | None = None) -> int:
+def step_threads(active_sessions: int, setting: str | None = None, busy: bool = False) -> int:
     """Intra-op threads for one engine step. A lone learner gets every core torch would use. With
-    several learners clicking, each step gets one: their steps then run side by side on different
-    cores instead of each splitting every matmul over cores the others need. Measured on the
-    2-vCPU box under load: a decode step took 1,464 ms wall and 574 CPU-ms with 2 threads, 206 ms
-    and 84 CPU-ms with 1. LLM_LAB_STEP_THREADS: "auto" (this rule, the default) or a number."""
+    several learners clicking, or a CPU already busy with other work (`busy`), each step gets one:
+    steps then run side by side on different cores instead of each splitting every matmul over
+    cores something else needs, where torch's threads wait on each other. Measured on the 2-vCPU
+    box under load: a decode step took 1,464 ms wall and 574 CPU-ms with 2 threads, 206 ms and
+    84 CPU-ms with 1; chapter 07's default run (115 steps of three engines) took 214 s with 2
+    threads and 18 s with 1 while other processes kept the load above 2 (14 s with 2 threads on
+    a quiet moment). LLM_LAB_STEP_THREADS: "auto" (this rule, the default) or a number."""
     setting = (setting or os.environ.get("LLM_LAB_STEP_THREADS", "auto")).strip().lower()
     if setting != "auto":
         try:
             return max(1, int(setting))
         except ValueError:
             _LOG.warning("ignoring LLM_LAB_STEP_THREADS=%r (not 'auto' or a number)", setting)
-    return 1 if active_sessions > 1 else DEFAULT_THREADS
+    return 1 if active_sessions > 1 or busy else DEFAULT_THREADS
+
+
+def cpu_busy() -> bool:
+    """Whether the machine's run queue (1-minute load average) fills every core: more torch
+    threads would then only queue behind other work."""
+    try:
+        return os.getloadavg()[0] >= (os.cpu_count() or 1)
+    except OSError:
+        return False
 
 
 def apply_step_threads() -> int:
@@ -597,7 +609,7 @@ def apply_step_threads() -> int:
     AppTest and pytest, threads stay as they are). Returns the count in force."""
     if not is_served():
         return torch.get_num_threads()
-    threads = step_threads(get_registry().active_sessions())
+    threads = step_threads(get_registry().active_sessions(), busy=cpu_busy())
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return threads
