@@ -39,6 +39,12 @@ def test_chapter_lab_in_browser(page, app_url, chapter):
     button.scroll_into_view_if_needed()
     button.click()
     lab.wait_idle(page)
+    # a long run goes on in slices on the lab's timer (ui/lab.py, run_steps) and the page is idle
+    # between slices: wait until the run's progress bar ("… (예상) · 남은 시간 …") is gone
+    page.wait_for_function(
+        "!document.body.innerText.includes('(예상) · 남은 시간')", timeout=STEP_TIMEOUT_MS
+    )
+    lab.wait_idle(page)
     lab.no_exception(page)
     traces = lab.plot_traces(page)
     assert len(traces) >= max(min_plots, before + 1), traces
