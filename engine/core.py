@@ -21,7 +21,7 @@ from engine.config import EngineConfig
 from engine.executor import Executor, ExecutorDiedError, UniProcExecutor
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunnerOutput
-from engine.models.llama import LlamaConfig
+from engine.models.config import LlamaConfig
 from engine.output import OutputProcessor, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import InvalidRequestError, SamplingParams

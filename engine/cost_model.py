@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from engine.models.llama import LlamaConfig
+from engine.models.config import LlamaConfig
 from engine.presets import DTYPE_BYTES, HardwarePreset
 
 

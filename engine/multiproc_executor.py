@@ -80,9 +80,9 @@ import torch.nn.functional as F
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES
 from engine.executor import Executor, ExecutorDiedError
 from engine.model_runner import ModelRunner, ModelRunnerOutput
+from engine.models.config import LlamaConfig
 from engine.models.llama import (
     FLOAT32_LINEAR_ENV,
-    LlamaConfig,
     LlamaModel,
     float32_linear_backend,
     linear,

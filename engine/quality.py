@@ -74,7 +74,7 @@ DEFAULT_VARIANTS = tuple(
 def load_variant(model_dir, variant: Variant, device="cpu", kernels: str = "auto"):
     """The engine's model (a LlamaModel) for this variant, loaded the way an engine loads it."""
     from engine import worker
-    from engine.models.llama import LlamaConfig
+    from engine.models.config import LlamaConfig
     from engine.quantization import check_quantization, load_quantized_model
 
     device = torch.device(device)

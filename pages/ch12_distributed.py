@@ -18,7 +18,7 @@ import streamlit as st
 from plotly.subplots import make_subplots
 
 from engine.artifact import resolve_model_path
-from engine.models.llama import LlamaConfig
+from engine.models.config import LlamaConfig
 from engine.multiproc_executor import (
     MultiprocExecutor,
     all_reduces_per_step,
@@ -49,11 +49,11 @@ from ui.experiments.ch12 import (
     tp_scaling,
 )
 from ui.errors import show_error
-from ui.experiments.common import Workload, WorkloadFeeder, is_simulated
+from ui.experiments.common import Workload, is_simulated
 from ui.lab import (
     LabContext,
     Side,
-    _feeders,
+    attach_workload,
     evidence_kind,
     run_results,
     run_steps,
@@ -565,8 +565,7 @@ def load_workload(ctx: LabContext, workload: Workload) -> None:
             reset_engine(side.key)
             ctx.engines[side.key] = get_engine(side.key, **side.overrides)
     for side in ctx.sides:
-        feeder = WorkloadFeeder(ctx.engines[side.key], workload)
-        ctx.feeders[side.key] = _feeders()[side.key] = feeder
+        attach_workload(ctx, side.key, workload)
 
 
 def _run_buttons(ctx: LabContext, workload: Workload) -> None:

@@ -49,7 +49,7 @@ def shutdown_all(at: AppTest) -> None:
 
 
 def test_matrix_cuts_follow_the_layout():
-    from engine.models.llama import LlamaConfig
+    from engine.models.config import LlamaConfig
 
     cfg = LlamaConfig(
         vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,

@@ -113,7 +113,7 @@ def base_bytes(model_dir) -> int:
 
 @pytest.mark.slow  # starts 3 + 2 worker processes: ~60-90 s on a shared CPU
 def test_ch12_default_layouts_agree_and_hold_the_planned_bytes(default_model_dir):
-    from engine.models.llama import LlamaConfig
+    from engine.models.config import LlamaConfig
     from ui.experiments.ch12 import DEFAULT_TP, compare_layouts, lab_workload, planned_layout
 
     cfg = settings(default_model_dir).to_config(device="cpu", enable_prefix_caching=False)

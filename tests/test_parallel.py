@@ -22,7 +22,7 @@ import torch
 from _tiny import TINY_VOCAB_SIZE, run_engine
 from engine import SamplingParams
 from engine.executor import ExecutorDiedError
-from engine.models.llama import LlamaConfig
+from engine.models.config import LlamaConfig
 from engine.multiproc_executor import (
     check_parallel_sizes,
     head_ranges,

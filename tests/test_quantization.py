@@ -293,7 +293,7 @@ def test_outlier_demo_shows_one_weight_coarsening_its_whole_row():
     ],
 )
 def test_bad_quantization_requests_name_what_is_supported(tiny_model_dir, args, message):
-    from engine.models.llama import LlamaConfig
+    from engine.models.config import LlamaConfig
 
     import re
 
@@ -370,7 +370,7 @@ def test_gguf_blocks_are_the_default_artifacts_weights(default_model_dir):
     """The default artifact was dequantized from the same Q4_1 blocks, so reading the blocks
     directly and dequantizing them gives back its float32 weights exactly (Q and K rows
     un-permuted from llama.cpp's rope layout)."""
-    from engine.models.llama import LlamaConfig
+    from engine.models.config import LlamaConfig
     from engine.quantization import gguf_source, read_gguf_linears
 
     cfg = LlamaConfig.from_model_dir(default_model_dir)

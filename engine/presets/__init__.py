@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.models.llama import LlamaConfig
+from engine.models.config import LlamaConfig
 
 PRESETS_DIR = Path(__file__).resolve().parent
 GB = 10**9  # vendors' GB (10⁹ B), as datasheets print them
