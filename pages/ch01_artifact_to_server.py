@@ -17,7 +17,7 @@ from ui.experiments.ch01 import (
     send_http_request,
 )
 from ui.lesson import render_chapter
-from ui.lab import show_decision
+from ui.lab import input_notes, number_field, show_decision
 from ui.predict import compare, predict
 from ui.session import build_engine, conditions_of, current_settings
 from ui.widgets import evidence, show_code
@@ -184,7 +184,8 @@ def http_lab() -> None:
     )
     c1, c2 = st.columns([3, 1])
     prompt = c1.text_input("보낼 메시지", HTTP_PROMPT, key="ch01_prompt")
-    max_tokens = c2.number_input("max_tokens", 1, 128, HTTP_MAX_TOKENS, key="ch01_max_tokens")
+    max_tokens = number_field(c2, "max_tokens", "ch01_max_tokens", HTTP_MAX_TOKENS, 1, 128)
+    input_notes("ch01_max_tokens")
     predict(
         "ch01_ttft", "이 요청의 서버 안 TTFT(도착 → 첫 토큰)는 몇 ms일까요?", unit="ms", step=10.0
     )

@@ -197,6 +197,18 @@ def wait_idle(page, timeout_ms: int, settle_ms: int = 300) -> None:
     page.wait_for_timeout(settle_ms)
 
 
+def wait_run_over(page, timeout_ms: int) -> None:
+    """Wait for a lab's sliced run (끝까지, N 스텝, 실행: ui/lab.py's LabRun) to end. The page goes
+    idle between two slices while the run's 정지 button stays, so idle alone is not the end."""
+    deadline = time.monotonic() + timeout_ms / 1000
+    while True:
+        wait_idle(page, timeout_ms, settle_ms=300)
+        if page.get_by_role("button", name="정지", exact=True).count() == 0:
+            return
+        assert time.monotonic() < deadline, "the lab's run did not end"
+        page.wait_for_timeout(500)
+
+
 def open_tab(page, label: str, timeout_ms: int, nth: int = 0) -> None:
     """Click the nth tab labelled `label` (a lab draws three tabs per engine: 요청 여정, 스케줄러
     결정, KV 캐시). Only the open tab is drawn (ui/lab.py, views), so the click reruns the lab:
@@ -248,7 +260,9 @@ class LabDriver:
         )
 
     def wait_idle(self, pg) -> None:
-        wait_idle(pg, self.timeout_ms, settle_ms=500)
+        """Wait for the click's script run and for the lab run it may have started."""
+        wait_run_over(pg, self.timeout_ms)
+        pg.wait_for_timeout(200)
 
     def no_exception(self, pg) -> None:
         errors = pg.locator(self.errors)

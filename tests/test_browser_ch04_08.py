@@ -5,8 +5,6 @@ tests/screenshots/. Skips only where no Chromium (or Playwright) can be found.""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from _browser import SHOTS, LabDriver, chapter_fixtures
@@ -38,13 +36,7 @@ def test_chapter_lab_in_browser(page, app_url, chapter):
     button = page.get_by_role("button", name="실행", exact=True).first
     button.scroll_into_view_if_needed()
     button.click()
-    lab.wait_idle(page)
-    # a long run goes on in slices on the lab's timer (ui/lab.py, run_steps) and the page is idle
-    # between slices: wait until the run's progress bar ("… (예상) · 남은 시간 …") is gone
-    page.wait_for_function(
-        "!document.body.innerText.includes('(예상) · 남은 시간')", timeout=STEP_TIMEOUT_MS
-    )
-    lab.wait_idle(page)
+    lab.wait_idle(page)  # until the sliced run's 정지 button is gone (_browser.wait_run_over)
     lab.no_exception(page)
     traces = lab.plot_traces(page)
     assert len(traces) >= max(min_plots, before + 1), traces
@@ -54,19 +46,6 @@ def test_chapter_lab_in_browser(page, app_url, chapter):
     page.locator(".js-plotly-plot").nth(before).scroll_into_view_if_needed()
     page.wait_for_timeout(500)
     page.screenshot(path=str(SHOTS / f"{chapter}_lab.png"))
-
-
-def _wait_for_the_run(page, timeout_ms: int = STEP_TIMEOUT_MS) -> None:
-    """실행 runs in slices (ui/lab.py, LabRun): the page goes idle between two of them while the
-    run's 정지 button stays. Wait until that button is gone and the page is idle."""
-    deadline = time.monotonic() + timeout_ms / 1000
-    while True:
-        lab.wait_idle(page)
-        lab.no_exception(page)
-        if page.get_by_role("button", name="정지", exact=True).count() == 0:
-            return
-        assert time.monotonic() < deadline, "실행 did not finish"
-        page.wait_for_timeout(1000)
 
 
 def test_ch04_lab_in_browser(page, app_url):
@@ -81,7 +60,8 @@ def test_ch04_lab_in_browser(page, app_url):
     button = page.get_by_role("button", name="실행", exact=True).first
     button.scroll_into_view_if_needed()
     button.click()
-    _wait_for_the_run(page)
+    lab.wait_idle(page)
+    lab.no_exception(page)
     traces = lab.plot_traces(page)
     assert len(traces) >= 3 and all(n > 0 for n in traces), traces
     queue = page.locator(".js-plotly-plot").first.evaluate(

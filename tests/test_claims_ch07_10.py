@@ -16,7 +16,7 @@ import math
 import pytest
 
 from engine.kv_cache import KVSnapshot
-from ui.experiments import ch07, ch08, ch09, ch10
+from ui.experiments import ch07, ch08, ch09, ch10, common
 from ui.session import EngineSettings
 from ui.simulation import DEFAULT_HARDWARE, DEFAULT_MODEL_PRESET, build_simulated_engine
 
@@ -204,7 +204,7 @@ def test_ch10_default_hits_and_lowers_the_later_ttfts(default_model_dir):
         ch10.DEFAULT_GAP_MS["shared"],
         ch10.LAB_MAX_TOKENS,
     )
-    result = ch10.prefix_comparison(ch07.run_lockstep(configs, workload))
+    result = ch10.prefix_comparison(common.run_lockstep(configs, workload))
     t = result.table.set_index("요청")
     later = t.index[1:]
     assert (t.loc[later, "히트 토큰 (켬)"] > 0).all()

@@ -211,6 +211,12 @@ def _context(key: str, sides: list[Side]) -> LabContext | None:
     return LabContext(key, sides, engines, feeders)
 
 
+def attach_workload(ctx: LabContext, side_key: str, workload: Workload) -> None:
+    """Feed `workload` to the side's current engine from its next step (kept across reruns)."""
+    feeder = WorkloadFeeder(ctx.engines[side_key], workload)
+    ctx.feeders[side_key] = _feeders()[side_key] = feeder
+
+
 def reset_lab(ctx: LabContext, workload: Workload | None = None) -> LabContext:
     """Fresh engines for every side (records cleared); with a workload, fed from step 0."""
     for side in ctx.sides:
@@ -220,7 +226,7 @@ def reset_lab(ctx: LabContext, workload: Workload | None = None) -> LabContext:
         ctx.engines[side.key] = engine
         ctx.feeders[side.key] = None
         if workload is not None:
-            ctx.feeders[side.key] = _feeders()[side.key] = WorkloadFeeder(engine, workload)
+            attach_workload(ctx, side.key, workload)
     return ctx
 
 
@@ -314,6 +320,8 @@ def _request_panel(
     workload_note: str,
 ) -> None:
     key = ctx.key
+    if workload is None and not presets:
+        return  # the page feeds this lab itself (ch12's start buttons): no empty box
     with st.container(border=True):
         st.markdown("**요청 넣기**")
         if workload is not None:

@@ -1,11 +1,10 @@
 """Engine-driving experiments, one module per chapter beside the shared run code (no Streamlit).
 
-    common.py  workloads, WorkloadFeeder (arrivals on the engine clock), RunResult, run_workload
-    ch04.py    metric definitions, percentiles, the latest bench JSON
-    ch05.py    our model loaded per dtype: bytes and decode speed
-    ch06.py    contiguous reservation vs paged blocks on the same run
-    ch07.py    sequential vs static vs continuous batching
-    ch08.py    chunked prefill on/off under one token budget
+    common.py  workloads, WorkloadFeeder (arrivals on the engine clock), RunResult,
+               run_workload, run_lockstep (several engines stepped in turn)
+    chNN.py    what chapter NN's lab computes: its default workload, its claim, its summaries
+               (e.g. ch04 metric definitions and percentiles, ch07 the batching modes, ch08
+               chunked prefill on/off with the same requests accepted on both sides)
 
 Every latency comes from engine.request.RequestMetrics on the engine clock.
 """

@@ -11,6 +11,7 @@ from engine.core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.utils import cdiv
 from ui.experiments.common import ConfigLike, make_config, measurement_conditions
+from ui.tokens import token_text
 
 # The lab's defaults (the page's widgets start here; the claim tests run them).
 DEFAULT_MODEL = "llama-3.1-8b"  # model preset of the calculator and the capacity run
@@ -146,7 +147,7 @@ def measure_dtype(
     m = request.metrics(clock="engine")
     n = m.num_output_tokens
     tpot = m.tpot if m.tpot is not None else 0.0
-    text = engine.tokenizer.decode(request.output_token_ids)
+    text, _ = token_text(engine.tokenizer, request.output_token_ids)  # no U+FFFD at a cut
     divergence = None
     if reference is not None:
         pairs = zip(reference.token_ids, request.output_token_ids)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pandas as pd
 import plotly.graph_objects as go
 
-from ui.experiments.ch07 import run_lockstep
+from ui.experiments.common import run_lockstep
 from ui.experiments.common import (
     ConfigLike,
     RequestSpec,

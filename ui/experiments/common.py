@@ -474,3 +474,26 @@ def run_workload(
         if on_step is not None:
             on_step(record)
     return result_of(feeder, records, label)
+
+
+def run_lockstep(
+    configs: dict[str, ConfigLike], workload: Workload, engine_factory=None, max_steps: int = 2000
+) -> dict[str, RunResult]:
+    """The same workload on one fresh engine per config, stepped in lockstep as the lab does (one
+    step of each in turn): a busy machine slows every engine alike, so their engine clocks stay
+    comparable."""
+    factory = engine_factory or EngineCore
+    feeders = {
+        label: WorkloadFeeder(factory(make_config(c)), workload) for label, c in configs.items()
+    }
+    records: dict[str, list] = {label: [] for label in configs}
+    for _ in range(max_steps):
+        stepped = False
+        for label, feeder in feeders.items():
+            record = feeder.step()
+            if record is not None:
+                records[label].append(record)
+                stepped = True
+        if not stepped:
+            break
+    return {label: result_of(feeders[label], records[label], label) for label in configs}
