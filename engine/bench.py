@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from engine.tools.workload import WorkItem, make_workload, percentiles, poisson_arrivals
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench-results"
 LATEST_RESULTS = RESULTS_DIR / "latest.json"
@@ -158,19 +159,6 @@ def _best_time(fn, device: torch.device, repeats: int, budget_s: float = 20.0) -
         if i >= 1 and time.perf_counter() - began > budget_s:
             break
     return best
-
-
-def percentiles(values: list[float], ps=(50, 90, 99)) -> dict[str, float | None]:
-    """Linear-interpolated percentiles (p50/p90/p99) of a list; None for an empty list."""
-    if not values:
-        return {f"p{p}": None for p in ps}
-    xs = sorted(values)
-    out = {}
-    for p in ps:
-        k = (len(xs) - 1) * p / 100
-        lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-        out[f"p{p}"] = xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,32 +303,6 @@ def rooflines(ceilings: dict, numbers: dict, dtype: torch.dtype) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # 2. The workload and offline throughput
-
-
-@dataclass
-class WorkItem:
-    prompt_token_ids: list[int]
-    output_len: int
-
-
-def make_workload(
-    num_requests: int,
-    prompt_len: tuple[int, int],
-    output_len: tuple[int, int],
-    seed: int,
-    vocab_size: int,
-    special_ids=(),
-) -> list[WorkItem]:
-    """Seeded random prompts (token ids drawn uniformly, specials excluded) with mixed lengths."""
-    rng = random.Random(seed)
-    low = max(special_ids, default=-1) + 1
-    items = []
-    for _ in range(num_requests):
-        n = rng.randint(*prompt_len)
-        items.append(
-            WorkItem([rng.randrange(low, vocab_size) for _ in range(n)], rng.randint(*output_len))
-        )
-    return items
 
 
 def _params(item: WorkItem):
@@ -515,11 +477,7 @@ def probe_workload(
 
 
 async def _poisson_run(async_llm, workload: list[WorkItem], rate: float, seed: int) -> dict:
-    rng = random.Random(seed)
-    offsets, t = [], 0.0
-    for _ in workload:
-        offsets.append(t)
-        t += rng.expovariate(rate)
+    offsets = poisson_arrivals(len(workload), rate, seed)
     t0 = time.perf_counter()
 
     async def one(item: WorkItem, offset: float):
@@ -1626,7 +1584,8 @@ def simulator_fidelity(
     from engine.calibration import CalibrationWorkload, calibrate, run_real_steps
     from engine.core import EngineCore
     from engine.presets import model_preset_from_dir
-    from engine.simulator import SimRequest, simulate, summarize
+    from engine.simulator import simulate, summarize
+    from engine.tools.workload import SimRequest
 
     cw = CalibrationWorkload.quick() if config.quick else CalibrationWorkload()
     cw.max_num_seqs, cw.max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens

@@ -311,7 +311,7 @@ def calibrate(
     import torch
 
     from engine.core import EngineCore
-    from engine.simulator import poisson_workload
+    from engine.tools.workload import poisson_workload
 
     w = workload or (CalibrationWorkload.quick() if quick else CalibrationWorkload())
     engine = EngineCore(

@@ -53,8 +53,8 @@ def measure(llm, workload, decode_workload) -> dict:
 
 def run_parallel(llm, config, log=print) -> dict:
     """The baseline `llm` (tp 1) and a tp × pp engine on the same requests."""
-    from engine.bench import make_workload
     from engine.llm import LLM
+    from engine.tools.workload import make_workload
 
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     engine = llm.engine

@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import pickle
-import random
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -69,6 +68,7 @@ from engine.request import Request, RequestMetrics
 from engine.sampler import SampleResult
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SchedulerOutput
+from engine.tools.workload import SimRequest, percentiles, poisson_workload
 from engine.trace import StepRecord
 from engine.utils import cdiv
 
@@ -576,46 +576,6 @@ def make_simulated_engine(
 
 
 @dataclass
-class SimRequest:
-    """One request of a workload: its prompt, its arrival (engine seconds), its answer's length."""
-
-    prompt_token_ids: list[int]
-    output_len: int  # target length: EOS after this many tokens
-    arrival: float = 0.0
-    max_tokens: int | None = None  # None: output_len (the request then ends by length)
-    ignore_eos: bool = False
-
-
-def poisson_workload(
-    num_requests: int,
-    rate: float | None,
-    prompt_len: tuple[int, int],
-    output_len: tuple[int, int],
-    vocab_size: int,
-    seed: int = 0,
-    special_ids=(),
-) -> list[SimRequest]:
-    """Seeded random prompts and target lengths (uniform in the ranges) with Poisson arrivals at
-    `rate` requests/s (None: all at time 0). max_tokens is the range's maximum, so EOS ends them."""
-    if num_requests < 1:
-        raise ValueError(f"num_requests must be at least 1, got {num_requests}")
-    if rate is not None and not rate > 0:
-        raise ValueError(f"rate must be a positive number of requests per second, got {rate}")
-    for name, (lo, hi) in (("prompt_len", prompt_len), ("output_len", output_len)):
-        if not 1 <= lo <= hi:
-            raise ValueError(f"{name} must be MIN MAX with 1 ≤ MIN ≤ MAX, got {lo} {hi}")
-    from engine.bench import make_workload
-
-    items = make_workload(num_requests, prompt_len, output_len, seed, vocab_size, special_ids)
-    rng, t, out = random.Random(seed + 1), 0.0, []
-    for item in items:
-        out.append(SimRequest(item.prompt_token_ids, item.output_len, t, max_tokens=output_len[1]))
-        if rate is not None:
-            t += rng.expovariate(rate)
-    return out
-
-
-@dataclass
 class SimulationResult:
     records: list[StepRecord]
     requests: list[Request]
@@ -664,8 +624,6 @@ def run_workload(
 
 def summarize(metrics: list[RequestMetrics], records: list[StepRecord]) -> dict:
     """Latency percentiles and throughput on the engine clock (seconds)."""
-    from engine.bench import percentiles
-
     first = min(m.arrival_time for m in metrics)
     last = max(m.finish_time for m in metrics if m.finish_time is not None)
     output_tokens = sum(m.num_output_tokens for m in metrics)

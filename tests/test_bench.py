@@ -13,6 +13,7 @@ import pytest
 from _tiny import TINY_VOCAB_SIZE
 from engine import bench
 from engine.__main__ import main
+from engine.tools.workload import make_workload
 
 # --quick plus an even smaller workload: a few seconds on the tiny model, every section still runs.
 SMALL = [
@@ -102,7 +103,7 @@ def test_ceilings_and_rooflines_are_consistent(bench_run):
 def test_offline_counts_only_useful_tokens(bench_run):
     results = json.loads(bench_run[0].read_text())
     off = results["offline"]
-    workload = bench.make_workload(5, (8, 40), (3, 9), 0, TINY_VOCAB_SIZE, range(3))
+    workload = make_workload(5, (8, 40), (3, 9), 0, TINY_VOCAB_SIZE, range(3))
     useful = sum(w.output_len for w in workload)
     assert off["engine"]["output_tokens"] == useful == off["transformers"]["output_tokens"]
     hf = off["transformers"]
@@ -172,22 +173,6 @@ def test_load_latest_results_reads_back_what_was_saved(bench_run, tmp_path):
     assert bench.load_latest_results(tmp_path / "missing.json") is None
     copy = bench.save_results(results, tmp_path / "sub" / "latest.json")
     assert bench.load_latest_results(copy) == results
-
-
-def test_workload_is_seeded_and_within_its_ranges():
-    a = bench.make_workload(20, (16, 512), (16, 256), 7, 49152, range(17))
-    b = bench.make_workload(20, (16, 512), (16, 256), 7, 49152, range(17))
-    assert [(w.prompt_token_ids, w.output_len) for w in a] == [
-        (w.prompt_token_ids, w.output_len) for w in b
-    ]
-    assert all(16 <= len(w.prompt_token_ids) <= 512 and 16 <= w.output_len <= 256 for w in a)
-    assert all(17 <= t < 49152 for w in a for t in w.prompt_token_ids)  # no special tokens
-
-
-def test_percentiles_interpolate():
-    p = bench.percentiles([1.0, 2.0, 3.0, 4.0, 5.0])
-    assert p == {"p50": 3.0, "p90": pytest.approx(4.6), "p99": pytest.approx(4.96)}
-    assert bench.percentiles([]) == {"p50": None, "p90": None, "p99": None}
 
 
 def test_llama_cpp_peer_is_optional_and_isolated(monkeypatch, tmp_path):

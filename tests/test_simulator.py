@@ -27,13 +27,12 @@ from engine.presets import (
 from engine.request import RequestMetrics
 from engine.sampling_params import SamplingParams
 from engine.simulator import (
-    SimRequest,
     make_simulated_engine,
     plan_memory,
-    poisson_workload,
     run_workload,
     simulate,
 )
+from engine.tools.workload import SimRequest, poisson_workload
 from engine.trace import StepRecord
 
 REPORTED_PARAMS = {  # model cards, rounded (reported); the presets' counts are computed from shapes

@@ -213,7 +213,8 @@ def simulate_capacity(
     budget (engine/simulator.py's plan). The real scheduler then admits, queues and preempts
     them; this reports what it did. Times are 계산값 (the cost model)."""
     from engine.presets import load_model_preset
-    from engine.simulator import SimRequest, simulate
+    from engine.simulator import simulate
+    from engine.tools.workload import SimRequest
 
     preset = load_model_preset(model_preset)
     seq_len = min(seq_len, preset.config.max_position_embeddings)

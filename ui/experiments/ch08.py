@@ -182,8 +182,8 @@ def budget_sweep(
     simulated engine, one run per max_num_batched_tokens: the chunked-prefill trade-off at
     8B/70B scale. A small budget cuts long prompts into many chunks (ITL of the others stays
     low, TTFT of the long ones grows); a large one does the reverse."""
-    from engine.bench import percentiles
     from engine.simulator import simulate
+    from engine.tools.workload import percentiles
 
     rows = []
     for i, budget in enumerate(budgets):
