@@ -10,11 +10,10 @@ import torch
 from _tiny import TINY_VOCAB_SIZE, run_engine
 from engine import InvalidRequestError, SamplingParams
 from engine.core import EngineCore
-from engine.trace import (
-    PHASES,
+from engine.trace import PHASES, record_to_dict
+from ui.trace_frames import (
     journey_dataframe,
     kv_blocks_dataframe,
-    record_to_dict,
     steps_dataframe,
     timings_dataframe,
     unscheduled_dataframe,
@@ -506,27 +505,31 @@ def test_abort_frees_the_blocks_at_once(make_engine):
 
 def test_chunked_prefill_off_with_small_budget_cannot_livelock(make_engine):
     """Without chunking, a request preempted after generating tokens must be recomputed (prompt +
-    output) in one step: with a budget below max_model_len that could never fit again. Either such a
-    config is refused up front, or every request finishes."""
-    try:
-        engine = make_engine(
-            block_size=4,
-            num_kv_blocks=5,
-            max_model_len=20,
-            max_num_batched_tokens=8,
-            enable_chunked_prefill=False,
-            enable_prefix_caching=False,
+    output) in one step: with a budget below max_model_len that could never fit again, so such a
+    config is refused up front; with the smallest budget allowed (= max_model_len) a preempted
+    request is recomputed whole in one step and every request finishes."""
+    small = dict(
+        block_size=4,
+        num_kv_blocks=5,
+        max_model_len=20,
+        enable_chunked_prefill=False,
+        enable_prefix_caching=False,
+    )
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\) must be at least"):
+        make_engine(**small, max_num_batched_tokens=8)
+    engine = make_engine(**small, max_num_batched_tokens=20)
+    for rid in "ab":  # 3 + 12 tokens each: 4 blocks each, 5 in the cache, so one is preempted
+        engine.add_request(
+            prompt_token_ids=ids(3),
+            request_id=rid,
+            sampling_params=SamplingParams(max_tokens=12, **GREEDY),
         )
-        for rid in "ab":
-            engine.add_request(
-                prompt_token_ids=ids(3),
-                request_id=rid,
-                sampling_params=SamplingParams(max_tokens=12, **GREEDY),
-            )
-    except (ValueError, InvalidRequestError):
-        return
     records, final, _ = run(engine, max_steps=300)
     assert set(final) == {"a", "b"}
+    assert all(len(out.token_ids) == 12 for out in final.values())
+    assert sum(len(r.preempted) for r in records) > 0
+    recomputed = [s for r in records for s in r.scheduled if s.num_recomputed_tokens > 0]
+    assert any(s.num_tokens > 8 for s in recomputed)  # more than the refused budget, in one step
 
 
 # -- prefix caching through the engine --------------------------------------------------------
@@ -616,7 +619,7 @@ def test_logprobs_are_returned(engine):
 def test_a_request_whose_sampling_fails_fails_alone(make_engine, monkeypatch):
     """The sampler raises whenever request "bad" is in its batch: the batch is retried row by row,
     only "bad" ends with finish_reason "error", the others finish as if nothing happened."""
-    from engine.sampler import Sampler
+    from engine.worker.sampler import Sampler
 
     prompts = {"ok1": ids(9, 11), "bad": ids(12, 12), "ok2": ids(20, 13)}
     clean = generate(make_engine(), prompts, SamplingParams(max_tokens=6, **GREEDY))[1]

@@ -24,7 +24,7 @@ from engine.core import EngineCore
 from engine.sampler import Sampler
 from engine.spec_decode import NgramProposer, RejectionSampler, SpeculativeConfig
 from engine.spec_decode.rejection_sampler import verify_greedy
-from engine.trace import spec_decode_dataframe
+from ui.trace_frames import spec_decode_dataframe
 from test_scheduler import EOS, VOCAB, check_kv, make_req, make_sched
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

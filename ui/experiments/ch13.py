@@ -22,7 +22,8 @@ from engine.bench import SPEC_WORDS
 from engine.core import EngineCore
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.trace import StepRecord, spec_decode_dataframe
+from engine.trace import StepRecord
+from ui.trace_frames import spec_decode_dataframe
 from ui.experiments.common import ConfigLike, make_config
 from ui.tokens import show_bytes
 
