@@ -32,21 +32,58 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     preemption_mode: str = "recompute"  # or "swap": a preempted request's K/V wait in host memory
     num_swap_blocks: int | None = None  # swap space in blocks; None = as many as the KV cache has
-    # Weight-only quantization (engine/quantization.py): None, "int8" (per output channel),
+    # Weight-only quantization (engine/worker/quantization.py): None, "int8" (per output channel),
     # "int4" (group-wise scale + min, `quantization_group_size` input channels per group) or
     # "gguf" (the default artifact's own Q4_1 blocks). Activations and KV stay in `dtype`.
     quantization: str | None = None
     quantization_group_size: int = 32
     kernels: str = "auto"  # "auto": our C++ CPU kernels if they build; "torch": never
     # vLLM's name: True runs every step eagerly; False lets decode-only steps on CUDA replay
-    # captured CUDA graphs (engine/cuda_graphs.py). No effect on a CPU.
+    # captured CUDA graphs (engine/worker/cuda_graphs.py). No effect on a CPU.
     enforce_eager: bool = False
     keep_finished: int = 1000  # finished requests kept for the app's plots
     # Speculative decoding, as vLLM takes it: {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_max": n, "prompt_lookup_min": m} (engine/spec_decode/). None: off.
     speculative_config: dict | None = None
-    # vLLM's names: worker processes that split the model (engine/multiproc_executor.py). tp cuts
+    # vLLM's names: worker processes that split the model (engine/executor/multiproc.py). tp cuts
     # every layer's heads and MLP columns across ranks; pp gives each rank a run of layers.
     # 1 × 1: one worker in this process (UniProcExecutor).
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        """Refuse settings no engine can run with, before anything is loaded (nano-vllm's place
+        for the checks). The checks that need the model's context length are in
+        `resolve_max_model_len`."""
+        if self.block_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("block_size, max_num_batched_tokens and max_num_seqs must be positive")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                "long_prefill_token_threshold must be >= 0 (0: no cap), "
+                f"got {self.long_prefill_token_threshold}"
+            )
+        if self.num_swap_blocks is not None and self.num_swap_blocks < 0:
+            raise ValueError(f"num_swap_blocks must be >= 0, got {self.num_swap_blocks}")
+        if self.quantization and (self.tensor_parallel_size, self.pipeline_parallel_size) != (1, 1):
+            raise ValueError(
+                f"quantization {self.quantization!r} runs with one worker only; "
+                "supported: tensor_parallel_size=1 and pipeline_parallel_size=1"
+            )
+
+    def resolve_max_model_len(
+        self, max_position_embeddings: int, sliding_window: int | None
+    ) -> int:
+        """The longest request this engine serves: `max_model_len`, else the model's context,
+        never past a sliding window (full attention equals sliding-window attention only up to
+        the window). Without chunked prefill a request is prefilled (or, after preemption,
+        recomputed) in one step, so one step must hold the longest request; vLLM refuses the
+        same way."""
+        max_model_len = self.max_model_len or max_position_embeddings
+        if sliding_window:
+            max_model_len = min(max_model_len, sliding_window)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                "with chunked prefill off, max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be at least max_model_len ({max_model_len})"
+            )
+        return max_model_len

@@ -36,6 +36,22 @@ from engine.worker import Worker, resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
+INITIAL_STATS = {
+    "prompt_tokens": 0,
+    "generation_tokens": 0,
+    "preemptions": 0,
+    "steps": 0,
+    "recomputed_tokens": 0,
+    "swapped_out_blocks": 0,
+    "swapped_in_blocks": 0,
+    "swap_seconds": 0.0,
+    # speculative decoding (vLLM's counters): steps in which a request verified drafts, draft
+    # tokens verified, and how many of those were accepted
+    "spec_decode_num_drafts": 0,
+    "spec_decode_num_draft_tokens": 0,
+    "spec_decode_num_accepted_tokens": 0,
+}
+
 
 class EngineCore:
     def __init__(
@@ -46,66 +62,14 @@ class EngineCore:
         tokenizer: Tokenizer | None = None,
         **overrides,
     ):
-        # A copy with the overrides: the caller's config is never changed; unknown names raise
-        # TypeError.
-        config = dataclasses.replace(config or EngineConfig(), **overrides)
-        self.config = config
-        # A simulated engine (engine/simulator.py) passes a preset's shapes and a stand-in
-        # tokenizer: there is no model directory then. Otherwise both come from the artifact.
-        self.model_dir = resolve_model_path(config.model) if model_config is None else None
-        self.model_config = model_config or LlamaConfig.from_model_dir(self.model_dir)
-        self.tokenizer = tokenizer or Tokenizer(self.model_dir)
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        if (
-            self.model_config.sliding_window
-        ):  # full attention equals sliding-window attention only up to the window
-            self.max_model_len = min(self.max_model_len, self.model_config.sliding_window)
-        if config.block_size < 1 or config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
-            raise ValueError("block_size, max_num_batched_tokens and max_num_seqs must be positive")
-        if config.long_prefill_token_threshold < 0:
-            raise ValueError(
-                "long_prefill_token_threshold must be >= 0 (0: no cap), "
-                f"got {config.long_prefill_token_threshold}"
-            )
-        if config.num_swap_blocks is not None and config.num_swap_blocks < 0:
-            raise ValueError(f"num_swap_blocks must be >= 0, got {config.num_swap_blocks}")
+        """Build the parts, size the KV cache, start. `overrides` change a copy of `config` (the
+        caller's is never changed; an unknown name raises TypeError)."""
+        self.config = config = dataclasses.replace(config or EngineConfig(), **overrides)
+        self._load_model(config, model_config, tokenizer)
         self.speculative_config = SpeculativeConfig.from_value(config.speculative_config)
-        self.proposer = None
-        if self.speculative_config is not None:
-            sc = self.speculative_config
-            self.proposer = NgramProposer(
-                sc.num_speculative_tokens, sc.prompt_lookup_max, sc.prompt_lookup_min
-            )
-        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
-            # Without chunking a request is prefilled (or, after preemption, recomputed) in one
-            # step, so one step must be able to hold the longest request; vLLM refuses the same
-            # way.
-            raise ValueError(
-                "with chunked prefill off, max_num_batched_tokens "
-                f"({config.max_num_batched_tokens}) must be at "
-                f"least max_model_len ({self.max_model_len})"
-            )
-
-        check_quantization(
-            config.quantization,
-            config.quantization_group_size,
-            self.device,
-            self.model_config,
-            self.model_dir,
-        )
-        if executor is None:
-            executor = self._make_executor(config)
-        self.executor = executor
-        self.num_blocks = self.executor.initialize(
-            self.max_model_len,
-            num_kv_blocks=config.num_kv_blocks,
-            kv_cache_memory=config.kv_cache_memory,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            num_swap_blocks=config.num_swap_blocks if config.preemption_mode == "swap" else 0,
-        )
+        self.proposer = self._make_proposer(self.speculative_config)
+        self.executor = self._make_executor(config) if executor is None else executor
+        self.num_blocks = self._initialize_kv_cache(config)
         self.cuda_graphs = self._configure_cuda_graphs()
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks,
@@ -113,54 +77,75 @@ class EngineCore:
             config.enable_prefix_caching,
             num_swap_blocks=self.executor.num_swap_blocks,
         )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_num_seqs=config.max_num_seqs,
-                max_model_len=self.max_model_len,
-                policy=config.scheduling_policy,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                preemption_mode=config.preemption_mode,
-                long_prefill_token_threshold=config.long_prefill_token_threshold,
-            ),
-            self.kv_cache_manager,
-        )
+        self.scheduler = Scheduler(self._scheduler_config(config), self.kv_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.finished_requests: OrderedDict[str, Request] = OrderedDict()
         self.live_requests: dict[str, Request] = {}
         # False: no RequestOutput and no streamed text per step (a simulator, which reads only
         # records, journeys and metrics, turns them off; stop strings are still checked).
         self.emit_outputs = True
-        self.stats = {
-            "prompt_tokens": 0,
-            "generation_tokens": 0,
-            "preemptions": 0,
-            "steps": 0,
-            "recomputed_tokens": 0,
-            "swapped_out_blocks": 0,
-            "swapped_in_blocks": 0,
-            "swap_seconds": 0.0,
-            # speculative decoding (vLLM's counters): steps in which a request verified
-            # drafts, draft tokens verified, and how many of those were accepted
-            "spec_decode_num_drafts": 0,
-            "spec_decode_num_draft_tokens": 0,
-            "spec_decode_num_accepted_tokens": 0,
-        }
+        self.stats = dict(INITIAL_STATS)
         self._ids = itertools.count()
         self.clock = EngineClock()
+        self._output_failures: dict[str, str] = {}  # this step's requests whose text failed
         self._prefix_cache_counts = (0, 0)  # (queries, hits) at the last step's end
+
+    def _load_model(
+        self, config: EngineConfig, model_config: LlamaConfig | None, tokenizer: Tokenizer | None
+    ) -> None:
+        """The model's shapes, tokenizer, device, dtype and context length. A simulated engine
+        (engine/tools/simulator.py) passes a preset's shapes and a stand-in tokenizer: there is
+        no model directory then. Otherwise both come from the artifact."""
+        self.model_dir = resolve_model_path(config.model) if model_config is None else None
+        self.model_config = model_config or LlamaConfig.from_model_dir(self.model_dir)
+        self.tokenizer = tokenizer or Tokenizer(self.model_dir)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.max_model_len = config.resolve_max_model_len(
+            self.model_config.max_position_embeddings, self.model_config.sliding_window
+        )
+        check_quantization(
+            config.quantization,
+            config.quantization_group_size,
+            self.device,
+            self.model_config,
+            self.model_dir,
+        )
+
+    @staticmethod
+    def _make_proposer(speculative_config: SpeculativeConfig | None) -> NgramProposer | None:
+        if speculative_config is None:
+            return None
+        sc = speculative_config
+        return NgramProposer(sc.num_speculative_tokens, sc.prompt_lookup_max, sc.prompt_lookup_min)
+
+    def _initialize_kv_cache(self, config: EngineConfig) -> int:
+        """Size the KV cache (and the swap space) on the executor's workers; the block count."""
+        return self.executor.initialize(
+            self.max_model_len,
+            num_kv_blocks=config.num_kv_blocks,
+            kv_cache_memory=config.kv_cache_memory,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            num_swap_blocks=config.num_swap_blocks if config.preemption_mode == "swap" else 0,
+        )
+
+    def _scheduler_config(self, config: EngineConfig) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            policy=config.scheduling_policy,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            preemption_mode=config.preemption_mode,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+        )
 
     def _make_executor(self, config: EngineConfig) -> Executor:
         """One worker in this process, or (tensor / pipeline parallel) one process per rank."""
         tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
         if (tp, pp) != (1, 1):
             from engine.multiproc_executor import MultiprocExecutor
-
-            if config.quantization:
-                raise ValueError(
-                    f"quantization {config.quantization!r} runs with one worker only; "
-                    "supported: tensor_parallel_size=1 and pipeline_parallel_size=1"
-                )
 
             return MultiprocExecutor(
                 self.model_dir, self.model_config, self.device, self.dtype, config.block_size,
@@ -185,7 +170,7 @@ class EngineCore:
 
     def _configure_cuda_graphs(self) -> str:
         """Decode steps replay CUDA graphs on a GPU unless `enforce_eager`
-        (engine/cuda_graphs.py)."""
+        (engine/worker/cuda_graphs.py)."""
         if self.device.type != "cuda" or not isinstance(self.executor, UniProcExecutor):
             return f"off (device is {self.device.type})"
         from engine.cuda_graphs import configure_engine
@@ -375,32 +360,23 @@ class EngineCore:
     def _process_outputs(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list:
-        """New tokens → stop checks (the scheduler decides), streamed text, journeys. A request
-        may bring several tokens (speculative decoding): they are cut after the first that stops
-        it (EOS, stop token, max_tokens, max_model_len, or a stop string in the text)."""
-        failed = dict(runner_output.failed)
-        new_tokens: dict[str, list[int]] = {}
-        stop_strings: dict[str, str] = {}
-        for request_id, results in runner_output.sampled.items():
-            request = self.live_requests.get(request_id)
-            if request is None:
-                continue
-            tokens = self.scheduler.cut_at_stop(request, [r.token_id for r in results])
-            if not (self.emit_outputs or request.sampling_params.stop):
-                new_tokens[request_id] = tokens
-                continue
-            try:
-                new_tokens[request_id], stop = self._detokenize(request, tokens)
-            except Exception as error:  # noqa: BLE001 — fail this request only
-                logger.exception("request %s: output processing failed", request_id)
-                failed[request_id] = f"output processing failed ({type(error).__name__})"
-                continue
-            if stop is not None:
-                stop_strings[request_id] = stop
-        self._fail_requests(failed, scheduler_output.step)
-
-        new_tokens = {rid: tokens for rid, tokens in new_tokens.items() if rid not in failed}
-        finished = self.scheduler.update_from_output(scheduler_output, new_tokens, stop_strings)
+        """New tokens → the scheduler (one stop check per token, after the token's text is known),
+        streamed text, journeys. A request may bring several tokens (speculative decoding): none
+        after the first that stops it (EOS, stop token, max_tokens, max_model_len, or a stop
+        string in the text) is kept."""
+        self._fail_requests(runner_output.failed, scheduler_output.step)
+        new_tokens = {
+            request_id: [r.token_id for r in results]
+            for request_id, results in runner_output.sampled.items()
+            if request_id in self.live_requests
+        }
+        num_before = {rid: self.live_requests[rid].num_output_tokens for rid in new_tokens}
+        self._output_failures: dict[str, str] = {}
+        finished = self.scheduler.update_from_output(
+            scheduler_output, new_tokens, on_token=self._detokenize
+        )
+        failed = {**runner_output.failed, **self._output_failures}
+        self._fail_requests(self._output_failures, scheduler_output.step)
         finished_ids = {r.request_id for r in finished}
         now = time.perf_counter()
         outputs = [
@@ -408,11 +384,11 @@ class EngineCore:
             for rid in failed
             if self.get_request(rid) is not None
         ]
-        for request_id, tokens in new_tokens.items():
+        for request_id, before in num_before.items():
             request = self.live_requests.get(request_id)
             if request is not None:
-                results = runner_output.sampled[request_id]
-                self._keep_logprobs(request, results[: len(tokens)])
+                tokens = request.output_token_ids[before:]
+                self._keep_logprobs(request, runner_output.sampled[request_id][: len(tokens)])
                 output = self._emit_tokens(
                     request, tokens, request_id in finished_ids, scheduler_output.step, now
                 )
@@ -420,13 +396,20 @@ class EngineCore:
                     outputs.append(output)
         return outputs
 
-    def _detokenize(self, request: Request, token_ids: list[int]) -> tuple[list[int], str | None]:
-        """Detokenize one token at a time; at a stop string, drop the tokens after it."""
-        for i, token in enumerate(token_ids):
-            stop = self.output_processor.process_tokens(request, [token])
-            if stop is not None:
-                return token_ids[: i + 1], stop
-        return token_ids, None
+    def _detokenize(self, request: Request, token: int) -> str | None:
+        """A token the scheduler just appended, as text (when text is wanted or stop strings are
+        set): the stop string the text now contains, if any. A failure fails this request only."""
+        request_id = request.request_id
+        if request_id in self._output_failures:
+            return None
+        if not (self.emit_outputs or request.sampling_params.stop):
+            return None
+        try:
+            return self.output_processor.process_tokens(request, [token])
+        except Exception as error:  # noqa: BLE001 — fail this request only
+            logger.exception("request %s: output processing failed", request_id)
+            self._output_failures[request_id] = f"output processing failed ({type(error).__name__})"
+            return None
 
     def _emit_tokens(
         self, request: Request, tokens: list[int], is_finished: bool, step: int, now: float
@@ -481,6 +464,8 @@ class EngineCore:
                 continue
             request.error = message
             self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
+            request.status = RequestStatus.FINISHED_ERROR  # also when this step had finished it
+            request.finish_reason = request.status.value
             request.finish_time = time.perf_counter()
             request.record("finished", step, reason=request.finish_reason, error=message)
             self._retire(request)

@@ -26,6 +26,7 @@ formed when nothing runs, and nothing new is admitted until every request of it 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from engine.kv_cache import KVCacheManager
@@ -166,6 +167,32 @@ POLICIES: dict[str, type[SchedulingPolicy]] = {
     "priority": PriorityPolicy,
     "static": StaticBatchingPolicy,
 }
+
+
+def check_stop(
+    request: Request, max_model_len: int, stop_string: str | None = None
+) -> RequestStatus | None:
+    """Whether the token just appended to `request` ends it (vLLM's `check_stop`), called once per
+    new token; sets the request's stop_reason. A stop string the text now contains wins, even over
+    the length limit; EOS and stop tokens count only after `min_tokens`; then `max_tokens`, then
+    the context (`max_model_len`)."""
+    if stop_string is not None:
+        request.stop_reason = stop_string
+        return RequestStatus.FINISHED_STOPPED
+    params = request.sampling_params
+    token = request.output_token_ids[-1]
+    if request.num_output_tokens >= params.min_tokens:
+        if not params.ignore_eos and token == request.eos_token_id:
+            request.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+    if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+        return RequestStatus.FINISHED_LENGTH
+    if request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None
 
 
 def make_policy(name: str) -> SchedulingPolicy:
@@ -418,15 +445,15 @@ class Scheduler:
         self,
         output: SchedulerOutput,
         new_token_ids: dict[str, list[int]],
-        stop_strings: dict[str, str] | None = None,
+        on_token: Callable[[Request, int], str | None] | None = None,
     ) -> list[Request]:
         """Advance each scheduled request, append its new tokens, stop it if it is done.
         `new_token_ids`: per request the tokens this step produced, in order (one, or with
         speculative decoding the accepted drafts and the target's own token). Tokens after one
         that stops the request are dropped.
-        `stop_strings`: requests whose text now contains a stop string at their last new token
-        (the output processor found it). Returns the requests that finished in this step."""
-        stop_strings = stop_strings or {}
+        `on_token(request, token)`: called for each appended token before its stop check (the
+        engine detokenizes there); returns the stop string the text now contains, or None.
+        Returns the requests that finished in this step."""
         finished = []
         for s in output.scheduled:
             request = self.requests.get(s.request_id)
@@ -435,11 +462,7 @@ class Scheduler:
             request.num_computed_tokens += s.num_tokens
             request.num_recomputed_tokens += s.num_recomputed_tokens
             tokens = new_token_ids.get(s.request_id, [])
-            status = self._append_tokens(
-                request,
-                tokens,
-                stop_strings.get(s.request_id),
-            )
+            status = self._append_tokens(request, tokens, on_token)
             if s.draft_token_ids:
                 self._keep_accepted(request)
             request.max_computed_tokens = max(
@@ -453,13 +476,16 @@ class Scheduler:
         return finished
 
     def _append_tokens(
-        self, request: Request, token_ids: list[int], stop_string: str | None
+        self,
+        request: Request,
+        token_ids: list[int],
+        on_token: Callable[[Request, int], str | None] | None,
     ) -> RequestStatus | None:
-        """Append tokens one at a time, checking after each; the stop string (if any) was found
-        at the last one."""
-        for i, token in enumerate(token_ids):
+        """Append tokens one at a time, with one stop check after each."""
+        for token in token_ids:
             request.output_token_ids.append(token)
-            status = self._check_stop(request, stop_string if i == len(token_ids) - 1 else None)
+            stop_string = on_token(request, token) if on_token is not None else None
+            status = check_stop(request, self.config.max_model_len, stop_string)
             if status is not None:
                 return status
         return None
@@ -472,49 +498,6 @@ class Scheduler:
         rejected K/V go back to the pool."""
         request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
         self.kv_cache_manager.free_rejected_blocks(request)
-
-    def cut_at_stop(self, request: Request, token_ids: list[int]) -> list[int]:
-        """The tokens of `token_ids` that may still be appended: up to and including the first
-        that would stop the request (EOS, a stop token, max_tokens, max_model_len). With
-        speculative decoding several tokens arrive in one step; none after a stop is emitted."""
-        num_output, num_tokens = request.num_output_tokens, request.num_tokens
-        for i, token in enumerate(token_ids):
-            stop = self._stop_status(request, token, num_output + i + 1, num_tokens + i + 1)
-            if stop is not None:
-                return token_ids[: i + 1]
-        return token_ids
-
-    def _check_stop(self, request: Request, stop_string: str | None = None) -> RequestStatus | None:
-        """Whether the token just appended ends the request; sets its stop_reason if so."""
-        if stop_string is not None:  # a stop string wins, even over the length limit
-            request.stop_reason = stop_string
-            return RequestStatus.FINISHED_STOPPED
-        stop = self._stop_status(
-            request, request.output_token_ids[-1], request.num_output_tokens, request.num_tokens
-        )
-        if stop is None:
-            return None
-        status, reason = stop
-        if status == RequestStatus.FINISHED_STOPPED:
-            request.stop_reason = reason
-        return status
-
-    def _stop_status(
-        self, request: Request, token: int, num_output_tokens: int, num_tokens: int
-    ) -> tuple[RequestStatus, int | None] | None:
-        """(status, stop reason) if a request with `num_output_tokens` output tokens, the last of
-        them `token`, and `num_tokens` tokens in all is done; else None."""
-        params = request.sampling_params
-        if num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token == request.eos_token_id:
-                return RequestStatus.FINISHED_STOPPED, None
-            if token in params.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED, token
-        if params.max_tokens is not None and num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH, None
-        if num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH, None
-        return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
