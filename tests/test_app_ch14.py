@@ -1,4 +1,4 @@
-"""Chapter 14: the experiment functions (ui/experiments/ch14.py) against a real in-process server
+"""Chapter 14: the experiment functions (ui/experiments/ch14*.py) against a real in-process server
 on 127.0.0.1 with the tiny model, and the page under AppTest (its lab's buttons drive the engine
 and the server; the server is shut down and its threads end).
 
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from _apptest import app_fixture, assert_charts
-from ui.experiments import ch14
+from ui.experiments import ch14, ch14_client, ch14_load, ch14_server, ch14_stream
 
 PAGE = "pages/ch14_api_server.py"
 
@@ -31,7 +31,7 @@ class SlowSteps:
 @pytest.fixture
 def live(make_engine):
     engine = make_engine(num_kv_blocks=32, max_model_len=256, max_num_seqs=4)
-    server = ch14.start_live_server(engine)
+    server = ch14_server.start_live_server(engine)
     threads = server.threads
     assert server.alive and server.url.startswith("http://127.0.0.1:")
     yield server
@@ -73,12 +73,12 @@ def test_direction_and_arrivals():
     assert ch14.direction(100, 95) == "비슷하다"
     assert ch14.direction(200, 100) == "늘어난다"
     assert ch14.direction(None, 1) is None
-    a = ch14.poisson_arrivals(5.0, 10, 3.0, seed=1)
+    a = ch14_load.poisson_arrivals(5.0, 10, 3.0, seed=1)
     assert a == sorted(a) and 0 < len(a) <= 10 and all(0 < t < 3.0 for t in a)
-    assert a == ch14.poisson_arrivals(5.0, 10, 3.0, seed=1)
-    assert a != ch14.poisson_arrivals(5.0, 10, 3.0, seed=2)
-    assert len(ch14.poisson_arrivals(1000.0, 7, 3.0)) == 7  # the user count caps it
-    assert ch14.poisson_arrivals(0, 10, 3.0) == []
+    assert a == ch14_load.poisson_arrivals(5.0, 10, 3.0, seed=1)
+    assert a != ch14_load.poisson_arrivals(5.0, 10, 3.0, seed=2)
+    assert len(ch14_load.poisson_arrivals(1000.0, 7, 3.0)) == 7  # the user count caps it
+    assert ch14_load.poisson_arrivals(0, 10, 3.0) == []
 
 
 def test_parse_metrics_and_histogram_mean():
@@ -91,28 +91,28 @@ def test_parse_metrics_and_histogram_mean():
         'vllm:time_to_first_token_seconds_sum{model_name="m"} 0.5\n'
         'vllm:time_to_first_token_seconds_count{model_name="m"} 2.0\n'
     )
-    m = ch14.parse_metrics(text)
-    assert m[ch14.RUNNING] == 3.0
-    assert m[ch14.TTFT_HIST + "_bucket{le=0.1}"] == 1.0
-    assert ch14.histogram_mean({}, m, ch14.TTFT_HIST) == pytest.approx(0.25)
-    assert ch14.histogram_mean(m, m, ch14.TTFT_HIST) is None
+    m = ch14_server.parse_metrics(text)
+    assert m[ch14_server.RUNNING] == 3.0
+    assert m[ch14_server.TTFT_HIST + "_bucket{le=0.1}"] == 1.0
+    assert ch14_server.histogram_mean({}, m, ch14_server.TTFT_HIST) == pytest.approx(0.25)
+    assert ch14_server.histogram_mean(m, m, ch14_server.TTFT_HIST) is None
 
 
 # -- part 2: the live server -----------------------------------------------------------------
 
 
 def test_start_is_bound_to_localhost_and_stop_ends_its_threads(make_engine):
-    server = ch14.start_live_server(make_engine(num_kv_blocks=16))
+    server = ch14_server.start_live_server(make_engine(num_kv_blocks=16))
     threads = server.threads
-    m = ch14.fetch_metrics(server.url)
-    assert m[ch14.RUNNING] == 0 and m[ch14.KV_USAGE] == 0
+    m = ch14_server.fetch_metrics(server.url)
+    assert m[ch14_server.RUNNING] == 0 and m[ch14_server.KV_USAGE] == 0
     assert server.handle.host == "127.0.0.1"
     server.stop()
     assert not any(t.is_alive() for t in threads) and not server.alive
 
 
 def test_an_idle_server_stops_itself(make_engine):
-    server = ch14.start_live_server(make_engine(num_kv_blocks=16), idle_s=0.4)
+    server = ch14_server.start_live_server(make_engine(num_kv_blocks=16), idle_s=0.4)
     threads = server.threads
     assert server.alive
     deadline = time.monotonic() + 20
@@ -128,7 +128,7 @@ def test_an_idle_server_stops_itself(make_engine):
 def test_load_test_measures_every_user_and_polls_the_server(live):
     live.async_llm.step_listeners.append(SlowSteps(0.01))
     ticks = []
-    res = ch14.run_load_test(
+    res = ch14_load.run_load_test(
         live.url,
         prompts(live),
         rate=50.0,
@@ -160,32 +160,34 @@ def test_load_test_measures_every_user_and_polls_the_server(live):
 
 def test_requests_open_at_the_cap_are_cut_and_aborted(live):
     live.async_llm.step_listeners.append(SlowSteps(0.05))
-    res = ch14.run_load_test(
+    res = ch14_load.run_load_test(
         live.url, prompts(live), 50.0, 4, duration_s=0.2, max_tokens=200, drain_s=0.5
     )
     assert res.clients and all(c.cut for c in res.clients)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        m = ch14.fetch_metrics(live.url)
-        if m[ch14.RUNNING] == 0 and m[ch14.WAITING] == 0:
+        m = ch14_server.fetch_metrics(live.url)
+        if m[ch14_server.RUNNING] == 0 and m[ch14_server.WAITING] == 0:
             break
         time.sleep(0.05)
-    assert m[ch14.RUNNING] == 0 and m[ch14.KV_USAGE] == 0  # the server aborted them
+    assert m[ch14_server.RUNNING] == 0 and m[ch14_server.KV_USAGE] == 0  # the server aborted them
 
 
 def test_disconnect_frees_the_blocks(live):
     live.async_llm.step_listeners.append(SlowSteps(0.03))
-    stream = ch14.BackgroundStream(live.url, ch14.request_body(prompts(live, 1, 40)[0], 200, True))
+    stream = ch14_stream.BackgroundStream(
+        live.url, ch14_client.request_body(prompts(live, 1, 40)[0], 200, True)
+    )
     deadline = time.monotonic() + 20
     while len(stream.chunks) < 3 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert stream.alive and len(stream.chunks) >= 3
-    result = ch14.disconnect_and_watch(live.url, stream)
+    result = ch14_stream.disconnect_and_watch(live.url, stream)
     assert result.cut and not stream.alive and stream.disconnected and not stream.finished
     assert result.before.running == 1 and result.before.kv_usage > 0
     assert result.after[-1].running == 0 and result.after[-1].kv_usage == 0
     assert result.freed_after_ms is not None
-    text = ch14.fetch_metrics(live.url)
+    text = ch14_server.fetch_metrics(live.url)
     aborted = [k for k in text if "request_success" in k]
     assert aborted  # counted under finished_reason="abort" (summed over labels here)
 
@@ -194,20 +196,24 @@ def test_disconnect_at_once_needs_no_chunk_to_arrive(live):
     # a cut must not wait for the next chunk: with 3 s steps the next one is far away
     slow = SlowSteps(3.0)
     live.async_llm.step_listeners.append(slow)
-    stream = ch14.BackgroundStream(live.url, ch14.request_body(prompts(live, 1)[0], 100, True))
+    stream = ch14_stream.BackgroundStream(
+        live.url, ch14_client.request_body(prompts(live, 1)[0], 100, True)
+    )
     deadline = time.monotonic() + 20
-    while ch14.fetch_metrics(live.url)[ch14.RUNNING] < 1 and time.monotonic() < deadline:
+    while (
+        ch14_server.fetch_metrics(live.url)[ch14_server.RUNNING] < 1 and time.monotonic() < deadline
+    ):
         time.sleep(0.02)
     assert stream.disconnect(timeout=1.5)  # returns long before the next chunk could arrive
     assert not stream.alive and stream.disconnected and not stream.finished
     slow.delay = 0.0
-    while ch14.fetch_metrics(live.url)[ch14.RUNNING] and time.monotonic() < deadline:
+    while ch14_server.fetch_metrics(live.url)[ch14_server.RUNNING] and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert ch14.fetch_metrics(live.url)[ch14.KV_USAGE] == 0
+    assert ch14_server.fetch_metrics(live.url)[ch14_server.KV_USAGE] == 0
 
 
 def test_stream_and_nonstream_return_the_same_answer(live):
-    table = ch14.stream_vs_nonstream(live.url, prompts(live, 1)[0], 12, repeats=2)
+    table = ch14_stream.stream_vs_nonstream(live.url, prompts(live, 1)[0], 12, repeats=2)
     assert len(table) == 4 and table["_text"].nunique() == 1
     assert set(table["상태"]) == {"완료"}
     streamed = table[table["방식"].str.startswith("스트리밍")]
@@ -216,8 +222,8 @@ def test_stream_and_nonstream_return_the_same_answer(live):
     assert (streamed["첫 글자가 보이기까지 (ms)"] <= streamed["전체 답 (E2E, ms)"]).all()
     assert (streamed["조각 수"] > 1).all() and (whole["조각 수"] == 1).all()
     assert (whole["첫 글자가 보이기까지 (ms)"] == whole["전체 답 (E2E, ms)"]).all()
-    assert len(ch14.stream_summary(table)) == 2
-    assert ch14.stream_e2e_verdict(table) in ch14.CHOICES
+    assert len(ch14_stream.stream_summary(table)) == 2
+    assert ch14_stream.stream_e2e_verdict(table) in ch14.CHOICES
 
 
 def test_stream_verdict_treats_overlapping_ranges_as_similar():
@@ -228,23 +234,23 @@ def test_stream_verdict_treats_overlapping_ranges_as_similar():
         rows += [{"방식": "비스트리밍 (stream=false)", "전체 답 (E2E, ms)": v} for v in whole]
         return pd.DataFrame(rows)
 
-    assert ch14.stream_e2e_verdict(table([100, 300, 200], [250, 400, 500])) == "비슷하다"
-    assert ch14.stream_e2e_verdict(table([100, 110, 120], [300, 310, 320])) == "줄어든다"
-    assert ch14.stream_e2e_verdict(table([300, 310, 320], [100, 110, 120])) == "늘어난다"
-    assert ch14.stream_e2e_verdict(table([], [1.0])) is None
+    assert ch14_stream.stream_e2e_verdict(table([100, 300, 200], [250, 400, 500])) == "비슷하다"
+    assert ch14_stream.stream_e2e_verdict(table([100, 110, 120], [300, 310, 320])) == "줄어든다"
+    assert ch14_stream.stream_e2e_verdict(table([300, 310, 320], [100, 110, 120])) == "늘어난다"
+    assert ch14_stream.stream_e2e_verdict(table([], [1.0])) is None
 
 
 def test_latency_vs_load_runs_each_rate(live):
-    results = ch14.latency_vs_load(
+    results = ch14_load.latency_vs_load(
         live.url, prompts(live), [4.0, 1.0], 3, duration_s=1.0, max_tokens=4, drain_s=10.0
     )
     assert [r.rate for r in results] == [1.0, 4.0]
-    table = ch14.curve_table(results)
+    table = ch14_load.curve_table(results)
     assert list(table["도착률 (요청/s)"]) == [1.0, 4.0]
     assert (table["완료"] == table["요청"]).all()
-    assert ch14.capacity_estimate(4, 500.0) == pytest.approx(8.0)
-    assert ch14.capacity_estimate(4, None) is None
-    assert ch14.capacity_estimate(4, float("nan")) is None
+    assert ch14_load.capacity_estimate(4, 500.0) == pytest.approx(8.0)
+    assert ch14_load.capacity_estimate(4, None) is None
+    assert ch14_load.capacity_estimate(4, float("nan")) is None
 
 
 # -- the page under AppTest ----------------------------------------------------------------------

@@ -191,7 +191,7 @@ def _stream_table(streamed: list[float], whole: list[float]):
 
 
 def test_ch14_stream_verdict_follows_its_stated_rule():
-    from ui.experiments.ch14 import STREAM_RULE, stream_e2e_verdict
+    from ui.experiments.ch14_stream import STREAM_RULE, stream_e2e_verdict
 
     assert "겹치면" in STREAM_RULE and "겹치지 않으면" in STREAM_RULE
     # the learner's run: the ranges 1,695-1,857 and 1,313-1,564 ms do not overlap
@@ -234,13 +234,11 @@ def test_ch14_default_threshold_cuts_the_short_requests_ttft(default_model_dir):
 @pytest.mark.slow
 def test_ch14_default_stream_comparison_verdict_follows_the_rule(default_model_dir):
     from engine.core import EngineCore
-    from ui.experiments.ch14 import (
-        LOAD_MAX_TOKENS,
-        LOAD_PROMPT_LEN,
+    from ui.experiments.ch14_load import LOAD_MAX_TOKENS, LOAD_PROMPT_LEN
+    from ui.experiments.ch14_server import server_overrides, start_live_server
+    from ui.experiments.ch14_stream import (
         STREAM_MIN_TOKENS,
         STREAM_REPEATS,
-        server_overrides,
-        start_live_server,
         stream_e2e_verdict,
         stream_vs_nonstream,
     )
