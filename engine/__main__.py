@@ -14,7 +14,8 @@ import sys
 from engine.artifact import ArtifactError
 from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 
-# engine.server.API_KEY_ENV, spelled out: importing the server here would load torch for --help.
+# engine.entrypoints.server.app.API_KEY_ENV, spelled out: importing the server here would load
+# torch for --help.
 SERVE_API_KEY_ENV = "LLM_LAB_API_KEY"
 
 
@@ -31,7 +32,7 @@ def speculative_config_arg(text: str) -> dict:
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
-    """vLLM's flags: worker processes that split the model (engine/multiproc_executor.py)."""
+    """vLLM's flags: worker processes that split the model (engine/executor/multiproc.py)."""
     p.add_argument(
         "--tensor-parallel-size",
         "-tp",
@@ -67,7 +68,7 @@ def torchrun_dispatch(args: argparse.Namespace) -> int | None:
     and prints nothing. Returns the exit status of a rank > 0, None where the command runs."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return None  # not launched by torchrun
-    from engine.multiproc_executor import check_torchrun_world, run_torchrun_worker
+    from engine.executor.multiproc import check_torchrun_world, run_torchrun_worker
 
     tp = getattr(args, "tensor_parallel_size", 1)
     pp = getattr(args, "pipeline_parallel_size", 1)
@@ -86,7 +87,7 @@ def _report_layout(engine) -> None:
     """Which worker holds which layers and heads (multi-process executor only)."""
     layout = getattr(engine.executor, "layout", None)
     if layout is not None:
-        from engine.multiproc_executor import describe_layout
+        from engine.layers.sharding import describe_layout
 
         print(describe_layout(layout()), file=sys.stderr)
 
@@ -150,7 +151,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve until Ctrl-C; exit status 1 if the engine loop dies (so a supervisor restarts us)."""
     from engine.core import EngineConfig, EngineCore
-    from engine.server import DEFAULT_MAX_BODY_BYTES, serve
+    from engine.entrypoints.server.app import serve
+    from engine.entrypoints.server.protocol import DEFAULT_MAX_BODY_BYTES
 
     config = EngineConfig(
         model=args.model,
@@ -197,25 +199,58 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _report_cuda_graphs(engine) -> None:
-    """What the engine decided about CUDA graphs (engine/cuda_graphs.py), on a GPU."""
+    """What the engine decided about CUDA graphs (engine/worker/cuda_graphs.py), on a GPU."""
     if engine.device.type == "cuda":
         print(f"CUDA graphs: {engine.cuda_graphs}", file=sys.stderr)
 
 
 def cmd_selfcheck(args: argparse.Namespace) -> int:
-    from engine import selfcheck
+    from engine.tools import selfcheck
 
     return selfcheck.main(args)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from engine import bench
+def bench_config(args: argparse.Namespace):
+    """The BenchConfig the flags ask for (the quick one with --quick); unset flags keep its
+    defaults."""
+    from engine.tools.bench.config import BenchConfig
+    from engine.tools.bench.variants import DEFAULT_VARIANTS
 
-    return bench.main(args)
+    flags = dict(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        threads=args.threads,
+        seed=args.seed,
+        num_requests=args.num_requests,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        latency_requests=args.latency_requests,
+        latency_rates=tuple(args.rates) if args.rates else None,
+        skip_transformers=args.skip_transformers or None,
+        kernels=args.kernels,
+        speculative=args.speculative,
+        speculative_config=args.speculative_config,
+        quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
+        compare_variants=DEFAULT_VARIANTS if args.compare_quantization else None,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        prompt_len=tuple(args.prompt_len) if args.prompt_len else None,
+        output_len=tuple(args.output_len) if args.output_len else None,
+    )
+    overrides = {k: v for k, v in flags.items() if v is not None}
+    return BenchConfig.quick_config(**overrides) if args.quick else BenchConfig(**overrides)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from engine.tools.bench.run import bench_and_report
+
+    return bench_and_report(bench_config(args), args.json)
 
 
 def cmd_quality(args: argparse.Namespace) -> int:
-    from engine import quality
+    from engine.tools import quality
 
     variants = [quality.Variant.parse(v) for v in args.variants] if args.variants else None
     result = quality.evaluate(
@@ -238,14 +273,14 @@ def cmd_quality(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     import json
 
-    from engine import presets, simulator
+    from engine.tools import presets, simulator
 
     if args.list:
         print("model presets:    " + ", ".join(presets.model_preset_names()))
         print("hardware presets: " + ", ".join(presets.hardware_preset_names()))
         return 0
     if args.calibrate:
-        from engine.calibration import calibrate
+        from engine.tools.calibration import calibrate
 
         calibrate(quick=args.quick_calibration)
     engine_config = {
@@ -290,8 +325,8 @@ SPEC_HELP = (
 
 
 def add_quantization_args(p: argparse.ArgumentParser) -> None:
-    """--quantization / --quantization-group-size (engine/quantization.py), for generate, serve
-    and bench. The names are spelled out here so that --help does not load torch."""
+    """--quantization / --quantization-group-size (engine/worker/quantization.py), for
+    generate, serve and bench. The names are spelled out here so that --help does not load torch."""
     p.add_argument(
         "--quantization",
         choices=["int8", "int4", "gguf"],
@@ -472,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--compare-quantization",
         action="store_true",
-        help="also measure float32, bfloat16, int8, int4 and gguf side by side (section 10)",
+        help="also measure float32, bfloat16, int8, int4 and gguf side by side (section 8)",
     )
     add_parallel_args(p)  # > 1: also the same workload at this size against tp 1 (section 9)
     p.set_defaults(func=cmd_bench)

@@ -7,7 +7,6 @@ takes), so the labs run real engines in seconds; the real model is exercised by 
 from __future__ import annotations
 
 import pytest
-
 from _apptest import app_fixture, assert_charts
 
 TIMEOUT = 180
@@ -130,7 +129,7 @@ def test_ch04_states_its_claim_and_draws_honest_axes(app):
 
 
 def test_ch04_shows_bench_json_with_its_conditions(app, monkeypatch):
-    import engine.bench as bench
+    import engine.tools.bench.results as bench
 
     fake = {
         "conditions": {

@@ -5,7 +5,8 @@ step times, and every worker process is gone once the engines are shut down.
 
 One real lab run only: each tp engine spawns worker processes (each imports torch), seconds
 apiece. The 시뮬레이션 switch draws the same views for Llama-3.1-70B on 8 H100s against 4 (and as
-tp 4 × pp 2), from engine/simulator.py's computed layout and worker timings: no process starts."""
+tp 4 × pp 2), from engine/tools/simulator.py's computed layout and worker timings: no process
+starts."""
 
 from __future__ import annotations
 

@@ -7,12 +7,15 @@ import contextlib
 import io
 import json
 import math
+import re
 
 import pytest
-
 from _tiny import TINY_VOCAB_SIZE
-from engine import bench
+
 from engine.__main__ import main
+from engine.tools.bench.report import format_results
+from engine.tools.bench.results import load_latest_results, save_results
+from engine.tools.bench.timing import best_time
 from engine.tools.workload import make_workload
 
 # --quick plus an even smaller workload: a few seconds on the tiny model, every section still runs.
@@ -47,6 +50,19 @@ def test_quick_bench_runs_and_prints_the_table(bench_run):
     path, rc, printed = bench_run
     assert rc == 0 and path.is_file()
     assert "1. Ceilings" in printed and "5. Latency under load" in printed and str(path) in printed
+
+
+def test_progress_labels_count_the_sections_in_order(bench_run):
+    """Each section starts with [k/n]: k runs 1..n in order, n is the sections this run has (the
+    app's progress bar reads them)."""
+    labels = [
+        tuple(map(int, m.groups()))
+        for m in map(re.compile(r"^\[(\d+)/(\d+)\]").match, bench_run[2].splitlines())
+        if m
+    ]
+    n = labels[0][1]
+    assert labels == [(k, n) for k in range(1, n + 1)]
+    assert n == 6  # sections 1-5 and the simulator's fidelity (section 10) in a quick run
 
 
 def test_results_carry_their_conditions(bench_run, tiny_model_dir):
@@ -153,7 +169,7 @@ def test_decode_overhead_and_latency_sections(bench_run):
 
 
 def test_table_names_every_section(bench_run):
-    text = bench.format_results(json.loads(bench_run[0].read_text()))
+    text = format_results(json.loads(bench_run[0].read_text()))
     for needle in (
         "1. Ceilings",
         "decode roofline",
@@ -169,16 +185,16 @@ def test_table_names_every_section(bench_run):
 
 def test_load_latest_results_reads_back_what_was_saved(bench_run, tmp_path):
     results = json.loads(bench_run[0].read_text())
-    assert bench.load_latest_results(bench_run[0]) == results
-    assert bench.load_latest_results(tmp_path / "missing.json") is None
-    copy = bench.save_results(results, tmp_path / "sub" / "latest.json")
-    assert bench.load_latest_results(copy) == results
+    assert load_latest_results(bench_run[0]) == results
+    assert load_latest_results(tmp_path / "missing.json") is None
+    copy = save_results(results, tmp_path / "sub" / "latest.json")
+    assert load_latest_results(copy) == results
 
 
 def test_llama_cpp_peer_is_optional_and_isolated(monkeypatch, tmp_path):
     """The llama.cpp peer runs in a child process: without llama-cpp-python, or when the child
     fails (here: no such GGUF file), the peer row says why, and this process goes on."""
-    from engine import llama_cpp_peer as peer
+    from engine.tools.peers import llama_cpp as peer
 
     monkeypatch.setattr(peer, "llama_cpp_version", lambda: None)
     assert "not installed" in peer.measure_llama_cpp_isolated("x.gguf", [[1, 2]], 4, 1)["skipped"]
@@ -193,7 +209,7 @@ def test_llama_cpp_peer_killed_by_a_signal_runs_again_without_extra_buffers(monk
     import json
     import subprocess
 
-    from engine import llama_cpp_peer as peer
+    from engine.tools.peers import llama_cpp as peer
 
     monkeypatch.setattr(peer, "llama_cpp_version", lambda: "test")
     jobs, codes = [], []
@@ -228,8 +244,8 @@ def test_best_time_keeps_the_fastest_call_and_stops_at_its_budget():
         calls.append(1)
         time.sleep(0.02 if len(calls) != 3 else 0.005)
 
-    assert bench._best_time(slow, torch.device("cpu"), repeats=5) < 0.01  # the fast third call
+    assert best_time(slow, torch.device("cpu"), repeats=5) < 0.01  # the fast third call
     assert len(calls) == 6  # warm-up + 5
     calls.clear()
-    bench._best_time(slow, torch.device("cpu"), repeats=50, budget_s=0.01)
+    best_time(slow, torch.device("cpu"), repeats=50, budget_s=0.01)
     assert len(calls) == 3  # warm-up + the two calls it always times

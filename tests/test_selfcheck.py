@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine import selfcheck
 from engine.__main__ import main
 from engine.models.llama import LlamaModel
+from engine.tools import selfcheck
 
 CHECKS = [
     "device",

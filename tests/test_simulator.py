@@ -11,12 +11,14 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-
 from _tiny import TINY_VOCAB_SIZE
-from engine.calibration import fit_efficiency
-from engine.cost_model import CostModel, Efficiency
-from engine.multiproc_executor import all_reduces_per_step, stage_layers
-from engine.presets import (
+
+from engine.layers.sharding import all_reduces_per_step, stage_layers
+from engine.request import RequestMetrics
+from engine.sampling_params import SamplingParams
+from engine.tools.calibration import fit_efficiency
+from engine.tools.cost_model import CostModel, Efficiency
+from engine.tools.presets import (
     PresetError,
     hardware_preset_names,
     load_hardware_preset,
@@ -24,15 +26,12 @@ from engine.presets import (
     model_preset_from_dir,
     model_preset_names,
 )
-from engine.request import RequestMetrics
-from engine.sampling_params import SamplingParams
-from engine.simulator import (
+from engine.tools.simulator import (
     make_simulated_engine,
     plan_memory,
-    run_workload,
     simulate,
 )
-from engine.tools.workload import SimRequest, poisson_workload
+from engine.tools.workload import SimRequest, poisson_workload, run_workload
 from engine.trace import StepRecord
 
 REPORTED_PARAMS = {  # model cards, rounded (reported); the presets' counts are computed from shapes
@@ -624,8 +623,10 @@ def test_cli_lists_presets():
 def test_fidelity_section_calibrates_and_compares(tiny_model_dir, tmp_path):
     """On the tiny model: a calibration is fitted and cached, then the benchmark's workload runs
     on the real and on the simulated engine; every figure has both values and an error."""
-    from engine.bench import BenchConfig, format_fidelity, simulator_fidelity
-    from engine.calibration import load_calibration
+    from engine.tools.bench.config import BenchConfig
+    from engine.tools.bench.fidelity import simulator_fidelity
+    from engine.tools.bench.report import format_fidelity
+    from engine.tools.calibration import load_calibration
 
     config = BenchConfig.quick_config(
         model=str(tiny_model_dir),
@@ -651,5 +652,5 @@ def test_fidelity_section_calibrates_and_compares(tiny_model_dir, tmp_path):
     assert (
         fidelity["steps"]["real"] == fidelity["steps"]["simulated"]
     )  # same scheduler, same lengths
-    assert "8. Simulator fidelity" in format_fidelity(fidelity)
+    assert "10. Simulator fidelity" in format_fidelity(fidelity)
     json.dumps(fidelity)  # it goes into the benchmark's results file

@@ -1,6 +1,6 @@
 """Model shapes and GPU memory sizes for chapter 05's memory calculator.
 
-The numbers are the engine's own presets (engine/presets/: each model's public `config.json`
+The numbers are the engine's own presets (engine/tools/presets/: each model's public `config.json`
 shapes and each GPU's data-sheet figures, with their sources), the same ones the simulator runs;
 this module only names them for the page. The parameter count used by the calculator is
 *computed* from the shapes (`param_count`), and the model card's rounded count is kept beside it
@@ -69,7 +69,7 @@ class GPUSpec:
         return int(self.memory_gb * GB)
 
 
-# The calculator's names for the engine's presets (engine/presets/: config.json shapes, vendor
+# The calculator's names for the engine's presets (engine/tools/presets/: config.json shapes, vendor
 # figures, each with its source), and each model card's rounded parameter count (보고값).
 MODEL_PRESETS = {
     "smollm2-135m-instruct": ("SmolLM2-135M-Instruct (우리 모델)", 0.1345e9),
@@ -89,7 +89,7 @@ GPU_PRESETS = {
 
 
 def _model_spec(key: str) -> ModelSpec:
-    from engine.presets import load_model_preset
+    from engine.tools.presets import load_model_preset
 
     preset = load_model_preset(key)
     c = preset.config
@@ -111,7 +111,7 @@ def _model_spec(key: str) -> ModelSpec:
 
 
 def _gpu_spec(key: str) -> GPUSpec:
-    from engine.presets import load_hardware_preset
+    from engine.tools.presets import load_hardware_preset
 
     hw = load_hardware_preset(key)
     return GPUSpec(GPU_PRESETS[key], hw.memory_bytes / GB, hw.memory_bandwidth / 1e9, hw.source)
@@ -143,10 +143,6 @@ class MemoryBudget:
     @property
     def fits(self) -> bool:
         return self.kv_budget_bytes > 0
-
-    @property
-    def kv_bytes_per_request(self) -> int:
-        return self.kv_bytes_per_token * self.seq_len
 
 
 def memory_budget(

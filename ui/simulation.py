@@ -1,10 +1,10 @@
 """실제 엔진 / 시뮬레이션: the switch a lab shows to run its engines at 8B/70B scale.
 
 A simulated engine is the engine's own EngineCore (scheduler, KV-cache manager, journeys, step
-records) over engine/simulator.py's SimulatedExecutor: no weights, each step's time computed by
-the cost model from a model preset's shapes and a hardware preset's vendor figures. So a lab
-draws it with the same plots; only the evidence label changes (계산값, with the presets and the
-efficiency factors named).
+records) over engine/tools/simulator.py's SimulatedExecutor: no weights, each step's time
+computed by the cost model from a model preset's shapes and a hardware preset's vendor figures.
+So a lab draws it with the same plots; only the evidence label changes (계산값, with the presets
+and the efficiency factors named).
 
 A lab passes `simulation_overrides(...)` into its Sides' overrides; ui.session.build_engine
 builds a simulated engine when it sees the `simulation` key.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from engine.presets import hardware_preset_names, load_hardware_preset, load_model_preset
+from engine.tools.presets import hardware_preset_names, load_hardware_preset, load_model_preset
 from ui.experiments.common import is_simulated, simulated_conditions  # noqa: F401 (re-exported)
 
 MODE_REAL = "실제 엔진"
@@ -24,14 +24,14 @@ DEFAULT_HARDWARE = "h100-sxm"
 
 
 def model_preset_choices() -> list[str]:
-    from engine.presets import model_preset_names
+    from engine.tools.presets import model_preset_names
 
     return model_preset_names()
 
 
 def hardware_choices() -> list[str]:
     """Vendor GPU presets ("this machine" needs a calibration run; the CLI offers it)."""
-    from engine.presets import THIS_MACHINE
+    from engine.tools.presets import THIS_MACHINE
 
     return [h for h in hardware_preset_names() if h != THIS_MACHINE]
 
@@ -101,14 +101,15 @@ def simulation_caption(spec: dict) -> str:
         gpus += f" (tp {tp} × pp {pp})"
     return (
         f"계산값: {model.name} 모양(config.json, {model.source}) × {hw.name}{gpus} 사양 "
-        f"({hw.evidence}: {hw.source}). 스텝 시간은 engine/cost_model.py가 계산하며, 효율 계수는 "
-        "가정값입니다 (GPU에서 보정하지 않음). 스케줄링 결정은 실제 엔진과 같은 코드입니다."
+        f"({hw.evidence}: {hw.source}). 스텝 시간은 engine/tools/cost_model.py가 계산하며, "
+        "효율 계수는 가정값입니다 (GPU에서 보정하지 않음). "
+        "스케줄링 결정은 실제 엔진과 같은 코드입니다."
     )
 
 
 def build_simulated_engine(spec: dict, config):
     """A simulated EngineCore with the lab's engine settings (limits, block size, policies)."""
-    from engine.simulator import make_simulated_engine
+    from engine.tools.simulator import make_simulated_engine
 
     fields = dict(
         block_size=config.block_size,

@@ -1,7 +1,9 @@
 """The one workload: seeded requests, Poisson arrivals and latency percentiles.
 
 The benchmark, the simulator, the calibration and the labs draw their requests and summarize
-their latencies here, so "Poisson at 4 requests/s" and "TTFT p90" mean the same thing everywhere.
+their latencies here, so "Poisson at 4 requests/s" and "TTFT p90" mean the same thing
+everywhere. `run_workload` feeds such a workload to an engine (simulated or real) as its clock
+reaches each arrival.
 
     items = make_workload(100, prompt_len=(32, 512), output_len=(16, 256), seed=0, vocab_size=V)
     offsets = poisson_arrivals(len(items), rate=4.0, seed=1)  # seconds from the first arrival
@@ -12,7 +14,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
+
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.request import Request
 
 
 @dataclass
@@ -100,6 +107,43 @@ def poisson_workload(
         SimRequest(item.prompt_token_ids, item.output_len, t, max_tokens=output_len[1])
         for item, t in zip(items, arrivals)
     ]
+
+
+def run_workload(
+    engine, workload: list[SimRequest], keep_outputs: bool = False
+) -> tuple[list, list[Request]]:
+    """Feed requests as the engine clock reaches their arrival; step until all finish. Works for
+    a real engine too (arrivals then wait for the measured steps). Returns (records, requests).
+    Without `keep_outputs` the engine makes no per-step RequestOutput (the bulk of a step's
+    bookkeeping in simulation); records, journeys and metrics are the same either way."""
+    pending = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
+    requests: list[Request | None] = [None] * len(workload)
+    emitted_before, engine.emit_outputs = engine.emit_outputs, keep_outputs
+    records, start, i = [], engine.clock.now(), 0
+    try:
+        while i < len(pending) or engine.has_unfinished_requests():
+            while i < len(pending) and start + workload[pending[i]].arrival <= engine.clock.now():
+                w = workload[pending[i]]
+                params = SamplingParams(
+                    max_tokens=w.max_tokens or w.output_len,
+                    temperature=0.0,
+                    ignore_eos=w.ignore_eos,
+                )
+                requests[pending[i]] = engine.add_request(
+                    prompt_token_ids=w.prompt_token_ids,
+                    sampling_params=params,
+                    request_id=f"sim-{pending[i]}",
+                    engine_arrival_time=start + w.arrival,
+                )
+                i += 1
+            if not engine.has_unfinished_requests():
+                # idle until the next arrival
+                engine.clock.advance_to(start + workload[pending[i]].arrival)
+                continue
+            records.append(engine.step())
+    finally:
+        engine.emit_outputs = emitted_before
+    return records, requests
 
 
 def percentile(values: Iterable[float], p: float) -> float | None:

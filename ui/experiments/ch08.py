@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import pandas as pd
 import plotly.graph_objects as go
 
-from ui.experiments.common import run_lockstep
 from ui.experiments.common import (
     ConfigLike,
     RequestSpec,
@@ -15,8 +14,8 @@ from ui.experiments.common import (
     Workload,
     _r,
     make_config,
+    run_lockstep,
 )
-
 
 LONG_NAME = "긴-프롬프트"
 
@@ -182,7 +181,7 @@ def budget_sweep(
     simulated engine, one run per max_num_batched_tokens: the chunked-prefill trade-off at
     8B/70B scale. A small budget cuts long prompts into many chunks (ITL of the others stays
     low, TTFT of the long ones grows); a large one does the reverse."""
-    from engine.simulator import simulate
+    from engine.tools.simulator import simulate
     from engine.tools.workload import percentiles
 
     rows = []

@@ -18,16 +18,14 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from engine.bench import SPEC_WORDS
 from engine.core import EngineCore
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.tools.bench.spec_decode import SPEC_WORDS
 from engine.trace import StepRecord
-from ui.trace_frames import spec_decode_dataframe
 from ui.experiments.common import ConfigLike, make_config
 from ui.tokens import show_bytes
-
-SPEC_MODES = {"추측 디코딩 켬": True, "추측 디코딩 끔": False}
+from ui.trace_frames import spec_decode_dataframe
 
 # The lab's prompts. The default 135M model copies a list or a quoted sentence faithfully, so its
 # answer repeats its prompt: prompt lookup finds the drafts there. A story repeats nothing.
@@ -44,7 +42,7 @@ PASSAGE = (
     "every summer it shrinks to a thin silver line. The farmers plant late to wait for the water "
     "to go."
 )
-WORDS = SPEC_WORDS  # the bench's repetitive-workload words (engine/bench.py)
+WORDS = SPEC_WORDS  # the bench's repetitive-workload words (engine/tools/bench/spec_decode.py)
 TOPICS = [
     "a robot who learns to paint",
     "a lighthouse keeper and a storm",

@@ -369,8 +369,8 @@ def _r(x, nd: int = 1):
 
 
 def is_simulated(engine) -> bool:
-    """Whether the engine runs on engine/simulator.py's cost model (its times are 계산값)."""
-    from engine.simulator import SimulatedExecutor
+    """Whether the engine runs on engine/tools/simulator.py's cost model (its times are 계산값)."""
+    from engine.tools.simulator import SimulatedExecutor
 
     return isinstance(getattr(engine, "executor", None), SimulatedExecutor)
 

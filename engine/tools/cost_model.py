@@ -14,8 +14,8 @@ The efficiencies e_* say how much of the hardware's peak each part reaches. A ma
 rows reaches less of the peak FLOP/s than a big one (the work is too small to fill the machine);
 `ramp` says by how much: a step of `tokens` rows computes as if it had tokens + ramp (on this
 2-core CPU oneDNN ran 32 rows at 90 GFLOP/s and 512 rows at over 200). They are fitted from
-the real engine's step times on this machine (engine/calibration.py); for a vendor preset they are
-assumptions, labelled as such, unless the caller passes fitted ones.
+the real engine's step times on this machine (engine/tools/calibration.py); for a vendor preset
+they are assumptions, labelled as such, unless the caller passes fitted ones.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from engine.models.config import LlamaConfig
-from engine.presets import DTYPE_BYTES, HardwarePreset
+from engine.tools.presets import DTYPE_BYTES, HardwarePreset
 
 
 @dataclass

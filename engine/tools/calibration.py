@@ -29,20 +29,20 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.cost_model import (
+from engine.tools.cost_model import (
     CostModel,
     Efficiency,
     layers_memory_bound,
     memory_bound,
     step_parts,
 )
-from engine.presets import THIS_MACHINE, HardwarePreset, PresetError, model_preset_from_dir
+from engine.tools.presets import THIS_MACHINE, HardwarePreset, PresetError, model_preset_from_dir
 
 CALIBRATION_FILE = "calibration.json"
 
 
 def default_path() -> Path:
-    from engine.bench import RESULTS_DIR
+    from engine.tools.bench.results import RESULTS_DIR
 
     return RESULTS_DIR / CALIBRATION_FILE
 
@@ -107,7 +107,8 @@ def _memory_bytes(device) -> int:
 
 def measure_this_machine(device, dtype, quick: bool = False) -> HardwarePreset:
     """A hardware preset from the benchmark's ceilings (measured now, best of N)."""
-    from engine.bench import _device_name, measure_ceilings
+    from engine.tools.bench.ceilings import measure_ceilings
+    from engine.tools.bench.results import device_name
 
     size, matmul, repeats = ((128 << 20), 1024, 5) if quick else ((256 << 20), 2048, 10)
     ceilings = measure_ceilings(device, size, matmul, repeats)
@@ -115,7 +116,7 @@ def measure_this_machine(device, dtype, quick: bool = False) -> HardwarePreset:
     flops = ceilings["matmul_gflop_s"].get(dtype_name) or ceilings["matmul_gflop_s"]["float32"]
     return HardwarePreset(
         key=THIS_MACHINE,
-        name=f"this machine ({_device_name(device)})",
+        name=f"this machine ({device_name(device)})",
         kind="gpu" if device.type == "cuda" else "cpu",
         memory_bytes=_memory_bytes(device),
         memory_bandwidth=ceilings["memory_read_gb_s"] * 1e9,
@@ -124,8 +125,9 @@ def measure_this_machine(device, dtype, quick: bool = False) -> HardwarePreset:
         interconnect="none",
         dtype=dtype_name,
         evidence="measured",
-        source=f"engine/bench.py measure_ceilings, {datetime.date.today().isoformat()}: read "
-        f"bandwidth of a {size >> 20} MiB tensor, {matmul}² matmul, best of {repeats} each",
+        source=f"engine/tools/bench/ceilings.py measure_ceilings, "
+        f"{datetime.date.today().isoformat()}: read bandwidth of a {size >> 20} MiB tensor, "
+        f"{matmul}² matmul, best of {repeats} each",
     )
 
 
@@ -287,7 +289,7 @@ def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def run_real_steps(engine, workload) -> tuple[list, list]:
     """Run a workload on a real engine: (StepRecords, Requests), after an unrecorded warm-up."""
     from engine.sampling_params import SamplingParams
-    from engine.simulator import run_workload
+    from engine.tools.workload import run_workload
 
     engine.add_request(
         prompt_token_ids=workload[0].prompt_token_ids[:8],
@@ -296,6 +298,74 @@ def run_real_steps(engine, workload) -> tuple[list, list]:
     while engine.has_unfinished_requests():
         engine.step()
     return run_workload(engine, workload)
+
+
+def calibration_requests(engine, w: CalibrationWorkload) -> list:
+    """The workload's requests, all at t = 0, each run to its drawn length: the real model's EOS
+    would end requests early, and the lengths are the workload's."""
+    from engine.tools.workload import poisson_workload
+
+    specials = set(engine.tokenizer.special_token_ids)
+    vocab = engine.model_config.vocab_size
+    requests = poisson_workload(
+        w.num_requests, None, w.prompt_len, w.output_len, vocab, w.seed, specials
+    )
+    for r in requests:
+        r.ignore_eos = True
+        r.max_tokens = r.output_len
+    return requests
+
+
+def calibration_conditions(
+    engine,
+    w: CalibrationWorkload,
+    hardware: HardwarePreset,
+    model_name: str,
+    run_seconds: float,
+    quick: bool,
+) -> dict:
+    """What the fit was measured under: device, threads, model, workload, engine settings."""
+    import torch
+
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "device": engine.device.type,
+        "dtype": hardware.dtype,
+        "threads": torch.get_num_threads(),
+        "model": str(engine.model_dir),
+        "model_name": model_name,
+        "torch": torch.__version__,
+        "run_seconds": run_seconds,
+        "quick": quick,
+        "workload": {
+            "num_requests": w.num_requests,
+            "prompt_len": list(w.prompt_len),
+            "output_len": list(w.output_len),
+            "seed": w.seed,
+            "arrivals": "all at t=0",
+            "sampling": "greedy, ignore_eos",
+        },
+        "engine": {
+            "max_num_seqs": w.max_num_seqs,
+            "max_num_batched_tokens": w.max_num_batched_tokens,
+            "num_kv_blocks": engine.num_blocks,
+            "block_size": engine.config.block_size,
+        },
+    }
+
+
+def fit_steps(records, hardware: HardwarePreset, preset) -> tuple[Efficiency, dict]:
+    """The efficiencies that make the cost model's step times closest to the measured ones."""
+    cost = CostModel(preset.config, hardware, 1, dtype=hardware.dtype)
+    terms = [cost.terms(*step_batch(r)) for r in records if r.scheduled]
+    durations = [r.engine_duration for r in records if r.scheduled]
+    forward = [r.timings.get("forward", 0.0) for r in records if r.scheduled]
+    efficiency, stats = fit_efficiency(terms, durations, forward_durations=forward)
+    efficiency.evidence = (
+        f"fitted: least squares on {len(durations)} measured steps of the real engine "
+        f"({preset.name}, {hardware.dtype}, {hardware.name}), {datetime.date.today().isoformat()}"
+    )
+    return efficiency, stats
 
 
 def calibrate(
@@ -311,7 +381,6 @@ def calibrate(
     import torch
 
     from engine.core import EngineCore
-    from engine.tools.workload import poisson_workload
 
     w = workload or (CalibrationWorkload.quick() if quick else CalibrationWorkload())
     engine = EngineCore(
@@ -326,21 +395,7 @@ def calibrate(
         f"{torch.get_num_threads()} threads)"
     )
     hardware = measure_this_machine(engine.device, engine.dtype, quick)
-    specials = set(engine.tokenizer.special_token_ids)
-    requests = poisson_workload(
-        w.num_requests,
-        None,
-        w.prompt_len,
-        w.output_len,
-        engine.model_config.vocab_size,
-        w.seed,
-        specials,
-    )
-    for r in requests:
-        r.ignore_eos = (
-            True  # the real model's EOS would end requests early; the lengths are the workload's
-        )
-        r.max_tokens = r.output_len
+    requests = calibration_requests(engine, w)
     log(
         f"calibration: running the real engine on {len(requests)} requests (prompt {w.prompt_len}, "
         f"output {w.output_len}, seed {w.seed})"
@@ -349,45 +404,9 @@ def calibrate(
     records, _ = run_real_steps(engine, requests)
     run_seconds = time.perf_counter() - started
     preset = model_preset_from_dir(engine.model_dir)
-    cost = CostModel(preset.config, hardware, 1, dtype=hardware.dtype)
-    terms = [cost.terms(*step_batch(r)) for r in records if r.scheduled]
-    durations = [r.engine_duration for r in records if r.scheduled]
-    forward = [r.timings.get("forward", 0.0) for r in records if r.scheduled]
-    efficiency, stats = fit_efficiency(terms, durations, forward_durations=forward)
-    efficiency.evidence = (
-        f"fitted: least squares on {len(durations)} measured steps of the real engine "
-        f"({preset.name}, {hardware.dtype}, {hardware.name}), {datetime.date.today().isoformat()}"
-    )
-    calibration = Calibration(
-        efficiency,
-        hardware,
-        {
-            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "device": engine.device.type,
-            "dtype": hardware.dtype,
-            "threads": torch.get_num_threads(),
-            "model": str(engine.model_dir),
-            "model_name": preset.name,
-            "torch": torch.__version__,
-            "run_seconds": run_seconds,
-            "quick": quick,
-            "workload": {
-                "num_requests": w.num_requests,
-                "prompt_len": list(w.prompt_len),
-                "output_len": list(w.output_len),
-                "seed": w.seed,
-                "arrivals": "all at t=0",
-                "sampling": "greedy, ignore_eos",
-            },
-            "engine": {
-                "max_num_seqs": w.max_num_seqs,
-                "max_num_batched_tokens": w.max_num_batched_tokens,
-                "num_kv_blocks": engine.num_blocks,
-                "block_size": engine.config.block_size,
-            },
-        },
-        stats,
-    )
+    efficiency, stats = fit_steps(records, hardware, preset)
+    conditions = calibration_conditions(engine, w, hardware, preset.name, run_seconds, quick)
+    calibration = Calibration(efficiency, hardware, conditions, stats)
     save_calibration(calibration, path)
     log(
         f"calibration: {stats['steps']} steps, median |error| "

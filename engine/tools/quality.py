@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.quantization import DEFAULT_GROUP_SIZE
+from engine.worker.quantization import DEFAULT_GROUP_SIZE
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TEXT = REPO_ROOT / "README.md"
@@ -73,9 +73,10 @@ DEFAULT_VARIANTS = tuple(
 
 def load_variant(model_dir, variant: Variant, device="cpu", kernels: str = "auto"):
     """The engine's model (a LlamaModel) for this variant, loaded the way an engine loads it."""
-    from engine import worker
     from engine.models.config import LlamaConfig
-    from engine.quantization import check_quantization, load_quantized_model
+    from engine.worker import worker
+    from engine.worker.quantization import check_quantization
+    from engine.worker.worker import load_quantized_model
 
     device = torch.device(device)
     dtype = worker.resolve_dtype(variant.dtype, device)
@@ -104,7 +105,7 @@ def text_token_ids(tokenizer, text: str | None = None, max_tokens: int = 256) ->
 def teacher_forced_logits(model, token_ids: list[int]) -> torch.Tensor:
     """Logits [n, vocab] (float32) at every position of `token_ids`, one prefill on a fresh
     paged cache: position i holds the model's distribution for token i + 1."""
-    from engine.attention import build_attention_metadata
+    from engine.worker.attention import build_attention_metadata
 
     n = len(token_ids)
     blocks = -(-n // BLOCK_SIZE)
@@ -116,7 +117,7 @@ def teacher_forced_logits(model, token_ids: list[int]) -> torch.Tensor:
     return logits.float().cpu()
 
 
-# The project's near-tie rule for bfloat16 comparisons (engine/selfcheck.py TIE_MARGIN): where
+# The project's near-tie rule for bfloat16 comparisons (engine/tools/selfcheck.py TIE_MARGIN): where
 # float32's own top-2 logits are closer than this, picking its runner-up is a tie, not an error.
 TIE_MARGIN = 0.5
 
@@ -156,7 +157,7 @@ def greedy_tokens(
     kernels: str = "auto",
 ) -> list[list[int]]:
     """The first `max_tokens` greedy tokens of each prompt (ignore_eos), through the engine."""
-    from engine.llm import LLM
+    from engine.entrypoints.llm import LLM
     from engine.sampling_params import SamplingParams
 
     longest = max(len(p) for p in prompts) + max_tokens
@@ -206,8 +207,8 @@ def evaluate(
 ) -> dict:
     """Every variant against float32: teacher-forced on the text, greedy on the prompts."""
     from engine.artifact import resolve_model_path
-    from engine.quantization import decode_bytes_per_step
     from engine.tokenizer import Tokenizer
+    from engine.worker.quantization import decode_bytes_per_step
 
     model_dir = resolve_model_path(model_dir)
     tokenizer = Tokenizer(model_dir)

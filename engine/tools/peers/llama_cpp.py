@@ -2,15 +2,15 @@
 
 The default artifact was built from a llama.cpp GGUF file (Q4_1 blocks), so llama.cpp can run
 literally the weights `quantization="gguf"` runs. This measures it the way the benchmark measures
-the engine (engine/bench.py section 10): prompt token ids in, greedy tokens out, one request,
+the engine (engine/tools/bench/ section 8): prompt token ids in, greedy tokens out, one request,
 the median time between two generated tokens. It is optional: `llama-cpp-python` compiles
 llama.cpp from source when pip installs it (several minutes on 2 cores):
 
     pip install llama-cpp-python==0.3.36
 
 Without it (or without the GGUF file) the peer row says why it is missing. llama.cpp runs in a
-child process (`python -m engine.llama_cpp_peer`): it brings its own threads and native code, and
-a crash there must cost the peer row, not the benchmark around it.
+child process (`python -m engine.tools.peers.llama_cpp`): it brings its own threads and native
+code, and a crash there must cost the peer row, not the benchmark around it.
 
 On an Intel Xeon with AMX (a Sapphire Rapids VM, 2026-12-01 and 12-02) a native build crashed in
 its first prompt: `ggml_backend_amx_mul_mat`, the kernel of its AMX weight buffers (gdb). Those
@@ -130,7 +130,7 @@ def measure_llama_cpp_isolated(
 def _run_child(job: dict, timeout_s: float) -> dict:
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "engine.llama_cpp_peer"],
+            [sys.executable, "-m", "engine.tools.peers.llama_cpp"],
             input=json.dumps(job),
             capture_output=True,
             text=True,

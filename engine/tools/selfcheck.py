@@ -17,7 +17,7 @@ prints as a PASS/FAIL table (exit code 1 on any failure):
 5. kv sizing  how many KV blocks this device would get (CUDA: from free memory after a profiling
               forward, `gpu_memory_utilization`; CPU: the configured bytes)
 6. graphs     CUDA only: decode step time with and without CUDA graphs
-7. bench      `bench --quick` (shrunk further with --quick), reusing engine/bench.py
+7. bench      `bench --quick` (shrunk further with --quick), reusing engine/tools/bench/
 """
 
 from __future__ import annotations
@@ -189,8 +189,8 @@ class SelfCheck:
         return result
 
     def make_llm(self, dtype: str = "float32", **kwargs):
-        from engine.cuda_graphs import configure_engine
-        from engine.llm import LLM
+        from engine.entrypoints.llm import LLM
+        from engine.worker.cuda_graphs import configure_engine
 
         kwargs.setdefault("num_kv_blocks", ORACLE_KV_BLOCKS)
         kwargs.setdefault("max_model_len", 1024)
@@ -227,7 +227,7 @@ class SelfCheck:
     # -- 1. device ------------------------------------------------------------------------------
 
     def check_device(self):
-        from engine.worker import resolve_device, resolve_dtype
+        from engine.worker.worker import resolve_device, resolve_dtype
 
         self.device = resolve_device(self.config.device)
         data = {
@@ -414,7 +414,7 @@ class SelfCheck:
             DEFAULT_CPU_KV_CACHE_BYTES,
             DEFAULT_GPU_MEMORY_UTILIZATION,
         )
-        from engine.worker import Worker, resolve_dtype
+        from engine.worker.worker import Worker, resolve_dtype
 
         dtype = resolve_dtype(None, self.device)
         worker = Worker(self.model_dir, self.device, dtype, DEFAULT_BLOCK_SIZE)
@@ -458,7 +458,7 @@ class SelfCheck:
             return "SKIP", "CUDA graphs need CUDA (decode steps run eagerly on this device)", {}
         if self.config.enforce_eager:
             return "SKIP", "--enforce-eager: graphs are off", {}
-        from engine import bench
+        from engine.tools.bench.decode import probe_workload, run_steps, step_breakdown
 
         # A cache for a full batch of probes (32 × (64 + 32) tokens), so that no step is preempted.
         engine = self.make_llm(num_kv_blocks=256, max_model_len=256).engine
@@ -470,9 +470,9 @@ class SelfCheck:
             tokens = {}
             for mode in ("eager", "graphs"):
                 runner.enable_cuda_graphs(mode == "graphs", max_model_len=engine.max_model_len)
-                work = bench.probe_workload(batch, 64, 32, 7 + batch, vocab, specials)
-                steps = bench.run_steps(engine, work)
-                data[f"batch_{batch}_{mode}"] = bench.step_breakdown(steps, batch)
+                work = probe_workload(batch, 64, 32, 7 + batch, vocab, specials)
+                steps = run_steps(engine, work)
+                data[f"batch_{batch}_{mode}"] = step_breakdown(steps, batch)
                 tokens[mode] = tokens_by_request(steps)
             same = sum(a == b for a, b in zip(tokens["eager"], tokens["graphs"]))
             data[f"batch_{batch}_identical"] = same
@@ -496,11 +496,13 @@ class SelfCheck:
     # -- 7. bench ---------------------------------------------------------------------------------
 
     def check_bench(self):
-        from engine import bench
+        from engine.tools.bench.config import BenchConfig
+        from engine.tools.bench.report import fmt
+        from engine.tools.bench.run import run_benchmark
 
         self.release()
         if self.config.quick:  # seconds on a tiny model: every section runs, on a toy workload
-            config = bench.BenchConfig.quick_config(
+            config = BenchConfig.quick_config(
                 model=str(self.model_dir),
                 device=self.device.type,
                 num_requests=4,
@@ -518,17 +520,15 @@ class SelfCheck:
                 skip_transformers=True,
             )
         else:
-            config = bench.BenchConfig.quick_config(
-                model=str(self.model_dir), device=self.device.type
-            )
-        r = bench.run_benchmark(config, log=lambda msg: self.log(f"           bench {msg.strip()}"))
+            config = BenchConfig.quick_config(model=str(self.model_dir), device=self.device.type)
+        r = run_benchmark(config, log=lambda msg: self.log(f"           bench {msg.strip()}"))
         off, dec, cond = r["offline"], r["decode_batch1"], r["conditions"]
         fraction = dec["fraction_of_roofline"]
         line = (
             f"{cond['dtype']}: offline {off['engine']['output_tokens_per_s']:.1f} tokens/s"
             + (f" ({off['ratio']:.2f}× transformers)" if "ratio" in off else "")
-            + f"; batch-1 decode {bench._fmt(dec['tokens_per_s'])} tokens/s = "
-            f"{bench._fmt(fraction and 100 * fraction, '.0f')}% of the roofline; "
+            + f"; batch-1 decode {fmt(dec['tokens_per_s'])} tokens/s = "
+            f"{fmt(fraction and 100 * fraction, '.0f')}% of the roofline; "
             f"{cond['bench_seconds']:.0f} s (eager: bench builds its own engine)"
         )
         ok = off["engine"]["output_tokens_per_s"] > 0

@@ -1,7 +1,7 @@
 """What-if at scale: the engine's own scheduler and KV-cache manager on a virtual clock.
 
 A real step runs the model; a simulated step asks a cost model how long the model *would* take
-on the chosen hardware (engine/cost_model.py) and makes up the sampled tokens. Everything else
+on the chosen hardware (engine/tools/cost_model.py) and makes up the sampled tokens. Everything else
 is the real engine, unchanged: EngineCore, Scheduler, KVCacheManager, the journeys, StepRecords
 and RequestMetrics. So a learner on a laptop can ask "1,000 requests at 4 per second on an H100
 with Llama-3.1-8B: what are TTFT and TPOT, and does the KV cache run out?" and get the answer the
@@ -19,7 +19,7 @@ drawn from the workload; the simulated sampler emits a non-EOS token until the t
 
 Tensor and pipeline parallel (chapter 12 at scale): with tensor_parallel_size ×
 pipeline_parallel_size > 1 the simulated executor also reports what the real one
-(engine/multiproc_executor.py) reports, from the preset's shapes instead of tensors: `layout()`
+(engine/executor/multiproc.py) reports, from the preset's shapes instead of tensors: `layout()`
 (which rank holds which layers, heads, MLP columns, shard shapes and bytes, computed with the
 real executor's own `stage_layers`, `head_ranges` and `mlp_range`) and, per step, one `workers`
 entry per rank (compute vs communication seconds, all-reduce count and bytes, activation bytes
@@ -45,32 +45,33 @@ from engine.config import (
     DEFAULT_MAX_NUM_SEQS,
     EngineConfig,
 )
-from engine.cost_model import CostModel, Efficiency, StepCost, step_parts
-from engine.executor import Executor
-from engine.model_runner import ModelRunnerOutput
-from engine.multiproc_executor import (
+from engine.executor.abstract import Executor
+from engine.layers.sharding import (
     all_reduces_per_step,
     head_ranges,
     mlp_range,
     stage_layers,
     valid_tensor_parallel_sizes,
 )
-from engine.presets import (
+from engine.request import Request, RequestMetrics
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import SchedulerOutput
+from engine.tools.cost_model import CostModel, Efficiency, StepCost, step_parts
+from engine.tools.presets import (
     DTYPE_BYTES,
     GB,
+    THIS_MACHINE,
     HardwarePreset,
     ModelPreset,
     PresetError,
     load_hardware_preset,
     load_model_preset,
 )
-from engine.request import Request, RequestMetrics
-from engine.sampler import SampleResult
-from engine.sampling_params import SamplingParams
-from engine.scheduler_output import SchedulerOutput
-from engine.tools.workload import SimRequest, percentiles, poisson_workload
+from engine.tools.workload import SimRequest, percentiles, poisson_workload, run_workload
 from engine.trace import StepRecord
 from engine.utils import cdiv
+from engine.worker.model_runner import ModelRunnerOutput
+from engine.worker.sampler import SampleResult
 
 RUNTIME_RESERVE_BYTES = 1 * GB  # assumed: CUDA context, kernels' workspace, allocator slack
 
@@ -291,7 +292,7 @@ class SimulatedExecutor(Executor):
     ) -> int:
         """The KV capacity from the memory budget. A swap space only counts blocks here: the
         cost model has no term for the copies (swap preemption is simulated as free)."""
-        from engine.worker import CacheTooSmallError
+        from engine.worker.worker import CacheTooSmallError
 
         self.memory = plan_memory(
             self.preset,
@@ -411,7 +412,7 @@ class SimulatedExecutor(Executor):
 
     def _compute_layout(self) -> list[dict]:
         """Per rank, what MultiprocExecutor's ParallelWorker.layout() reports, from the shapes:
-        the same split (engine/multiproc_executor.py's shard_weights) — q/k/v and gate/up cut
+        the same split (engine/models/llama.py's shard_weights) — q/k/v and gate/up cut
         by heads and columns, o and down by rows, layers by stage — and the same replication:
         with tp > 1 every rank of a stage holds its embedding / lm_head and norms whole, and
         with tp > KV heads each KV head's K and V rows are on tp / KV heads ranks. Those bytes
@@ -515,6 +516,10 @@ def _resolve(
     model_preset: str | ModelPreset, hardware: str | HardwarePreset
 ) -> tuple[ModelPreset, HardwarePreset]:
     preset = load_model_preset(model_preset) if isinstance(model_preset, str) else model_preset
+    if isinstance(hardware, str) and hardware.lower() == THIS_MACHINE:
+        from engine.tools.calibration import this_machine
+
+        return preset, this_machine()
     hw = load_hardware_preset(hardware) if isinstance(hardware, str) else hardware
     return preset, hw
 
@@ -522,7 +527,7 @@ def _resolve(
 def default_efficiency(hardware: HardwarePreset) -> Efficiency:
     """This machine: the calibration's fitted factors. A vendor preset: the assumed defaults."""
     if hardware.evidence == "measured":
-        from engine.calibration import load_calibration
+        from engine.tools.calibration import load_calibration
 
         calibration = load_calibration()
         if calibration is not None:
@@ -585,43 +590,6 @@ class SimulationResult:
     costs: list[StepCost] = field(default_factory=list, repr=False)
 
 
-def run_workload(
-    engine, workload: list[SimRequest], keep_outputs: bool = False
-) -> tuple[list, list[Request]]:
-    """Feed requests as the engine clock reaches their arrival; step until all finish. Works for
-    a real engine too (arrivals then wait for the measured steps). Returns (records, requests).
-    Without `keep_outputs` the engine makes no per-step RequestOutput (the bulk of a step's
-    bookkeeping in simulation); records, journeys and metrics are the same either way."""
-    pending = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
-    requests: list[Request | None] = [None] * len(workload)
-    emitted_before, engine.emit_outputs = engine.emit_outputs, keep_outputs
-    records, start, i = [], engine.clock.now(), 0
-    try:
-        while i < len(pending) or engine.has_unfinished_requests():
-            while i < len(pending) and start + workload[pending[i]].arrival <= engine.clock.now():
-                w = workload[pending[i]]
-                params = SamplingParams(
-                    max_tokens=w.max_tokens or w.output_len,
-                    temperature=0.0,
-                    ignore_eos=w.ignore_eos,
-                )
-                requests[pending[i]] = engine.add_request(
-                    prompt_token_ids=w.prompt_token_ids,
-                    sampling_params=params,
-                    request_id=f"sim-{pending[i]}",
-                    engine_arrival_time=start + w.arrival,
-                )
-                i += 1
-            if not engine.has_unfinished_requests():
-                # idle until the next arrival
-                engine.clock.advance_to(start + workload[pending[i]].arrival)
-                continue
-            records.append(engine.step())
-    finally:
-        engine.emit_outputs = emitted_before
-    return records, requests
-
-
 def summarize(metrics: list[RequestMetrics], records: list[StepRecord]) -> dict:
     """Latency percentiles and throughput on the engine clock (seconds)."""
     first = min(m.arrival_time for m in metrics)
@@ -642,6 +610,54 @@ def summarize(metrics: list[RequestMetrics], records: list[StepRecord]) -> dict:
         "preemptions": sum(len(r.preempted) for r in records),
         "max_kv_usage": max((r.kv.usage for r in records), default=0.0),
     }
+
+
+def simulation_conditions(engine, preset: ModelPreset, hw: HardwarePreset, workload: dict) -> dict:
+    """What a simulation's numbers rest on: the model's shapes, the hardware's figures (with
+    their evidence), the efficiencies, the KV cache computed from memory, the engine's settings
+    and the workload."""
+    executor: SimulatedExecutor = engine.executor
+    memory = executor.memory
+    conditions = {
+        "model": {
+            "name": preset.name,
+            "source": preset.source,
+            "num_parameters": preset.num_parameters(),
+            "num_parameters_evidence": "computed from the config's shapes",
+        },
+        "hardware": {
+            "name": hw.name,
+            "evidence": hw.evidence,
+            "source": hw.source,
+            "uncertain": hw.uncertain,
+            "memory_gb": hw.memory_bytes / GB,
+            "memory_bandwidth_gb_s": hw.memory_bandwidth / 1e9,
+            "peak_tflop_s": hw.peak_flops / 1e12,
+            "dtype": hw.dtype,
+        },
+        "tensor_parallel_size": engine.config.tensor_parallel_size,
+        "pipeline_parallel_size": engine.config.pipeline_parallel_size,
+        "efficiency": executor.cost_model.efficiency.as_dict(),
+        "kv_cache": {
+            "num_blocks": engine.num_blocks,
+            "block_size": engine.config.block_size,
+            "bytes_per_block_per_gpu": memory.bytes_per_block,
+            "weight_bytes_per_gpu": memory.weight_bytes,
+            "activation_reserve_bytes": memory.activation_bytes,
+            "usable_bytes": memory.usable_bytes,
+            "evidence": "computed",
+            "formula": memory.formula,
+        },
+        "engine": {
+            "max_num_seqs": engine.config.max_num_seqs,
+            "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+            "max_model_len": engine.max_model_len,
+            "enable_prefix_caching": engine.config.enable_prefix_caching,
+            "scheduling_policy": engine.config.scheduling_policy,
+        },
+        "workload": workload,
+    }
+    return conditions
 
 
 def simulate(
@@ -693,54 +709,16 @@ def simulate(
     summary = summarize(metrics, records)
     summary["wall_s"] = wall
     executor: SimulatedExecutor = engine.executor
-    memory = executor.memory
-    conditions = {
-        "model": {
-            "name": preset.name,
-            "source": preset.source,
-            "num_parameters": preset.num_parameters(),
-            "num_parameters_evidence": "computed from the config's shapes",
-        },
-        "hardware": {
-            "name": hw.name,
-            "evidence": hw.evidence,
-            "source": hw.source,
-            "uncertain": hw.uncertain,
-            "memory_gb": hw.memory_bytes / GB,
-            "memory_bandwidth_gb_s": hw.memory_bandwidth / 1e9,
-            "peak_tflop_s": hw.peak_flops / 1e12,
-            "dtype": hw.dtype,
-        },
-        "tensor_parallel_size": tensor_parallel_size,
-        "pipeline_parallel_size": pipeline_parallel_size,
-        "efficiency": executor.cost_model.efficiency.as_dict(),
-        "kv_cache": {
-            "num_blocks": engine.num_blocks,
-            "block_size": engine.config.block_size,
-            "bytes_per_block_per_gpu": memory.bytes_per_block,
-            "weight_bytes_per_gpu": memory.weight_bytes,
-            "activation_reserve_bytes": memory.activation_bytes,
-            "usable_bytes": memory.usable_bytes,
-            "evidence": "computed",
-            "formula": memory.formula,
-        },
-        "engine": {
-            "max_num_seqs": engine.config.max_num_seqs,
-            "max_num_batched_tokens": engine.config.max_num_batched_tokens,
-            "max_model_len": engine.max_model_len,
-            "enable_prefix_caching": engine.config.enable_prefix_caching,
-            "scheduling_policy": engine.config.scheduling_policy,
-        },
-        "workload": {
-            "num_requests": len(workload),
-            "rate_req_s": rate,
-            "prompt_len": list(prompt_len),
-            "output_len": list(output_len),
-            "seed": seed,
-            "arrivals": arrivals,
-            "output_length_model": "target drawn per request, EOS at the target",
-        },
+    workload_conditions = {
+        "num_requests": len(workload),
+        "rate_req_s": rate,
+        "prompt_len": list(prompt_len),
+        "output_len": list(output_len),
+        "seed": seed,
+        "arrivals": arrivals,
+        "output_length_model": "target drawn per request, EOS at the target",
     }
+    conditions = simulation_conditions(engine, preset, hw, workload_conditions)
     return SimulationResult(records, requests, metrics, summary, conditions, list(executor.costs))
 
 
@@ -786,6 +764,6 @@ def format_result(result: SimulationResult) -> str:
         f"(peak KV usage {100 * s['max_kv_usage']:.0f} %)",
         f"  simulated time               {s['duration_s']:,.1f} s in {s['steps']:,} steps",
         f"  wall time                    {s['wall_s']:.1f} s (measured, this machine)",
-        "  all latencies are computed by the cost model (engine/cost_model.py), not measured",
+        "  all latencies are computed by the cost model (engine/tools/cost_model.py), not measured",
     ]
     return "\n".join(lines)

@@ -5,7 +5,7 @@
   artifact. `_name` and `_source` say which file the numbers were copied from.
 - Hardware presets (`hardware/*.json`) are vendor-reported figures (datasheets), labelled as such,
   with any figure we are not sure of listed under `uncertain`. "This machine" is not a file: its
-  figures are measured by the benchmark's ceilings (engine/calibration.py builds it).
+  figures are measured by the benchmark's ceilings (engine/tools/calibration.py builds it).
 
 Chapter 05's memory calculator (ui/hardware_data.py) reads these same files: one copy of every
 number, for the calculator and the simulator alike.
@@ -122,11 +122,12 @@ def model_preset_from_dir(model_dir: str | Path) -> ModelPreset:
 
 
 def load_hardware_preset(key: str) -> HardwarePreset:
-    """A vendor preset by name. "this-machine" comes from engine.calibration (it is measured)."""
+    """A vendor preset by name. "this-machine" is measured, not read from a file:
+    engine.tools.calibration.this_machine() builds it (the simulator asks it for that name)."""
     if key.lower() == THIS_MACHINE:
-        from engine.calibration import this_machine
-
-        return this_machine()
+        raise PresetError(
+            f"{THIS_MACHINE!r} is measured: engine.tools.calibration.this_machine() builds it"
+        )
     path = PRESETS_DIR / "hardware" / f"{key.lower()}.json"
     if not path.is_file():
         raise PresetError(

@@ -14,7 +14,9 @@ import time
 
 import torch
 
-from engine.multiproc_executor import all_reduces_per_step
+from engine.layers.sharding import all_reduces_per_step
+from engine.tools.bench.decode import decode_rate_batch1
+from engine.tools.bench.offline import run_engine_offline
 
 
 def worker_share(records) -> dict:
@@ -35,7 +37,6 @@ def worker_share(records) -> dict:
 
 
 def measure(llm, workload, decode_workload) -> dict:
-    from engine.bench import decode_rate_batch1, run_engine_offline
 
     offline = run_engine_offline(llm, workload)
     share = worker_share(llm.step_records)
@@ -53,7 +54,7 @@ def measure(llm, workload, decode_workload) -> dict:
 
 def run_parallel(llm, config, log=print) -> dict:
     """The baseline `llm` (tp 1) and a tp × pp engine on the same requests."""
-    from engine.llm import LLM
+    from engine.entrypoints.llm import LLM
     from engine.tools.workload import make_workload
 
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
@@ -117,36 +118,3 @@ def run_parallel(llm, config, log=print) -> dict:
 
 def _ratio(a, b):
     return a / b if a and b else None
-
-
-def format_parallel(r: dict | None) -> list[str]:
-    if not r:
-        return []
-    tp, pp = r["tensor_parallel_size"], r["pipeline_parallel_size"]
-    lines = [
-        "",
-        f"9. Parallel: tp {tp} × pp {pp} worker processes against tp 1 (measured, same "
-        f"{r['num_requests']} requests, greedy; start-up {r['startup_s']:.0f} s)",
-        f"  {'engine':<10}{'offline tok/s':>14}{'batch-1 tok/s':>15}{'comm share':>12}"
-        f"{'all-reduce/step':>17}{'weights MB':>12}",
-    ]
-    for name, row in r["rows"].items():
-        share = row["comm_share"]
-        lines.append(
-            f"  {name:<10}{row['offline_output_tokens_per_s']:14.1f}"
-            f"{row['decode_batch1_tokens_per_s'] or 0:15.1f}"
-            f"{'—' if share is None else f'{100 * share:.0f} %':>12}"
-            f"{row['all_reduces_per_step']:17.1f}{row['weight_bytes'] / 1e6:12.1f}"
-        )
-    speed = r["speedup_offline"]
-    lines += [
-        f"  speed-up offline {speed or 0:.2f}×, batch-1 decode "
-        f"{r['speedup_decode_batch1'] or 0:.2f}×; all-reduces per step derived "
-        f"{r['derived_all_reduces_per_step']} (2 per layer); identical outputs: "
-        f"{r['identical_outputs']}",
-        f"  threads: tp 1 {r['rows']['tp1']['threads_per_process']} in one process; each worker "
-        f"{next(reversed(r['rows'].values()))['threads_per_process']} (on a CPU the workers "
-        "share the same cores; on a busy machine more processes also get more of its time, so "
-        "a speed-up here says little about devices)",
-    ]
-    return lines

@@ -1,0 +1,92 @@
+"""Sections 3 and 4: decode at batch 1 and the engine's overhead, read from step records of
+probe requests run alone (batch 1) or together (full batch)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from engine.tools.bench.config import BenchConfig
+from engine.tools.bench.offline import greedy_params
+from engine.tools.workload import WorkItem, make_workload
+
+
+def run_steps(engine, workload: list[WorkItem]) -> list[tuple[float, object]]:
+    """Queue the requests, step until all finish; (wall seconds, StepRecord) for every step."""
+    for w in workload:
+        engine.add_request(prompt_token_ids=w.prompt_token_ids, sampling_params=greedy_params(w))
+    steps = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        record = engine.step()
+        steps.append((time.perf_counter() - start, record))
+    return steps
+
+
+def step_breakdown(steps: list[tuple[float, object]], batch: int) -> dict:
+    """Per-phase medians (ms) over the steps where exactly `batch` requests decode, and the median
+    share of wall time outside the forward. 'untimed' is wall time the record's phases miss."""
+    from engine.trace import PHASES
+
+    decode_steps = [
+        (wall, r)
+        for wall, r in steps
+        if len(r.scheduled) == batch and all(s.phase == "decode" for s in r.scheduled)
+    ]
+    if not decode_steps:
+        return {"batch": batch, "steps": 0}
+    phases = {
+        p: statistics.median(r.timings.get(p, 0.0) for _, r in decode_steps) * 1e3 for p in PHASES
+    }
+    phases["untimed"] = statistics.median(wall - r.duration for wall, r in decode_steps) * 1e3
+    wall = statistics.median(w for w, _ in decode_steps)
+    return {
+        "batch": batch,
+        "steps": len(decode_steps),
+        "step_ms": wall * 1e3,
+        "phase_ms": phases,
+        "overhead_share": statistics.median(1 - r.timings["forward"] / w for w, r in decode_steps),
+        "tokens_per_s": batch / wall,
+    }
+
+
+def probe_workload(
+    batch: int, prompt_len: int, output_len: int, seed: int, vocab_size: int, special_ids
+):
+    return make_workload(
+        batch, (prompt_len, prompt_len), (output_len, output_len), seed, vocab_size, special_ids
+    )
+
+
+def batch1_probes(config: BenchConfig, vocab: int, specials) -> list[WorkItem]:
+    """The batch-1 probe: `probe_repeats` single requests, each run alone (seeded)."""
+    return [
+        probe_workload(
+            1,
+            config.probe_prompt_len,
+            config.probe_output_len,
+            config.seed + 100 + i,
+            vocab,
+            specials,
+        )[0]
+        for i in range(config.probe_repeats)
+    ]
+
+
+def batch1_steps(engine, config: BenchConfig, vocab: int, specials) -> list:
+    """The step records of the batch-1 probe's requests, one after another (decode at batch 1)."""
+    steps = []
+    for item in batch1_probes(config, vocab, specials):
+        steps += run_steps(engine, [item])
+    return steps
+
+
+def decode_rate_batch1(engine, workload: list[WorkItem]) -> dict:
+    """One request at a time: tokens/s over the steps after its first token (decode only)."""
+    tokens, seconds = 0, 0.0
+    for item in workload:
+        for wall, record in run_steps(engine, [item])[1:]:  # the first step is the prefill
+            seconds += wall
+            tokens += sum(len(t) for t in record.new_tokens.values())
+    rate = tokens / seconds if seconds else None
+    return {"tokens_per_s": rate, "tokens": tokens, "seconds": seconds}

@@ -1,0 +1,82 @@
+"""The issue's goals for this engine on a CPU in float32, each beside the value measured (reported,
+never asserted)."""
+
+from __future__ import annotations
+
+# The issue's goals for this engine on a CPU in float32 (reported, never asserted).
+TARGETS = {
+    "offline_ratio": 2.5,  # engine output tokens/s ÷ transformers static batching
+    "decode_roofline_fraction": 0.60,  # batch-1 decode tokens/s ÷ decode roofline
+    "overhead_share_full_batch": 0.10,  # share of step time outside the forward, at full batch
+    "int8_matvec_speedup": 1.8,  # our int8 matrix × vector ÷ the best float32 one, 1 row
+    "int8_decode_speedup": 1.8,  # the engine's batch-1 decode, int8 ÷ float32 (section 8)
+    "int4_vs_llama_cpp": 1.0,  # the engine's best 4-bit batch-1 decode ÷ llama.cpp Q4_1's
+}
+
+
+def evaluate_targets(results: dict) -> list[dict]:
+    """The issue's goals, with the measured value next to each (meaningful on a CPU in float32)."""
+    ratio = results["offline"].get("ratio")
+    fraction = results["decode_batch1"].get("fraction_of_roofline")
+    share = results["overhead"]["full_batch"].get("overhead_share")
+    lin = results.get("kernels", {}).get("linear")
+    int8 = lin and lin["int8_speedup_vs_float32_1row"]
+    rows = [
+        (
+            "offline throughput ÷ transformers static batching",
+            ratio,
+            TARGETS["offline_ratio"],
+            ratio is not None and ratio >= TARGETS["offline_ratio"],
+        ),
+        (
+            "batch-1 decode ÷ decode roofline",
+            fraction,
+            TARGETS["decode_roofline_fraction"],
+            fraction is not None and fraction >= TARGETS["decode_roofline_fraction"],
+        ),
+        (
+            "overhead share at full batch",
+            share,
+            TARGETS["overhead_share_full_batch"],
+            share is not None and share < TARGETS["overhead_share_full_batch"],
+        ),
+    ]
+    if int8:
+        rows.append(
+            (
+                "int8 matvec tokens/s ÷ float32's (1 row, best float32 kernel)",
+                int8,
+                TARGETS["int8_matvec_speedup"],
+                int8 >= TARGETS["int8_matvec_speedup"],
+            )
+        )
+    peer = results.get("llama_cpp", {}).get("decode_tokens_per_s")
+    four_bit = [
+        v["decode_tokens_per_s"]
+        for v in results.get("variants", {}).get("rows", [])
+        if v.get("quantization") in ("int4", "gguf") and v.get("decode_tokens_per_s")
+    ]
+    if results["conditions"].get("quantization_method") in ("int4", "gguf"):
+        four_bit.append(results["decode_batch1"].get("tokens_per_s") or 0.0)
+    if peer and four_bit:
+        vs_peer = max(four_bit) / peer
+        rows.append(
+            (
+                "4-bit batch-1 decode (best of int4 / gguf) ÷ llama.cpp Q4_1's",
+                vs_peer,
+                TARGETS["int4_vs_llama_cpp"],
+                vs_peer >= TARGETS["int4_vs_llama_cpp"],
+            )
+        )
+    by_name = {v["name"]: v for v in results.get("variants", {}).get("rows", [])}
+    int8_decode = by_name.get("float32 + int8", {}).get("decode_vs_float32")
+    if int8_decode is not None:
+        rows.append(
+            (
+                "int8 batch-1 decode ÷ float32's (engine, section 8)",
+                int8_decode,
+                TARGETS["int8_decode_speedup"],
+                int8_decode >= TARGETS["int8_decode_speedup"],
+            )
+        )
+    return [{"name": n, "value": v, "target": t, "met": bool(m)} for n, v, t, m in rows]

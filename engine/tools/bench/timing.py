@@ -1,0 +1,36 @@
+"""Timing helpers every section shares: the best of N timed calls (the machine's best, not its
+average) and a guarded ratio of two rates."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best_time(fn, device: torch.device, repeats: int, budget_s: float = 20.0) -> float:
+    """Shortest of `repeats` timed calls (after one warm-up): the machine's best, not its
+    average. Past `budget_s` seconds, and after at least 2 calls, it stops early: a CPU without
+    bfloat16 instructions takes ~40 s for one 2048² bfloat16 matmul, and ten of them would add
+    minutes to the bench for no better an answer."""
+    fn()
+    sync(device)
+    best, began = float("inf"), time.perf_counter()
+    for i in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+        if i >= 1 and time.perf_counter() - began > budget_s:
+            break
+    return best
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a ÷ b, or None when either is missing (or zero)."""
+    return a / b if a and b else None

@@ -1,0 +1,116 @@
+"""Section 8 (`--compare-quantization`): dtype and weight-only quantization side by side, and the
+llama.cpp peer on the same GGUF file."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.tools.bench.ceilings import measure_matvec, model_numbers
+from engine.tools.bench.config import BenchConfig
+from engine.tools.bench.decode import batch1_probes, batch1_steps, step_breakdown
+from engine.tools.bench.offline import run_engine_offline
+from engine.tools.bench.timing import ratio
+from engine.tools.workload import make_workload
+
+DEFAULT_VARIANTS: tuple[tuple[str, str | None], ...] = (
+    ("float32", None),
+    ("bfloat16", None),
+    ("float32", "int8"),
+    ("bfloat16", "int8"),
+    ("float32", "int4"),
+    ("float32", "gguf"),
+)
+
+
+def measure_variants(
+    model_dir, config: "BenchConfig", vocab: int, specials, bandwidth_gb_s: float, log=print
+) -> dict:
+    """Each (dtype, quantization) on the same probes, one after the other in this process: the
+    weight bytes a decode step actually reads, batch-1 decode tokens/s and its fraction of the
+    roofline those bytes allow, the linears' streaming rate, and offline throughput."""
+    import gc
+
+    from engine.entrypoints.llm import LLM
+    from engine.worker.quantization import describe, gguf_source
+
+    workload = make_workload(
+        config.num_requests, config.prompt_len, config.output_len, config.seed, vocab, specials
+    )
+    rows = []
+    for dtype, method in config.compare_variants or DEFAULT_VARIANTS:
+        name = dtype + (f" + {method}" if method else "")
+        if method == "gguf":
+            try:
+                gguf_source(model_dir)
+            except ValueError as exc:
+                rows.append({"name": name, "skipped": str(exc)})
+                continue
+        log(f"      {name}")
+        llm = LLM(
+            model=str(model_dir),
+            device=config.device,
+            dtype=dtype,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            kernels=config.kernels,
+            quantization=method,
+            quantization_group_size=config.quantization_group_size,
+        )
+        engine = llm.engine
+        model = engine.executor.worker.model
+        numbers = model_numbers(model)
+        b1 = step_breakdown(batch1_steps(engine, config, vocab, specials), 1)
+        roof = bandwidth_gb_s * 1e9 / numbers["weight_bytes_per_step"]
+        offline = run_engine_offline(llm, workload)
+        rows.append(
+            {
+                "name": name,
+                "dtype": dtype,
+                "quantization": method,
+                "describe": describe(model),
+                "weight_bytes": engine.weight_bytes(),
+                "weight_bytes_per_step": numbers["weight_bytes_per_step"],
+                "matvec": measure_matvec(model, engine.device, config.ceiling_repeats),
+                "decode_tokens_per_s": b1.get("tokens_per_s"),
+                "decode_step_ms": b1.get("step_ms"),
+                "roofline_tokens_per_s": roof,
+                "fraction_of_roofline": (b1["tokens_per_s"] / roof) if b1.get("steps") else None,
+                "offline_tokens_per_s": offline["output_tokens_per_s"],
+            }
+        )
+        del llm, engine, model
+        gc.collect()
+    base = next((r for r in rows if r["name"] == "float32" and "skipped" not in r), None)
+    for r in rows:
+        if base and "skipped" not in r:
+            r["decode_vs_float32"] = ratio(r["decode_tokens_per_s"], base["decode_tokens_per_s"])
+            r["offline_vs_float32"] = ratio(r["offline_tokens_per_s"], base["offline_tokens_per_s"])
+    return {
+        "bandwidth_gb_s": bandwidth_gb_s,
+        "rows": rows,
+        "method": (
+            f"one engine per variant, same process; batch-1 decode: median step over "
+            f"{config.probe_repeats} probes of prompt {config.probe_prompt_len} + "
+            f"{config.probe_output_len} tokens; offline: the section-2 workload "
+            f"({config.num_requests} requests); roofline = read bandwidth ÷ weight bytes per step"
+        ),
+        "kind": "measured",
+    }
+
+
+def llama_cpp_peer(model_dir, config: BenchConfig, vocab: int, specials) -> dict:
+    """llama.cpp on the GGUF file the default artifact came from, on the prompts of the batch-1
+    probe (engine/tools/peers/llama_cpp.py); a dict with "skipped" when it cannot run here."""
+    from engine.tools.peers.llama_cpp import measure_llama_cpp_isolated
+    from engine.worker.quantization import gguf_source
+
+    if torch.device(config.device if config.device != "auto" else "cpu").type != "cpu":
+        return {"skipped": "the llama.cpp peer runs on the CPU only"}
+    try:
+        path = gguf_source(model_dir)
+    except ValueError as exc:
+        return {"skipped": str(exc)}
+    prompts = [item.prompt_token_ids for item in batch1_probes(config, vocab, specials)]
+    return measure_llama_cpp_isolated(
+        path, prompts, config.probe_output_len, torch.get_num_threads()
+    )
