@@ -7,7 +7,7 @@ __all__ = ["LLM", "AsyncLLM", "EngineCore", "EngineConfig", "SamplingParams", "I
 
 def __getattr__(name):  # import torch-heavy modules only when they are used
     if name in ("LLM", "AsyncLLM"):
-        from engine import llm
+        from engine.entrypoints import llm
 
         return getattr(llm, name)
     if name in ("EngineCore", "EngineConfig"):

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from engine import LLM, InvalidRequestError, SamplingParams
-from engine.llm import AsyncLLM
+from engine.entrypoints.llm import AsyncLLM
 
 PROMPTS = {
     "en": "The quick brown fox",

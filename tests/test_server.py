@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server (engine/server.py), tested as a client sees it.
+"""The OpenAI-compatible server (engine/entrypoints/server/), tested as a client sees it.
 
 A real uvicorn runs in a background thread on a free 127.0.0.1 port; tests talk to it with the
 official `openai` package (non-empty api_key, max_retries=0) and, for raw HTTP details (malformed
@@ -24,9 +24,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.core import EngineConfig, EngineCore
-from engine.llm import LLM, AsyncLLM
+from engine.entrypoints.llm import LLM, AsyncLLM
 from engine.sampling_params import SamplingParams
-from engine.server import DEFAULT_MAX_TOKENS, build_app, start_server_in_thread
+from engine.entrypoints.server.app import build_app, start_server_in_thread
+from engine.entrypoints.server.protocol import DEFAULT_MAX_TOKENS
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 1024
@@ -721,8 +722,8 @@ def test_cli_serve(tiny_model_dir):
         "--log-level",
         "warning",
     ]
-    from engine.__main__ import SERVE_API_KEY_ENV
-    from engine.server import API_KEY_ENV
+    from engine.entrypoints.cli import SERVE_API_KEY_ENV
+    from engine.entrypoints.server.app import API_KEY_ENV
 
     assert SERVE_API_KEY_ENV == API_KEY_ENV == "LLM_LAB_API_KEY"
     env = {**os.environ, API_KEY_ENV: API_KEY}  # the key from the environment, not argv

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.core import EngineConfig, EngineCore
-from engine.llm import AsyncLLM
-from engine.server import build_app, start_server_in_thread
+from engine.entrypoints.llm import AsyncLLM
+from engine.entrypoints.server.app import build_app, start_server_in_thread
 from test_server import API_KEY, AUTH, wait_until_idle
 
 # About 300 cases: 30-60 s on a busy 2-core machine, hence `slow` (not for quick runs).
@@ -66,7 +66,7 @@ def openapi_schema() -> dict:
     """The server's own OpenAPI document (the app is built without an engine: routes only)."""
     from fastapi import FastAPI
 
-    from engine.server import router
+    from engine.entrypoints.server.app import router
 
     app = FastAPI()
     app.include_router(router)

@@ -20,18 +20,16 @@ import pytest
 from starlette.requests import Request
 
 from engine.core import EngineConfig, EngineCore
-from engine.llm import LLM, AsyncLLM
-from engine.sampler import Sampler
+from engine.entrypoints.llm import LLM, AsyncLLM
+from engine.worker.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.server import (
+from engine.entrypoints.server.app import build_app, serve, start_server_in_thread
+from engine.entrypoints.server.protocol import (
     DEFAULT_MAX_BODY_BYTES,
     APIError,
     CompletionRequest,
-    OpenAIServer,
-    build_app,
-    serve,
-    start_server_in_thread,
 )
+from engine.entrypoints.server.serving import OpenAIServer
 from test_server import API_KEY, AUTH, assert_error, post, wait_until_idle
 
 MAX_MODEL_LEN = 1024
@@ -235,7 +233,7 @@ def test_an_oversized_body_that_stops_arriving_still_gets_its_413(server, monkey
     """The server reads a declared over-limit body to its end before answering (so that the
     client, still sending, can read the 413), but no longer than BodySizeLimit.DRAIN_TIMEOUT_S:
     a client that declares 10 MB and stalls after 1 KB gets its 413 then (here after 0.5 s)."""
-    from engine.server import BodySizeLimit
+    from engine.entrypoints.server.app import BodySizeLimit
 
     monkeypatch.setattr(BodySizeLimit, "DRAIN_TIMEOUT_S", 0.5)
     head = (

@@ -40,8 +40,8 @@ class LLM:
     ):
         """`speculative_config`: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 3,
         "prompt_lookup_max": 3, "prompt_lookup_min": 1}; None: no speculative decoding.
-        `quantization`: None, "int8", "int4" or "gguf" (weight-only, engine/quantization.py; the
-        int4 group size is `quantization_group_size`, 32 by default).
+        `quantization`: None, "int8", "int4" or "gguf" (weight-only, engine/worker/quantization.py;
+        the int4 group size is `quantization_group_size`, 32 by default).
         `tensor_parallel_size=N, pipeline_parallel_size=M` (engine_kwargs, EngineConfig's
         names) run N × M worker processes; a script doing so needs the
         `if __name__ == "__main__":` guard, as every spawn-based multiprocessing program does."""

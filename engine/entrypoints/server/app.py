@@ -1,0 +1,450 @@
+"""The API server: where a request's journey begins (chapter 01), put under load in chapter 14.
+
+An OpenAI-compatible HTTP front end on FastAPI + uvicorn. For each HTTP request it
+
+1. notes the arrival time (time.perf_counter(), the start of the request's journey) and refuses a
+   body over the size cap before reading it,
+2. checks the API key; FastAPI validates the JSON body against a pydantic model (so that
+   /openapi.json describes every field and its bounds); the server then checks what a schema
+   cannot say (unsupported fields, the model name, the prompt's length, the context), answering
+   every mistake with OpenAI's error shape `{"error": {"message", "type", "param", "code"}}` and a
+   4xx status, before any work,
+3. tokenizes (or renders the chat template) in a worker thread, so the event loop keeps answering
+   other clients and /health meanwhile,
+4. hands the request to the one shared `AsyncLLM`, whose engine loop runs in its own thread and
+   batches every concurrent request together, step by step (continuous batching),
+5. streams each text delta back as a server-sent event (`data: {...}`, ending with
+   `data: [DONE]`), or waits for the end and answers with one JSON body.
+
+No request can take the server down: a request the engine fails (finish_reason "error") gets a
+500 (or, mid-stream, an error event) while every other client goes on, and error bodies never
+carry exception text or file paths. If the engine loop itself dies, /health answers 503 and
+`serve()` returns 1, so `python -m engine serve` exits non-zero and a supervisor restarts it.
+
+A client that goes away aborts its request at once, freeing its KV blocks: the streaming body is
+an async generator whose `finally` closes the engine stream (which aborts an unfinished request),
+and a non-streaming request races the generation against the connection's `http.disconnect`.
+
+Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health,
+GET /metrics (Prometheus text; see engine/metrics.py), GET /docs and /openapi.json. With an API
+key set, everything but /health needs it (/metrics and the docs too, unless opted out).
+
+Defaults worth knowing:
+- max_tokens, when absent, is DEFAULT_MAX_TOKENS (256) capped by the room left in the context
+  (vLLM would allow everything up to the context limit; OpenAI's legacy completions default is 16).
+- temperature defaults to 1.0 and top_p to 1.0, as in OpenAI's API; send temperature=0 for greedy.
+- one prompt and n=1 per request; fields this engine does not implement (logit_bias, tools,
+  response_format, penalties, echo, suffix, best_of, ...) are refused with a 400 that names them
+  rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import h11
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from engine.entrypoints.server.protocol import (
+    DEFAULT_MAX_BODY_BYTES,
+    ERROR_RESPONSES,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+    engine_not_running,
+    validation_error,
+)
+from engine.entrypoints.server.serving import OpenAIServer
+from engine.sampling_params import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "LLM_LAB_API_KEY"  # `python -m engine serve` reads it when --api-key is not given
+# uvicorn's limits, stated: a header block that grows past 16 KiB unfinished gets a 400; idle
+# keep-alive connections close after 5 s; shutdown waits 3 s for open streams. uvicorn has no
+# header-read timeout of its own, so the protocol below adds one (HEADER_READ_TIMEOUT_S).
+UVICORN_LIMITS = dict(
+    h11_max_incomplete_event_size=16 * 1024,
+    timeout_keep_alive=5,
+    timeout_graceful_shutdown=3,
+)
+HEADER_READ_TIMEOUT_S = 10.0
+
+
+class HeaderTimeoutH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol plus a header-read deadline (nginx's client_header_timeout).
+
+    A client must finish a request's header block within `header_timeout` seconds of connecting
+    (or of the previous response on a kept-alive connection); otherwise the connection is closed.
+    Without it a client that trickles one header byte every few seconds (slowloris) holds a
+    connection forever, and enough of them exhaust the server's sockets. The deadline runs from
+    the start, not from the last byte, so trickling does not extend it."""
+
+    header_timeout: float = HEADER_READ_TIMEOUT_S
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:  # the request head has arrived
+            self._cancel_header_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_header_deadline()  # the next request on this connection gets a deadline too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_deadline()
+        super().connection_lost(exc)
+
+    def _arm_header_deadline(self) -> None:
+        self._cancel_header_deadline()
+        self._header_deadline = self.loop.call_later(self.header_timeout, self._header_timed_out)
+
+    def _cancel_header_deadline(self) -> None:
+        deadline = getattr(self, "_header_deadline", None)
+        if deadline is not None:
+            deadline.cancel()
+            self._header_deadline = None
+
+    def _header_timed_out(self) -> None:
+        self._header_deadline = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            logger.info("closing a connection that sent no complete request head in time")
+            self.transport.close()
+
+
+def uvicorn_config(app, header_timeout: float = HEADER_READ_TIMEOUT_S, **kwargs) -> uvicorn.Config:
+    """uvicorn's Config with our limits and the header-read timeout."""
+    protocol = type(
+        "HeaderTimeoutH11Protocol", (HeaderTimeoutH11Protocol,), {"header_timeout": header_timeout}
+    )
+    return uvicorn.Config(app, http=protocol, **UVICORN_LIMITS, **kwargs)
+
+
+# -- the HTTP edge: body cap, API key ---------------------------------------------------------
+
+
+class BodyTooLarge(StarletteHTTPException):
+    def __init__(self, limit: int):
+        super().__init__(413, f"the request body is larger than {limit} bytes")
+
+
+class BodySizeLimit:
+    """Pure ASGI middleware: a body over `max_bytes` gets a 413 before it is read.
+
+    A declared Content-Length is checked before reading anything; a chunked body is counted as
+    it arrives and stopped at the limit. A declared body up to DRAIN_FACTOR times the limit is
+    read and dropped before the 413 goes out: the client is still sending it, and a server that
+    closes a connection with unread bytes resets it, which can destroy the answer on its way (a
+    10 MB body lost its 413 that way under load). Larger ones, or a body still arriving after
+    DRAIN_TIMEOUT_S, are answered at once. It also stamps the request's arrival time, the first
+    moment of its journey."""
+
+    DRAIN_FACTOR = 8
+    DRAIN_TIMEOUT_S = 5.0
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        scope.setdefault("state", {})["arrival_time"] = time.perf_counter()
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            if length.isdigit() and int(length) <= self.DRAIN_FACTOR * self.max_bytes:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(_drain(receive), self.DRAIN_TIMEOUT_S)
+            return await _send_error(send, APIError(413, BodyTooLarge(self.max_bytes).detail))
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)  # FastAPI re-raises it → the 413 handler
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+async def _drain(receive) -> None:
+    """Read the request body to its end (or the client's disconnect), keeping none of it."""
+    while True:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+
+
+async def _send_error(send, error: APIError) -> None:
+    body = json.dumps(error.body()).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": error.status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def get_server(raw_request: Request) -> OpenAIServer:
+    return raw_request.app.state.server
+
+
+bearer = HTTPBearer(auto_error=False, description="the server's API key, if it has one")
+
+
+async def require_api_key(
+    raw_request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
+) -> None:
+    get_server(raw_request).check_api_key(credentials)
+
+
+async def require_api_key_for_docs(
+    raw_request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
+) -> None:
+    """/metrics, /docs and /openapi.json follow the key, unless the server opted them out."""
+    server = get_server(raw_request)
+    if not server.public_docs_and_metrics:
+        server.check_api_key(credentials)
+
+
+# -- routes: thin functions over OpenAIServer's methods ---------------------------------------
+
+router = APIRouter()
+AUTH = [Depends(require_api_key)]
+DOCS_AUTH = [Depends(require_api_key_for_docs)]
+
+
+@router.get("/health", responses={503: ERROR_RESPONSES[503]})
+async def health(raw_request: Request) -> Response:
+    """200 while the engine loop runs; 503 once it has died (restart the server)."""
+    if not get_server(raw_request).async_llm.is_running:
+        return engine_not_running().response()
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/metrics", dependencies=DOCS_AUTH, response_class=Response)
+async def metrics(raw_request: Request) -> Response:
+    server = get_server(raw_request)
+    return Response(server.metrics.render(), media_type=server.metrics.content_type)
+
+
+@router.get("/v1/models", dependencies=AUTH, responses={401: ERROR_RESPONSES[401]})
+async def show_available_models(raw_request: Request) -> dict:
+    return get_server(raw_request).show_available_models()
+
+
+@router.post("/v1/completions", dependencies=AUTH, responses=ERROR_RESPONSES)
+async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
+    return await get_server(raw_request).create_completion(body, raw_request)
+
+
+@router.post("/v1/chat/completions", dependencies=AUTH, responses=ERROR_RESPONSES)
+async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
+    return await get_server(raw_request).create_chat_completion(body, raw_request)
+
+
+@router.get("/openapi.json", dependencies=DOCS_AUTH, include_in_schema=False)
+async def openapi(raw_request: Request) -> JSONResponse:
+    return JSONResponse(raw_request.app.openapi())
+
+
+@router.get("/docs", dependencies=DOCS_AUTH, include_in_schema=False)
+async def docs(raw_request: Request) -> Response:
+    return get_swagger_ui_html(openapi_url="/openapi.json", title=raw_request.app.title)
+
+
+# -- error handlers: everything leaves in OpenAI's shape, nothing takes the server down -------
+
+
+async def on_api_error(request: Request, exc: APIError) -> Response:
+    return exc.response()
+
+
+async def on_invalid_request(request: Request, exc: InvalidRequestError) -> Response:
+    return bad_request(str(exc), exc.param).response()
+
+
+async def on_request_validation(request: Request, exc: RequestValidationError) -> Response:
+    return validation_error(exc).response()
+
+
+async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    return APIError(exc.status_code, str(exc.detail)).response()
+
+
+async def on_unexpected(request: Request, exc: Exception) -> Response:
+    logger.exception("unexpected error on %s", request.url.path)
+    return APIError(500, "internal server error", "server_error").response()
+
+
+def build_app(
+    engine_or_async_llm,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    *,
+    public_docs_and_metrics: bool = False,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """The FastAPI app over an EngineCore (wrapped in a new AsyncLLM that the app shuts down when
+    it stops), an existing AsyncLLM (left running), or an LLM (its engine)."""
+    server = OpenAIServer(
+        engine_or_async_llm, api_key, served_model_name, public_docs_and_metrics, max_body_bytes
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        server.close()
+
+    # FastAPI's own /docs and /openapi.json are off: the router serves them behind the key. A body
+    # without a Content-Type is read as JSON (strict_content_type=False), as curl users expect.
+    app = FastAPI(
+        title="engine: OpenAI-compatible server",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        strict_content_type=False,
+    )
+    app.state.server = server
+    app.include_router(router)
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(InvalidRequestError, on_invalid_request)
+    app.add_exception_handler(RequestValidationError, on_request_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    return app
+
+
+# -- running it --------------------------------------------------------------------------------
+
+
+@dataclass
+class ServerHandle:
+    """A uvicorn server running in a background thread (for the Streamlit app and tests)."""
+
+    app: FastAPI
+    server: uvicorn.Server
+    thread: threading.Thread
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        """What the openai client wants: the URL with /v1."""
+        return f"{self.url}/v1"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+    def __enter__(self) -> "ServerHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_server_in_thread(
+    app_or_engine,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    api_key: str | None = None,
+    log_level: str = "warning",
+    startup_timeout: float = 30.0,
+    header_timeout: float = HEADER_READ_TIMEOUT_S,
+) -> ServerHandle:
+    """Serve `app_or_engine` (a FastAPI app, or anything build_app takes) with uvicorn in a daemon
+    thread. port=0 picks a free port; the handle's .url says which."""
+    app = (
+        app_or_engine
+        if isinstance(app_or_engine, FastAPI)
+        else build_app(app_or_engine, api_key=api_key)
+    )
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn_config(app, header_timeout, log_level=log_level, lifespan="on"))
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{port}", daemon=True
+    )
+    thread.start()
+    deadline = time.monotonic() + startup_timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            sock.close()
+            raise RuntimeError(f"the server on {host}:{port} did not start")
+        time.sleep(0.01)
+    return ServerHandle(app, server, thread, host, port)
+
+
+def serve(
+    engine_or_async_llm,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    log_level: str = "info",
+    **app_options,
+) -> int:
+    """Serve in the foreground until Ctrl-C (what `python -m engine serve` runs).
+
+    Returns the process's exit status: 0 after a normal stop, 1 if the engine loop died. A dead
+    loop cannot be revived in-process, so the server stops and lets a supervisor (systemd,
+    Docker's restart policy, Kubernetes) start a fresh one, rather than answer 503 forever."""
+    app = build_app(engine_or_async_llm, api_key=api_key, **app_options)
+    server = uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level=log_level))
+    async_llm = app.state.server.async_llm
+    watchdog = threading.Thread(
+        target=_stop_when_engine_dies, args=(async_llm, server), name="engine-watchdog", daemon=True
+    )
+    watchdog.start()
+    server.run()
+    if async_llm.errored is not None:
+        logger.error(
+            "the engine loop died (%s); exiting with status 1", type(async_llm.errored).__name__
+        )
+        return 1
+    return 0
+
+
+def _stop_when_engine_dies(async_llm, server: uvicorn.Server, interval: float = 0.2) -> None:
+    while not server.should_exit:
+        if async_llm.errored is not None:
+            server.should_exit = True
+            return
+        time.sleep(interval)
