@@ -622,7 +622,7 @@ def to_json(config: SelfCheckConfig, results: list[CheckResult], seconds: float)
 
 
 def main(args) -> int:
-    """Entry point for `python -m engine selfcheck` (args from engine/__main__.py)."""
+    """Entry point for `python -m engine selfcheck` (args from engine/entrypoints/cli.py)."""
     config = SelfCheckConfig(
         model=args.model, device=args.device, quick=args.quick, enforce_eager=args.enforce_eager
     )
