@@ -1,4 +1,10 @@
-"""A small, genuine LLM inference engine shaped like vLLM V1 (see DESIGN.md)."""
+"""A small, genuine LLM inference engine shaped like vLLM V1.
+
+The layers (see docs/architecture.md and the README's layout section): the ground floor of plain
+data and the control path (config, request, scheduler, kv_cache, output, ...), the data path
+(models/, layers/, kernels/, worker/, spec_decode/), executor/, core.py (EngineCore) and the entry
+points (entrypoints/: LLM, AsyncLLM, the server, the CLI); tools/ holds the instruments. Heavy
+modules load lazily, so `import engine.scheduler` loads no torch."""
 
 from engine.sampling_params import InvalidRequestError, SamplingParams
 

@@ -580,7 +580,3 @@ class StepTimer:
         now = time.perf_counter()
         self.laps[name] = now - self._last
         self._last = now
-
-    @property
-    def total(self) -> float:
-        return self._last - self.start
