@@ -18,7 +18,7 @@ from ui.session import get_engine
 from ui.widgets import FINISH_KO, evidence
 
 JOURNEY = [
-    ("1", "API 서버", "HTTP 수신, 인증, SSE 스트리밍", "engine/server.py"),
+    ("1", "API 서버", "HTTP 수신, 인증, SSE 스트리밍", "engine/entrypoints/server/"),
     ("2", "tokenizer", "텍스트 → 토큰 id (채팅 템플릿 포함)", "engine/tokenizer.py"),
     ("3", "엔진 코어", "요청 등록, step() = 스케줄 → 실행 → 갱신", "engine/core.py"),
     ("4", "스케줄러", "이번 스텝에 누구에게 토큰 몇 개, 못 받은 요청은 왜", "engine/scheduler.py"),

@@ -23,11 +23,11 @@ from ui.session import build_engine, conditions_of, current_settings
 from ui.widgets import evidence, show_code
 
 STAGE_MODULE = {
-    "arrival": ("API 수신", "engine/server.py"),
+    "arrival": ("API 수신", "engine/entrypoints/server/app.py"),
     "tokenized": ("tokenize (채팅 템플릿 → 토큰 id)", "engine/tokenizer.py, engine/core.py"),
     "queued": (
         "대기열 (엔진 스레드가 받아 줄 세움)",
-        "engine/llm.py (AsyncLLM) → engine/scheduler.py",
+        "engine/entrypoints/llm.py (AsyncLLM) → engine/scheduler.py",
     ),
     "scheduled": ("스케줄링 (토큰 예산, KV 블록)", "engine/scheduler.py, engine/kv_cache.py"),
     "first_token": (
@@ -160,10 +160,10 @@ def _server():
     if state is not None and state["handle"].thread.is_alive():
         return state
     try:
-        from engine.llm import AsyncLLM
-        from engine.server import start_server_in_thread
+        from engine.entrypoints.llm import AsyncLLM
+        from engine.entrypoints.server.app import start_server_in_thread
     except ImportError as exc:  # the server module is not there (yet)
-        st.warning(f"API 서버 모듈(engine/server.py)을 불러올 수 없습니다: {exc}")
+        st.warning(f"API 서버 모듈(engine/entrypoints/server/)을 불러올 수 없습니다: {exc}")
         return None
     with st.spinner("인프로세스 API 서버를 시작하는 중… (127.0.0.1, 빈 포트)"):
         engine = build_engine(current_settings())
@@ -179,7 +179,8 @@ def _server():
 def http_lab() -> None:
     st.subheader("② 실제 HTTP 요청 하나, 모든 컴포넌트를 지나며")
     st.caption(
-        "같은 프로세스 안에서 OpenAI 호환 서버(engine/server.py)가 127.0.0.1의 빈 포트로 뜹니다. "
+        "같은 프로세스 안에서 OpenAI 호환 서버(engine/entrypoints/server/)가 127.0.0.1의 빈 "
+        "포트로 뜹니다. "
         "서버는 이 세션 전용 엔진을 따로 가집니다."
     )
     c1, c2 = st.columns([3, 1])

@@ -272,7 +272,7 @@ def test_ch01_inspector_and_http_request(app):
     at.button(key="ch01_send").click().run()
     assert not at.exception, [e.value for e in at.exception]
     if at.session_state["_ch01_server"] is None:  # pragma: no cover - server module missing
-        pytest.skip("engine.server is not available")
+        pytest.skip("engine.entrypoints.server is not available")
     result = at.session_state["_ch01_result"]
     assert result["status"] == 200 and result["chunks"][-1]["data"] == "[DONE]"
     assert any("HTTP **200**" in m.value for m in at.markdown)
@@ -280,7 +280,7 @@ def test_ch01_inspector_and_http_request(app):
     assert journey and {"arrival", "tokenized", "scheduled", "first_token", "finished"} <= set(
         journey[0]["이벤트"]
     )
-    assert "engine/server.py" in set(journey[0]["처리한 모듈"])
+    assert "engine/entrypoints/server/app.py" in set(journey[0]["처리한 모듈"])
     assert_lab_plots(at, "ch01")
 
 

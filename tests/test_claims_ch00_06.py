@@ -79,8 +79,8 @@ def test_ch00_the_same_preset_without_ignore_eos_stops_early_and_says_why(defaul
 @pytest.mark.slow
 def test_ch01_parameter_count_and_http_journey(default_model_dir):
     from engine.artifact import inspect_artifact
-    from engine.llm import AsyncLLM
-    from engine.server import start_server_in_thread
+    from engine.entrypoints.llm import AsyncLLM
+    from engine.entrypoints.server.app import start_server_in_thread
     from ui.experiments.ch01 import (
         HTTP_MAX_TOKENS,
         HTTP_PROMPT,

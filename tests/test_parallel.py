@@ -233,7 +233,7 @@ def test_a_dead_worker_makes_the_engine_raise_not_hang(make_engine):
 @pytest.mark.slow  # spawns workers for seconds: the full suite runs it, the fast tier not
 def test_bench_section_runs_both_sizes_on_the_same_requests(tiny_model_dir):
     from engine.bench import BenchConfig
-    from engine.llm import LLM
+    from engine.entrypoints.llm import LLM
     from engine.parallel_bench import format_parallel, run_parallel
 
     config = BenchConfig.quick_config(

@@ -547,7 +547,7 @@ def test_rejection_sampler_alone_keeps_the_distribution():
 
 def test_bench_section_measures_both_workloads_with_and_without(tiny_model_dir):
     from engine import bench
-    from engine.llm import LLM
+    from engine.entrypoints.llm import LLM
 
     config = bench.BenchConfig(
         model=str(tiny_model_dir),

@@ -1,6 +1,6 @@
-"""Chapter 14 · the live server: the learner's own OpenAIServer (engine/server.py) in a background
-thread on 127.0.0.1, stopped by a watchdog when idle, and its /metrics (Prometheus text) scraped
-and parsed (no Streamlit here)."""
+"""Chapter 14 · the live server: the learner's own OpenAIServer
+(engine/entrypoints/server/serving.py) in a background thread on 127.0.0.1, stopped by a watchdog
+when idle, and its /metrics (Prometheus text) scraped and parsed (no Streamlit here)."""
 
 from __future__ import annotations
 
@@ -30,11 +30,12 @@ IDLE_STOP_S = 600.0  # a server nobody used for this long stops itself (an aband
 
 @dataclass
 class LiveServer:
-    """The learner's OpenAIServer in a uvicorn thread (engine/server.py's ServerHandle). The
-    server owns its AsyncLLM, so stop() also ends the engine loop thread. A watchdog stops it
-    after `idle_s` without an engine step, so a closed browser tab does not leave it running."""
+    """The learner's OpenAIServer in a uvicorn thread (engine/entrypoints/server/app.py's
+    ServerHandle). The server owns its AsyncLLM, so stop() also ends the engine loop thread. A
+    watchdog stops it after `idle_s` without an engine step, so a closed browser tab does not leave
+    it running."""
 
-    handle: object  # engine.server.ServerHandle
+    handle: object  # engine.entrypoints.server.app.ServerHandle
     engine: object  # engine.core.EngineCore
     signature: tuple = ()
     idle_s: float = IDLE_STOP_S
@@ -84,7 +85,7 @@ class LiveServer:
 
 def start_live_server(engine, signature: tuple = (), idle_s: float = IDLE_STOP_S) -> LiveServer:
     """Serve `engine` on 127.0.0.1, a free port (never another interface)."""
-    from engine.server import start_server_in_thread
+    from engine.entrypoints.server.app import start_server_in_thread
 
     handle = start_server_in_thread(engine, host="127.0.0.1", port=0)
     return LiveServer(handle, engine, signature, idle_s)
