@@ -73,12 +73,12 @@ def test_direction_and_arrivals():
     assert ch14.direction(100, 95) == "비슷하다"
     assert ch14.direction(200, 100) == "늘어난다"
     assert ch14.direction(None, 1) is None
-    a = ch14_load.poisson_arrivals(5.0, 10, 3.0, seed=1)
+    a = ch14_load.user_arrivals(5.0, 10, 3.0, seed=1)
     assert a == sorted(a) and 0 < len(a) <= 10 and all(0 < t < 3.0 for t in a)
-    assert a == ch14_load.poisson_arrivals(5.0, 10, 3.0, seed=1)
-    assert a != ch14_load.poisson_arrivals(5.0, 10, 3.0, seed=2)
-    assert len(ch14_load.poisson_arrivals(1000.0, 7, 3.0)) == 7  # the user count caps it
-    assert ch14_load.poisson_arrivals(0, 10, 3.0) == []
+    assert a == ch14_load.user_arrivals(5.0, 10, 3.0, seed=1)
+    assert a != ch14_load.user_arrivals(5.0, 10, 3.0, seed=2)
+    assert len(ch14_load.user_arrivals(1000.0, 7, 3.0)) == 7  # the user count caps it
+    assert ch14_load.user_arrivals(0, 10, 3.0) == []
 
 
 def test_parse_metrics_and_histogram_mean():

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import pandas as pd
 
 from engine.request import Request
+from engine.tools.workload import percentile
 from ui import figures
 from ui.experiments.common import RunResult, Workload, _r
 
@@ -113,7 +113,8 @@ METRIC_DEFINITIONS = {
 
 
 def percentile_table(result: RunResult, percentiles=(50, 90, 99)) -> pd.DataFrame:
-    """n, mean and percentiles (numpy linear interpolation) of TTFT, TPOT, ITL, E2E in ms."""
+    """n, mean and percentiles (engine/tools/workload.py's, linear interpolation as numpy's) of
+    TTFT, TPOT, ITL, E2E in ms."""
     t = result.request_table()
     samples = {
         "TTFT": t["ttft_ms"].dropna().to_numpy(),
@@ -129,7 +130,7 @@ def percentile_table(result: RunResult, percentiles=(50, 90, 99)) -> pd.DataFram
             "평균 (ms)": _r(values.mean()) if len(values) else None,
         }
         for p in percentiles:
-            row[f"p{p} (ms)"] = _r(np.percentile(values, p)) if len(values) else None
+            row[f"p{p} (ms)"] = _r(percentile(values, p))
         row["최대 (ms)"] = _r(values.max()) if len(values) else None
         rows.append(row)
     return pd.DataFrame(rows)

@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 import numpy as np
 import pandas as pd
 
+from engine.tools import workload
 from ui.experiments.ch14_client import ClientResult, request_body, run_with_ticks, send_request
 from ui.experiments.ch14_server import (
     E2E_HIST,
@@ -28,19 +29,13 @@ from ui.experiments.common import _r
 LOAD_PROMPT_LEN, LOAD_MAX_TOKENS = 32, 8
 
 
-def poisson_arrivals(rate: float, max_users: int, duration_s: float, seed: int = 0) -> list[float]:
-    """Arrival offsets (s) of a Poisson process of `rate` per second: at most `max_users`, all
-    before `duration_s`. Exponential gaps, seeded (the same slider values give the same times)."""
-    if rate <= 0 or max_users <= 0:
+def user_arrivals(rate: float, max_users: int, duration_s: float, seed: int = 0) -> list[float]:
+    """Arrival offsets (s) of the simulated users: a Poisson process of `rate` per second
+    (engine/tools/workload.py's, seeded, so the same slider values give the same times), the first
+    one gap after the start, at most `max_users`, all before `duration_s`; none at rate 0."""
+    if not rate > 0:
         return []
-    rng = np.random.default_rng(seed)
-    out, t = [], 0.0
-    while len(out) < max_users:
-        t += float(rng.exponential(1.0 / rate))
-        if t >= duration_s:
-            break
-        out.append(t)
-    return out
+    return workload.poisson_arrivals(max_users, rate, seed, first_at_zero=False, until_s=duration_s)
 
 
 @dataclass
@@ -100,8 +95,8 @@ class LoadResult:
             "첫 조각 없음": sum(c.first_visible_s is None and not c.error for c in self.clients),
         }
         for name, values in (("TTFT", ttft), ("ITL", itl), ("E2E", e2e)):
-            for q in (50, 90, 99):
-                out[f"{name} p{q} (ms)"] = _r(float(np.percentile(values, q))) if values else None
+            for q, value in workload.percentiles(values).items():
+                out[f"{name} {q} (ms)"] = _r(value)
         tokens = sum(len(c.chunk_times) for c in seen)
         out["처리량 (조각/s)"] = _r(tokens / self.wall_s) if self.wall_s > 0 else None
         out["최대 대기"] = max((s.waiting for s in self.samples), default=None)
@@ -203,7 +198,7 @@ def run_load_test(
     streamed completion; /metrics polled every `poll_s`. Everything ends by duration_s + drain_s
     (requests still open then are cut). on_tick(progress) gets {"done", "total", "elapsed_s",
     "cap_s"} from the caller's thread."""
-    arrivals = poisson_arrivals(rate, max_users, duration_s, seed)
+    arrivals = user_arrivals(rate, max_users, duration_s, seed)
     drain_s = duration_s if drain_s is None else drain_s
     cap_s = duration_s + drain_s
     progress: dict = {"done": 0, "total": len(arrivals), "cap_s": cap_s}
