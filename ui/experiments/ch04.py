@@ -137,9 +137,9 @@ def percentile_table(result: RunResult, percentiles=(50, 90, 99)) -> pd.DataFram
 
 
 def latest_bench() -> dict | None:
-    """`engine.bench.load_latest_results()` if that module exists and found a result; else None."""
+    """`engine.tools.bench.results.load_latest_results()` if it found a result; else None."""
     try:
-        from engine import bench  # written by another part of the project; may be absent
+        from engine.tools.bench import results as bench  # may be absent
     except Exception:
         return None
     loader = getattr(bench, "load_latest_results", None)
