@@ -966,11 +966,6 @@ def sidebar_status() -> None:
         engine_status(st.session_state.get(ACTIVE_KEY) or "main")
 
 
-def steps_of(records: list[StepRecord], request_id: str) -> int:
-    """How many steps scheduled this request (its prefill chunks and decode steps)."""
-    return sum(1 for r in records if any(s.request_id == request_id for s in r.scheduled))
-
-
 def first_finished(engine: EngineCore):
     """The earliest-arriving finished request of this engine, or None."""
     done = [r for r in engine.all_requests() if r.is_finished]

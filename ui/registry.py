@@ -383,11 +383,6 @@ class SessionRegistry:
             slots = [s for e in self._sessions.values() for s in e.engines.values()]
             return len(slots), sum(s.kv_bytes for s in slots)
 
-    def engines_of(self, session_id: str) -> dict[str, Any]:
-        with self._lock:
-            entry = self._sessions.get(session_id)
-            return {k: s.engine for k, s in entry.engines.items()} if entry else {}
-
     def session_ids(self) -> list[str]:
         with self._lock:
             return list(self._sessions)

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import pandas as pd
 
 from engine.core import EngineCore
-from engine.multiproc_executor import all_reduces_per_step
 from ui.experiments.common import ConfigLike, RunResult, Workload, _r, make_config, run_workload
 
 MB = 1e6
@@ -253,11 +252,6 @@ def planned_layout(model_config, tp: int, pp: int, dtype=None) -> list[dict]:
             }
         )
     return rows
-
-
-def derived_all_reduces(model_config, tp: int, pp: int) -> int:
-    """계산값: 2 all-reduces per layer a rank runs (after o, after down), 0 at tp 1."""
-    return all_reduces_per_step(model_config, tp, pp)
 
 
 # -- for the page's lab (runs stepped by ui/lab.py, not by run_layout) -------------------------
