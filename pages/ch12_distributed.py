@@ -196,21 +196,8 @@ def _holdings_view(ctx: LabContext, model_config: LlamaConfig, tp: int) -> None:
     )
 
 
-def _communication_view(ctx: LabContext, model_config: LlamaConfig, tp: int) -> None:
-    records = ctx.records(TP_KEY)
-    simulated = is_simulated(ctx.engines[TP_KEY])
-    derived = all_reduces_per_step(model_config, tp, 1)
-    evidence(
-        "계산값",
-        f"tp {tp}: 스텝마다 워커 하나가 all-reduce {derived}번 "
-        f"(층 {model_config.num_layers}개 × 2: o 뒤 한 번, down 뒤 한 번)",
-        formula="2 × 층 수 (tp > 1일 때; tp 1이면 0)",
-    )
-    comm = communication_table(records)
-    if comm.empty:
-        st.info("스텝을 실행하면 여기에 워커별 계산·통신 시간이 그려집니다.")
-        return
-    first = comm[comm["rank"] == 0]
+def _communication_figure(first, tp: int, simulated: bool) -> go.Figure:
+    """Rank 0's compute and all-reduce time per step (stacked bars) and its all-reduce count."""
     fig = go.Figure()
     fig.add_trace(go.Bar(x=first["step"], y=first["compute_ms"], name="계산 (rank 0)"))
     fig.add_trace(go.Bar(x=first["step"], y=first["comm_ms"], name="all-reduce 대기·전송 (rank 0)"))
@@ -240,7 +227,25 @@ def _communication_view(ctx: LabContext, model_config: LlamaConfig, tp: int) -> 
         legend=LEGEND_BELOW,
         margin=dict(l=10, r=10, t=40, b=90),
     )
-    st.plotly_chart(fig, key="ch12_comm")
+    return fig
+
+
+def _communication_view(ctx: LabContext, model_config: LlamaConfig, tp: int) -> None:
+    records = ctx.records(TP_KEY)
+    simulated = is_simulated(ctx.engines[TP_KEY])
+    derived = all_reduces_per_step(model_config, tp, 1)
+    evidence(
+        "계산값",
+        f"tp {tp}: 스텝마다 워커 하나가 all-reduce {derived}번 "
+        f"(층 {model_config.num_layers}개 × 2: o 뒤 한 번, down 뒤 한 번)",
+        formula="2 × 층 수 (tp > 1일 때; tp 1이면 0)",
+    )
+    comm = communication_table(records)
+    if comm.empty:
+        st.info("스텝을 실행하면 여기에 워커별 계산·통신 시간이 그려집니다.")
+        return
+    first = comm[comm["rank"] == 0]
+    st.plotly_chart(_communication_figure(first, tp, simulated), key="ch12_comm")
     counts = sorted(set(int(c) for c in first["all_reduce_count"]))
     spent = comm["comm_ms"].sum()
     share = 100 * spent / max(comm["compute_ms"].sum() + spent, 1e-9)
