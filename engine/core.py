@@ -371,10 +371,12 @@ class EngineCore:
             if request_id in self.live_requests
         }
         num_before = {rid: self.live_requests[rid].num_output_tokens for rid in new_tokens}
-        self._output_failures: dict[str, str] = {}
+        self._output_failures = {}
         finished = self.scheduler.update_from_output(
             scheduler_output, new_tokens, on_token=self._detokenize
         )
+        for request_id in self._output_failures:  # its text failed: this step's tokens are not kept
+            del self.live_requests[request_id].output_token_ids[num_before[request_id] :]
         failed = {**runner_output.failed, **self._output_failures}
         self._fail_requests(self._output_failures, scheduler_output.step)
         finished_ids = {r.request_id for r in finished}

@@ -680,7 +680,7 @@ def test_a_request_whose_output_processing_fails_fails_alone(make_engine, monkey
     _, final, _ = generate(
         engine, {"bad": ids(6, 31), "good": ids(7, 32)}, SamplingParams(max_tokens=4, **GREEDY)
     )
-    assert final["bad"].finish_reason == "error"
+    assert final["bad"].finish_reason == "error" and final["bad"].token_ids == []
     assert final["good"].finish_reason == "length" and len(final["good"].token_ids) == 4
 
 
