@@ -387,7 +387,7 @@ def test_figures_show_preemption_and_reasons(tiny_model_dir):
 
 def test_quiz_gives_feedback(app):
     at = open_chapter(app, "00")
-    from ui.widgets import load_quiz
+    from ui.lesson import load_quiz
 
     questions = load_quiz("00")
     choice = next(i for i, q in enumerate(questions, 1) if q["kind"] == "choice")

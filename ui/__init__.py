@@ -7,6 +7,6 @@
 - ui.predict: predict → run → compare
 - ui.errors:  engine errors as Korean messages
 - ui.experiments: engine-driving experiments, one module per chapter (no Streamlit)
-- ui.widgets: decision table, evidence labels, quiz, code panel
+- ui.widgets: decision table, evidence labels, code panel
 - ui.lesson:  chapter layout (lesson text → lab → rest → quiz → next chapter) and the chapter list
 """

@@ -612,12 +612,6 @@ def _counters(ctx: LabContext) -> None:
 # -- the three views ---------------------------------------------------------------------------
 
 
-def decision_table(record: StepRecord | None):
-    from ui.widgets import decision_table as table
-
-    return table(record)
-
-
 def show_decision(record: StepRecord | None, names: dict[str, str] | None = None) -> None:
     if record is None:
         st.caption("아직 실행된 스텝이 없습니다.")
@@ -627,7 +621,7 @@ def show_decision(record: StepRecord | None, names: dict[str, str] | None = None
         f"실행 {record.num_running} · 대기 {record.num_waiting}, "
         f"걸린 시간 {1000 * record.engine_duration:.0f} ms (엔진 시계)"
     )
-    from ui.widgets import show_frame
+    from ui.widgets import decision_table, show_frame
 
     table = decision_table(record)
     if names:

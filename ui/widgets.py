@@ -1,13 +1,11 @@
-"""Widgets every chapter reuses: the decision table, evidence labels, the quiz and the
-"방금 실행된 코드" panel. The lab itself (requests, stepping, the three views) is ui/lab.py."""
+"""Widgets every chapter reuses: the decision table, evidence labels and the "방금 실행된 코드"
+panel. The lab itself (requests, stepping, the three views) is ui/lab.py; the quiz is in
+ui/lesson.py."""
 
 from __future__ import annotations
 
 import datetime as _dt
 import inspect
-import json
-import re
-import time
 from pathlib import Path
 
 import pandas as pd
@@ -16,8 +14,6 @@ import streamlit as st
 from engine.trace import StepRecord
 from ui.experiments.common import display_frame
 from ui.figures import REASON_KO
-
-LESSONS_DIR = Path(__file__).resolve().parent.parent / "lessons"
 
 FINISH_KO = {"stop": "정지 토큰", "length": "길이 한도", "abort": "중단", "error": "오류"}
 PHASE_KO = {"prefill": "prefill", "chunked_prefill": "chunked prefill (조각)", "decode": "decode"}
@@ -103,7 +99,7 @@ def decision_table(record: StepRecord | None) -> pd.DataFrame:
     return table
 
 
-# -- evidence, quiz, code ----------------------------------------------------------------------
+# -- evidence, code ----------------------------------------------------------------------------
 
 
 def evidence(kind: str, text: str, **conditions) -> None:
@@ -126,74 +122,6 @@ def evidence(kind: str, text: str, **conditions) -> None:
     )
 
 
-def _chapter_file(chapter_id: str) -> str:
-    digits = re.sub(r"\D", "", str(chapter_id))
-    return f"ch{int(digits):02d}"
-
-
-def load_quiz(chapter_id: str) -> list[dict]:
-    path = LESSONS_DIR / f"{_chapter_file(chapter_id)}_quiz.json"
-    if not path.is_file():
-        return []
-    return json.loads(path.read_text(encoding="utf-8"))
-
-
-def _normalize(text: str) -> str:
-    return re.sub(r"\s+", "", text).lower()
-
-
-def check_short_answer(answer: str, accept: list[str]) -> bool:
-    given = _normalize(answer)
-    return bool(given) and any(_normalize(a) in given or given == _normalize(a) for a in accept)
-
-
-def quiz(chapter_id: str) -> None:
-    """The chapter's questions (lessons/chNN_quiz.json): choice and short answer, with feedback."""
-    questions = load_quiz(chapter_id)
-    if not questions:
-        st.caption("이 장의 확인 문제는 준비 중입니다.")
-        return
-    cid = _chapter_file(chapter_id)
-    for i, q in enumerate(questions, 1):
-        with st.container(border=True):
-            st.markdown(f"**문제 {i}.** {q['question']}")
-            if q.get("kind") == "choice":
-                choice = st.radio(
-                    "답 고르기",
-                    q["options"],
-                    index=None,
-                    key=f"quiz_{cid}_{i}",
-                    label_visibility="collapsed",
-                )
-                if choice is not None:
-                    if q["options"].index(choice) == q["answer"]:
-                        st.success("정답입니다. " + q.get("explanation", ""))
-                    else:
-                        st.error(
-                            "다시 생각해 보세요. 정답: "
-                            + q["options"][q["answer"]]
-                            + " — "
-                            + q.get("explanation", "")
-                        )
-            else:
-                answer = st.text_input(
-                    "답 쓰기",
-                    key=f"quiz_{cid}_{i}",
-                    label_visibility="collapsed",
-                    placeholder="답을 쓰고 Enter",
-                )
-                if answer.strip():
-                    if check_short_answer(answer, q.get("accept", [])):
-                        st.success("정답입니다. " + q.get("explanation", ""))
-                    else:
-                        st.error(
-                            "다시 생각해 보세요. 예시 답: "
-                            + ", ".join(q.get("accept", [])[:3])
-                            + " — "
-                            + q.get("explanation", "")
-                        )
-
-
 def show_code(obj, title: str = "방금 실행된 코드") -> None:
     """The real source of the engine function just exercised (inspect.getsource)."""
     try:
@@ -210,10 +138,3 @@ def show_code(obj, title: str = "방금 실행된 코드") -> None:
     name = getattr(obj, "__qualname__", getattr(obj, "__name__", str(obj)))
     with st.expander(f"{title}: `{name}` ({where}:{line})", icon=":material/code:"):
         st.code(source, language="python", line_numbers=True)
-
-
-def timed(fn, *args, **kwargs):
-    """(result, seconds) of one call, timed with perf_counter."""
-    start = time.perf_counter()
-    result = fn(*args, **kwargs)
-    return result, time.perf_counter() - start
