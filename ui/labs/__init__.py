@@ -4,6 +4,8 @@ A page composes its lesson (ui.lesson.render_chapter) and its lab; the lab's dra
 here, one module per chapter, and what they measure is computed in ui/experiments/chNN*.py (no
 Streamlit there).
 
+    ch12.py  the tensor-parallel lab's views: what each worker holds, compute vs all-reduce
+             time per step, the layouts' step times, the communication share as tp grows
     ch14.py  the server lab: the learner's own server on 127.0.0.1, simulated users, the
              load-latency curve, streamed vs whole answers, a stream the learner cuts
 """
