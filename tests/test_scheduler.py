@@ -25,6 +25,7 @@ from engine.scheduler import (
     REASON_TOKEN_BUDGET,
     Scheduler,
     SchedulerConfig,
+    check_stop,
 )
 
 EOS = 0
@@ -960,3 +961,28 @@ def test_abort_while_the_step_runs_is_ignored_by_the_update():
     assert finished == [] and list(sched.requests) == ["b"]
     assert sched.requests["b"].output_token_ids == [4]
     check_kv(sched)
+
+
+def test_check_stop_rules_in_order():
+    """One check per appended token: a stop string wins even over the length limit; EOS and stop
+    tokens count only from min_tokens on (stop_reason: None for EOS, the token id for a stop
+    token); then max_tokens; then the context."""
+
+    def after(request: Request, *tokens: int, **kwargs) -> RequestStatus | None:
+        request.output_token_ids.extend(tokens)
+        return check_stop(request, kwargs.pop("max_model_len", 100), **kwargs)
+
+    request = make_req("s", 4, max_tokens=1)
+    assert after(request, 5, stop_string="ab") == RequestStatus.FINISHED_STOPPED
+    assert request.stop_reason == "ab"
+    request = make_req("e", 4, ignore_eos=False, min_tokens=2)
+    assert after(request, EOS) is None  # below min_tokens
+    assert after(request, EOS) == RequestStatus.FINISHED_STOPPED and request.stop_reason is None
+    request = make_req("t", 4, stop_token_ids=[3])
+    assert after(request, 3) == RequestStatus.FINISHED_STOPPED and request.stop_reason == 3
+    request = make_req("m", 4, max_tokens=2, ignore_eos=False)
+    assert after(request, 5) is None
+    assert after(request, 5) == RequestStatus.FINISHED_LENGTH and request.stop_reason is None
+    request = make_req("c", 4, max_tokens=None)
+    assert after(request, 5, max_model_len=6) is None
+    assert after(request, 5, max_model_len=6) == RequestStatus.FINISHED_LENGTH
