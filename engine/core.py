@@ -18,21 +18,22 @@ from collections import OrderedDict
 from engine.artifact import resolve_model_path
 from engine.clock import EngineClock
 from engine.config import EngineConfig
-from engine.executor import Executor, ExecutorDiedError, UniProcExecutor
+from engine.executor.abstract import Executor, ExecutorDiedError
+from engine.executor.uniproc import UniProcExecutor
 from engine.kv_cache import KVCacheManager
-from engine.model_runner import ModelRunnerOutput
 from engine.models.config import LlamaConfig
 from engine.output import OutputProcessor, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import InvalidRequestError, SamplingParams
-from engine.sampler import SampleResult
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.scheduler_output import Phase, ScheduledRequest, SchedulerOutput
 from engine.spec_decode import NgramProposer, SpeculativeConfig
 from engine.tokenizer import Tokenizer
 from engine.trace import ScheduledRecord, StepRecord
-from engine.quantization import check_quantization
-from engine.worker import Worker, resolve_device, resolve_dtype
+from engine.worker.model_runner import ModelRunnerOutput
+from engine.worker.quantization import check_quantization
+from engine.worker.sampler import SampleResult
+from engine.worker.worker import Worker, resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ class EngineCore:
         """One worker in this process, or (tensor / pipeline parallel) one process per rank."""
         tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
         if (tp, pp) != (1, 1):
-            from engine.multiproc_executor import MultiprocExecutor
+            from engine.executor.multiproc import MultiprocExecutor
 
             return MultiprocExecutor(
                 self.model_dir, self.model_config, self.device, self.dtype, config.block_size,
@@ -173,7 +174,7 @@ class EngineCore:
         (engine/worker/cuda_graphs.py)."""
         if self.device.type != "cuda" or not isinstance(self.executor, UniProcExecutor):
             return f"off (device is {self.device.type})"
-        from engine.cuda_graphs import configure_engine
+        from engine.worker.cuda_graphs import configure_engine
 
         return configure_engine(self)
 

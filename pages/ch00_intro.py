@@ -27,15 +27,15 @@ JOURNEY = [
         "6",
         "실행자 → 워커",
         "스텝을 장치의 워커에 넘김, 가중치·KV 메모리 보유",
-        "engine/executor.py, engine/worker.py",
+        "engine/executor/abstract.py, engine/worker/worker.py",
     ),
     (
         "7",
         "모델 러너 → 모델",
         "배치를 텐서로 펼쳐 forward (KV 읽기/쓰기)",
-        "engine/model_runner.py, engine/models/llama.py",
+        "engine/worker/model_runner.py, engine/models/llama.py",
     ),
-    ("8", "샘플러", "다음 토큰 하나 고르기", "engine/sampler.py"),
+    ("8", "샘플러", "다음 토큰 하나 고르기", "engine/worker/sampler.py"),
     ("9", "출력 처리", "detokenize, 종료 조건", "engine/output.py"),
     ("10", "기록", "여정 이벤트, 스텝 기록 → 이 앱의 그림", "engine/trace.py"),
 ]

@@ -16,8 +16,8 @@ from ui.experiments.ch01 import (
     derived_param_count,
     send_http_request,
 )
-from ui.lesson import render_chapter
 from ui.lab import input_notes, number_field, show_decision
+from ui.lesson import render_chapter
 from ui.predict import compare, predict
 from ui.session import build_engine, conditions_of, current_settings
 from ui.widgets import evidence, show_code
@@ -32,9 +32,12 @@ STAGE_MODULE = {
     "scheduled": ("스케줄링 (토큰 예산, KV 블록)", "engine/scheduler.py, engine/kv_cache.py"),
     "first_token": (
         "첫 토큰 (forward + 샘플링)",
-        "engine/executor.py → worker.py → model_runner.py → models/llama.py, sampler.py",
+        "engine/executor/abstract.py → worker.py → model_runner.py → models/llama.py, sampler.py",
     ),
-    "token": ("토큰 (decode forward + 샘플링)", "engine/model_runner.py, engine/sampler.py"),
+    "token": (
+        "토큰 (decode forward + 샘플링)",
+        "engine/worker/model_runner.py, engine/worker/sampler.py",
+    ),
     "streamed": ("detokenize → 스트림 조각", "engine/output.py, engine/tokenizer.py"),
     "preempted": ("선점", "engine/scheduler.py"),
     "resumed": ("재개", "engine/scheduler.py"),

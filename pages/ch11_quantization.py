@@ -6,7 +6,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from engine.kernels.quant import quantize_int4, quantize_int8
-from engine.quality import TIE_MARGIN
+from engine.tools.quality import TIE_MARGIN
 from ui.experiments.ch11 import (
     DEFAULT_BATCH,
     DEFAULT_MAX_TOKENS,
@@ -17,8 +17,8 @@ from ui.experiments.ch11 import (
     bytes_table,
     decode_summary,
     decode_workload,
-    grid_fit_table,
     greedy_agreement_table,
+    grid_fit_table,
     kernel_rows,
     outlier_table,
     peer_rows,
@@ -51,7 +51,7 @@ def _model_dir():
 
 
 def _has_gguf() -> bool:
-    from engine.quantization import gguf_source
+    from engine.worker.quantization import gguf_source
 
     try:
         gguf_source(_model_dir())
@@ -218,7 +218,7 @@ def _quality_section() -> None:
         "측정값",
         "64 × 256 무작위 행렬(표준편차 0.02)의 4개 행에 2.0짜리 가중치 하나씩; 평범한 가중치의 "
         "반올림 오차 RMS",
-        행렬="seed 0, engine.quality.outlier_demo",
+        행렬="seed 0, engine.tools.quality.outlier_demo",
     )
 
 

@@ -1,12 +1,12 @@
 """12 · executor and workers: the same requests on tp 1 and tp N (and optionally pp 2) side by side,
-each tp/pp engine running one worker process per rank (engine/multiproc_executor.py). The chapter
+each tp/pp engine running one worker process per rank (engine/executor/multiproc.py). The chapter
 view shows what each worker holds (the weight matrices cut by columns and rows, with the workers'
 own shard shapes), per-step compute vs all-reduce time measured in the workers, the all-reduce
 count derived and measured, and the step times of the layouts on this machine's shared CPU.
 
 실제 엔진 / 시뮬레이션 (ui/simulation.py): in simulation the same views draw a model preset (by
 default Llama-3.1-70B) on N GPUs of a hardware preset, against N/2 GPUs as the base: the layout
-and the per-rank compute vs all-reduce times are computed (engine/simulator.py's
+and the per-rank compute vs all-reduce times are computed (engine/tools/simulator.py's
 SimulatedExecutor, 계산값), plus a table of the communication share as tp grows.
 The lab's views are drawn in ui/labs/ch12.py."""
 
@@ -15,14 +15,11 @@ import time
 import streamlit as st
 
 from engine.artifact import resolve_model_path
+from engine.executor.multiproc import MultiprocExecutor
+from engine.layers.sharding import all_reduces_per_step, valid_tensor_parallel_sizes
 from engine.models.config import LlamaConfig
-from engine.multiproc_executor import (
-    MultiprocExecutor,
-    all_reduces_per_step,
-    valid_tensor_parallel_sizes,
-)
-from engine.presets import load_model_preset
-from engine.simulator import SimulatedExecutor
+from engine.tools.presets import load_model_preset
+from engine.tools.simulator import SimulatedExecutor
 from ui.errors import show_error
 from ui.experiments.ch12 import (
     DEFAULT_OUT,

@@ -21,6 +21,7 @@ APP = str(ROOT / "app.py")
 TIMEOUT = 240  # torch start-up and real forward passes on a (possibly busy) CPU
 
 from _apptest import open_tab, open_tab_of  # noqa: E402
+
 from ui.lesson import CHAPTERS  # noqa: E402
 
 
@@ -203,7 +204,7 @@ def test_small_kv_cache_is_fixed_in_the_form_not_a_traceback(app):
 
 def test_engine_errors_become_korean_messages():
     from engine.sampling_params import InvalidRequestError
-    from engine.worker import CacheTooSmallError
+    from engine.worker.worker import CacheTooSmallError
     from ui.errors import korean_error
 
     msg = korean_error(CacheTooSmallError(10, 16, 1024))

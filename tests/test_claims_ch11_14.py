@@ -10,7 +10,7 @@ own rules.
   arithmetic order, e.g. the float32 library the process timed as faster, so the agreement
   percentages themselves are not asserted.)
 - ch12: tensor parallel (tp 3) and pipeline parallel (pp 2) write tp 1's greedy tokens, and each
-  worker holds the bytes the planned layout (engine/multiproc_executor.py's shard_weights on meta
+  worker holds the bytes the planned layout (engine/models/llama.py's shard_weights on meta
   tensors) says.
 - ch13: n-gram drafts are accepted on the default prompt (tokens per verifying step > 1) and the
   greedy output equals the engine without speculation.
@@ -41,7 +41,7 @@ def _token_share(a: list[int], b: list[int]) -> float:
 @pytest.mark.slow
 def test_ch11_default_agreement_and_its_explanation(default_model_dir):
     from engine.core import EngineCore
-    from engine.quality import TIE_MARGIN
+    from engine.tools.quality import TIE_MARGIN
     from ui.experiments.ch11 import (
         DEFAULT_SIDES,
         GRIDS,
@@ -106,7 +106,7 @@ def base_bytes(model_dir) -> int:
     """What one in-process float32 engine holds (engine.weight_bytes(), measured)."""
     import torch
 
-    from engine.worker import load_model
+    from engine.worker.worker import load_model
 
     return load_model(model_dir, torch.device("cpu"), torch.float32).weight_bytes()
 

@@ -258,7 +258,7 @@ def _engine(model_dir, num_kv_blocks=8, lazy=True):
     import torch
 
     from engine.core import EngineConfig, EngineCore
-    from engine.executor import UniProcExecutor
+    from engine.executor.uniproc import UniProcExecutor
 
     config = EngineConfig(
         model=str(model_dir),

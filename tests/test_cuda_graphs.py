@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps (engine/cuda_graphs.py).
+"""CUDA graphs for decode steps (engine/worker/cuda_graphs.py).
 
 On a CPU the capture is replaced by an eager stand-in that records what would be captured, so
 the bookkeeping is tested for real: which steps take the graph path, the batch-size and
@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.cuda_graphs import (
+from engine.sampling_params import SamplingParams as SP
+from engine.scheduler_output import Phase, ScheduledRequest, SchedulerOutput
+from engine.worker.cuda_graphs import (
     CudaGraphRunner,
     configure_engine,
     eager_capture,
     next_bucket,
     next_power_of_two,
 )
-from engine.sampling_params import SamplingParams as SP
-from engine.scheduler_output import Phase, ScheduledRequest, SchedulerOutput
 
 BLOCK = 4
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -32,7 +32,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import kernels
-from engine.attention import build_attention_metadata, paged_attention
 from engine.kernels.quant import (
     Int4Weight,
     dequantize_int4,
@@ -44,6 +43,7 @@ from engine.kernels.quant import (
     round_activations_q8,
     unpack_int4,
 )
+from engine.worker.attention import build_attention_metadata, paged_attention
 
 HYPOTHESIS = settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -423,14 +423,13 @@ def test_int4_kernels_refuse_scales_they_cannot_read(ext):
 def test_rms_norm_matches_the_torch_reference(ext, rows, width, scale, seed):
     """Row counts below and above the kernel's 64-row parallel grain, widths that are no multiple
     of the vector width, tiny and large activations (eps matters for the tiny ones)."""
-    from engine.models.llama import rms_norm
+    from engine.layers.ops import RMSNorm
 
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, width, generator=g) * scale
-    w = torch.randn(width, generator=g)
-    torch.testing.assert_close(
-        rms_norm(x, w, 1e-5, kernels=ext), rms_norm(x, w, 1e-5), atol=1e-5, rtol=1e-5
-    )
+    norm = RMSNorm(torch.randn(width, generator=g), 1e-5, kernels=ext)
+    assert norm.forward == norm.forward_cpu  # chosen once, at construction
+    torch.testing.assert_close(norm(x), norm.forward_native(x), atol=1e-5, rtol=1e-5)
 
 
 @HYPOTHESIS
@@ -443,14 +442,14 @@ def test_rms_norm_matches_the_torch_reference(ext, rows, width, scale, seed):
 def test_add_rms_norm_matches_the_torch_reference(ext, rows, width, scale, seed):
     """The residual add fused with the next norm: the sum exactly (one float addition per
     element either way), the norm as closely as rms_norm's."""
-    from engine.models.llama import add_rms_norm
+    from engine.layers.ops import RMSNorm
 
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(rows, width, generator=g) * scale
     delta = torch.randn(rows, width, generator=g) * scale
-    w = torch.randn(width, generator=g)
-    total, normed = add_rms_norm(h, delta, w, 1e-5, kernels=ext)
-    ref_total, ref_normed = add_rms_norm(h, delta, w, 1e-5)
+    norm = RMSNorm(torch.randn(width, generator=g), 1e-5, kernels=ext)
+    total, normed = norm.forward_cpu(delta, residual=h)
+    ref_total, ref_normed = norm.forward_native(delta, residual=h)
     assert torch.equal(total, ref_total)
     torch.testing.assert_close(normed, ref_normed, atol=1e-5, rtol=1e-5)
 
@@ -465,12 +464,13 @@ def test_add_rms_norm_matches_the_torch_reference(ext, rows, width, scale, seed)
 def test_silu_and_mul_matches_the_torch_reference(ext, rows, half, scale, seed):
     """silu(gate) * up from the two halves of each row: negative and positive gates, large ones
     (sigmoid saturates to 0 or 1), widths no multiple of the vector width."""
-    from engine.models.llama import silu_and_mul
+    from engine.layers.ops import SiluAndMul
 
     g = torch.Generator().manual_seed(seed)
     gate_up = torch.randn(rows, 2 * half, generator=g) * scale
+    act = SiluAndMul(kernels=ext)
     torch.testing.assert_close(
-        silu_and_mul(gate_up, kernels=ext), silu_and_mul(gate_up), atol=1e-6, rtol=1e-5
+        act.forward_cpu(gate_up), act.forward_native(gate_up), atol=1e-6, rtol=1e-5
     )
 
 
@@ -485,7 +485,7 @@ def test_silu_and_mul_matches_the_torch_reference(ext, rows, half, scale, seed):
 def test_rope_matches_the_torch_reference(ext, tokens, heads, half, extra, seed):
     """Queries and keys as the model rotates them: a view of the fused qkv rows (`extra` more
     columns per row, the values), heads contiguous, positions anywhere up to 4096."""
-    from engine.models.llama import apply_rope
+    from engine.layers.ops import RotaryEmbedding
 
     g = torch.Generator().manual_seed(seed)
     d = 2 * half
@@ -494,8 +494,9 @@ def test_rope_matches_the_torch_reference(ext, tokens, heads, half, extra, seed)
     freqs = torch.randint(0, 4096, (tokens, 1), generator=g).float() * torch.rand(half, generator=g)
     angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
     cos, sin = angles.cos(), angles.sin()
+    rope = RotaryEmbedding(torch.ones(half), kernels=ext)
     torch.testing.assert_close(
-        apply_rope(x, cos, sin, kernels=ext), apply_rope(x, cos, sin), atol=1e-5, rtol=1e-5
+        rope.forward_cpu(x, cos, sin), rope.forward_native(x, cos, sin), atol=1e-5, rtol=1e-5
     )
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _paged import PagedRunner, blocks_needed, greedy_batched, rel_err
 from _tiny import TINY_VOCAB_SIZE
+
 from engine.models.llama import LlamaModel
 
 BLOCK = 16
@@ -121,7 +121,7 @@ def test_mixed_flat_batch_equals_alone_and_transformers(tiny_model, tiny_hf_mode
 @pytest.fixture
 def float32_linear(monkeypatch):
     """Force the float32 linear library ("mkl" or "onednn") for one test, then forget it."""
-    import engine.models.llama as llama
+    import engine.kernels.float32_linear as llama
 
     def force(backend: str | None):
         monkeypatch.setattr(llama, "_float32_linear", None)
@@ -140,7 +140,8 @@ def test_float32_linear_library_is_timed_once_or_set_by_the_environment(float32_
     the environment variable skips the timing. `linear` then runs exactly that library."""
     import torch.nn.functional as F
 
-    from engine.models.llama import ONEDNN_LINEAR, float32_linear_backend, linear, onednn_linear
+    from engine.kernels.float32_linear import ONEDNN_LINEAR, float32_linear_backend, onednn_linear
+    from engine.layers.linear import linear
 
     timed = float32_linear(None)
     assert float32_linear_backend() is timed  # measured once
@@ -159,12 +160,13 @@ def test_both_float32_linear_libraries_match_transformers(
     tiny_model, tiny_hf_model, sequences, float32_linear, backend
 ):
     """Whichever library this machine picks, the model agrees with transformers through it."""
-    from engine.models.llama import ONEDNN_LINEAR
+    from engine.kernels.float32_linear import ONEDNN_LINEAR
 
     if backend == "onednn" and not ONEDNN_LINEAR:
         pytest.skip("this PyTorch build has no oneDNN linear")
     float32_linear(backend)
-    batched, _ = run_mixed_batch(tiny_model, sequences)
+    model = tiny_model.with_kernels("torch")  # its layers choose the library as they are built
+    batched, _ = run_mixed_batch(model, sequences)
     for name, n in {"a": 13, "b": 37, "c": 31, "d": 33}.items():
         ref = hf_logits(tiny_hf_model, sequences[name][:n])[-1]
         assert rel_err(batched[name], ref) <= TOL, name

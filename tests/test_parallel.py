@@ -1,4 +1,4 @@
-"""The multi-process executor (engine/multiproc_executor.py) on the tiny model: tensor and
+"""The multi-process executor (engine/executor/multiproc.py) on the tiny model: tensor and
 pipeline parallel give tp 1's greedy tokens under prefix caching, chunked prefill and
 preemption; per-rank weights add up; bad sizes are refused before any process starts; a dead
 worker makes the engine raise; no worker outlives the engine.
@@ -12,23 +12,20 @@ import multiprocessing
 import os
 import signal
 import socket
+import threading
 import time
 
 import pandas as pd
 import psutil
 import pytest
 import torch
-
 from _tiny import TINY_VOCAB_SIZE, run_engine
+
 from engine import SamplingParams
-from engine.executor import ExecutorDiedError
+from engine.executor.abstract import ExecutorDiedError
+from engine.layers.sharding import check_parallel_sizes, head_ranges, valid_tensor_parallel_sizes
 from engine.models.config import LlamaConfig
-from engine.multiproc_executor import (
-    check_parallel_sizes,
-    head_ranges,
-    shard_weights,
-    valid_tensor_parallel_sizes,
-)
+from engine.models.llama import LlamaModel, shard_weights
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
 # A cache of 8 blocks of 16 tokens and a 24-token budget: chunked prefill and preemption happen.
@@ -140,6 +137,14 @@ def test_parallel_greedy_equals_tp1_and_layout_adds_up(make_engine, reference, t
         assert r["shapes"]["qkv"] == [q + 2 * kv, cfg.hidden_size]
         assert r["shapes"]["o"] == [cfg.hidden_size, q]
         assert r["shapes"]["down"] == [cfg.hidden_size, cfg.intermediate_size // tp]
+        # every worker process runs the one model class, built from the parallel layers
+        assert r["model_class"] == "engine.models.llama.LlamaModel"
+        assert r["layer_classes"] == {
+            "qkv": "QKVParallelLinear",
+            "o": "RowParallelLinear",
+            "gate_up": "MergedColumnParallelLinear",
+            "down": "RowParallelLinear",
+        }
 
     if pp == 2:  # garbage collection stops the workers too
         del engine, records
@@ -150,6 +155,102 @@ def test_parallel_greedy_equals_tp1_and_layout_adds_up(make_engine, reference, t
     while alive(pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert alive(pids) == []
+
+
+class ThreadGroup:
+    """In one process, what a worker's Comm does: all_reduce sums the tensor-parallel ranks'
+    tensors (each rank a thread, in rank order), send/recv hand hidden states to the next
+    pipeline stage."""
+
+    def __init__(self, tp: int, pipe: dict):
+        self.tp, self.parts, self.pipe = tp, [None] * tp, pipe  # pipe: shared by the stages
+        self.barrier = threading.Barrier(tp)
+
+    def rank(self, tp_rank: int):
+        group = self
+
+        class RankComm:
+            def all_reduce(self, t):
+                group.parts[tp_rank] = t
+                group.barrier.wait()
+                total = sum(group.parts[1:], group.parts[0].clone())
+                group.barrier.wait()
+                return total
+
+            def send(self, t):
+                group.pipe["hidden"] = t
+
+            def recv(self, shape, dtype, device):
+                assert group.pipe["hidden"].shape == shape
+                return group.pipe["hidden"]
+
+        return RankComm()
+
+
+def forward_on_ranks(models: list[LlamaModel], tp: int, steps) -> list[torch.Tensor]:
+    """Each step's logits from the output rank; the ranks of a stage run as threads, the
+    stages one after the other, each rank on its own KV cache."""
+    caches = [m.allocate_kv_cache(4, 16) for m in models]
+    out = []
+    for ids, positions, meta in steps:
+        results = [None] * len(models)
+        for stage in range(len(models) // tp):
+            ranks = range(stage * tp, (stage + 1) * tp)
+
+            def run(r):
+                results[r] = models[r].forward(
+                    ids, positions, caches[r], meta, torch.tensor([len(ids) - 1])
+                )
+
+            threads = [threading.Thread(target=run, args=(r,)) for r in ranks]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        out.append(results[tp * (len(models) // tp - 1)])
+    return out
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2), (4, 1)])
+def test_the_workers_model_is_the_one_llama_model(tiny_model_dir, tp, pp):
+    """Ranks built as a worker process builds its model (LlamaModel.from_pretrained with its
+    ParallelContext), run in this process (threads for the all-reduce): the same class, the
+    parallel linear layers, and tensor parallel 1's logits through the same forward."""
+    from engine.layers.linear import (
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+    )
+    from engine.layers.sharding import ParallelContext
+    from engine.worker.attention import build_attention_metadata
+
+    prompt = torch.arange(3, 23)
+    steps = [
+        (prompt, torch.arange(20), build_attention_metadata([20], [0], [[0, 1]], 16)),
+        (torch.tensor([9]), torch.tensor([20]), build_attention_metadata([1], [20], [[0, 1]], 16)),
+    ]
+    whole = LlamaModel.from_pretrained(tiny_model_dir)
+    expected = forward_on_ranks([whole], 1, steps)
+    pipe: dict = {}
+    groups = [ThreadGroup(tp, pipe) for _ in range(pp)]
+    models = [
+        LlamaModel.from_pretrained(
+            tiny_model_dir, parallel=ParallelContext(tp, pp, r, groups[r // tp].rank(r % tp))
+        )
+        for r in range(tp * pp)
+    ]
+    for model in models:
+        assert type(model) is LlamaModel and model.parallel.tp == tp
+        layer = model.layers[0]
+        assert isinstance(layer.attention.qkv, QKVParallelLinear)
+        assert isinstance(layer.mlp.gate_up, MergedColumnParallelLinear)
+        assert isinstance(layer.attention.o, RowParallelLinear)
+        assert isinstance(layer.mlp.down, RowParallelLinear)
+        assert (layer.attention.o.all_reduce is not None) == (tp > 1)
+    got = forward_on_ranks(models, tp, steps)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        assert a.argmax() == b.argmax()
 
 
 def test_heads_and_sizes_follow_the_model(reference):
@@ -232,9 +333,10 @@ def test_a_dead_worker_makes_the_engine_raise_not_hang(make_engine):
 
 @pytest.mark.slow  # spawns workers for seconds: the full suite runs it, the fast tier not
 def test_bench_section_runs_both_sizes_on_the_same_requests(tiny_model_dir):
-    from engine.bench import BenchConfig
     from engine.entrypoints.llm import LLM
-    from engine.parallel_bench import format_parallel, run_parallel
+    from engine.tools.bench.config import BenchConfig
+    from engine.tools.bench.parallel import run_parallel
+    from engine.tools.bench.report import format_parallel
 
     config = BenchConfig.quick_config(
         model=str(tiny_model_dir), device="cpu", num_requests=4, prompt_len=(8, 40),

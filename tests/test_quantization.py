@@ -1,7 +1,8 @@
-"""Weight-only quantization (engine/quantization.py, engine/kernels/quant.py, engine/quality.py):
-the rounding stays within its bound, the GGUF's Q4_1 blocks load as exactly the weights the
-default artifact holds, the engine runs int8/int4 end to end, quality is measured and the loss
-shows where it should, and bad requests fail with a message naming what is supported."""
+"""Weight-only quantization (engine/worker/quantization.py, engine/kernels/quant.py,
+engine/tools/quality.py): the rounding stays within its bound, the GGUF's Q4_1 blocks load as
+exactly the weights the default artifact holds, the engine runs int8/int4 end to end, quality is
+measured and the loss shows where it should, and bad requests fail with a message naming what is
+supported."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from engine.kernels.quant import (
     reference_linear,
 )
 from engine.models.llama import LlamaModel
-from engine.quantization import (
+from engine.worker.quantization import (
     bits_per_weight,
     check_quantization,
     decode_bytes_per_step,
@@ -224,8 +225,8 @@ def test_engine_int8_mostly_agrees_with_float32_and_int4_shows_loss(tiny_model_d
     """Teacher-forced on the tiny model: int8 stays close to float32; int4 with a group of 64
     (the tiny model's whole hidden size) visibly does not. Real loss, on a model whose weights
     were never 4-bit to begin with."""
-    from engine import quality
     from engine.tokenizer import Tokenizer
+    from engine.tools import quality
 
     ids = quality.text_token_ids(Tokenizer(tiny_model_dir), max_tokens=128)
     reference = quality.load_variant(tiny_model_dir, quality.REFERENCE)
@@ -240,7 +241,7 @@ def test_engine_int8_mostly_agrees_with_float32_and_int4_shows_loss(tiny_model_d
 
 
 def test_quality_evaluate_on_the_tiny_model(tiny_model_dir):
-    from engine import quality
+    from engine.tools import quality
 
     result = quality.evaluate(
         tiny_model_dir,
@@ -258,7 +259,7 @@ def test_quality_evaluate_on_the_tiny_model(tiny_model_dir):
 
 
 def test_greedy_agreement_counts_positions_and_first_divergence():
-    from engine.quality import greedy_agreement
+    from engine.tools.quality import greedy_agreement
 
     g = greedy_agreement([[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 3, 4], [5, 9, 7, 8]])
     assert g["token_agreement"] == 7 / 8 and g["first_divergence"] == [None, 1]
@@ -266,7 +267,7 @@ def test_greedy_agreement_counts_positions_and_first_divergence():
 
 
 def test_outlier_demo_shows_one_weight_coarsening_its_whole_row():
-    from engine.quality import outlier_demo
+    from engine.tools.quality import outlier_demo
 
     d = outlier_demo()
     i8, i4 = d["int8"], d["int4/32"]
@@ -293,9 +294,9 @@ def test_outlier_demo_shows_one_weight_coarsening_its_whole_row():
     ],
 )
 def test_bad_quantization_requests_name_what_is_supported(tiny_model_dir, args, message):
-    from engine.models.config import LlamaConfig
-
     import re
+
+    from engine.models.config import LlamaConfig
 
     cfg = LlamaConfig.from_model_dir(tiny_model_dir)
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -358,7 +359,7 @@ def test_bench_with_quantization_and_variants_on_the_tiny_model(tiny_model_dir, 
         roof = results["variants"]["bandwidth_gb_s"] * 1e9 / r["weight_bytes_per_step"]
         assert math.isclose(r["roofline_tokens_per_s"], roof)
         assert r["decode_tokens_per_s"] > 0 and r["offline_tokens_per_s"] > 0
-    assert "10. dtype and quantization side by side" in out.getvalue()
+    assert "8. dtype and quantization side by side" in out.getvalue()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -371,7 +372,7 @@ def test_gguf_blocks_are_the_default_artifacts_weights(default_model_dir):
     directly and dequantizing them gives back its float32 weights exactly (Q and K rows
     un-permuted from llama.cpp's rope layout)."""
     from engine.models.config import LlamaConfig
-    from engine.quantization import gguf_source, read_gguf_linears
+    from engine.worker.quantization import gguf_source, read_gguf_linears
 
     cfg = LlamaConfig.from_model_dir(default_model_dir)
     gguf = read_gguf_linears(gguf_source(default_model_dir), cfg)
@@ -387,8 +388,8 @@ def test_gguf_blocks_are_the_default_artifacts_weights(default_model_dir):
 
 @pytest.mark.slow
 def test_int8_keeps_99_percent_top1_agreement_on_the_default_model(default_model_dir):
-    from engine import quality
     from engine.tokenizer import Tokenizer
+    from engine.tools import quality
 
     ids = quality.text_token_ids(Tokenizer(default_model_dir), max_tokens=128)
     ref = quality.load_variant(default_model_dir, quality.REFERENCE)
@@ -405,7 +406,7 @@ def test_int8_keeps_99_percent_top1_agreement_on_the_default_model(default_model
 
 
 def test_near_tie_rule_excuses_only_the_reference_runner_up():
-    from engine.quality import compare_logits
+    from engine.tools.quality import compare_logits
 
     ref = torch.tensor([[5.0, 4.8, 0.0], [5.0, 1.0, 0.0], [5.0, 4.9, 4.85], [0.0, 0.0, 0.0]])
     out = torch.tensor([[4.8, 5.0, 0.0], [1.0, 5.0, 0.0], [4.85, 4.9, 5.0], [0.0, 0.0, 0.0]])

@@ -15,17 +15,17 @@ import random
 
 import pytest
 import torch
+from _tiny import TINY_VOCAB_SIZE, run_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_scheduler import EOS, VOCAB, check_kv, make_req, make_sched
 
-from _tiny import TINY_VOCAB_SIZE, run_engine
 from engine import SamplingParams
 from engine.core import EngineCore
-from engine.sampler import Sampler
 from engine.spec_decode import NgramProposer, RejectionSampler, SpeculativeConfig
 from engine.spec_decode.rejection_sampler import verify_greedy
+from engine.worker.sampler import Sampler
 from ui.trace_frames import spec_decode_dataframe
-from test_scheduler import EOS, VOCAB, check_kv, make_req, make_sched
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 NGRAM = {
@@ -482,7 +482,7 @@ def test_sampling_with_speculation_keeps_the_target_distribution(make_engine, ti
     exact = SamplingParams(**params)
 
     def next_token_probs(tokens: list[int]) -> torch.Tensor:
-        from engine.attention import build_attention_metadata
+        from engine.worker.attention import build_attention_metadata
 
         meta = build_attention_metadata([len(tokens)], [0], [[599]], 16, runner.device)
         logits = runner.model.forward(
@@ -546,10 +546,12 @@ def test_rejection_sampler_alone_keeps_the_distribution():
 
 
 def test_bench_section_measures_both_workloads_with_and_without(tiny_model_dir):
-    from engine import bench
     from engine.entrypoints.llm import LLM
+    from engine.tools.bench.config import BenchConfig
+    from engine.tools.bench.report import format_spec_decode
+    from engine.tools.bench.spec_decode import run_spec_decode
 
-    config = bench.BenchConfig(
+    config = BenchConfig(
         model=str(tiny_model_dir),
         device="cpu",
         speculative="ngram",
@@ -559,7 +561,7 @@ def test_bench_section_measures_both_workloads_with_and_without(tiny_model_dir):
         max_num_seqs=4,
     )
     llm = LLM(model=str(tiny_model_dir), device="cpu", num_kv_blocks=64, max_num_seqs=4)
-    result = bench.run_spec_decode(llm, config, specials=[0, 1, 2])
+    result = run_spec_decode(llm, config, specials=[0, 1, 2])
     assert set(result["workloads"]) == {"repetitive", "random"}
     for row in result["workloads"].values():
         assert row["identical_outputs"]
@@ -568,4 +570,4 @@ def test_bench_section_measures_both_workloads_with_and_without(tiny_model_dir):
             and row["ngram"]["offline_output_tokens_per_s"] > 0
         )
         assert row["ngram"]["spec"]["num_draft_tokens"] >= 0
-    assert "7. Speculative decoding" in "\n".join(bench.format_spec_decode(result))
+    assert "7. Speculative decoding" in "\n".join(format_spec_decode(result))

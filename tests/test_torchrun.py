@@ -1,4 +1,4 @@
-"""The engine under torchrun (engine/__main__.py's dispatch, engine/multiproc_executor.py's
+"""The engine under torchrun (engine/__main__.py's dispatch, engine/executor/multiproc.py's
 control group; docs/distributed.md): RANK 0 runs the engine core and its shard, the other ranks
 serve its steps, and the text equals tp 1's. "Two machines" are two torchrun invocations with
 --nnodes 2 against the same 127.0.0.1 master. A WORLD_SIZE that is not tp × pp is refused with
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from _tiny import run_engine
+
 from engine import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent

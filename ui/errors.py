@@ -8,9 +8,8 @@ import streamlit as st
 def korean_error(exc: BaseException) -> str:
     """One Korean sentence (or two) for an engine error: what happened and what to change."""
     from engine.sampling_params import InvalidRequestError
-    from engine.worker import CacheTooSmallError
-
-    from engine.presets import PresetError
+    from engine.tools.presets import PresetError
+    from engine.worker.worker import CacheTooSmallError
 
     text = str(exc)
     if isinstance(exc, PresetError) and "does not fit" in text:

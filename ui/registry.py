@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 import torch
 
-from engine.worker import Worker
+from engine.worker.worker import Worker
 
 
 def _logger() -> logging.Logger:

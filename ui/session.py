@@ -1,15 +1,15 @@
 """Engine settings, one EngineCore per browser session, and the step records the plots draw.
 
-Weights are read-only, so they are loaded once per process (engine/worker.py's load_model shares
-them). Everything that changes — queues, KV cache, requests, records — lives in st.session_state,
-so two learners never see each other's requests. A process-wide registry (ui/registry.py) knows
-every session's engines: it caps how many there are, allocates their KV tensors on first use and
-gives the memory back once the browser tab has gone. A token in the URL (restore_session) lets a
-reload of the page find its state in that registry again, until the same reaper releases it.
+Weights are read-only, so they are loaded once per process (engine/worker/worker.py's load_model
+shares them). Everything that changes — queues, KV cache, requests, records — lives in
+st.session_state, so two learners never see each other's requests. A process-wide registry
+(ui/registry.py) knows every session's engines: it caps how many there are, allocates their KV
+tensors on first use and gives the memory back once the browser tab has gone. A token in the URL
+(restore_session) lets a reload of the page find its state in that registry again, until the
+same reaper releases it.
 """
 
 from __future__ import annotations
-
 
 import datetime as _dt
 import re
@@ -31,7 +31,7 @@ _TEXTS = "_texts"  # key → {request_id: text so far}
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POLICIES = ("fcfs", "priority", "static")
-QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # weight-only (engine/quantization.py)
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # weight-only (engine/worker/quantization.py)
 
 
 @dataclass(frozen=True)
@@ -305,7 +305,7 @@ def kernel_paths(engine) -> str | None:
     if getattr(model, "quantization", None):
         text += f" · 양자화 선형층 **{name(model.linear_kernel_path)}**"
     elif model.device.type == "cpu" and str(model.dtype) == "torch.float32":
-        from engine.models.llama import float32_linear_backend
+        from engine.kernels.float32_linear import float32_linear_backend
 
         library = {"mkl": "MKL", "onednn": "oneDNN"}[float32_linear_backend()["backend"]]
         text += f" · float32 선형층 **{library}** (이 CPU에서 둘을 재어 고름)"
@@ -367,7 +367,7 @@ def _other_status(label: str, key: str) -> None:
 
 
 def _gpu_status(engine: EngineCore) -> None:
-    from engine.worker import device_memory
+    from engine.worker.worker import device_memory
 
     gpu = device_memory(engine.device)
     if gpu is None:
@@ -388,12 +388,12 @@ def _signature(settings: EngineSettings, overrides: dict) -> tuple:
 
 
 def build_engine(settings: EngineSettings | None = None, **overrides) -> EngineCore:
-    """A fresh EngineCore for these settings. Weights are shared per process (engine/worker.py's
-    load_model); the KV tensors are allocated on the engine's first step (ui/registry.py)."""
+    """A fresh EngineCore for these settings. Weights are shared per process
+    (engine/worker/worker.py's load_model); the KV tensors are allocated on the engine's first
+    step (ui/registry.py)."""
     from engine.artifact import resolve_model_path
-    from engine.executor import UniProcExecutor
-    from engine.worker import is_model_loaded, resolve_device, resolve_dtype
-
+    from engine.executor.uniproc import UniProcExecutor
+    from engine.worker.worker import is_model_loaded, resolve_device, resolve_dtype
     from ui.registry import LazyKVWorker
 
     simulation = overrides.pop("simulation", None)

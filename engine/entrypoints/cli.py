@@ -66,7 +66,8 @@ def torchrun_dispatch(args: argparse.Namespace) -> int | None:
     and prints nothing. Returns the exit status of a rank > 0, None where the command runs."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return None  # not launched by torchrun
-    from engine.executor.multiproc import check_torchrun_world, run_torchrun_worker
+    from engine.executor.multiproc import run_torchrun_worker
+    from engine.executor.transport import check_torchrun_world
 
     tp = getattr(args, "tensor_parallel_size", 1)
     pp = getattr(args, "pipeline_parallel_size", 1)

@@ -25,8 +25,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import sys
 import platform
+import sys
 import threading
 import time
 from pathlib import Path

@@ -7,7 +7,7 @@ int4, group-wise, with a scale and a minimum (the idea of GGUF's Q4_1): each row
 groups of `group_size` (32) consecutive input channels; in a group w ≈ q × scale + min with q in
 0..15, scale = (max - min) / 15. Two weights per byte, plus two floats per group: 4 + 64/32 =
 6 bits per weight at group 32, 0.19 × float32's bytes. The scales and minimums may also be
-float16, as a GGUF's Q4_1 blocks store them (engine/quantization.py): 4 + 32/32 = 5 bits.
+float16, as a GGUF's Q4_1 blocks store them (engine/worker/quantization.py): 4 + 32/32 = 5 bits.
 Packing: in each group, byte j holds weight j in its low nibble and weight j + group_size/2 in its
 high nibble (the kernel unpacks a group with one mask and one shift).
 
@@ -15,10 +15,11 @@ Activations stay float32 ("weight-only"): the kernels widen the weights inside t
 `dequantize_*` + a float matmul is the reference the kernels are tested against.
 
 One exception, by choice of the weight: an Int4Weight with `q8_activations` (the GGUF's own Q4_1
-blocks, engine/quantization.py) is multiplied the way llama.cpp multiplies Q4_1: each activation
-row is first rounded to int8 in blocks of 32 (`round_activations_q8`, llama.cpp's Q8_1), so that
-the kernel's dot products run in integers (a few instructions per 32 weights instead of widening
-each one). That rounding changes the numbers a little, so the reference rounds the same way.
+blocks, engine/worker/quantization.py) is multiplied the way llama.cpp multiplies Q4_1: each
+activation row is first rounded to int8 in blocks of 32 (`round_activations_q8`, llama.cpp's Q8_1),
+so that the kernel's dot products run in integers (a few instructions per 32 weights instead of
+widening each one). That rounding changes the numbers a little, so the reference rounds the same
+way.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
+from engine.worker.sampler import Sampler
 
 
 class RejectionSampler:

@@ -110,7 +110,7 @@ def measure_dtype(
     import torch
 
     from engine.artifact import inspect_artifact, resolve_model_path
-    from engine.worker import is_model_loaded, resolve_device, resolve_dtype
+    from engine.worker.worker import is_model_loaded, resolve_device, resolve_dtype
 
     config = make_config(
         config,
@@ -210,10 +210,10 @@ def simulate_capacity(
 ) -> CapacityRun:
     """The calculator's budget, run: `num_requests` requests of `seq_len` tokens (prompt +
     `output_len`) arrive at once on a simulated engine whose KV cache comes from the same memory
-    budget (engine/simulator.py's plan). The real scheduler then admits, queues and preempts
+    budget (engine/tools/simulator.py's plan). The real scheduler then admits, queues and preempts
     them; this reports what it did. Times are 계산값 (the cost model)."""
-    from engine.presets import load_model_preset
-    from engine.simulator import simulate
+    from engine.tools.presets import load_model_preset
+    from engine.tools.simulator import simulate
     from engine.tools.workload import SimRequest
 
     preset = load_model_preset(model_preset)

@@ -68,7 +68,8 @@ def format_bytes(out: int, inp: int, fmt: str, group: int = 32) -> int:
 
 def bytes_table(cfg, group: int = 32) -> pd.DataFrame:
     """Per format: bits per weight and the weight bytes a batch-1 decode step reads. Quantized
-    engines keep lm_head in int8 (engine/quantization.py), so their total mixes two formats."""
+    engines keep lm_head in int8 (engine/worker/quantization.py), so their total mixes two
+    formats."""
     mats = _matrices(cfg)
     rows, totals = [], []
     for label, linear_fmt, head_fmt in (
@@ -128,7 +129,7 @@ def decode_summary(runs: dict[str, RunResult], weight_bytes: dict[str, int]) -> 
 def greedy_agreement_table(runs: dict[str, RunResult]) -> pd.DataFrame:
     """Each side's greedy tokens against the first side's (usually float32): share of positions
     with the same token, and where the texts first part."""
-    from engine.quality import greedy_agreement
+    from engine.tools.quality import greedy_agreement
 
     labels = list(runs)
     ref = [list(r.output_token_ids) for r in runs[labels[0]].requests]
@@ -158,14 +159,14 @@ GRIDS = (("int8 (행마다 scale)", "int8", 32), ("int4 (그룹 32)", "int4", 32
 @lru_cache(maxsize=4)
 def _grid_fit_rows(model_dir: str) -> tuple[dict, ...]:
     """Per format: the linear matrices the quantized engine holds (the process's shared copy,
-    engine/quantization.py), unpacked and compared with the float32 engine's: the largest
+    engine/worker/quantization.py), unpacked and compared with the float32 engine's: the largest
     difference and the share of weights that came back bit for bit. Cached per process: the
     weights never change and the check reads 106 M numbers."""
     import torch
 
     from engine.kernels.quant import dequantize
-    from engine.quantization import LINEAR_NAMES, load_quantized_model
-    from engine.worker import load_model
+    from engine.worker.quantization import LINEAR_NAMES
+    from engine.worker.worker import load_model, load_quantized_model
 
     cpu, f32 = torch.device("cpu"), torch.float32
     base = load_model(model_dir, cpu, f32)
@@ -204,7 +205,7 @@ class TieReport:
 
     @property
     def near_ties(self) -> int:
-        from engine.quality import TIE_MARGIN
+        from engine.tools.quality import TIE_MARGIN
 
         return sum(m < TIE_MARGIN for m in self.margins)
 
@@ -212,7 +213,7 @@ class TieReport:
 def _reference_margins(model, request) -> tuple[list[float], list[int]]:
     """Teacher-forced float32 logits along prompt + the reference's output: at each generated
     position, top-1 minus top-2 logit and the runner-up token."""
-    from engine.quality import teacher_forced_logits
+    from engine.tools.quality import teacher_forced_logits
 
     prompt, out = list(request.prompt_token_ids), list(request.output_token_ids)
     logits = teacher_forced_logits(model, prompt + out)[
@@ -229,7 +230,7 @@ def tie_report(model_dir, runs: dict[str, RunResult]) -> TieReport:
     it wrote another token, float32's margin there and whether it wrote float32's runner-up."""
     import torch
 
-    from engine.worker import load_model
+    from engine.worker.worker import load_model
 
     labels = list(runs)
     model = load_model(model_dir, torch.device("cpu"), torch.float32)
@@ -259,7 +260,7 @@ def tie_report(model_dir, runs: dict[str, RunResult]) -> TieReport:
 def agreement_explanation(fit: pd.DataFrame, ties: TieReport) -> list[str]:
     """The reasons behind the agreement table, in Korean, each stated only when the numbers
     above it (fit: 계산값, ties: 측정값) show it."""
-    from engine.quality import TIE_MARGIN
+    from engine.tools.quality import TIE_MARGIN
 
     out = []
     int8 = fit[fit["형식"] == GRIDS[0][0]]
@@ -308,8 +309,8 @@ def agreement_explanation(fit: pd.DataFrame, ties: TieReport) -> list[str]:
 
 def quality_table(model_dir, variant_names: list[str], text_tokens: int = 128) -> pd.DataFrame:
     """Teacher-forced on README.md: top-1 agreement with float32, perplexity, mean KL
-    (engine/quality.py; greedy generation left to the lab's own runs)."""
-    from engine import quality
+    (engine/tools/quality.py; greedy generation left to the lab's own runs)."""
+    from engine.tools import quality
 
     result = quality.evaluate(
         model_dir,
@@ -334,8 +335,8 @@ def quality_table(model_dir, variant_names: list[str], text_tokens: int = 128) -
 
 
 def outlier_table(seed: int = 0) -> pd.DataFrame:
-    """engine.quality.outlier_demo as a table: RMS rounding error of ordinary weights."""
-    from engine.quality import outlier_demo
+    """engine.tools.quality.outlier_demo as a table: RMS rounding error of ordinary weights."""
+    from engine.tools.quality import outlier_demo
 
     d = outlier_demo(seed=seed)
     rows = []

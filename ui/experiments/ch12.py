@@ -78,7 +78,7 @@ class ParallelRun:
     result: RunResult
     layout: list[dict]  # empty for tp 1 × pp 1 (one worker in the engine's process)
     tokens: dict[str, list[int]]
-    simulated: bool = False  # engine/simulator.py: layout and worker times computed, not measured
+    simulated: bool = False  # engine/tools/simulator.py: layout and worker times computed
 
 
 @dataclass
@@ -208,12 +208,13 @@ def _nbytes(tensors) -> int:
 
 def planned_layout(model_config, tp: int, pp: int, dtype=None) -> list[dict]:
     """계산값: what each of the tp × pp workers will hold, before any worker starts: the engine's
-    own shard_weights (engine/multiproc_executor.py) applied to meta tensors of the model's
+    own shard_weights (engine/models/llama.py) applied to meta tensors of the model's
     shapes. The same fields as executor.layout() (KV-cache bytes: None, decided at start-up), so
     the page draws the same figure and table; a test checks it against the workers' own count."""
     import torch
 
-    from engine.multiproc_executor import head_ranges, mlp_range, shard_weights, stage_layers
+    from engine.layers.sharding import head_ranges, mlp_range, stage_layers
+    from engine.models.llama import shard_weights
 
     dtype = dtype or torch.float32
     full = _meta_weights(model_config, dtype)
@@ -373,7 +374,7 @@ def speed_verdict(speedup: float, workers: int) -> str:
     return SPEED_CHOICES[2]
 
 
-# -- at scale: the same views on a simulated GPU cluster (engine/simulator.py) ----------------
+# -- at scale: the same views on a simulated GPU cluster (engine/tools/simulator.py) ------------
 
 
 def parallel_conditions(engine) -> dict:
@@ -411,11 +412,11 @@ def simulated_fit_error(
 ) -> str | None:
     """Why this preset cannot be simulated on tp × pp GPUs of this hardware (None: it can):
     a size that does not divide the model, weights that do not fit, or a KV cache too small for
-    one request of max_model_len (chapter 05's budget, engine/simulator.py's plan_memory)."""
+    one request of max_model_len (chapter 05's budget, engine/tools/simulator.py's plan_memory)."""
     from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION
-    from engine.multiproc_executor import valid_tensor_parallel_sizes
-    from engine.presets import PresetError, load_hardware_preset, load_model_preset
-    from engine.simulator import plan_memory
+    from engine.layers.sharding import valid_tensor_parallel_sizes
+    from engine.tools.presets import PresetError, load_hardware_preset, load_model_preset
+    from engine.tools.simulator import plan_memory
     from engine.utils import cdiv
 
     preset, hw = load_model_preset(model_preset), load_hardware_preset(hardware)
@@ -459,15 +460,15 @@ def tp_scaling(
 ) -> pd.DataFrame:
     """계산값: one decode step (`batch` requests, `context` tokens cached each) and one prefill
     step (`prefill_tokens` new tokens of one request) on tp = each size, from the cost model
-    (engine/cost_model.py, the same one the simulated engine uses). Per row: the step's time and
-    its parts, the all-reduce share of the step, the speed-up against the smallest size in the
-    table that fits in memory and the ideal one (the ratio of GPU counts), and whether the
+    (engine/tools/cost_model.py, the same one the simulated engine uses). Per row: the step's
+    time and its parts, the all-reduce share of the step, the speed-up against the smallest size in
+    the table that fits in memory and the ideal one (the ratio of GPU counts), and whether the
     weights fit (sizes the model's heads cannot be cut into are left out)."""
     from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION
-    from engine.cost_model import CostModel
-    from engine.multiproc_executor import valid_tensor_parallel_sizes
-    from engine.presets import PresetError, load_hardware_preset, load_model_preset
-    from engine.simulator import plan_memory
+    from engine.layers.sharding import valid_tensor_parallel_sizes
+    from engine.tools.cost_model import CostModel
+    from engine.tools.presets import PresetError, load_hardware_preset, load_model_preset
+    from engine.tools.simulator import plan_memory
 
     preset, hw = load_model_preset(model_preset), load_hardware_preset(hardware)
     valid = set(valid_tensor_parallel_sizes(preset.config))

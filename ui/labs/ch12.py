@@ -11,9 +11,9 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
+from engine.layers.sharding import all_reduces_per_step
 from engine.models.config import LlamaConfig
-from engine.multiproc_executor import all_reduces_per_step
-from engine.presets import load_hardware_preset, load_model_preset
+from engine.tools.presets import load_hardware_preset, load_model_preset
 from ui.experiments.ch12 import (
     MATRICES,
     base_names,
@@ -109,7 +109,7 @@ def planned_view(model_config: LlamaConfig, tp: int) -> None:
         f"워커 {len(layout)}개의 가중치 합 {total / 1e6:,.1f} MB, 그중 여러 워커가 똑같이 가질 "
         f"몫(임베딩·lm_head·정규화) {replicated / 1e6:,.1f} MB. 워커를 띄우면 각 워커가 자기 "
         "텐서를 센 측정값으로 바뀝니다 (KV 캐시는 그때 정해짐)",
-        formula="engine/multiproc_executor.py의 shard_weights를 이 모델 모양의 빈(meta) 텐서에 "
+        formula="engine/models/llama.py의 shard_weights를 이 모델 모양의 빈(meta) 텐서에 "
         "적용해, 워커마다 자기 조각의 원소 수 × 4 B (float32)",
     )
 
@@ -133,7 +133,7 @@ def holdings_view(ctx: LabContext, model_config: LlamaConfig, tp: int) -> None:
             f"GPU {len(layout)}장의 가중치 합 {total / 1e9:,.1f} GB, 그중 여러 GPU가 똑같이 가진 "
             f"몫(임베딩·lm_head·정규화) {replicated / 1e9:,.1f} GB",
             formula="랭크마다 자기 조각의 원소 수 × dtype 바이트 (프리셋 config의 모양, 이 엔진의 "
-            "나누는 방식: engine/multiproc_executor.py의 head_ranges·mlp_range·stage_layers)",
+            "나누는 방식: engine/layers/sharding.py의 head_ranges·mlp_range·stage_layers)",
             **parallel_conditions(engine),
         )
         return

@@ -14,17 +14,23 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import build_attention_metadata
 from engine.config import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
 )
-from engine.model_runner import ModelRunner, ModelRunnerOutput
+from engine.layers.sharding import ParallelContext
 from engine.models.llama import LlamaModel
 from engine.scheduler_output import SchedulerOutput
 from engine.utils import cdiv
-
+from engine.worker.attention import build_attention_metadata
+from engine.worker.model_runner import ModelRunner, ModelRunnerOutput
+from engine.worker.quantization import (
+    DEFAULT_GROUP_SIZE,
+    gguf_source,
+    quantize_model,
+    with_dtype,
+)
 
 _weights_lock = threading.Lock()
 _loaded_models: dict[tuple[str, str, torch.dtype], LlamaModel] = {}
@@ -43,6 +49,33 @@ def is_model_loaded(model_dir: str | Path, device: torch.device, dtype: torch.dt
     """Whether these weights are already in this process (the next load is then free)."""
     with _weights_lock:
         return (str(Path(model_dir).resolve()), str(device), dtype) in _loaded_models
+
+
+_quantized_models: dict[tuple, LlamaModel] = {}
+
+
+def load_quantized_model(
+    model_dir: str | Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    method: str,
+    group_size: int = DEFAULT_GROUP_SIZE,
+) -> LlamaModel:
+    """The model at `model_dir` with weight-only quantized linears (engine/worker/quantization.py),
+    shared by the engines of this process like the float weights are. Quantized from the float32
+    weights (reused when already loaded, else loaded for the conversion and dropped); the norms
+    and biases then take `dtype`."""
+    key = (str(Path(model_dir).resolve()), str(device), dtype, method, group_size)
+    with _weights_lock:
+        if key not in _quantized_models:
+            f32 = torch.float32
+            base = _loaded_models.get((key[0], str(device), f32))
+            if base is None:  # loaded for the conversion only, then dropped
+                base = LlamaModel.from_pretrained(model_dir, device=device, dtype=f32)
+            gguf_path = gguf_source(model_dir) if method == "gguf" else None
+            quantized = quantize_model(base, method, group_size, gguf_path)
+            _quantized_models[key] = with_dtype(quantized, dtype)
+        return _quantized_models[key]
 
 
 @dataclass
@@ -117,9 +150,13 @@ class Worker:
         kernels: str = "auto",
         quantization: str | None = None,
         quantization_group_size: int = 32,
+        parallel: ParallelContext | None = None,
     ):
         self.model_dir = Path(model_dir)
-        self.quantization = quantization  # weight-only int8/int4/gguf (engine/quantization.py)
+        # tensor / pipeline parallel: this worker's rank and its communication (its process
+        # holds only its shard; engine/executor/multiproc.py); None: one worker, all weights
+        self.parallel = parallel or ParallelContext()
+        self.quantization = quantization  # weight-only int8/int4/gguf (quantization.py)
         self.quantization_group_size = quantization_group_size
         self.kernels = kernels  # "auto": our C++ kernels where they build and apply; "torch": never
         self.device = device
@@ -131,9 +168,11 @@ class Worker:
 
     def load_model(self) -> None:
         # The weights are shared by every engine of the process; the kernel choice is this worker's.
-        if self.quantization:
-            from engine.quantization import load_quantized_model
-
+        if (self.parallel.tp, self.parallel.pp) != (1, 1):  # this rank's shard, in its process
+            model = LlamaModel.from_pretrained(
+                self.model_dir, self.device, self.dtype, parallel=self.parallel
+            )
+        elif self.quantization:
             model = load_quantized_model(
                 self.model_dir,
                 self.device,

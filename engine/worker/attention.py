@@ -33,7 +33,6 @@ import torch.nn.functional as F
 
 from engine.utils import cdiv
 
-
 DECODE_GROUP_SIZE = 4  # decodes per padded attention call (4 to 8 measured best on a 2-core CPU)
 KERNEL_TILE_ROWS = 16  # prefill queries per work item of the C++ kernel (each key read serves all)
 
@@ -79,6 +78,19 @@ class AttentionMetadata:
     for_kernel: bool = False  # built without the torch path's decode groups and masks
 
 
+@dataclass
+class _Batch:
+    """The shape of a flat batch, as the metadata builders below read it."""
+
+    query_lens: list[int]  # new tokens per request
+    num_computed: list[int]  # tokens already in the cache per request
+    context_lens: list[int]  # tokens in the cache after this step
+    num_blocks: list[int]  # blocks each request's context spans
+    token_starts: list[int]  # first row of each request in the flat batch
+    tables: torch.Tensor  # [num_requests, max_blocks] block tables padded with 0
+    block_size: int
+
+
 def build_attention_metadata(
     query_lens: list[int],
     num_computed: list[int],
@@ -88,97 +100,117 @@ def build_attention_metadata(
     for_kernel: bool = False,
 ) -> AttentionMetadata:
     """Describe a flat batch: request i has `query_lens[i]` new tokens after `num_computed[i]`
-    tokens already in the cache, and owns the blocks `block_tables[i]`. `for_kernel` (the model
-    attends with our C++ kernel, engine/kernels) leaves out what only the torch path reads: the
-    padded decode groups and their masks."""
-    num_reqs = len(query_lens)
+    tokens already in the cache, and owns the blocks `block_tables[i]`. Three things: where the
+    new K/V go (the slot mapping), how the torch path attends (decode groups, prefill spans),
+    and the work of our C++ kernel on a CPU. `for_kernel` (the model attends with the kernel)
+    leaves out what only the torch path reads: the padded decode groups and their masks."""
+    batch = _describe_batch(query_lens, num_computed, block_tables, block_size)
+    decodes = sorted(
+        (i for i in range(len(query_lens)) if query_lens[i] == 1 and num_computed[i] > 0),
+        key=lambda i: batch.context_lens[i],
+    )
+    kernel_tables = kernel_tiles = None
+    if torch.device(device).type == "cpu":
+        kernel_tables, kernel_tiles = _kernel_work(batch)
+    return AttentionMetadata(
+        slot_mapping=_slot_mapping(batch, block_tables, device),
+        block_size=block_size,
+        decode_groups=[] if for_kernel else _decode_groups(batch, decodes, device),
+        prefills=_prefill_spans(batch, set(decodes), device, for_kernel),
+        kernel_block_tables=kernel_tables,
+        kernel_tiles=kernel_tiles,
+        for_kernel=for_kernel,
+    )
+
+
+def _describe_batch(query_lens, num_computed, block_tables, block_size: int) -> _Batch:
     context_lens = [start + q_len for start, q_len in zip(num_computed, query_lens)]
     num_blocks = [cdiv(n, block_size) for n in context_lens]
     max_blocks = max(num_blocks, default=0)
     # One padded block table for the whole batch: row i = request i's blocks, then zeros.
     tables = torch.tensor(
         [t[:n] + [0] * (max_blocks - n) for t, n in zip(block_tables, num_blocks)], dtype=torch.long
-    ).view(num_reqs, max_blocks)
+    ).view(len(query_lens), max_blocks)
     token_starts = [0]
     for q_len in query_lens:
         token_starts.append(token_starts[-1] + q_len)
+    return _Batch(
+        query_lens, num_computed, context_lens, num_blocks, token_starts, tables, block_size
+    )
 
-    # Slot of every new token: its request's block for its position, then the offset in the block.
-    # (Plain Python: a decode step has a handful of tokens, and a dozen small tensor operations
-    # for them cost more than the loop.)
+
+def _slot_mapping(batch: _Batch, block_tables: list[list[int]], device) -> torch.Tensor:
+    """Slot of every new token: its request's block for its position, then the offset in the
+    block. (Plain Python: a decode step has a handful of tokens, and a dozen small tensor
+    operations for them cost more than the loop.)"""
+    size = batch.block_size
     slots = [
-        block_tables[i][position // block_size] * block_size + position % block_size
-        for i in range(num_reqs)
-        for position in range(num_computed[i], context_lens[i])
+        block_tables[i][position // size] * size + position % size
+        for i in range(len(batch.query_lens))
+        for position in range(batch.num_computed[i], batch.context_lens[i])
     ]
+    return torch.tensor(slots, dtype=torch.long, device=device)
 
-    # Decodes, shortest context first, cut into groups; each group is padded to its longest member.
-    decodes = [i for i in range(num_reqs) if query_lens[i] == 1 and num_computed[i] > 0]
-    decodes.sort(key=lambda i: context_lens[i])
-    decode_groups = []
-    if decodes and not for_kernel:
-        decode_tables = tables[decodes].to(device)  # [num_decodes, max_blocks]
-        decode_lens = torch.tensor([context_lens[i] for i in decodes], device=device)
-        longest = context_lens[decodes[-1]]
-        attend = torch.arange(longest, device=device).unsqueeze(0) < decode_lens.unsqueeze(
-            1
-        )  # [num_decodes, longest]
-        for g in range(0, len(decodes), DECODE_GROUP_SIZE):
-            group = decodes[g : g + DECODE_GROUP_SIZE]
-            n, last = len(group), group[-1]  # the last one has the group's longest context
-            context_len = context_lens[last]
-            decode_groups.append(
-                DecodeGroup(
-                    rows=_as_rows([token_starts[i] for i in group], device),
-                    num_seqs=n,
-                    block_ids=decode_tables[g : g + n, : num_blocks[last]].reshape(-1),
-                    padded_len=num_blocks[last] * block_size,
-                    context_len=context_len,
-                    mask=attend[g : g + n, :context_len].view(n, 1, 1, context_len)
-                    if n > 1
-                    else None,
-                )
+
+def _decode_groups(batch: _Batch, decodes: list[int], device) -> list[DecodeGroup]:
+    """Decodes, shortest context first, cut into groups; each group is padded to its longest
+    member."""
+    if not decodes:
+        return []
+    context_lens, num_blocks = batch.context_lens, batch.num_blocks
+    decode_tables = batch.tables[decodes].to(device)  # [num_decodes, max_blocks]
+    decode_lens = torch.tensor([context_lens[i] for i in decodes], device=device)
+    longest = context_lens[decodes[-1]]
+    # [num_decodes, longest]: True where a request has a key
+    attend = torch.arange(longest, device=device).unsqueeze(0) < decode_lens.unsqueeze(1)
+    groups = []
+    for g in range(0, len(decodes), DECODE_GROUP_SIZE):
+        group = decodes[g : g + DECODE_GROUP_SIZE]
+        n, last = len(group), group[-1]  # the last one has the group's longest context
+        context_len = context_lens[last]
+        groups.append(
+            DecodeGroup(
+                rows=_as_rows([batch.token_starts[i] for i in group], device),
+                num_seqs=n,
+                block_ids=decode_tables[g : g + n, : num_blocks[last]].reshape(-1),
+                padded_len=num_blocks[last] * batch.block_size,
+                context_len=context_len,
+                mask=attend[g : g + n, :context_len].view(n, 1, 1, context_len) if n > 1 else None,
             )
+        )
+    return groups
 
-    prefills = []
-    is_decode = set(decodes)
-    for i in range(num_reqs):
-        if i in is_decode:
+
+def _prefill_spans(batch: _Batch, decodes: set[int], device, for_kernel: bool) -> list:
+    """Every request that is not a decode: its chunk's rows, and its causal mask when the chunk
+    starts after a cached prefix (the torch path's; a first chunk is plain causal)."""
+    spans = []
+    for i in range(len(batch.query_lens)):
+        if i in decodes:
             continue
-        start, context_len = num_computed[i], context_lens[i]
+        start, context_len = batch.num_computed[i], batch.context_lens[i]
         mask = None
         if start > 0 and not for_kernel:  # chunk i-th query (position start+i) sees keys 0..start+i
             q_pos = torch.arange(start, context_len, device=device).unsqueeze(1)
             mask = torch.arange(context_len, device=device).unsqueeze(0) <= q_pos
-        prefills.append(
-            PrefillSpan(
-                token_starts[i],
-                query_lens[i],
-                context_len,
-                tables[i, : num_blocks[i]].to(device),
-                mask,
-            )
+        block_ids = batch.tables[i, : batch.num_blocks[i]].to(device)
+        spans.append(
+            PrefillSpan(batch.token_starts[i], batch.query_lens[i], context_len, block_ids, mask)
         )
-    kernel_tables = kernel_tiles = None
-    if torch.device(device).type == "cpu":
-        tiles = []
-        for i in range(num_reqs):
-            if num_computed[i] == 0:  # a first chunk: SDPA on its own fresh K/V
-                continue
-            for a in range(0, query_lens[i], KERNEL_TILE_ROWS):
-                rows = min(KERNEL_TILE_ROWS, query_lens[i] - a)
-                tiles.append((token_starts[i] + a, rows, i, num_computed[i] + a))
-        kernel_tables = tables.to(torch.int32)
-        kernel_tiles = torch.tensor(tiles, dtype=torch.int32).view(-1, 4)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        block_size=block_size,
-        decode_groups=decode_groups,
-        prefills=prefills,
-        kernel_block_tables=kernel_tables,
-        kernel_tiles=kernel_tiles,
-        for_kernel=for_kernel,
-    )
+    return spans
+
+
+def _kernel_work(batch: _Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the C++ kernel: every request's block table (int32), and the rows it attends, cut
+    into KERNEL_TILE_ROWS-row tiles (first row, rows, request, position of the first row)."""
+    tiles = []
+    for i, q_len in enumerate(batch.query_lens):
+        if batch.num_computed[i] == 0:  # a first chunk: SDPA on its own fresh K/V
+            continue
+        for a in range(0, q_len, KERNEL_TILE_ROWS):
+            rows = min(KERNEL_TILE_ROWS, q_len - a)
+            tiles.append((batch.token_starts[i] + a, rows, i, batch.num_computed[i] + a))
+    return batch.tables.to(torch.int32), torch.tensor(tiles, dtype=torch.int32).view(-1, 4)
 
 
 def _as_rows(rows: list[int], device) -> slice | torch.Tensor:

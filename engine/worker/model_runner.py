@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import AttentionMetadata, build_attention_metadata
 from engine.models.llama import LlamaModel
-from engine.sampler import SampleResult, Sampler
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.spec_decode.rejection_sampler import RejectionSampler
+from engine.worker.attention import AttentionMetadata, build_attention_metadata
+from engine.worker.sampler import Sampler, SampleResult
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class ModelRunnerOutput:
     failed: dict[str, str] = field(default_factory=dict)  # request_id → why it could not be sampled
     simulated_duration: float | None = None  # a simulated executor's computed step time (seconds)
     # multi-process executor: one dict per worker rank (compute vs communication seconds,
-    # all-reduce count and bytes; engine/multiproc_executor.py)
+    # all-reduce count and bytes; engine/executor/multiproc.py)
     workers: list[dict] = field(default_factory=list)
 
 
@@ -66,9 +66,9 @@ class ModelRunner:
     def enable_cuda_graphs(
         self, enabled: bool = True, max_model_len: int | None = None, **graph_args
     ) -> None:
-        """Decode-only steps replay captured CUDA graphs (engine/cuda_graphs.py); others stay
+        """Decode-only steps replay captured CUDA graphs (engine/worker/cuda_graphs.py); others stay
         eager. `graph_args` go to CudaGraphRunner (tests pass an eager `capture_fn` on a CPU)."""
-        from engine.cuda_graphs import CudaGraphRunner
+        from engine.worker.cuda_graphs import CudaGraphRunner
 
         self.cuda_graphs = None
         if enabled:
@@ -154,7 +154,10 @@ class ModelRunner:
         self._sync()
         t2 = time.perf_counter()
         producing = [s for s in sched.scheduled if s.produces_token]
-        sampled, failed = self.sample_and_verify(logits, producing)
+        # No logits on a rank that does not sample (tensor / pipeline parallel peers).
+        sampled, failed = {}, {}
+        if logits is not None:
+            sampled, failed = self.sample_and_verify(logits, producing)
         t3 = time.perf_counter()
         timings = {
             "prepare_inputs": t1 - t0,

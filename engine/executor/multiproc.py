@@ -13,6 +13,10 @@
 Rank layout, as vLLM numbers it: rank = pp_rank * tp + tp_rank, so the workers of one pipeline
 stage are consecutive and form one tensor-parallel group.
 
+Every rank runs the one model of engine/models/llama.py, `LlamaModel`, built from its shard: the
+parallel linear layers of engine/layers/linear.py cut the weights and all-reduce, the Worker and
+ModelRunner are the in-process engine's own. This module adds the processes and the transport.
+
 Tensor parallel (Megatron-LM's split, as vLLM does it), per layer:
 - column-parallel: the fused q/k/v matrix is cut by heads (each rank computes its query heads and
   the KV heads they read), gate/up by columns of the MLP's intermediate size. No communication:
@@ -62,9 +66,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
-import pickle
 import socket
 import threading
 import time
@@ -75,479 +77,114 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES
-from engine.executor import Executor, ExecutorDiedError
-from engine.model_runner import ModelRunner, ModelRunnerOutput
-from engine.models.config import LlamaConfig
-from engine.models.llama import (
-    FLOAT32_LINEAR_ENV,
-    LlamaModel,
-    float32_linear_backend,
-    linear,
-    rms_norm,
+from engine.executor.abstract import Executor, ExecutorDiedError
+from engine.executor.transport import (
+    COLLECTIVE_TIMEOUT_S,
+    CONTROL_IDLE_TIMEOUT,
+    Comm,
+    ControlGroup,
+    backend_for,
+    check_local_gpus,
+    check_torchrun_world,
+    env_int,
+    join_torchrun_world,
+    leave_world,
+    torchrun_rank,
+    wait_at_most,
 )
+from engine.kernels.float32_linear import FLOAT32_LINEAR_ENV, float32_linear_backend
+from engine.layers.sharding import (
+    ParallelContext,
+    check_parallel_sizes,
+    head_ranges,
+    mlp_range,
+    stage_layers,
+)
+from engine.models.config import LlamaConfig
 from engine.scheduler_output import SchedulerOutput
-from engine.worker import Worker
+from engine.worker.model_runner import ModelRunnerOutput
+from engine.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
-# Each worker is a whole Python process with its own copy of the replicated weights; on a CPU more
-# than this many is a mistake, not a plan. On CUDA the limit is the number of GPUs.
-MAX_CPU_WORLD_SIZE = 16
 STARTUP_TIMEOUT_S = 300.0  # spawn + import torch + load weights, per engine start
 STEP_TIMEOUT_S = 600.0  # one step (a worker silent this long is treated as hung)
-COLLECTIVE_TIMEOUT_S = 600.0  # torch.distributed's own timeout for a collective
 POLL_S = 0.05
-
-
-# -- the plan: which rank holds what -------------------------------------------------------------
-
-
-def valid_tensor_parallel_sizes(cfg: LlamaConfig) -> list[int]:
-    """tp sizes this model can be cut into: tp divides the query heads and the MLP width, and
-    either divides the KV heads (split) or is a multiple of them (replicated)."""
-    return [
-        tp
-        for tp in range(1, cfg.num_heads + 1)
-        if cfg.num_heads % tp == 0
-        and cfg.intermediate_size % tp == 0
-        and (cfg.num_kv_heads % tp == 0 or tp % cfg.num_kv_heads == 0)
-    ]
-
-
-def check_parallel_sizes(
-    cfg: LlamaConfig, tp: int, pp: int, device: torch.device | None = None
-) -> None:
-    """Refuse sizes that cannot work, before any process starts (ValueError, with what works)."""
-    for name, value in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    valid = valid_tensor_parallel_sizes(cfg)
-    if tp not in valid:
-        raise ValueError(
-            f"tensor_parallel_size={tp} does not divide this model ({cfg.num_heads} query heads, "
-            f"{cfg.num_kv_heads} KV heads, MLP width {cfg.intermediate_size}); "
-            f"sizes that work: {', '.join(map(str, valid))}"
-        )
-    if pp > cfg.num_layers:
-        raise ValueError(
-            f"pipeline_parallel_size={pp} is more stages than the model's {cfg.num_layers} layers; "
-            f"sizes that work: 1 to {cfg.num_layers}"
-        )
-    world = tp * pp
-    if device is not None and device.type == "cuda":
-        count = torch.cuda.device_count()
-        if world > count:
-            raise ValueError(
-                f"tensor_parallel_size × pipeline_parallel_size = {world} workers, but only "
-                f"{count} CUDA device(s): one worker per GPU"
-            )
-    elif world > MAX_CPU_WORLD_SIZE:
-        raise ValueError(
-            f"tensor_parallel_size × pipeline_parallel_size = {world} CPU worker processes; at "
-            f"most {MAX_CPU_WORLD_SIZE} (each one is a process with its own weights)"
-        )
-
-
-def stage_layers(num_layers: int, pp: int) -> list[range]:
-    """Consecutive layers per stage, as even as possible; earlier stages take the remainder
-    (the last stage also runs lm_head)."""
-    base, extra = divmod(num_layers, pp)
-    stages, start = [], 0
-    for stage in range(pp):
-        size = base + (1 if stage < extra else 0)
-        stages.append(range(start, start + size))
-        start += size
-    return stages
-
-
-def head_ranges(cfg: LlamaConfig, tp: int, tp_rank: int) -> tuple[range, range]:
-    """The query heads and the KV heads tp rank `tp_rank` holds. Query head j reads KV head
-    j // (num_heads / num_kv_heads), so a rank's query heads read exactly its KV heads."""
-    q_per_rank = cfg.num_heads // tp
-    q = range(tp_rank * q_per_rank, (tp_rank + 1) * q_per_rank)
-    if cfg.num_kv_heads >= tp:
-        kv_per_rank = cfg.num_kv_heads // tp
-        kv = range(tp_rank * kv_per_rank, (tp_rank + 1) * kv_per_rank)
-    else:  # more ranks than KV heads: each KV head lives on tp / num_kv_heads ranks
-        head = tp_rank // (tp // cfg.num_kv_heads)
-        kv = range(head, head + 1)
-    return q, kv
-
-
-def mlp_range(cfg: LlamaConfig, tp: int, tp_rank: int) -> range:
-    width = cfg.intermediate_size // tp
-    return range(tp_rank * width, (tp_rank + 1) * width)
-
-
-def shard_weights(
-    cfg: LlamaConfig, weights: dict[str, torch.Tensor], tp: int, tp_rank: int, pp: int, pp_rank: int
-) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    """This rank's slice of the weight dict (LlamaModel's names, layers renumbered from 0) and the
-    config that describes it (its layers, heads and MLP width)."""
-    d = cfg.head_dim
-    layers = stage_layers(cfg.num_layers, pp)[pp_rank]
-    q_heads, kv_heads = head_ranges(cfg, tp, tp_rank)
-    inter = mlp_range(cfg, tp, tp_rank)
-    qs, kvs, ms = (
-        slice(q_heads.start * d, q_heads.stop * d),
-        slice(kv_heads.start * d, kv_heads.stop * d),
-        slice(inter.start, inter.stop),
-    )
-    split = [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d]
-
-    def heads_of(fused: torch.Tensor) -> torch.Tensor:  # rows of q, k, v for this rank's heads
-        q, k, v = fused.split(split)
-        return torch.cat([q[qs], k[kvs], v[kvs]]).contiguous()
-
-    out: dict[str, torch.Tensor] = {}
-    if pp_rank == 0:
-        out["embed"] = weights["embed"]  # replicated over the stage's tp ranks
-    for local, i in enumerate(layers):
-        out[f"{local}.input_norm"] = weights[f"{i}.input_norm"]
-        out[f"{local}.qkv"] = heads_of(weights[f"{i}.qkv"])  # column-parallel
-        if f"{i}.qkv_bias" in weights:
-            out[f"{local}.qkv_bias"] = heads_of(weights[f"{i}.qkv_bias"])
-        out[f"{local}.o"] = weights[f"{i}.o"][:, qs].contiguous()  # row-parallel
-        out[f"{local}.post_norm"] = weights[f"{i}.post_norm"]
-        gate, up = weights[f"{i}.gate_up"].chunk(2)
-        out[f"{local}.gate_up"] = torch.cat([gate[ms], up[ms]]).contiguous()  # column-parallel
-        out[f"{local}.down"] = weights[f"{i}.down"][:, ms].contiguous()  # row-parallel
-    if pp_rank == pp - 1:
-        out["final_norm"] = weights["final_norm"]
-        out["lm_head"] = weights["lm_head"]  # replicated (tied: the same tensor as embed)
-    local_cfg = dataclasses.replace(
-        cfg,
-        num_layers=len(layers),
-        num_heads=len(q_heads),
-        num_kv_heads=len(kv_heads),
-        intermediate_size=len(inter),
-    )
-    return local_cfg, out
-
-
-# -- communication, counted ----------------------------------------------------------------------
-
-
-class Comm:
-    """This rank's collectives, timed and counted. With tp 1 all_reduce is the identity."""
-
-    def __init__(self, rank: int, tp: int, pp: int, tp_group=None):
-        self.rank, self.tp, self.pp = rank, tp, pp
-        self.tp_group = tp_group
-        self.prev_rank = rank - tp if rank >= tp else None  # same tp rank, previous stage
-        self.next_rank = rank + tp if rank + tp < tp * pp else None
-        self.reset()
-
-    def reset(self) -> None:
-        self.seconds = 0.0
-        self.all_reduce_count = 0
-        self.all_reduce_bytes = 0
-        self.p2p_bytes = 0
-
-    def _sync(self, t: torch.Tensor) -> None:
-        if t.is_cuda:
-            torch.cuda.synchronize(t.device)
-
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        if self.tp == 1:
-            return t
-        self._sync(t)
-        start = time.perf_counter()
-        dist.all_reduce(t, group=self.tp_group)
-        self._sync(t)
-        self.seconds += time.perf_counter() - start
-        self.all_reduce_count += 1
-        self.all_reduce_bytes += t.numel() * t.element_size()
-        return t
-
-    def send(self, t: torch.Tensor) -> None:
-        t = t.contiguous()
-        self._sync(t)
-        start = time.perf_counter()
-        dist.send(t, self.next_rank)
-        self.seconds += time.perf_counter() - start
-        self.p2p_bytes += t.numel() * t.element_size()
-
-    def recv(
-        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        """Includes the wait for the previous stage to finish (the pipeline's idle time)."""
-        t = torch.empty(shape, dtype=dtype, device=device)
-        start = time.perf_counter()
-        dist.recv(t, self.prev_rank)
-        self._sync(t)
-        self.seconds += time.perf_counter() - start
-        self.p2p_bytes += t.numel() * t.element_size()
-        return t
-
-
-# -- the sharded model, runner and worker --------------------------------------------------------
-
-
-class ShardedLlamaModel(LlamaModel):
-    """LlamaModel on one rank's slice: the attention and MLP outputs are partial sums, made whole
-    by one all-reduce each; the first stage embeds, the others receive hidden states, the last
-    computes the logits (only on the output rank: lm_head is replicated, one copy suffices)."""
-
-    comm: Comm
-    is_first_stage: bool
-    is_last_stage: bool
-    computes_logits: bool
-    hidden_size: int
-
-    def attention(self, i, x, cos, sin, kv_cache, attn_meta) -> torch.Tensor:
-        return self.comm.all_reduce(super().attention(i, x, cos, sin, kv_cache, attn_meta))
-
-    def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_reduce(super().mlp(i, x))
-
-    @torch.inference_mode()
-    def forward(self, input_ids, positions, kv_caches, attn_meta, logits_indices):
-        """LlamaModel.forward over this stage's layers; None where this rank has no logits."""
-        cfg, w = self.cfg, self.w
-        cos, sin = self.rope_cos_sin(positions)
-        if self.is_first_stage:
-            h = F.embedding(input_ids, w["embed"])
-        else:
-            h = self.comm.recv((input_ids.shape[0], self.hidden_size), self.dtype, self.device)
-        for i in range(cfg.num_layers):
-            h = h + self.attention(
-                i, rms_norm(h, w[f"{i}.input_norm"], cfg.rms_norm_eps), cos, sin, kv_caches[i],
-                attn_meta,
-            )  # fmt: skip
-            h = h + self.mlp(i, rms_norm(h, w[f"{i}.post_norm"], cfg.rms_norm_eps))
-        if not self.is_last_stage:
-            self.comm.send(h)
-            return None
-        if not self.computes_logits:
-            return None
-        h = rms_norm(h[logits_indices], w["final_norm"], cfg.rms_norm_eps)
-        return linear(h, w["lm_head"]).float()
-
-
-class ParallelModelRunner(ModelRunner):
-    """Every rank runs the step's forward; only the output rank samples (and keeps the samplers'
-    per-request state, e.g. seeded generators)."""
-
-    is_output_rank: bool = False
-
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        if self.is_output_rank:
-            return super().execute_model(sched)
-        swap_seconds = self.swap_blocks(sched)
-        if sched.is_empty:
-            return ModelRunnerOutput({}, {"swap": swap_seconds})
-        t0 = time.perf_counter()
-        inputs = self.prepare_inputs(sched)
-        t1 = time.perf_counter()
-        self.model.forward(
-            inputs.input_ids,
-            inputs.positions,
-            self.kv_caches,
-            inputs.attn_meta,
-            inputs.logits_indices,
-        )
-        self._sync()
-        t2 = time.perf_counter()
-        timings = {"prepare_inputs": t1 - t0, "forward": t2 - t1, "sample": 0.0}
-        return ModelRunnerOutput({}, {**timings, "swap": swap_seconds})
-
-
-class ParallelWorker(Worker):
-    """A Worker whose model is this rank's shard."""
-
-    def __init__(self, *args, rank: int, tp: int, pp: int, comm: Comm, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.rank, self.tp, self.pp, self.comm = rank, tp, pp, comm
-        self.tp_rank, self.pp_rank = rank % tp, rank // tp
-        self.is_output_rank = rank == tp * (pp - 1)  # first worker of the last stage (vLLM's)
-
-    def load_model(self) -> None:
-        full = LlamaModel.from_pretrained(self.model_dir, device=self.device, dtype=self.dtype)
-        self.full_cfg = full.cfg
-        local_cfg, weights = shard_weights(
-            full.cfg, full.w, self.tp, self.tp_rank, self.pp, self.pp_rank
-        )
-        del full
-        model = ShardedLlamaModel(local_cfg, weights, self.device, self.dtype)
-        model.comm = self.comm
-        model.is_first_stage = self.pp_rank == 0
-        model.is_last_stage = self.pp_rank == self.pp - 1
-        model.computes_logits = self.is_output_rank
-        model.hidden_size = self.full_cfg.hidden_size
-        self.model = model.with_kernels(self.kernels)
-
-    def initialize_cache(self, num_blocks: int, num_swap_blocks: int = 0) -> None:
-        super().initialize_cache(num_blocks, num_swap_blocks)
-        runner = self.runner
-        self.runner = ParallelModelRunner(
-            runner.model, runner.kv_caches, runner.block_size, runner.swap_caches
-        )
-        self.runner.is_output_rank = self.is_output_rank
-
-    def layout(self) -> dict:
-        """What this rank holds (computed from its tensors). replicated_bytes: what other ranks
-        hold too (embedding, lm_head and norms when tp > 1; K/V rows when tp > num_kv_heads)."""
-        cfg, full = self.model.cfg, self.full_cfg
-        layers = stage_layers(full.num_layers, self.pp)[self.pp_rank]
-        q, kv = head_ranges(full, self.tp, self.tp_rank)
-        inter = mlp_range(full, self.tp, self.tp_rank)
-        replicated = [
-            t
-            for name, t in self.model.w.items()
-            if self.tp > 1 and (name in ("embed", "lm_head", "final_norm") or "norm" in name)
-        ]
-        seen, replicated_bytes = set(), 0
-        for t in replicated:
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                replicated_bytes += t.numel() * t.element_size()
-        if self.tp > full.num_kv_heads:  # this rank's K and V rows are on other ranks too
-            kv_rows = 2 * cfg.num_kv_heads * cfg.head_dim
-            for i in range(cfg.num_layers):
-                for name in (f"{i}.qkv", f"{i}.qkv_bias"):
-                    if name in self.model.w:
-                        t = self.model.w[name]
-                        replicated_bytes += kv_rows * (t.numel() // t.shape[0]) * t.element_size()
-        return {
-            "rank": self.rank,
-            "tp_rank": self.tp_rank,
-            "pp_rank": self.pp_rank,
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "device": str(self.device),
-            "is_output_rank": self.is_output_rank,
-            "layers": [layers.start, layers.stop],
-            "q_heads": [q.start, q.stop],
-            "kv_heads": [kv.start, kv.stop],
-            "mlp_columns": [inter.start, inter.stop],
-            "holds_embedding": "embed" in self.model.w,
-            "holds_lm_head": "lm_head" in self.model.w,
-            "weight_bytes": self.model.weight_bytes(),
-            "replicated_bytes": replicated_bytes,
-            "shapes": {
-                name.split(".", 1)[-1]: list(t.shape)
-                for name, t in self.model.w.items()
-                if name.startswith("0.") or name in ("embed", "lm_head")
-            },
-            "num_layers": cfg.num_layers,
-            "kv_bytes_per_block": self.bytes_per_block,
-        }
-
-
-# -- the control plane: messages down, replies up, over a gloo group ----------------------------
-
-# A worker waits this long for the driver's next message (an idle server sends none); the driver
-# bounds its own waits (STARTUP_TIMEOUT_S, STEP_TIMEOUT_S). A peer that dies closes its
-# connections, which fails a pending collective at once: no timeout is needed to notice that.
-CONTROL_IDLE_TIMEOUT = timedelta(days=30)
 SHUTDOWN_WAIT_S = 5.0
+DEATH_GRACE_S = 3.0  # after a failure, how long the workers' exit codes are awaited
 
 
-def _env_int(name: str, default: int | None = None) -> int:
-    value = os.environ.get(name)
-    if value is None and default is not None:
-        return default
-    try:
-        return int(value or "")
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+# -- what a rank holds ----------------------------------------------------------------------------
 
 
-def torchrun_rank() -> int | None:
-    """This process's rank when a launcher such as torchrun started it (RANK and WORLD_SIZE in
-    the environment), else None."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return None
-    return _env_int("RANK")
+def rank_layout(worker: Worker, full: LlamaConfig) -> dict:
+    """What this rank holds (computed from its tensors), and the classes its forward runs (the
+    model of engine/models/llama.py, its layers of engine/layers/linear.py). replicated_bytes:
+    what other ranks hold too (embedding, lm_head and norms when tp > 1; K/V rows when
+    tp > num_kv_heads)."""
+    model, stage = worker.model, worker.parallel
+    cfg, tp = model.cfg, stage.tp
+    layers = stage_layers(full.num_layers, stage.pp)[stage.pp_rank]
+    q, kv = head_ranges(full, tp, stage.tp_rank)
+    inter = mlp_range(full, tp, stage.tp_rank)
+    return {
+        "rank": stage.rank,
+        "tp_rank": stage.tp_rank,
+        "pp_rank": stage.pp_rank,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "device": str(worker.device),
+        "is_output_rank": stage.is_output_rank,
+        "layers": [layers.start, layers.stop],
+        "q_heads": [q.start, q.stop],
+        "kv_heads": [kv.start, kv.stop],
+        "mlp_columns": [inter.start, inter.stop],
+        "holds_embedding": "embed" in model.w,
+        "holds_lm_head": "lm_head" in model.w,
+        "weight_bytes": model.weight_bytes(),
+        "replicated_bytes": _replicated_bytes(model, full, tp),
+        "shapes": {
+            name.split(".", 1)[-1]: list(t.shape)
+            for name, t in model.w.items()
+            if name.startswith("0.") or name in ("embed", "lm_head")
+        },
+        "num_layers": cfg.num_layers,
+        "kv_bytes_per_block": worker.bytes_per_block,
+        "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+        "layer_classes": {
+            name: type(part).__qualname__
+            for name, part in vars(model.layers[0].attention).items()
+            if name in ("qkv", "o")
+        }
+        | {
+            name: type(part).__qualname__
+            for name, part in vars(model.layers[0].mlp).items()
+            if name in ("gate_up", "down")
+        },
+    }
 
 
-def check_torchrun_world(tp: int, pp: int) -> int:
-    """This torchrun process's rank, after checking that torchrun started exactly tp × pp
-    processes (ValueError otherwise, before anything is loaded)."""
-    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
-    if world != tp * pp:
-        raise ValueError(
-            f"torchrun started WORLD_SIZE={world} processes, but tensor_parallel_size × "
-            f"pipeline_parallel_size = {tp} × {pp} = {tp * pp}; one process per rank: "
-            "--nnodes × --nproc-per-node must equal tp × pp"
-        )
-    if not 0 <= rank < world:
-        raise ValueError(f"RANK={rank} is outside 0..{world - 1}")
-    return rank
-
-
-def _check_local_gpus(device: torch.device) -> None:
-    """Under torchrun the GPUs are counted per machine: one process per GPU on each."""
-    if device.type == "cuda":
-        local = _env_int("LOCAL_WORLD_SIZE", 1)
-        if local > torch.cuda.device_count():
-            raise ValueError(
-                f"torchrun starts {local} processes on this machine (--nproc-per-node), but it "
-                f"has {torch.cuda.device_count()} CUDA device(s): one process per GPU"
-            )
-
-
-def _backend(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
-def _to_tensor(obj) -> torch.Tensor:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
-def _from_tensor(t: torch.Tensor, length: int):
-    return pickle.loads(t[:length].numpy().tobytes())
-
-
-def _wait_at_most(seconds: float):
-    return lambda work: work.wait(timedelta(seconds=seconds))
-
-
-class ControlGroup:
-    """The control plane: a gloo process group (CPU tensors over TCP) whose rank 0 is the
-    driver, the process that runs the engine core. broadcast() carries one message from the
-    driver to every rank (e.g. a step's SchedulerOutput); gather() brings one reply per rank back
-    to the driver (the sampled tokens, timings). A message is pickled into a uint8 tensor and
-    costs two collectives (its length, then its bytes). `wait(work)` waits for one collective:
-    a worker just waits; the driver bounds the wait and watches its workers."""
-
-    def __init__(self, group, rank: int, size: int):
-        self.group, self.rank, self.size = group, rank, size
-
-    def broadcast(self, message=None, wait=None) -> tuple[object, int]:
-        """The driver's message, on every rank, and its size in bytes."""
-        wait = wait or (lambda work: work.wait())
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        data = _to_tensor(message) if self.rank == 0 else None
-        length = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64)
-        wait(self.group.broadcast([length], opts))
-        if data is None:
-            data = torch.empty(int(length), dtype=torch.uint8)
-        wait(self.group.broadcast([data], opts))
-        return (message if self.rank == 0 else _from_tensor(data, int(length))), int(length)
-
-    def gather(self, reply, wait=None) -> list | None:
-        """Every rank's reply in rank order, on the driver; None on the other ranks."""
-        wait = wait or (lambda work: work.wait())
-        data = _to_tensor(reply)
-        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
-        wait(self.group.allgather([lengths], [torch.tensor([data.numel()], dtype=torch.int64)]))
-        longest = max(int(n) for n in lengths)
-        padded = torch.zeros(longest, dtype=torch.uint8)
-        padded[: data.numel()] = data
-        received = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)]
-        opts = dist.GatherOptions()
-        opts.rootRank = 0
-        wait(self.group.gather([received] if self.rank == 0 else [], [padded], opts))
-        if self.rank != 0:
-            return None
-        return [_from_tensor(t, int(n)) for t, n in zip(received, lengths)]
+def _replicated_bytes(model, full: LlamaConfig, tp: int) -> int:
+    """Bytes this rank holds that other ranks of its stage hold too."""
+    if tp == 1:
+        return 0
+    shared = {
+        t.data_ptr(): t.numel() * t.element_size()
+        for name, t in model.w.items()
+        if name in ("embed", "lm_head") or "norm" in name
+    }
+    total = sum(shared.values())
+    if tp > full.num_kv_heads:  # this rank's K and V rows are on other ranks too
+        cfg = model.cfg
+        kv_rows = 2 * cfg.num_kv_heads * cfg.head_dim
+        for i in range(cfg.num_layers):
+            for name in (f"{i}.qkv", f"{i}.qkv_bias"):
+                if name in model.w:
+                    t = model.w[name]
+                    total += kv_rows * (t.numel() // t.shape[0]) * t.element_size()
+    return total
 
 
 def _describe(error: BaseException) -> tuple[str, str, str]:
@@ -562,7 +199,8 @@ class RankServer:
     def __init__(self, rank: int, tp: int, pp: int, model_dir: str | None = None):
         self.rank, self.tp, self.pp = rank, tp, pp
         self.model_dir = model_dir  # None: the driver's (the "load" message names it)
-        self.worker: ParallelWorker | None = None
+        self.worker: Worker | None = None
+        self.full_cfg: LlamaConfig | None = None
         self.comm: Comm | None = None
 
     def handle(self, kind: str, payload):
@@ -573,7 +211,8 @@ class RankServer:
             return self.worker.determine_num_blocks(max_model_len, **cache_args)
         if kind == "init_cache":
             self.worker.initialize_cache(*payload)
-            return {**self.worker.layout(), "kv_cache_bytes": self.worker.kv_cache_bytes()}
+            layout = rank_layout(self.worker, self.full_cfg)
+            return {**layout, "kv_cache_bytes": self.worker.kv_cache_bytes()}
         if kind == "step":
             return self.step(payload)
         raise ValueError(f"unknown control message {kind!r}")
@@ -581,12 +220,12 @@ class RankServer:
     def load(self, spec: dict) -> None:
         device = spec["device"]
         if device.type == "cuda":
-            local_rank = _env_int("LOCAL_RANK", self.rank)
+            local_rank = env_int("LOCAL_RANK", self.rank)
             device = torch.device("cuda", local_rank % torch.cuda.device_count())
             torch.cuda.set_device(device)
         if not dist.is_initialized():  # a spawned worker; torchrun's processes joined already
             dist.init_process_group(
-                _backend(device),
+                backend_for(device),
                 init_method="env://",  # MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
                 timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
             )
@@ -597,16 +236,15 @@ class RankServer:
             if stage == self.rank // tp:
                 tp_group = group
         self.comm = Comm(self.rank, tp, pp, tp_group)
-        self.worker = ParallelWorker(
-            self.model_dir or spec["model_dir"],
+        model_dir = self.model_dir or spec["model_dir"]
+        self.full_cfg = LlamaConfig.from_model_dir(model_dir)
+        self.worker = Worker(
+            model_dir,
             device,
             spec["dtype"],
             spec["block_size"],
             spec["kernels"],
-            rank=self.rank,
-            tp=tp,
-            pp=pp,
-            comm=self.comm,
+            parallel=ParallelContext(tp, pp, self.rank, self.comm),
         )
         self.worker.load_model()
 
@@ -627,7 +265,7 @@ class RankServer:
             "all_reduce_bytes": self.comm.all_reduce_bytes,
             "p2p_bytes": self.comm.p2p_bytes,
         }
-        if self.worker.is_output_rank:
+        if self.worker.parallel.is_output_rank:
             output.workers = [timings]
             return output
         return timings
@@ -652,26 +290,6 @@ def serve_rank(control: ControlGroup, server: RankServer) -> int:
         control.gather(reply)
 
 
-def _leave_world() -> None:
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
-
-
-def join_torchrun_world(device: torch.device) -> ControlGroup:
-    """A process torchrun started: join its world (the data group, torchrun's rendezvous from
-    the environment) and the gloo control group beside it, whose rank 0 is RANK 0."""
-    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
-    if device.type == "cuda":
-        torch.cuda.set_device(_env_int("LOCAL_RANK", 0) % torch.cuda.device_count())
-    dist.init_process_group(
-        _backend(device), init_method="env://", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-    )
-    return ControlGroup(dist.new_group(backend="gloo", timeout=CONTROL_IDLE_TIMEOUT), rank, world)
-
-
 def run_torchrun_worker(
     model: str | Path | None, device: str, tensor_parallel_size: int, pipeline_parallel_size: int
 ) -> int:
@@ -680,14 +298,14 @@ def run_torchrun_worker(
     its own copy of the model directory (`model`, as on every machine) and prints nothing on
     stdout. Returns the exit status."""
     from engine.artifact import resolve_model_path
-    from engine.worker import resolve_device
+    from engine.worker.worker import resolve_device
 
     tp, pp = tensor_parallel_size, pipeline_parallel_size
     rank = check_torchrun_world(tp, pp)
     model_dir = resolve_model_path(model)
     check_parallel_sizes(LlamaConfig.from_model_dir(model_dir), tp, pp)  # as rank 0 does
     dev = resolve_device(device)
-    _check_local_gpus(dev)
+    check_local_gpus(dev)
     control = join_torchrun_world(dev)
     try:
         return serve_rank(control, RankServer(rank, tp, pp, str(model_dir)))
@@ -695,7 +313,7 @@ def run_torchrun_worker(
         logger.error("rank %d: the control group failed: %s", rank, error)
         return 1
     finally:
-        _leave_world()
+        leave_world()
 
 
 def _die_with_parent(interval_s: float = 1.0) -> None:
@@ -735,7 +353,7 @@ def _worker_main(
     except Exception:  # noqa: BLE001 — the engine is gone (its connection closed): leave quietly
         pass
     finally:
-        _leave_world()
+        leave_world()
     raise SystemExit(status)
 
 
@@ -776,7 +394,7 @@ def _stop_ranks(ranks: _Ranks) -> None:
     told = False
     if ranks.control is not None and ranks.healthy and ranks.lock.acquire(timeout=SHUTDOWN_WAIT_S):
         try:
-            ranks.control.broadcast(("shutdown", None), wait=_wait_at_most(SHUTDOWN_WAIT_S))
+            ranks.control.broadcast(("shutdown", None), wait=wait_at_most(SHUTDOWN_WAIT_S))
             told = True
         except Exception:  # noqa: BLE001 — a rank is gone already: terminate below
             pass
@@ -795,7 +413,7 @@ def _stop_ranks(ranks: _Ranks) -> None:
             p.join(timeout=2.0)
     ranks.control = ranks.store = None
     if ranks.in_world:
-        _leave_world()
+        leave_world()
         ranks.in_world = False
 
 
@@ -825,9 +443,9 @@ class MultiprocExecutor(Executor):
             if check_torchrun_world(tp, pp) != 0:
                 raise ValueError(
                     "under torchrun only RANK 0 runs the engine core; the other ranks run "
-                    "engine.multiproc_executor.run_torchrun_worker (python -m engine does this)"
+                    "engine.executor.multiproc.run_torchrun_worker (python -m engine does this)"
                 )
-            _check_local_gpus(device)
+            check_local_gpus(device)
         else:
             check_parallel_sizes(model_config, tp, pp, device)
         self.tp, self.pp, self.world_size = tp, pp, tp * pp
@@ -938,23 +556,38 @@ class MultiprocExecutor(Executor):
         return [p.pid for p in self.processes]
 
     def _dead_workers(self, failed_only: bool = False) -> list[str]:
-        """Spawned workers that are gone (failed_only: with a non-zero exit code)."""
-        return [
-            f"worker rank {rank} (pid {p.pid}) died (exit code {p.exitcode})"
+        """Spawned workers that are gone (failed_only: with a non-zero exit code), those killed
+        by a signal first: when one is killed, its peers fail in their next collective and leave
+        with exit code 1 after it, so the killed one is the cause."""
+        gone = [
+            (rank, p)
             for rank, p in enumerate(self.processes)
             if not p.is_alive() and not (failed_only and p.exitcode == 0)
         ]
+        gone.sort(key=lambda item: (item[1].exitcode is None or item[1].exitcode >= 0, item[0]))
+        return [
+            f"worker rank {rank} (pid {p.pid}) died (exit code {p.exitcode})" for rank, p in gone
+        ]
 
     def _check_alive(self, what: str) -> None:
-        dead = self._dead_workers()
-        if dead:
-            self._fail(f"{dead[0]} during {what}")
+        if self._dead_workers():
+            self._fail(f"a worker left during {what}")
+
+    def _await_exit_codes(self) -> None:
+        """After a failure, give the spawned workers up to DEATH_GRACE_S to exit. A worker's
+        death resets its connections a moment before its exit code can be read, and its peers
+        leave after their collective fails; waiting lets the failure name the worker that
+        died instead of the broken connection it left behind."""
+        deadline = time.monotonic() + DEATH_GRACE_S
+        for p in self.processes:
+            p.join(timeout=max(deadline - time.monotonic(), 0.0))
 
     def _fail(self, message: str) -> None:
-        """Stop every worker and raise. A dead worker is named first: when one dies, its peers
-        fail in their next collective, and the cause is the death, not their error."""
+        """Stop every worker and raise. The dead workers are named first: when one dies, its
+        peers fail in their next collective, and the cause is the death, not their error."""
+        self._await_exit_codes()
         dead = self._dead_workers(failed_only=True)
-        if dead and "died" not in message:
+        if dead:
             message = "; ".join(dead) + f"; then {message}"
         self._dead = message
         self.ranks.healthy = False  # no shutdown message over a broken group
@@ -1041,7 +674,7 @@ class MultiprocExecutor(Executor):
         DEFAULT_CPU_KV_CACHE_BYTES) is split evenly among them."""
         if self.spec["device"].type == "cpu" and cache_args.get("num_kv_blocks") is None:
             budget = cache_args.get("kv_cache_memory") or DEFAULT_CPU_KV_CACHE_BYTES
-            per_machine = _env_int("LOCAL_WORLD_SIZE", 1) if self.torchrun else self.world_size
+            per_machine = env_int("LOCAL_WORLD_SIZE", 1) if self.torchrun else self.world_size
             cache_args = {**cache_args, "kv_cache_memory": budget // per_machine}
         self._start()
         self._call("load", self.spec, STARTUP_TIMEOUT_S, "start-up")
@@ -1087,26 +720,3 @@ class MultiprocExecutor(Executor):
     def shutdown(self) -> None:
         if self._finalizer is not None:
             self._finalizer()  # idempotent: runs _stop_ranks once
-
-
-def describe_layout(layout: list[dict]) -> str:
-    """A few lines for the CLI: which rank holds what."""
-    lines = []
-    for r in layout:
-        lines.append(
-            f"rank {r['rank']} (tp {r['tp_rank']}, pp {r['pp_rank']}): layers "
-            f"{r['layers'][0]}-{r['layers'][1] - 1}, query heads {r['q_heads'][0]}-"
-            f"{r['q_heads'][1] - 1}, KV heads {r['kv_heads'][0]}-{r['kv_heads'][1] - 1}, "
-            f"weights {r['weight_bytes'] / 2**20:.1f} MiB "
-            f"({r['replicated_bytes'] / 2**20:.1f} MiB replicated), "
-            f"KV cache {r['kv_cache_bytes'] / 2**20:.1f} MiB"
-        )
-    return "\n".join(lines)
-
-
-def all_reduces_per_step(model_config: LlamaConfig, tp: int, pp: int) -> int:
-    """Derived: 2 all-reduces per layer on every rank (after o, after down) when tp > 1; each
-    rank runs its stage's layers."""
-    if tp == 1:
-        return 0
-    return 2 * math.ceil(model_config.num_layers / pp)

@@ -35,9 +35,7 @@ dtype.
 
 from __future__ import annotations
 
-import copy
 import math
-import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -48,7 +46,6 @@ from engine.kernels.quant import (
     Int4Weight,
     Int8Weight,
     QuantizedWeight,
-    dequantize,
     quantize_int4,
     quantize_int8,
 )
@@ -160,11 +157,11 @@ def quantize_model(
         w["lm_head"] = head_q
         if tied:  # one matrix: the lookup reads its quantized rows (llama.cpp does the same)
             w["embed"] = head_q
-    quantized = copy.copy(model)
-    quantized.w = w
-    quantized.quantization = method
-    quantized.quantization_group_size = GGUF_BLOCK if method == "gguf" else group_size
-    return quantized
+    return model.rebuilt(
+        w=w,
+        quantization=method,
+        quantization_group_size=GGUF_BLOCK if method == "gguf" else group_size,
+    )
 
 
 def _is_tied(w: dict) -> bool:
@@ -188,43 +185,8 @@ def with_dtype(model, dtype: torch.dtype):
     left, keeps bfloat16 rounding out of the quantization."""
     if model.dtype == dtype:
         return model
-    out = copy.copy(model)
-    out.w = {k: v if is_quantized(v) else v.to(dtype) for k, v in model.w.items()}
-    out.dtype = dtype
-    return out
-
-
-_lock = threading.Lock()
-_quantized_models: dict[tuple, object] = {}
-
-
-def load_quantized_model(
-    model_dir: str | Path,
-    device: torch.device,
-    dtype: torch.dtype,
-    method: str,
-    group_size: int = DEFAULT_GROUP_SIZE,
-):
-    """The model at `model_dir` with quantized linears, shared by the engines of this process
-    like the float weights are (engine/worker.py load_model). Quantized from the float32 weights
-    (reused when already loaded, else loaded for the conversion and dropped); the norms and
-    biases then take `dtype`."""
-    from engine import worker
-
-    key = (str(Path(model_dir).resolve()), str(device), dtype, method, group_size)
-    with _lock:
-        if key not in _quantized_models:
-            f32 = torch.float32
-            if worker.is_model_loaded(model_dir, device, f32):
-                base = worker.load_model(model_dir, device, f32)
-            else:
-                from engine.models.llama import LlamaModel
-
-                base = LlamaModel.from_pretrained(model_dir, device=device, dtype=f32)
-            gguf_path = gguf_source(model_dir) if method == "gguf" else None
-            quantized = quantize_model(base, method, group_size, gguf_path)
-            _quantized_models[key] = with_dtype(quantized, dtype)
-        return _quantized_models[key]
+    w = {k: v if is_quantized(v) else v.to(dtype) for k, v in model.w.items()}
+    return model.rebuilt(w=w, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,13 +302,3 @@ def describe(model) -> str:
         f"{method}{group}: linears weight-only, lm_head int8 per channel, activations "
         f"{str(model.dtype).removeprefix('torch.')}"
     )
-
-
-def quantization_error(w: torch.Tensor, qw: QuantizedWeight) -> dict:
-    """How far the dequantized matrix is from the original: max and RMS absolute error."""
-    diff = dequantize(qw) - w.float()
-    return {
-        "max_abs": diff.abs().max().item(),
-        "rms": diff.pow(2).mean().sqrt().item(),
-        "rms_relative": (diff.pow(2).mean().sqrt() / w.float().pow(2).mean().sqrt()).item(),
-    }

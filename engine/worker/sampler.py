@@ -11,10 +11,9 @@ answered greedily instead of raising, so one odd request never costs a whole ste
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 

@@ -1,0 +1,114 @@
+"""Which library runs float32 linear layers on this CPU: MKL (F.linear) or oneDNN.
+
+On a CPU, F.linear in float32 goes to the BLAS library PyTorch ships (MKL). oneDNN, the CPU
+library PyTorch uses for convolutions (and torch.compile for linear layers), ran the same float32
+matmuls 1.5-2× faster on our 2-core AMD EPYC at every batch size from 1 to 512 tokens; on a
+2-core Intel Xeon (AMX, 2026-12-02) it was the other way round at one row: MKL 16.8 ms for the
+120 layer matrices, oneDNN 25.0 ms, and the same within 5 % from 8 rows up. Which is faster
+depends on the CPU, so the first float32 model on a CPU times both (`float32_linear_backend`),
+once per process; every linear layer built after that takes the winner
+(engine/layers/linear.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+FLOAT32_LINEAR_ENV = "LLM_LAB_FLOAT32_LINEAR"  # "mkl" or "onednn": skip the timing, use that one
+_float32_linear: dict | None = None  # the choice and the timings behind it, once per process
+
+
+@functools.cache
+def onednn_linear_works() -> bool:
+    """True if this PyTorch build can call oneDNN's linear kernel directly (CPU builds with
+    oneDNN). Tried once, on first use."""
+    try:
+        x = torch.ones(1, 2)
+        return torch.ops.mkldnn._linear_pointwise(
+            x, torch.ones(3, 2), None, "none", [], ""
+        ).shape == (1, 3)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def __getattr__(name: str):
+    if name == "ONEDNN_LINEAR":  # a constant to its readers, measured on first use
+        return onednn_linear_works()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None):
+    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+
+
+def _best_ms(fn, repeats: int) -> float:
+    fn()  # warm up (oneDNN prepares its kernel on the first call)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return 1e3 * best
+
+
+def _time_both(matrices: list[torch.Tensor]) -> dict:
+    """Both libraries over `matrices` at 1 row (decode at batch 1) and at 32 rows, best of a
+    few runs, in milliseconds."""
+    widths = {m.shape[1] for m in matrices}
+    libraries = {"mkl": F.linear, "onednn": onednn_linear}
+    ms = {}
+    for rows, repeats in ((1, 3), (32, 2)):
+        inputs = {k: torch.full((rows, k), 0.01) for k in widths}
+        ms[rows] = {
+            name: _best_ms(lambda f=f: [f(inputs[m.shape[1]], m) for m in matrices], repeats)
+            for name, f in libraries.items()
+        }
+    return ms
+
+
+def _choose(matrices: list[torch.Tensor]) -> dict:
+    """oneDNN stays (it was the faster where this was first measured) unless MKL is at least
+    15 % faster at one row and no more than 10 % slower at 32: one library for every row count,
+    so that a request's numbers do not depend on the size of its batch."""
+    ms = _time_both(matrices)
+    mkl_wins = ms[1]["mkl"] < 0.85 * ms[1]["onednn"] and ms[32]["mkl"] < 1.1 * ms[32]["onednn"]
+    size = sum(m.numel() for m in matrices) * 4 / 1e6
+    return {
+        "backend": "mkl" if mkl_wins else "onednn",
+        "why": f"timed over {len(matrices)} matrices, {size:.0f} MB: "
+        + "; ".join(
+            f"{rows} row{'s' * (rows > 1)} MKL {t['mkl']:.1f} ms, oneDNN {t['onednn']:.1f} ms"
+            for rows, t in ms.items()
+        ),
+        "ms": ms,
+    }
+
+
+def float32_linear_backend(matrices: list[torch.Tensor] | None = None) -> dict:
+    """Which library runs float32 linears on this CPU, "mkl" (F.linear) or "onednn", with the
+    timings behind the choice, over `matrices` (the first model's own layer weights, as a decode
+    step reads them; else 8 synthetic 2048 × 2048 ones). Measured once per process (about half
+    a second for the default model), or set by the environment variable
+    LLM_LAB_FLOAT32_LINEAR."""
+    global _float32_linear
+    if _float32_linear is not None:
+        return _float32_linear
+    forced = os.environ.get(FLOAT32_LINEAR_ENV, "").strip().lower()
+    if not onednn_linear_works():
+        _float32_linear = {"backend": "mkl", "why": "this PyTorch build has no oneDNN linear"}
+    elif forced in ("mkl", "onednn"):
+        _float32_linear = {"backend": forced, "why": f"{FLOAT32_LINEAR_ENV}={forced}"}
+    else:
+        _float32_linear = _choose(matrices or [torch.full((2048, 2048), 0.01) for _ in range(8)])
+    logger.info(
+        "float32 linear on this CPU: %s (%s)", _float32_linear["backend"], _float32_linear["why"]
+    )
+    return _float32_linear

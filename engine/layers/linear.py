@@ -1,0 +1,116 @@
+"""Linear layers that own their tensor-parallel shard (Megatron-LM's split, as vLLM and
+nano-vllm's layers/linear.py do it). At tensor parallel 1 each one is the plain layer,
+y = x @ Wᵀ (+ bias), with W as checkpoints store it: [out, in].
+
+- column-parallel (`QKVParallelLinear` for the fused q/k/v, `MergedColumnParallelLinear` for the
+  fused gate/up): the matrix is cut by output rows, so each rank computes a complete slice of
+  the activations (its heads, its columns of the MLP). No communication.
+- row-parallel (`RowParallelLinear` for o and down): the matrix is cut by input columns, so each
+  rank's output is a partial sum of the full result; one all-reduce makes it whole.
+- `ReplicatedLinear` (lm_head): every rank holds the whole matrix.
+
+Each class cuts its own shard from the full matrix (`shard`), by the ranges of
+engine/layers/sharding.py. How the matmul runs is chosen once per layer (`choose_matmul`): our
+int8/int4 kernel or its reference for a quantized weight (engine/kernels/quant.py), the faster
+float32 library on a CPU (engine/kernels/float32_linear.py), else F.linear.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.float32_linear import float32_linear_backend, onednn_linear
+from engine.kernels.quant import Int4Weight, Int8Weight, quantized_linear
+from engine.layers.sharding import head_ranges, mlp_range
+from engine.models.config import LlamaConfig
+
+Matmul = Callable[[torch.Tensor, object, torch.Tensor | None], torch.Tensor]
+
+
+def choose_matmul(weight, kernels=None) -> Matmul:
+    """How x @ Wᵀ (+ bias) runs for this weight, decided once: a weight-only quantized matrix
+    goes to our C++ kernel (`kernels`, the compiled extension) or, with None, to the reference
+    (dequantize + matmul); a float32 matrix on a CPU to the library timed faster here (MKL or
+    oneDNN, once per process); anything else to F.linear."""
+    if isinstance(weight, (Int8Weight, Int4Weight)):
+        return partial(quantized_linear, kernels=kernels)
+    on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
+    if on_cpu and float32_linear_backend()["backend"] == "onednn":
+        return onednn_linear
+    return F.linear
+
+
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, kernels=None) -> torch.Tensor:
+    """One y = x @ Wᵀ (+ bias), the way a layer holding `w` computes it (for measurements and
+    tests; the model's layers make the choice once)."""
+    return choose_matmul(w, kernels)(x, w, bias)
+
+
+class ReplicatedLinear:
+    """The whole matrix on every rank; the base of the parallel layers below, which hold a
+    shard instead."""
+
+    def __init__(self, weight, bias: torch.Tensor | None = None, kernels=None):
+        self.weight, self.bias = weight, bias
+        self.matmul = choose_matmul(weight, kernels)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(ReplicatedLinear):
+    """Output rows cut across the tensor-parallel ranks: this rank's rows give a complete slice
+    of the output."""
+
+    @staticmethod
+    def shard(full: torch.Tensor, rows: range) -> torch.Tensor:
+        return full[rows.start : rows.stop].contiguous()
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel matrices stacked into one (gate and up: one matmul instead of
+    two); each is cut by the same columns of the MLP, and the rank's parts are stacked again."""
+
+    @staticmethod
+    def shard(full: torch.Tensor, cfg: LlamaConfig, tp: int, tp_rank: int) -> torch.Tensor:
+        columns = mlp_range(cfg, tp, tp_rank)
+        return torch.cat([part[columns.start : columns.stop] for part in full.chunk(2)])
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The fused q/k/v matrix cut by heads: each rank computes its query heads and the KV heads
+    they read (a KV head is replicated when there are more ranks than KV heads)."""
+
+    @staticmethod
+    def shard(full: torch.Tensor, cfg: LlamaConfig, tp: int, tp_rank: int) -> torch.Tensor:
+        """This rank's rows of q, k and v, stacked (a weight [out, in] or a bias [out])."""
+        d = cfg.head_dim
+        q_heads, kv_heads = head_ranges(cfg, tp, tp_rank)
+        q, k, v = full.split([cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d])
+        qs = slice(q_heads.start * d, q_heads.stop * d)
+        kvs = slice(kv_heads.start * d, kv_heads.stop * d)
+        return torch.cat([q[qs], k[kvs], v[kvs]]).contiguous()
+
+
+class RowParallelLinear(ReplicatedLinear):
+    """Input columns cut across the ranks: each rank multiplies its slice of the activations by
+    its columns, a partial sum of the result; `all_reduce` (the tensor-parallel group's, None
+    at tp 1) adds the partial sums of all ranks. A bias is added once, after the sum."""
+
+    def __init__(self, weight, bias=None, kernels=None, all_reduce=None):
+        super().__init__(weight, bias, kernels)
+        self.all_reduce = all_reduce
+
+    @staticmethod
+    def shard(full: torch.Tensor, columns: range) -> torch.Tensor:
+        return full[:, columns.start : columns.stop].contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.all_reduce is None:  # tensor parallel 1: the plain layer
+            return self.matmul(x, self.weight, self.bias)
+        y = self.all_reduce(self.matmul(x, self.weight, None))
+        return y if self.bias is None else y + self.bias
