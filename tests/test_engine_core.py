@@ -424,6 +424,25 @@ def test_too_long_requests_are_refused_naming_both_numbers(make_engine):
     assert not engine.scheduler.requests and engine.kv_cache_manager.snapshot().num_used == 0
 
 
+def test_the_config_refuses_bad_settings_before_anything_loads():
+    """EngineConfig checks itself (nano-vllm's __post_init__): no model is read, no worker made."""
+    from engine.config import EngineConfig
+
+    for bad, message in [
+        (dict(block_size=0), "must be positive"),
+        (dict(max_num_seqs=0), "must be positive"),
+        (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold"),
+        (dict(num_swap_blocks=-1), "num_swap_blocks"),
+        (dict(quantization="int8", tensor_parallel_size=2), "one worker only"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(model="/nonexistent", **bad)
+    config = EngineConfig(max_model_len=None, enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match="at least max_model_len"):
+        config.resolve_max_model_len(2048, sliding_window=None)
+    assert EngineConfig(max_model_len=4096).resolve_max_model_len(8192, sliding_window=1024) == 1024
+
+
 def test_bad_preemption_settings_and_request_fields_are_refused(make_engine, engine):
     with pytest.raises(ValueError, match="num_swap_blocks"):
         make_engine(preemption_mode="swap", num_swap_blocks=-1)
