@@ -5,6 +5,10 @@
     chNN.py    what chapter NN's lab computes: its default workload, its claim, its summaries
                (e.g. ch04 metric definitions and percentiles, ch07 the batching modes, ch08
                chunked prefill on/off with the same requests accepted on both sides)
+    ch14_*.py  chapter 14's live server, one module per concern (server, client, load, stream)
+
+The Streamlit side of a lab, where a page would hold too much, is ui/labs/chNN.py. Poisson
+arrivals and percentiles come from engine/tools/workload.py, the one definition.
 
 Every latency comes from engine.request.RequestMetrics on the engine clock.
 """

@@ -4,8 +4,12 @@ A page composes its lesson (ui.lesson.render_chapter) and its lab; the lab's dra
 here, one module per chapter, and what they measure is computed in ui/experiments/chNN*.py (no
 Streamlit there).
 
+    ch05.py  the memory-budget calculator, its budget on a simulated GPU, the dtype measurement
+    ch09.py  preemption: a burst that does not fit, recompute vs swap, scheduling policies
+    ch10.py  prefix caching on/off, the block-hash chain, LRU eviction, cache salts
     ch12.py  the tensor-parallel lab's views: what each worker holds, compute vs all-reduce
              time per step, the layouts' step times, the communication share as tp grows
+    ch13.py  speculative decoding on/off: drafts, acceptance, outputs, the speed section
     ch14.py  the server lab: the learner's own server on 127.0.0.1, simulated users, the
              load-latency curve, streamed vs whole answers, a stream the learner cuts
 """
