@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _tiny import TINY_VOCAB_SIZE, run_engine
+
 from engine import InvalidRequestError, SamplingParams
 from engine.core import EngineCore
 from engine.trace import PHASES, record_to_dict

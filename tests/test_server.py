@@ -25,9 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.core import EngineConfig, EngineCore
 from engine.entrypoints.llm import LLM, AsyncLLM
-from engine.sampling_params import SamplingParams
 from engine.entrypoints.server.app import build_app, start_server_in_thread
 from engine.entrypoints.server.protocol import DEFAULT_MAX_TOKENS
+from engine.sampling_params import SamplingParams
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 1024

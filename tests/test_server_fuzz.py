@@ -17,11 +17,11 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_server import API_KEY, AUTH, wait_until_idle
 
 from engine.core import EngineConfig, EngineCore
 from engine.entrypoints.llm import AsyncLLM
 from engine.entrypoints.server.app import build_app, start_server_in_thread
-from test_server import API_KEY, AUTH, wait_until_idle
 
 # About 300 cases: 30-60 s on a busy 2-core machine, hence `slow` (not for quick runs).
 pytestmark = pytest.mark.slow

@@ -18,11 +18,10 @@ import time
 import httpx
 import pytest
 from starlette.requests import Request
+from test_server import API_KEY, AUTH, assert_error, post, wait_until_idle
 
 from engine.core import EngineConfig, EngineCore
 from engine.entrypoints.llm import LLM, AsyncLLM
-from engine.worker.sampler import Sampler
-from engine.sampling_params import SamplingParams
 from engine.entrypoints.server.app import build_app, serve, start_server_in_thread
 from engine.entrypoints.server.protocol import (
     DEFAULT_MAX_BODY_BYTES,
@@ -30,7 +29,8 @@ from engine.entrypoints.server.protocol import (
     CompletionRequest,
 )
 from engine.entrypoints.server.serving import OpenAIServer
-from test_server import API_KEY, AUTH, assert_error, post, wait_until_idle
+from engine.sampling_params import SamplingParams
+from engine.worker.sampler import Sampler
 
 MAX_MODEL_LEN = 1024
 CHAT = [{"role": "user", "content": "What is a KV cache?"}]
