@@ -121,18 +121,18 @@ def test_mixed_flat_batch_equals_alone_and_transformers(tiny_model, tiny_hf_mode
 @pytest.fixture
 def float32_linear(monkeypatch):
     """Force the float32 linear library ("mkl" or "onednn") for one test, then forget it."""
-    import engine.kernels.float32_linear as llama
+    import engine.kernels.float32_linear as f32
 
     def force(backend: str | None):
-        monkeypatch.setattr(llama, "_float32_linear", None)
+        monkeypatch.setattr(f32, "_float32_linear", None)
         if backend is None:
-            monkeypatch.delenv(llama.FLOAT32_LINEAR_ENV, raising=False)
+            monkeypatch.delenv(f32.FLOAT32_LINEAR_ENV, raising=False)
         else:
-            monkeypatch.setenv(llama.FLOAT32_LINEAR_ENV, backend)
-        return llama.float32_linear_backend()
+            monkeypatch.setenv(f32.FLOAT32_LINEAR_ENV, backend)
+        return f32.float32_linear_backend()
 
     yield force
-    monkeypatch.setattr(llama, "_float32_linear", None)
+    monkeypatch.setattr(f32, "_float32_linear", None)
 
 
 def test_float32_linear_library_is_timed_once_or_set_by_the_environment(float32_linear):

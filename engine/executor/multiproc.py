@@ -125,7 +125,7 @@ def rank_layout(worker: Worker, full: LlamaConfig) -> dict:
     what other ranks hold too (embedding, lm_head and norms when tp > 1; K/V rows when
     tp > num_kv_heads)."""
     model, stage = worker.model, worker.parallel
-    cfg, tp = model.cfg, stage.tp
+    cfg, tp, first = model.cfg, stage.tp, model.layers[0]
     layers = stage_layers(full.num_layers, stage.pp)[stage.pp_rank]
     q, kv = head_ranges(full, tp, stage.tp_rank)
     inter = mlp_range(full, tp, stage.tp_rank)
@@ -154,14 +154,13 @@ def rank_layout(worker: Worker, full: LlamaConfig) -> dict:
         "kv_bytes_per_block": worker.bytes_per_block,
         "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
         "layer_classes": {
-            name: type(part).__qualname__
-            for name, part in vars(model.layers[0].attention).items()
-            if name in ("qkv", "o")
-        }
-        | {
-            name: type(part).__qualname__
-            for name, part in vars(model.layers[0].mlp).items()
-            if name in ("gate_up", "down")
+            name: type(part).__name__
+            for name, part in (
+                ("qkv", first.attention.qkv),
+                ("o", first.attention.o),
+                ("gate_up", first.mlp.gate_up),
+                ("down", first.mlp.down),
+            )
         },
     }
 

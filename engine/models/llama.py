@@ -59,9 +59,9 @@ class LlamaAttention:
         self.qkv = QKVParallelLinear(w[f"{i}.qkv"], w.get(f"{i}.qkv_bias"), kernels)
         self.o = RowParallelLinear(w[f"{i}.o"], None, kernels, model.all_reduce)
         self.rotary, self.kernels = model.rotary, model.kernels
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-        )  # fmt: skip
+        self.num_heads = cfg.num_heads  # this rank's heads under tensor parallel
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
 
     def __call__(self, x, cos, sin, kv_cache, attn_meta: AttentionMetadata) -> torch.Tensor:
@@ -89,6 +89,9 @@ class LlamaMLP:
 
 
 class LlamaDecoderLayer:
+    """One block: RMSNorm → attention → residual → RMSNorm → MLP → residual (the residual adds
+    are fused into the norms that follow them: LlamaModel.forward)."""
+
     def __init__(self, model: "LlamaModel", i: int):
         w, eps = model.w, model.cfg.rms_norm_eps
         kernels, dtype = model.kernels, model.dtype

@@ -411,7 +411,7 @@ class SimulatedExecutor(Executor):
         return workers, total
 
     def _compute_layout(self) -> list[dict]:
-        """Per rank, what MultiprocExecutor's ParallelWorker.layout() reports, from the shapes:
+        """Per rank, what MultiprocExecutor's rank_layout() reports, from the shapes:
         the same split (engine/models/llama.py's shard_weights) — q/k/v and gate/up cut
         by heads and columns, o and down by rows, layers by stage — and the same replication:
         with tp > 1 every rank of a stage holds its embedding / lm_head and norms whole, and

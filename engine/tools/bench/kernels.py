@@ -74,7 +74,7 @@ def measure_linear_kernels(model, repeats: int) -> dict:
     the output layer) through each path: GB/s of weights streamed at 1 row (a decode step at
     batch 1: the path's own weight bytes ÷ time) and GFLOP/s at 32 rows (a decode step at batch
     32: 2 × weights × 32 ÷ time). Paths: torch's float32 (MKL's F.linear and oneDNN, one of
-    which the engine's `linear` runs: engine/models/llama.py `float32_linear_backend`),
+    which the engine's `linear` runs: engine/kernels/float32_linear.py),
     bfloat16, and int8 / int4 (group 32) both through our C++ kernels ("ours") and through the
     readable torch reference (dequantize, then F.linear) that kernels="torch" runs. CPU only;
     the "ours" rows are left out when the extension does not build."""
