@@ -331,6 +331,40 @@ def test_a_dead_worker_makes_the_engine_raise_not_hang(make_engine):
         engine.step()
 
 
+class LateExit:
+    """A worker process as the driver sees it: gone after `after_s`, with `code`."""
+
+    def __init__(self, pid: int, code: int, after_s: float):
+        self.pid, self.code, self.gone_at = pid, code, time.monotonic() + after_s
+
+    def is_alive(self) -> bool:
+        return time.monotonic() < self.gone_at
+
+    def join(self, timeout: float) -> None:
+        time.sleep(max(min(self.gone_at - time.monotonic(), timeout), 0.0))
+
+    @property
+    def exitcode(self) -> int | None:
+        return None if self.is_alive() else self.code
+
+
+def test_a_failed_collective_is_blamed_on_the_killed_worker():
+    """Rank 1 is killed; its connection resets at once, but its exit code shows a moment later,
+    after rank 0 (whose all-reduce failed) has left with exit code 1. The driver waits for the
+    exit codes and names the killed rank first, not the broken connection nor rank 0."""
+    from engine.executor.multiproc import MultiprocExecutor, _Ranks
+
+    executor = object.__new__(MultiprocExecutor)
+    executor.ranks = _Ranks(processes=[LateExit(10, 1, 0.0), LateExit(11, -9, 0.3)])
+    executor._finalizer, executor._dead = None, None
+    with pytest.raises(ExecutorDiedError) as failure:
+        executor._fail("the control group failed during step 2: Connection reset by peer")
+    assert str(failure.value).startswith(
+        "worker rank 1 (pid 11) died (exit code -9); worker rank 0 (pid 10) died (exit code 1); "
+        "then the control group failed during step 2"
+    )
+
+
 @pytest.mark.slow  # spawns workers for seconds: the full suite runs it, the fast tier not
 def test_bench_section_runs_both_sizes_on_the_same_requests(tiny_model_dir):
     from engine.entrypoints.llm import LLM
