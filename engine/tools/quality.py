@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from engine.worker.quantization import DEFAULT_GROUP_SIZE
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TEXT = REPO_ROOT / "README.md"
 DEFAULT_PROMPTS = (
     "The capital of France is",
