@@ -15,9 +15,9 @@ measure is computed in ui/experiments/chNN*.py (no Streamlit there).
     ch09.py  preemption: a burst that does not fit, recompute vs swap, scheduling policies
     ch10.py  prefix caching on/off, the block-hash chain, LRU eviction, cache salts
     ch11.py  float32/bfloat16/int8/int4 side by side, the quality against float32, bench tables
-    ch12.py  the tensor-parallel lab's views: what each worker holds, compute vs all-reduce
-             time per step, the layouts' step times, the communication share as tp grows
+    ch12.py  tp 1 vs tp N (and pp 2): the sides, starting the workers, what each worker holds,
+             compute vs all-reduce per step, the step times, the communication share as tp grows
     ch13.py  speculative decoding on/off: drafts, acceptance, outputs, the speed section
-    ch14.py  the server lab: the learner's own server on 127.0.0.1, simulated users, the
-             load-latency curve, streamed vs whole answers, a stream the learner cuts
+    ch14.py  prefill fairness, then the server lab: the learner's own server on 127.0.0.1,
+             simulated users, the load curve, streamed vs whole answers, a stream the learner cuts
 """
