@@ -33,8 +33,8 @@ from engine.core import EngineCore
 from engine.trace import StepRecord
 from ui import figures
 from ui.errors import show_error
-from ui.registry import apply_step_threads, is_served
 from ui.experiments.common import Workload, WorkloadFeeder
+from ui.registry import apply_step_threads, is_served
 from ui.session import (
     conditions_of,
     engine_status,

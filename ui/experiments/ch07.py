@@ -16,7 +16,6 @@ from ui.experiments.common import (
     run_workload,
 )
 
-
 # Output lengths that differ a lot: each batch of 4 holds one long request and short ones, so a
 # static batch runs as long as its longest while continuous batching refills the short ones'
 # slots. The last two requests come late (one of them long).
