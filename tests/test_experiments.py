@@ -239,3 +239,27 @@ def test_chunked_prefill_comparison(cfg):
 def test_latest_bench_never_raises():
     result = ex.latest_bench()
     assert result is None or isinstance(result, dict)
+
+
+# -- the package's rule ---------------------------------------------------------------------------
+
+
+def test_experiments_load_no_streamlit():
+    """ui/experiments/ computes, ui/labs/ draws: every experiment module imports in a fresh
+    interpreter without loading Streamlit, so tests and scripts can run what a lab runs."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    modules = sorted(p.stem for p in (root / "ui" / "experiments").glob("*.py"))
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}:\n"
+        "    importlib.import_module('ui.experiments.' + m)\n"
+        "print('streamlit' in sys.modules)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"
