@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.models.config import LlamaConfig
+
+if TYPE_CHECKING:  # for the annotations only: the plan needs no tensors
+    import torch
 
 # Each worker is a whole Python process with its own copy of the replicated weights; on a CPU more
 # than this many is a mistake, not a plan. On CUDA the limit is the number of GPUs.
@@ -31,7 +35,9 @@ def valid_tensor_parallel_sizes(cfg: LlamaConfig) -> list[int]:
     ]
 
 
-def check_parallel_sizes(cfg: LlamaConfig, tp: int, pp: int, device=None) -> None:
+def check_parallel_sizes(
+    cfg: LlamaConfig, tp: int, pp: int, device: torch.device | None = None
+) -> None:
     """Refuse sizes that cannot work, before any process starts (ValueError, with what works)."""
     for name, value in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
