@@ -121,6 +121,8 @@ TITLE_PX = 34
 SUBTITLE_PX = 18
 LEGEND_ROW_PX = 20
 LEGEND_FONT = 11
+# The other frame: a horizontal legend under the plot (pass it as layout legend=...).
+LEGEND_BELOW = dict(orientation="h", yanchor="top", y=-0.22, xanchor="left", x=0)
 
 
 def _legend_item_px(label) -> float:

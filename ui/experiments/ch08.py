@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import pandas as pd
 import plotly.graph_objects as go
 
+from ui import figures
 from ui.experiments.common import (
     ConfigLike,
     RequestSpec,
@@ -221,7 +222,6 @@ def budget_sweep(
 
 _MARGIN = dict(l=10, r=10, t=40, b=10)
 # Legends sit in a row under the plot, clear of the data and of every axis's ticks.
-_LEGEND_BELOW = dict(orientation="h", yanchor="top", y=-0.22, xanchor="left", x=0.0)
 
 
 def step_time_figure(runs: dict[str, RunResult]) -> go.Figure:
@@ -246,7 +246,7 @@ def step_time_figure(runs: dict[str, RunResult]) -> go.Figure:
         title="스텝 시간 (ms) — 긴 프롬프트가 든 스텝이 튀는지",
         xaxis=dict(title="시작 시각 (ms, 엔진 시계)", rangemode="tozero"),
         yaxis=dict(title="ms", rangemode="tozero"),
-        legend=_LEGEND_BELOW,
+        legend=figures.LEGEND_BELOW,
         margin=dict(_MARGIN, b=70),
     )
     return fig
@@ -272,7 +272,7 @@ def itl_figure(runs: dict[str, RunResult], long_name: str = LONG_NAME) -> go.Fig
         title="짧은 요청들의 ITL (토큰 사이 간격)",
         xaxis=dict(title="시각 (ms, 엔진 시계)", rangemode="tozero"),
         yaxis=dict(title="ms", rangemode="tozero"),
-        legend=_LEGEND_BELOW,
+        legend=figures.LEGEND_BELOW,
         margin=dict(_MARGIN, b=70),
     )
     return fig
@@ -300,7 +300,7 @@ def budget_sweep_figure(table: pd.DataFrame) -> go.Figure:
         ),
         yaxis=dict(title="TTFT (ms)", rangemode="tozero"),
         yaxis2=dict(title="ITL (ms)", overlaying="y", side="right", rangemode="tozero"),
-        legend=dict(_LEGEND_BELOW, y=-0.3),
+        legend=dict(figures.LEGEND_BELOW, y=-0.3),
         margin=dict(_MARGIN, b=90),
     )
     return fig

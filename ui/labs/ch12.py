@@ -17,6 +17,7 @@ from engine.artifact import resolve_model_path
 from engine.layers.sharding import all_reduces_per_step, valid_tensor_parallel_sizes
 from engine.models.config import LlamaConfig
 from engine.tools.presets import load_hardware_preset, load_model_preset
+from ui import figures
 from ui.errors import show_error
 from ui.experiments.ch12 import (
     DEFAULT_OUT,
@@ -60,7 +61,6 @@ COLORS = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#B279A2", "#72B7B2", "#FF
 # Vendor-reported interconnect figures (NVIDIA H100 datasheet / PCI-SIG), for scale only.
 NVLINK = "H100 SXM의 NVLink(4세대): GPU 한 장당 900 GB/s (양방향 합)"
 PCIE = "PCIe 5.0 x16: 약 128 GB/s (양방향 합)"
-LEGEND_BELOW = dict(orientation="h", yanchor="top", y=-0.22, xanchor="left", x=0)
 
 
 def _shard_figure(model_config: LlamaConfig, layout: list[dict], tp: int) -> go.Figure:
@@ -196,7 +196,7 @@ def _communication_figure(first, tp: int, simulated: bool) -> go.Figure:
             tickformat="d",
             showgrid=False,
         ),
-        legend=LEGEND_BELOW,
+        legend=figures.LEGEND_BELOW,
         margin=dict(l=10, r=10, t=40, b=90),
     )
     return fig
@@ -302,7 +302,7 @@ def summary_view(ctx: LabContext, tp: int) -> None:
         title="스텝 시간 (ms): 워커를 늘리면 짧아지는가",
         xaxis_title="스텝",
         yaxis=dict(title="ms", rangemode="tozero"),
-        legend=LEGEND_BELOW,
+        legend=figures.LEGEND_BELOW,
         margin=dict(l=10, r=10, t=40, b=90),
     )
     st.plotly_chart(fig, key="ch12_step_times")
@@ -394,7 +394,7 @@ def scale_view(spec: dict) -> None:
         title="GPU 수(tp)별 한 스텝: 계산은 1/N로 줄고, all-reduce는 줄지 않는다",
         xaxis=dict(type="category"),
         yaxis=dict(title="ms", rangemode="tozero"),
-        legend=LEGEND_BELOW,
+        legend=figures.LEGEND_BELOW,
         margin=dict(l=10, r=10, t=40, b=90),
     )
     st.plotly_chart(fig, key="ch12_scale")

@@ -11,6 +11,7 @@ import streamlit as st
 from plotly.subplots import make_subplots
 
 from engine.scheduler import TokenBudget
+from ui import figures
 from ui.experiments.ch14 import (
     CHOICES,
     FAIR_BUDGET,
@@ -257,7 +258,7 @@ def _live_figure(samples, key: str, title: str, marker_s: float | None = None) -
     fig.update_layout(
         height=380,
         title=title,
-        legend=dict(orientation="h", yanchor="top", y=-0.22, xanchor="left", x=0),
+        legend=figures.LEGEND_BELOW,
         margin=dict(l=10, r=10, t=40, b=90),
     )
     fig.update_xaxes(title_text="시각 (s)")
