@@ -156,6 +156,9 @@ def _bytes_by_dtype(info) -> None:
     )
 
 
+# -- one real HTTP request -------------------------------------------------------------------------
+
+
 def _server():
     """This session's in-process API server with its own engine (started on first use)."""
     state = st.session_state.get("_ch01_server")

@@ -49,6 +49,9 @@ SWAP_CHOICES = ["스왑 복사가 더 오래 걸린다", "비슷하다", "재계
 POLICY_CHOICES = ["줄어든다", "비슷하다", "늘어난다"]
 
 
+# -- the live part: queue order and preemptions, every step ----------------------------------------
+
+
 def _live_view(ctx: LabContext) -> None:
     st.markdown("**대기열과 선점 기록** (지금 스텝 기준)")
     cols = st.columns(len(ctx.sides))
@@ -69,6 +72,9 @@ def _live_view(ctx: LabContext) -> None:
                 show_frame(events, width="stretch")
             else:
                 st.caption("아직 선점이 없었습니다.")
+
+
+# -- ① who is preempted ----------------------------------------------------------------------------
 
 
 def burst_view(ctx: LabContext) -> None:
@@ -118,6 +124,9 @@ def burst_view(ctx: LabContext) -> None:
             "모자랄수록 같은 일을 하려고 다시 계산하는 토큰이 늘어나는지 보세요 (스래싱)."
         )
     show_frame(result.costs)
+
+
+# -- ② recompute vs swap ---------------------------------------------------------------------------
 
 
 def swap_view(ctx: LabContext) -> None:
@@ -183,6 +192,9 @@ def swap_view(ctx: LabContext) -> None:
         )
 
 
+# -- ③ policies ------------------------------------------------------------------------------------
+
+
 def policy_view(ctx: LabContext) -> None:
     _live_view(ctx)
     result = run_results(ctx, RESULT[EXP_POLICY], wrap_policies)
@@ -224,6 +236,9 @@ def policy_view(ctx: LabContext) -> None:
         "대기 시간 = (첫 배정 − 도착) + Σ (선점 뒤 다시 배정 − 선점)",
         formula="요청 여정의 엔진 시계 시각",
     )
+
+
+# -- the experiments' setups -----------------------------------------------------------------------
 
 
 def policy_setup(base, blocks: int, sim: dict, c2, c3):

@@ -73,6 +73,9 @@ FIELDS = (
 )
 
 
+# -- part 1: prefill fairness on the lab component -------------------------------------------------
+
+
 def _sides(thresholds: list[int], budget: int, seqs: int) -> list[Side]:
     base = fairness_base(current_settings().to_config())
     sides = []
@@ -171,6 +174,8 @@ def fairness_lab() -> None:
     )
     show_code(TokenBudget.fit, "방금 실행된 코드 (요청 하나가 이번 스텝에 받을 토큰 수)")
 
+
+# -- part 2: the live server -----------------------------------------------------------------------
 
 SERVER = "_ch14_server"  # st.session_state: the LiveServer
 SERVER_ENGINE = "ch14_server"  # ui.session engine key of the server's engine
