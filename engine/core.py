@@ -32,7 +32,7 @@ from engine.tokenizer import Tokenizer
 from engine.trace import ScheduledRecord, StepRecord
 from engine.worker.model_runner import ModelRunnerOutput
 from engine.worker.quantization import check_quantization
-from engine.worker.sampler import SampleResult
+from engine.sample.sampler import SampleResult
 from engine.worker.worker import Worker, resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ JOURNEY = [
         "배치를 텐서로 펼쳐 forward (KV 읽기/쓰기)",
         "engine/worker/model_runner.py, engine/models/llama.py",
     ),
-    ("8", "샘플러", "다음 토큰 하나 고르기", "engine/worker/sampler.py"),
+    ("8", "샘플러", "다음 토큰 하나 고르기", "engine/sample/sampler.py"),
     ("9", "출력 처리", "detokenize, 종료 조건", "engine/output.py"),
     ("10", "기록", "여정 이벤트, 스텝 기록 → 이 앱의 그림", "engine/trace.py"),
 ]

@@ -205,7 +205,9 @@ def wait_run_over(page, timeout_ms: int) -> None:
         wait_idle(page, timeout_ms, settle_ms=300)
         if page.get_by_role("button", name="정지", exact=True).count() == 0:
             return
-        assert time.monotonic() < deadline, "the lab's run did not end"
+        if time.monotonic() > deadline:
+            main = page.locator("[data-testid='stMain']").inner_text()
+            pytest.fail(f"the lab's run did not end: {' '.join(main.split())[-1500:]}")
         page.wait_for_timeout(500)
 
 

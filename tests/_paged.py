@@ -10,7 +10,7 @@ import random
 
 import torch
 
-from engine.worker.attention import build_attention_metadata
+from engine.layers.attention import build_attention_metadata
 
 
 class PagedRunner:

@@ -589,7 +589,7 @@ def test_logprobs_are_returned(engine):
 def test_a_request_whose_sampling_fails_fails_alone(make_engine, monkeypatch):
     """The sampler raises whenever request "bad" is in its batch: the batch is retried row by row,
     only "bad" ends with finish_reason "error", the others finish as if nothing happened."""
-    from engine.worker.sampler import Sampler
+    from engine.sample.sampler import Sampler
 
     prompts = {"ok1": ids(9, 11), "bad": ids(12, 12), "ok2": ids(20, 13)}
     clean = generate(make_engine(), prompts, SamplingParams(max_tokens=6, **GREEDY))[1]

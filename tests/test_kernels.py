@@ -43,7 +43,7 @@ from engine.kernels.quant import (
     round_activations_q8,
     unpack_int4,
 )
-from engine.worker.attention import build_attention_metadata, paged_attention
+from engine.layers.attention import build_attention_metadata, paged_attention
 
 HYPOTHESIS = settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]

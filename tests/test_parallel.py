@@ -222,7 +222,7 @@ def test_the_workers_model_is_the_one_llama_model(tiny_model_dir, tp, pp):
         RowParallelLinear,
     )
     from engine.layers.sharding import ParallelContext
-    from engine.worker.attention import build_attention_metadata
+    from engine.layers.attention import build_attention_metadata
 
     prompt = torch.arange(3, 23)
     steps = [

@@ -30,7 +30,7 @@ from engine.entrypoints.server.protocol import (
 )
 from engine.entrypoints.server.serving import OpenAIServer
 from engine.sampling_params import SamplingParams
-from engine.worker.sampler import Sampler
+from engine.sample.sampler import Sampler
 
 MAX_MODEL_LEN = 1024
 CHAT = [{"role": "user", "content": "What is a KV cache?"}]

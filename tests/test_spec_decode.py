@@ -22,9 +22,10 @@ from test_scheduler import EOS, VOCAB, check_kv, make_req, make_sched
 
 from engine import SamplingParams
 from engine.core import EngineCore
-from engine.spec_decode import NgramProposer, RejectionSampler, SpeculativeConfig
-from engine.spec_decode.rejection_sampler import verify_greedy
-from engine.worker.sampler import Sampler
+from engine.sample.rejection_sampler import RejectionSampler
+from engine.spec_decode import NgramProposer, SpeculativeConfig
+from engine.sample.rejection_sampler import verify_greedy
+from engine.sample.sampler import Sampler
 from ui.trace_frames import spec_decode_dataframe
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -482,7 +483,7 @@ def test_sampling_with_speculation_keeps_the_target_distribution(make_engine, ti
     exact = SamplingParams(**params)
 
     def next_token_probs(tokens: list[int]) -> torch.Tensor:
-        from engine.worker.attention import build_attention_metadata
+        from engine.layers.attention import build_attention_metadata
 
         meta = build_attention_metadata([len(tokens)], [0], [[599]], 16, runner.device)
         logits = runner.model.forward(

@@ -7,7 +7,7 @@ Two things make it an *inference* model rather than a training one:
 - the input is a flat batch of all scheduled tokens of all requests, so every linear layer runs
   once per step over all of them (the batching that makes serving efficient);
 - K and V go to a paged cache and attention reads them back through block tables
-  (engine/worker/attention.py), so each step only computes the new tokens.
+  (engine/layers/attention.py), so each step only computes the new tokens.
 The model decides nothing: which tokens to run, and where their K/V go, come from outside.
 
 The same class runs in every tensor- and pipeline-parallel worker process: its linear layers
@@ -45,7 +45,7 @@ from engine.layers.ops import (
 )
 from engine.layers.sharding import ParallelContext, head_ranges, mlp_range, stage_layers
 from engine.models.config import LlamaConfig
-from engine.worker.attention import AttentionMetadata, paged_attention
+from engine.layers.attention import AttentionMetadata, paged_attention
 
 logger = logging.getLogger(__name__)
 

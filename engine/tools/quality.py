@@ -105,7 +105,7 @@ def text_token_ids(tokenizer, text: str | None = None, max_tokens: int = 256) ->
 def teacher_forced_logits(model, token_ids: list[int]) -> torch.Tensor:
     """Logits [n, vocab] (float32) at every position of `token_ids`, one prefill on a fresh
     paged cache: position i holds the model's distribution for token i + 1."""
-    from engine.worker.attention import build_attention_metadata
+    from engine.layers.attention import build_attention_metadata
 
     n = len(token_ids)
     blocks = -(-n // BLOCK_SIZE)

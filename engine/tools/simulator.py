@@ -71,7 +71,7 @@ from engine.tools.workload import SimRequest, percentiles, poisson_workload, run
 from engine.trace import StepRecord
 from engine.utils import cdiv
 from engine.worker.model_runner import ModelRunnerOutput
-from engine.worker.sampler import SampleResult
+from engine.sample.sampler import SampleResult
 
 RUNTIME_RESERVE_BYTES = 1 * GB  # assumed: CUDA context, kernels' workspace, allocator slack
 

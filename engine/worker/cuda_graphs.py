@@ -31,7 +31,7 @@ import torch
 
 from engine.scheduler_output import Phase, SchedulerOutput
 from engine.utils import cdiv
-from engine.worker.attention import AttentionMetadata, DecodeGroup
+from engine.layers.attention import AttentionMetadata, DecodeGroup
 
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32)
 

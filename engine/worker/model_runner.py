@@ -21,9 +21,9 @@ import torch
 
 from engine.models.llama import LlamaModel
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from engine.spec_decode.rejection_sampler import RejectionSampler
-from engine.worker.attention import AttentionMetadata, build_attention_metadata
-from engine.worker.sampler import Sampler, SampleResult
+from engine.sample.rejection_sampler import RejectionSampler
+from engine.layers.attention import AttentionMetadata, build_attention_metadata
+from engine.sample.sampler import Sampler, SampleResult
 
 logger = logging.getLogger(__name__)
 

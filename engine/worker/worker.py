@@ -23,7 +23,7 @@ from engine.layers.sharding import ParallelContext
 from engine.models.llama import LlamaModel
 from engine.scheduler_output import SchedulerOutput
 from engine.utils import cdiv
-from engine.worker.attention import build_attention_metadata
+from engine.layers.attention import build_attention_metadata
 from engine.worker.model_runner import ModelRunner, ModelRunnerOutput
 from engine.worker.quantization import (
     DEFAULT_GROUP_SIZE,

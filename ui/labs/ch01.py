@@ -38,7 +38,7 @@ STAGE_MODULE = {
     ),
     "token": (
         "토큰 (decode forward + 샘플링)",
-        "engine/worker/model_runner.py, engine/worker/sampler.py",
+        "engine/worker/model_runner.py, engine/sample/sampler.py",
     ),
     "streamed": ("detokenize → 스트림 조각", "engine/output.py, engine/tokenizer.py"),
     "preempted": ("선점", "engine/scheduler.py"),

@@ -26,7 +26,7 @@ from ui.hardware_data import GB, GPU_KEYS, GPUS, MODEL_KEYS, MODELS, memory_budg
 from ui.lab import Progress
 from ui.predict import compare, predict
 from ui.session import current_settings
-from ui.widgets import evidence, show_code
+from ui.widgets import evidence, show_code, show_frame
 
 MEASURED = "ch05_measured"  # dtype → DtypeMeasurement
 SPEED_CHOICES = ["bf16이 더 빠르다", "비슷하다", "bf16이 더 느리다"]
@@ -368,7 +368,7 @@ def measurement() -> None:
     if not results:
         st.info("**실행**을 누르면 이 기계에서 실제로 측정합니다 (dtype당 수 초).")
         return
-    st.dataframe(_measure_table(results), hide_index=True)
+    show_frame(_measure_table(results))  # "이미 로드됨" beside numbers: Arrow-safe as text
     st.plotly_chart(_measure_figure(results), key="ch05_measure_fig")
     for dt, r in results.items():
         evidence(

@@ -37,7 +37,7 @@ from engine.entrypoints.server.protocol import (
 from engine.metrics import ServerMetrics
 from engine.output import RequestOutput
 from engine.sampling_params import InvalidRequestError, SamplingParams
-from engine.worker.sampler import finite_logprob
+from engine.sample.sampler import finite_logprob
 
 logger = logging.getLogger(__name__)
 

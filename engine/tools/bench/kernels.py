@@ -121,7 +121,7 @@ def measure_attention_kernel(
     """One decode step's attention alone (all layers) at `batch` requests of random context
     lengths, blocks shuffled: the torch path (gather + SDPA) against our kernel (in place)."""
     from engine import kernels
-    from engine.worker.attention import build_attention_metadata, paged_attention
+    from engine.layers.attention import build_attention_metadata, paged_attention
 
     cfg, block_size = model.cfg, 16
     rng = random.Random(seed)

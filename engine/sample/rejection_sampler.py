@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from engine.sampling_params import SamplingParams
-from engine.worker.sampler import Sampler
+from engine.sample.sampler import Sampler
 
 
 class RejectionSampler:
