@@ -18,8 +18,8 @@ if str(ROOT) not in sys.path:
 
 import streamlit as st  # noqa: E402
 
-from ui.lesson import CHAPTERS, PAGES, SECTIONS, coming_soon  # noqa: E402
 from ui.lab import ACTIVE_KEY, sidebar_status, sidebar_status_slot  # noqa: E402
+from ui.lesson import CHAPTERS, PAGES, SECTIONS, coming_soon  # noqa: E402
 from ui.session import engine_settings_sidebar, restore_session  # noqa: E402
 
 # The favicon is a file of this repository, served by this server: a ":material/…" icon would be

@@ -24,6 +24,7 @@ from engine.kv_cache import KVCacheManager
 from engine.models.config import LlamaConfig
 from engine.output import OutputProcessor, RequestOutput
 from engine.request import Request, RequestStatus
+from engine.sample.sampler import SampleResult
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.scheduler_output import Phase, ScheduledRequest, SchedulerOutput
@@ -32,7 +33,6 @@ from engine.tokenizer import Tokenizer
 from engine.trace import ScheduledRecord, StepRecord
 from engine.worker.model_runner import ModelRunnerOutput
 from engine.worker.quantization import check_quantization
-from engine.sample.sampler import SampleResult
 from engine.worker.worker import Worker, resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)

@@ -4,8 +4,8 @@ token, and the speed of the same requests at batch 1 and at a full batch."""
 
 import streamlit as st
 
-from engine.spec_decode import NgramProposer
 from engine.sample.rejection_sampler import verify_greedy
+from engine.spec_decode import NgramProposer
 from ui.experiments.ch13 import (
     DEFAULT_MAX_TOKENS,
     PROMPTS,

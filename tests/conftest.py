@@ -14,6 +14,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from _browser import SHARED as SHARED_SERVER  # noqa: E402
 from _tiny import TINY_VOCAB_SIZE, write_tiny_model, write_tiny_tokenizer  # noqa: E402
+
 from engine.artifact import ArtifactError, default_artifact_path, validate_model_dir  # noqa: E402
 
 # The tiny model: small enough that transformers and the engine both run it in milliseconds,

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 import pytest
+from _apptest import app_fixture, assert_charts
 
 from engine.request import RequestStatus
-from _apptest import app_fixture, assert_charts
 from ui.experiments import ch09
 from ui.experiments.common import WorkloadFeeder, run_workload
 

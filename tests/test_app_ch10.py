@@ -6,8 +6,8 @@ a prefix tail first, the output is still computed."""
 from __future__ import annotations
 
 import pytest
-
 from _apptest import app_fixture, assert_charts
+
 from ui.experiments import ch10
 from ui.experiments.common import make_config, run_workload
 

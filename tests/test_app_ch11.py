@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from _apptest import app_fixture, chart
+
 from ui.session import SETTINGS_KEY
 
 PAGE = "pages/ch11_quantization.py"

@@ -12,6 +12,7 @@ import pytest
 
 pytest.importorskip("streamlit")
 from _apptest import app_fixture, chart  # noqa: E402
+
 from ui.experiments import ch13  # noqa: E402
 from ui.session import SETTINGS_KEY, EngineSettings, validate_settings  # noqa: E402
 

@@ -10,8 +10,8 @@ import threading
 import time
 
 import pytest
-
 from _apptest import app_fixture, assert_charts
+
 from ui.experiments import ch14, ch14_client, ch14_load, ch14_server, ch14_stream
 
 PAGE = "pages/ch14_api_server.py"

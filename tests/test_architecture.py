@@ -51,9 +51,7 @@ def test_every_import_goes_down_a_layer_and_the_tools_stay_apart(edges):
 
 
 def test_the_ground_and_the_engine_core_load_no_heavy_library():
-    ground = [
-        m for m in import_graph.engine_modules() if import_graph.layer_of(m) == "ground"
-    ]
+    ground = [m for m in import_graph.engine_modules() if import_graph.layer_of(m) == "ground"]
     probe = (
         "import importlib, sys\n"
         f"for m in {ground!r}: importlib.import_module(m)\n"

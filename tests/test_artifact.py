@@ -389,8 +389,8 @@ def leftovers(dest: Path) -> list[Path]:
 
 def test_build_writes_a_valid_artifact_atomically(fake_conversion, tmp_path, tiny_model_dir):
     import torch
-
     from _paged import PagedRunner
+
     from engine.models.llama import LlamaModel
 
     dest = tmp_path / "cache" / "Tiny"

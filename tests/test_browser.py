@@ -11,10 +11,9 @@ import os
 import shutil
 
 import pytest
-
-from _browser import ROOT, SHOTS, browser_page as open_browser_page
+from _browser import ROOT, SHOTS, plot_types
+from _browser import browser_page as open_browser_page
 from _browser import open_tab as _open_tab
-from _browser import plot_types
 from _browser import wait_idle as _wait_idle
 
 pytestmark = pytest.mark.browser

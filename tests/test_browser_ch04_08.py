@@ -6,7 +6,6 @@ tests/screenshots/. Skips only where no Chromium (or Playwright) can be found.""
 from __future__ import annotations
 
 import pytest
-
 from _browser import SHOTS, LabDriver, chapter_fixtures
 
 pytestmark = pytest.mark.browser

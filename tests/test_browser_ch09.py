@@ -7,7 +7,6 @@ lab is saved as tests/screenshots/ch09_lab.png. Skips only where no Chromium can
 from __future__ import annotations
 
 import pytest
-
 from _browser import SHOTS, LabDriver, chapter_fixtures
 
 pytestmark = pytest.mark.browser

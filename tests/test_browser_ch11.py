@@ -6,7 +6,6 @@ where no Chromium (or Playwright) can be found."""
 from __future__ import annotations
 
 import pytest
-
 from _browser import SHOTS, chapter_fixtures
 from _browser import wait_idle as _wait_idle
 

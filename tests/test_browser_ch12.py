@@ -10,7 +10,6 @@ Chromium (or Playwright) can be found."""
 from __future__ import annotations
 
 import pytest
-
 from _browser import SHOTS, LabDriver, chapter_fixtures
 
 pytestmark = pytest.mark.browser

@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from _browser import SHOTS, LabDriver, chapter_fixtures
 
 pytestmark = pytest.mark.browser

@@ -8,7 +8,6 @@ tests/screenshots/ch14_lab.png. Skips only where no Chromium (or Playwright) can
 from __future__ import annotations
 
 import pytest
-
 from _browser import SHOTS, LabDriver, chapter_fixtures
 
 pytestmark = pytest.mark.browser

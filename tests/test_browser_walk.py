@@ -16,7 +16,6 @@ import re
 import shutil
 
 import pytest
-
 from _browser import ROOT, SHOTS, chapter_fixtures, wait_run_over
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from load_classroom import Server, classroom, find_chromium, report
 
 pytestmark = pytest.mark.browser

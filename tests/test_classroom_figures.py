@@ -17,9 +17,9 @@ from pathlib import Path
 import plotly.graph_objects as go
 import plotly.io as pio
 import pytest
+from _apptest import charts, open_tab
 
 from engine.sampling_params import SamplingParams
-from _apptest import charts, open_tab
 from ui import figures
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -382,9 +382,8 @@ def test_a_negative_prediction_is_set_to_zero_in_the_box(app):
 def test_a_comparison_draws_both_journeys_on_one_x_range(tiny_model_dir):
     """Two engines of one lab, one slower to finish (one running slot): after the workload ran,
     both journey charts carry the same engine-clock x range, the slower side's end."""
-    from streamlit.testing.v1 import AppTest
-
     from _apptest import charts
+    from streamlit.testing.v1 import AppTest
 
     script = f"""
 import sys

@@ -15,7 +15,6 @@ import re
 from urllib.parse import urlparse
 
 import pytest
-
 from _browser import CHROMIUM_ARGS, IDLE, SHOTS, find_chromium
 from _browser import wait_idle as _wait_idle
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _paged import PagedRunner, blocks_needed, greedy_alone, greedy_batched, rel_err
+
 from engine.models.llama import LlamaModel
 
 pytestmark = pytest.mark.slow

@@ -216,13 +216,13 @@ def test_the_workers_model_is_the_one_llama_model(tiny_model_dir, tp, pp):
     """Ranks built as a worker process builds its model (LlamaModel.from_pretrained with its
     ParallelContext), run in this process (threads for the all-reduce): the same class, the
     parallel linear layers, and tensor parallel 1's logits through the same forward."""
+    from engine.layers.attention import build_attention_metadata
     from engine.layers.linear import (
         MergedColumnParallelLinear,
         QKVParallelLinear,
         RowParallelLinear,
     )
     from engine.layers.sharding import ParallelContext
-    from engine.layers.attention import build_attention_metadata
 
     prompt = torch.arange(3, 23)
     steps = [

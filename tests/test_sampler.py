@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from engine.sampling_params import MIN_TEMPERATURE, InvalidRequestError, SamplingParams
 from engine.sample.sampler import Sampler, is_distribution
+from engine.sampling_params import MIN_TEMPERATURE, InvalidRequestError, SamplingParams
 
 PROBS = [0.5, 0.3, 0.15, 0.05]  # a hand-made distribution, as logits below
 LOGITS = torch.tensor([math.log(p) for p in PROBS])

@@ -29,8 +29,8 @@ from engine.entrypoints.server.protocol import (
     CompletionRequest,
 )
 from engine.entrypoints.server.serving import OpenAIServer
-from engine.sampling_params import SamplingParams
 from engine.sample.sampler import Sampler
+from engine.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 1024
 CHAT = [{"role": "user", "content": "What is a KV cache?"}]

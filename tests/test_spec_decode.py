@@ -22,10 +22,9 @@ from test_scheduler import EOS, VOCAB, check_kv, make_req, make_sched
 
 from engine import SamplingParams
 from engine.core import EngineCore
-from engine.sample.rejection_sampler import RejectionSampler
-from engine.spec_decode import NgramProposer, SpeculativeConfig
-from engine.sample.rejection_sampler import verify_greedy
+from engine.sample.rejection_sampler import RejectionSampler, verify_greedy
 from engine.sample.sampler import Sampler
+from engine.spec_decode import NgramProposer, SpeculativeConfig
 from ui.trace_frames import spec_decode_dataframe
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

@@ -30,6 +30,7 @@ from safetensors import safe_open
 from engine import kernels as kernel_lib
 from engine.kernels.float32_linear import float32_linear_backend
 from engine.kernels.quant import Int4Weight, Int8Weight
+from engine.layers.attention import AttentionMetadata, paged_attention
 from engine.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -45,7 +46,6 @@ from engine.layers.ops import (
 )
 from engine.layers.sharding import ParallelContext, head_ranges, mlp_range, stage_layers
 from engine.models.config import LlamaConfig
-from engine.layers.attention import AttentionMetadata, paged_attention
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampling_params import SamplingParams
 from engine.sample.sampler import Sampler
+from engine.sampling_params import SamplingParams
 
 
 class RejectionSampler:

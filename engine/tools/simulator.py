@@ -54,6 +54,7 @@ from engine.layers.sharding import (
     valid_tensor_parallel_sizes,
 )
 from engine.request import Request, RequestMetrics
+from engine.sample.sampler import SampleResult
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SchedulerOutput
 from engine.tools.cost_model import CostModel, Efficiency, StepCost, step_parts
@@ -71,7 +72,6 @@ from engine.tools.workload import SimRequest, percentiles, poisson_workload, run
 from engine.trace import StepRecord
 from engine.utils import cdiv
 from engine.worker.model_runner import ModelRunnerOutput
-from engine.sample.sampler import SampleResult
 
 RUNTIME_RESERVE_BYTES = 1 * GB  # assumed: CUDA context, kernels' workspace, allocator slack
 

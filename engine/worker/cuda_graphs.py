@@ -29,9 +29,9 @@ from typing import Callable
 
 import torch
 
+from engine.layers.attention import AttentionMetadata, DecodeGroup
 from engine.scheduler_output import Phase, SchedulerOutput
 from engine.utils import cdiv
-from engine.layers.attention import AttentionMetadata, DecodeGroup
 
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32)
 

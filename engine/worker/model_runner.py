@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.models.llama import LlamaModel
-from engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from engine.sample.rejection_sampler import RejectionSampler
 from engine.layers.attention import AttentionMetadata, build_attention_metadata
+from engine.models.llama import LlamaModel
+from engine.sample.rejection_sampler import RejectionSampler
 from engine.sample.sampler import Sampler, SampleResult
+from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

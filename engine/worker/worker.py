@@ -19,11 +19,11 @@ from engine.config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
 )
+from engine.layers.attention import build_attention_metadata
 from engine.layers.sharding import ParallelContext
 from engine.models.llama import LlamaModel
 from engine.scheduler_output import SchedulerOutput
 from engine.utils import cdiv
-from engine.layers.attention import build_attention_metadata
 from engine.worker.model_runner import ModelRunner, ModelRunnerOutput
 from engine.worker.quantization import (
     DEFAULT_GROUP_SIZE,

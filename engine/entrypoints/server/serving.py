@@ -36,8 +36,8 @@ from engine.entrypoints.server.protocol import (
 )
 from engine.metrics import ServerMetrics
 from engine.output import RequestOutput
-from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.sample.sampler import finite_logprob
+from engine.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from engine.tools.bench.timing import best_time
 
 def linear_paths(mats: list, ext) -> dict:
     """name: (one call per matrix, activation dtype, weight bytes) for every path measured."""
-    from engine.kernels.quant import quantize_int4, quantize_int8, quantized_linear
     from engine.kernels.float32_linear import ONEDNN_LINEAR, onednn_linear
+    from engine.kernels.quant import quantize_int4, quantize_int8, quantized_linear
 
     params = sum(m.numel() for m in mats)
     bf16 = [m.to(torch.bfloat16) for m in mats]
