@@ -398,7 +398,7 @@ def _load_evidence(live, res, p: dict) -> None:
         "계산값",
         "TTFT = 첫 조각을 받은 시각 − 보낸 시각; ITL = 연속한 두 조각 사이; E2E = [DONE]까지. "
         "조각 하나에 토큰 하나가 보통이지만, 글자가 덜 된 토큰은 다음 조각과 합쳐 옵니다.",
-        formula="numpy.percentile (선형 보간)",
+        formula="engine/tools/workload.py의 percentile (numpy.percentile과 같은 선형 보간)",
     )
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench-results"
+RESULTS_DIR = Path(__file__).resolve().parents[3] / "bench-results"  # the repository root
 
 
 LATEST_RESULTS = RESULTS_DIR / "latest.json"
