@@ -150,7 +150,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve until Ctrl-C; exit status 1 if the engine loop dies (so a supervisor restarts us)."""
     from engine.core import EngineConfig, EngineCore
-    from engine.entrypoints.server.app import serve
+    from engine.entrypoints.server.app import ConnectionLimits, serve
     from engine.entrypoints.server.protocol import DEFAULT_MAX_BODY_BYTES
 
     config = EngineConfig(
@@ -192,6 +192,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name,
             public_docs_and_metrics=args.public_docs_and_metrics,
             max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+            limits=ConnectionLimits.from_env(
+                header_timeout=args.header_timeout,
+                body_timeout=args.body_timeout,
+                max_connections=args.max_connections,
+            ),
         )
     finally:
         engine.shutdown()  # worker processes (and, under torchrun, the other ranks) stop
@@ -409,6 +414,27 @@ def add_serve_parser(sub) -> None:
         type=int,
         default=None,
         help="larger request bodies get a 413 (default 2 MiB)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=None,
+        help="seconds a connection has to send its request head (default 10, or the "
+        "environment variable LLM_LAB_HEADER_TIMEOUT_S)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=None,
+        help="seconds a request has to send its body after its head (default 30, or "
+        "LLM_LAB_BODY_TIMEOUT_S)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="open connections beyond this get a 503 (default: half the file-descriptor "
+        "limit, at most 1000, or LLM_LAB_MAX_CONNECTIONS)",
     )
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default=None)

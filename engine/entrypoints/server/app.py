@@ -42,12 +42,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
+import os
+import resource
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import h11
 import uvicorn
@@ -77,65 +80,179 @@ logger = logging.getLogger(__name__)
 API_KEY_ENV = "LLM_LAB_API_KEY"  # `python -m engine serve` reads it when --api-key is not given
 # uvicorn's limits, stated: a header block that grows past 16 KiB unfinished gets a 400; idle
 # keep-alive connections close after 5 s; shutdown waits 3 s for open streams. uvicorn has no
-# header-read timeout of its own, so the protocol below adds one (HEADER_READ_TIMEOUT_S).
+# header-read or body-read timeout and no connection cap that answers before the app, so the
+# protocol below adds them (ConnectionLimits).
 UVICORN_LIMITS = dict(
     h11_max_incomplete_event_size=16 * 1024,
     timeout_keep_alive=5,
     timeout_graceful_shutdown=3,
 )
 HEADER_READ_TIMEOUT_S = 10.0
+BODY_READ_TIMEOUT_S = 30.0
+HEADER_TIMEOUT_ENV = "LLM_LAB_HEADER_TIMEOUT_S"
+BODY_TIMEOUT_ENV = "LLM_LAB_BODY_TIMEOUT_S"
+MAX_CONNECTIONS_ENV = "LLM_LAB_MAX_CONNECTIONS"
+ACCEPT_ERROR_LOG_INTERVAL_S = 10.0
+
+
+def default_max_connections() -> int:
+    """Half the process's file-descriptor limit, at most 1000: the cap is reached (and answered
+    with 503) well before accept() fails with "Too many open files"."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1000
+    return max(8, min(1000, soft // 2))
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """What one client connection may hold (nginx's client_header_timeout, client_body_timeout
+    and a worker_connections-like cap).
+
+    - header_timeout: the request head must be complete this many seconds after the connection
+      opened (or after the previous response on a kept-alive connection);
+    - body_timeout: the request body must be complete this many seconds after its head;
+    - max_connections: one connection more gets a 503 (OpenAI's error shape) and is closed.
+
+    Both deadlines run from their start, not from the last byte, so trickling does not extend
+    them (slowloris, slow POST)."""
+
+    header_timeout: float = HEADER_READ_TIMEOUT_S
+    body_timeout: float = BODY_READ_TIMEOUT_S
+    max_connections: int = 1000
+
+    @classmethod
+    def from_env(cls, **overrides) -> "ConnectionLimits":
+        """Defaults from LLM_LAB_HEADER_TIMEOUT_S, LLM_LAB_BODY_TIMEOUT_S and
+        LLM_LAB_MAX_CONNECTIONS where set; arguments that are not None win."""
+        env = os.environ
+        limits = cls(
+            float(env.get(HEADER_TIMEOUT_ENV, HEADER_READ_TIMEOUT_S)),
+            float(env.get(BODY_TIMEOUT_ENV, BODY_READ_TIMEOUT_S)),
+            int(env.get(MAX_CONNECTIONS_ENV, 0)) or default_max_connections(),
+        )
+        return replace(limits, **{k: v for k, v in overrides.items() if v is not None})
 
 
 class HeaderTimeoutH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol plus a header-read deadline (nginx's client_header_timeout).
+    """uvicorn's h11 protocol plus ConnectionLimits: a header-read deadline, a body-read
+    deadline and a connection cap.
 
-    A client must finish a request's header block within `header_timeout` seconds of connecting
-    (or of the previous response on a kept-alive connection); otherwise the connection is closed.
-    Without it a client that trickles one header byte every few seconds (slowloris) holds a
-    connection forever, and enough of them exhaust the server's sockets. The deadline runs from
-    the start, not from the last byte, so trickling does not extend it."""
+    Without the deadlines a client that trickles one header or body byte every few seconds
+    holds a connection forever, and enough of them exhaust the server's sockets. A connection
+    over the cap is not left waiting: its request gets a 503 at once and the connection closes."""
 
-    header_timeout: float = HEADER_READ_TIMEOUT_S
+    limits: ConnectionLimits = ConnectionLimits()
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._arm_header_deadline()
+        self._deadline = None
+        if len(self.connections) > self.limits.max_connections:
+            self.app = _over_capacity
+            _throttled_warning(
+                "over_capacity",
+                "%d connections open (the cap is %d): answering 503",
+                len(self.connections),
+                self.limits.max_connections,
+            )
+        self._arm_deadline(self.limits.header_timeout, self._header_timed_out)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:  # the request head has arrived
-            self._cancel_header_deadline()
+        if self.transport.is_closing():
+            return
+        state = self.conn.their_state
+        if state is h11.SEND_BODY:  # the head has arrived, the body has not (all) yet
+            if getattr(self, "_deadline_kind", None) != "body":
+                self._arm_deadline(self.limits.body_timeout, self._body_timed_out)
+        elif state is not h11.IDLE:  # the whole request has arrived
+            self._cancel_deadline()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing():
-            self._arm_header_deadline()  # the next request on this connection gets a deadline too
+        if not self.transport.is_closing():  # the next request on this connection gets one too
+            self._arm_deadline(self.limits.header_timeout, self._header_timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_header_deadline()
+        self._cancel_deadline()
         super().connection_lost(exc)
 
-    def _arm_header_deadline(self) -> None:
-        self._cancel_header_deadline()
-        self._header_deadline = self.loop.call_later(self.header_timeout, self._header_timed_out)
+    def _arm_deadline(self, seconds: float, on_timeout) -> None:
+        self._cancel_deadline()
+        self._deadline_kind = "body" if on_timeout == self._body_timed_out else "header"
+        self._deadline = self.loop.call_later(seconds, on_timeout)
 
-    def _cancel_header_deadline(self) -> None:
-        deadline = getattr(self, "_header_deadline", None)
-        if deadline is not None:
-            deadline.cancel()
-            self._header_deadline = None
+    def _cancel_deadline(self) -> None:
+        if getattr(self, "_deadline", None) is not None:
+            self._deadline.cancel()
+        self._deadline, self._deadline_kind = None, None
 
     def _header_timed_out(self) -> None:
-        self._header_deadline = None
+        self._deadline = self._deadline_kind = None
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
             logger.info("closing a connection that sent no complete request head in time")
             self.transport.close()
 
+    def _body_timed_out(self) -> None:
+        self._deadline = self._deadline_kind = None
+        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            logger.info("closing a connection whose request body did not arrive in time")
+            self.transport.close()
 
-def uvicorn_config(app, header_timeout: float = HEADER_READ_TIMEOUT_S, **kwargs) -> uvicorn.Config:
-    """uvicorn's Config with our limits and the header-read timeout."""
+
+async def _over_capacity(scope, receive, send) -> None:
+    """The answer on a connection over the cap: 503, OpenAI's shape, then the connection closes."""
+    await _send_error(
+        send,
+        APIError(503, "the server has too many open connections; retry later", "server_error"),
+    )
+
+
+_last_warning: dict[str, float] = {}
+
+
+def _throttled_warning(key: str, message: str, *args) -> None:
+    """Log a warning at most once per ACCEPT_ERROR_LOG_INTERVAL_S for each `key`: under an
+    attack the same line per connection would fill the disk."""
+    now = time.monotonic()
+    if now - _last_warning.get(key, -ACCEPT_ERROR_LOG_INTERVAL_S) >= ACCEPT_ERROR_LOG_INTERVAL_S:
+        _last_warning[key] = now
+        logger.warning(message, *args)
+
+
+def throttle_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
+    """asyncio logs a traceback for every failed accept() ("Too many open files"), once per
+    pending connection per loop tick: hundreds of thousands a minute under a flood. Install a
+    loop exception handler that logs those once per interval and passes the rest on."""
+    previous = loop.get_exception_handler()
+
+    def handler(loop, context: dict) -> None:
+        exc = context.get("exception")
+        if isinstance(exc, OSError) and exc.errno in ACCEPT_RESOURCE_ERRORS:
+            _throttled_warning(
+                "accept",
+                "accept() failed: %s (logged once per %.0f s)",
+                exc.strerror,
+                ACCEPT_ERROR_LOG_INTERVAL_S,
+            )
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+
+
+ACCEPT_RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+def uvicorn_config(app, limits: ConnectionLimits | None = None, **kwargs) -> uvicorn.Config:
+    """uvicorn's Config with our limits and the connection limits."""
     protocol = type(
-        "HeaderTimeoutH11Protocol", (HeaderTimeoutH11Protocol,), {"header_timeout": header_timeout}
+        "HeaderTimeoutH11Protocol",
+        (HeaderTimeoutH11Protocol,),
+        {"limits": limits or ConnectionLimits.from_env()},
     )
     return uvicorn.Config(app, http=protocol, **UVICORN_LIMITS, **kwargs)
 
@@ -321,6 +438,7 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        throttle_accept_errors(asyncio.get_running_loop())
         yield
         server.close()
 
@@ -385,10 +503,13 @@ def start_server_in_thread(
     api_key: str | None = None,
     log_level: str = "warning",
     startup_timeout: float = 30.0,
-    header_timeout: float = HEADER_READ_TIMEOUT_S,
+    header_timeout: float | None = None,
+    body_timeout: float | None = None,
+    max_connections: int | None = None,
 ) -> ServerHandle:
     """Serve `app_or_engine` (a FastAPI app, or anything build_app takes) with uvicorn in a daemon
-    thread. port=0 picks a free port; the handle's .url says which."""
+    thread. port=0 picks a free port; the handle's .url says which. Limits left None come from
+    ConnectionLimits.from_env()."""
     app = (
         app_or_engine
         if isinstance(app_or_engine, FastAPI)
@@ -398,7 +519,10 @@ def start_server_in_thread(
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn_config(app, header_timeout, log_level=log_level, lifespan="on"))
+    limits = ConnectionLimits.from_env(
+        header_timeout=header_timeout, body_timeout=body_timeout, max_connections=max_connections
+    )
+    server = uvicorn.Server(uvicorn_config(app, limits, log_level=log_level, lifespan="on"))
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{port}", daemon=True
     )
@@ -419,6 +543,7 @@ def serve(
     port: int = 8000,
     api_key: str | None = None,
     log_level: str = "info",
+    limits: ConnectionLimits | None = None,
     **app_options,
 ) -> int:
     """Serve in the foreground until Ctrl-C (what `python -m engine serve` runs).
@@ -427,7 +552,7 @@ def serve(
     loop cannot be revived in-process, so the server stops and lets a supervisor (systemd,
     Docker's restart policy, Kubernetes) start a fresh one, rather than answer 503 forever."""
     app = build_app(engine_or_async_llm, api_key=api_key, **app_options)
-    server = uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level=log_level))
+    server = uvicorn.Server(uvicorn_config(app, limits, host=host, port=port, log_level=log_level))
     async_llm = app.state.server.async_llm
     watchdog = threading.Thread(
         target=_stop_when_engine_dies, args=(async_llm, server), name="engine-watchdog", daemon=True
