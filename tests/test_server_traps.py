@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from test_server import API_KEY, post
+from test_server import API_KEY, assert_error, post
 
 from engine.core import EngineConfig, EngineCore
 from engine.entrypoints.llm import AsyncLLM
@@ -136,3 +136,92 @@ def test_accept_errors_are_logged_once_per_interval(caplog):
         assert not any(r.exc_info for r in caplog.records)
     finally:
         loop.close()
+
+
+# -- 4. work bounded before it is done ---------------------------------------------------------
+
+
+@pytest.fixture()
+def encoded_lengths(server, monkeypatch):
+    """The length of every text the server's tokenizer is asked to encode (and -1 for each
+    whole chat it renders), recorded, so a test can say what was never tokenized whole."""
+    tokenizer = server.app.state.server.tokenizer
+    lengths: list[int] = []
+    for name in ("encode", "encode_plain"):
+        original = getattr(tokenizer, name)
+
+        def recorder(text, *args, _original=original, **kwargs):
+            lengths.append(len(text))
+            return _original(text, *args, **kwargs)
+
+        monkeypatch.setattr(tokenizer, name, recorder)
+    original_chat = tokenizer.encode_chat
+
+    def record_chat(messages, *args, **kwargs):
+        lengths.append(-1)
+        return original_chat(messages, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode_chat", record_chat)
+    return lengths
+
+
+@pytest.mark.parametrize("chars", [250_000, 30_000])
+def test_a_prompt_of_many_tokens_is_refused_before_tokenizing_it_whole(
+    server, encoded_lengths, chars
+):
+    """ "안" is three byte tokens: 250,000 of them fail the character check (no tokenizing at
+    all); 30,000 pass it and are counted in bounded chunks until they surely cannot fit."""
+    for response in (
+        completion(server, prompt="안" * chars),
+        chat(server, messages=[{"role": "user", "content": "안" * chars}]),
+    ):
+        error = assert_error(response, 400)
+        assert error["code"] == "context_length_exceeded"
+        assert error["param"] in ("prompt", "messages")
+        assert str(MAX_MODEL_LEN) in error["message"] or "characters" in error["message"]
+    assert -1 not in encoded_lengths  # no chat was rendered and tokenized
+    assert all(n < chars for n in encoded_lengths), max(encoded_lengths)
+    assert sum(encoded_lengths) <= 2 * 4096
+
+
+def test_sixty_thousand_empty_messages_are_refused_by_count(server, encoded_lengths):
+    messages = [{"role": "user", "content": ""}] * 60_000
+    error = assert_error(chat(server, messages=messages), 400, "messages")
+    assert "60000 messages" in error["message"] and str(MAX_MODEL_LEN) in error["message"]
+    assert encoded_lengths == []
+
+
+def test_a_prompt_that_fits_is_still_served(server, encoded_lengths):
+    """The chunked count only refuses what surely cannot fit: 4,800 characters of one word (over
+    one chunk, 600 tokens, under the context) are served; 1,800 tokens (under twice the context)
+    get the exact count."""
+    response = completion(server, prompt=" request" * 600)
+    assert response.status_code == 200, response.text
+    error = assert_error(completion(server, prompt=" number" * 600), 400, "prompt")
+    assert "1800 tokens" in error["message"] or "1801 tokens" in error["message"], error
+
+
+# -- 5. lone surrogates ------------------------------------------------------------------------
+
+
+def test_lone_surrogates_get_a_400_naming_the_field(server):
+    cases = [
+        ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+        ("/v1/completions", b'{"prompt": ["a\\udfffb"], "max_tokens": 2}', "prompt"),
+        ("/v1/completions", b'{"prompt": "hi", "stop": ["\\ud800"], "max_tokens": 2}', "stop"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}',
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+            "messages",
+        ),
+    ]
+    for path, content, param in cases:
+        response = post(server, path, content=content)
+        error = assert_error(response, 400, param)
+        assert "surrogate" in error["message"]
+    assert completion(server, prompt="a\U0001f600b").status_code == 200  # a proper pair is fine

@@ -259,3 +259,39 @@ def refuse_unsupported(body: BaseModel) -> None:
             named[0],
             "unsupported_parameter",
         )
+
+
+def refuse_lone_surrogates(body: BaseModel) -> None:
+    """A 400 naming the field that holds a lone UTF-16 surrogate ("\\ud800" in the JSON): such
+    a string has no UTF-8 form, so the tokenizer (and every hash and log) would fail on it."""
+    path = _surrogate_path(body)
+    if path is not None:
+        raise bad_request(
+            f"{path}: the string holds a lone UTF-16 surrogate, which is not valid Unicode text",
+            path.split(".")[0].split("[")[0],
+            "invalid_unicode",
+        )
+
+
+def _surrogate_path(value, path: str = "") -> str | None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, BaseModel):
+        items = list(value)  # the fields, then the extras
+    elif isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        items = [(f"[{i}]", v) for i, v in enumerate(value)]
+    else:
+        return None
+    for key, item in items:
+        if not isinstance(key, str) or not key.startswith("["):
+            key = f"{'.' if path else ''}{key}"
+        found = _surrogate_path(item, f"{path}{key}")
+        if found is not None:
+            return found
+    return None

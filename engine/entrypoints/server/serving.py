@@ -32,6 +32,7 @@ from engine.entrypoints.server.protocol import (
     bad_request,
     engine_failed,
     engine_not_running,
+    refuse_lone_surrogates,
     refuse_unsupported,
 )
 from engine.metrics import ServerMetrics
@@ -40,6 +41,25 @@ from engine.sample.sampler import finite_logprob
 from engine.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+# A text longer than TOKENIZE_CHUNK_CHARS is counted chunk by chunk before it is tokenized whole,
+# and refused once the count passes FAR_TOO_LONG_FACTOR × the context: chunk boundaries can change
+# a count by a token or so, never by a factor of two, so only a prompt that surely cannot fit is
+# refused this way (the exact check follows the real tokenizing).
+TOKENIZE_CHUNK_CHARS = 4096
+FAR_TOO_LONG_FACTOR = 2
+
+
+def count_tokens_up_to(tokenizer, texts: list[str], limit: int) -> int:
+    """The texts' tokens, counted chunk by chunk; stops as soon as the count passes `limit`."""
+    counted = 0
+    for text in texts:
+        for start in range(0, len(text), TOKENIZE_CHUNK_CHARS):
+            counted += len(tokenizer.encode_plain(text[start : start + TOKENIZE_CHUNK_CHARS]))
+            if counted > limit:
+                return counted
+    return counted
 
 
 # -- one request, whichever endpoint ----------------------------------------------------------
@@ -261,13 +281,13 @@ class OpenAIServer:
             code="model_not_found",
         )
 
-    def check_prompt_chars(self, num_chars: int) -> None:
+    def check_prompt_chars(self, num_chars: int, param: str = "prompt") -> None:
         if num_chars > self.max_prompt_chars:
             raise bad_request(
-                f"the prompt has {num_chars} characters; with a context of "
+                f"{num_chars} characters in `{param}`; with a context of "
                 f"{self.engine.max_model_len} tokens this server takes at most "
                 f"{self.max_prompt_chars}",
-                "prompt",
+                param,
                 "context_length_exceeded",
             )
 
@@ -338,6 +358,7 @@ class OpenAIServer:
             prompt = prompt[0]
         if isinstance(prompt, str):
             self.check_prompt_chars(len(prompt))
+            await self.refuse_far_too_long([prompt], "prompt")
             token_ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
         else:
             token_ids = list(prompt)
@@ -347,6 +368,7 @@ class OpenAIServer:
         return (prompt if isinstance(prompt, str) else None), token_ids
 
     async def chat_prompt(self, body: ChatCompletionRequest) -> tuple[str, list[int]]:
+        self.check_message_count(len(body.messages))
         messages = []
         for message in body.messages:
             content = message.content
@@ -354,7 +376,9 @@ class OpenAIServer:
                 content = "".join(part.text for part in content)
             role = "system" if message.role == "developer" else message.role
             messages.append({"role": role, "content": content or ""})
-        self.check_prompt_chars(sum(len(m["content"]) for m in messages))
+        contents = [m["content"] for m in messages]
+        self.check_prompt_chars(sum(map(len, contents)), "messages")
+        await self.refuse_far_too_long(contents, "messages")
         try:
             prompt, token_ids = await asyncio.to_thread(self.tokenizer.encode_chat, messages)
         except jinja2.TemplateError as exc:  # the template's own refusal, written for users
@@ -364,6 +388,33 @@ class OpenAIServer:
         self.check_prompt_tokens(len(token_ids), "messages")
         return prompt, token_ids
 
+    def check_message_count(self, count: int) -> None:
+        """Every message takes at least one token of the context (its role marker), so more
+        messages than the context has tokens cannot fit: refused before rendering any."""
+        if count > self.engine.max_model_len:
+            raise bad_request(
+                f"{count} messages cannot fit this model's maximum context length of "
+                f"{self.engine.max_model_len} tokens: send at most {self.engine.max_model_len}",
+                "messages",
+                "context_length_exceeded",
+            )
+
+    async def refuse_far_too_long(self, texts: list[str], param: str) -> None:
+        """A text that passes the character check can still be far too many tokens ("안" is three
+        byte tokens): count it in bounded chunks and stop as soon as it surely cannot fit, so a
+        refused prompt costs a few thousand tokens of work, not the whole text's."""
+        if sum(map(len, texts)) <= TOKENIZE_CHUNK_CHARS:
+            return  # short: the real tokenizing below is as cheap as any bound
+        limit = FAR_TOO_LONG_FACTOR * self.engine.max_model_len
+        counted = await asyncio.to_thread(count_tokens_up_to, self.tokenizer, texts, limit)
+        if counted > limit:
+            raise bad_request(
+                f"the {param} has more than {limit} tokens (counting stopped there); this "
+                f"model's maximum context length is {self.engine.max_model_len} tokens",
+                param,
+                "context_length_exceeded",
+            )
+
     # -- the endpoints -------------------------------------------------------------------------
 
     async def create_completion(self, body: CompletionRequest, raw_request: Request) -> Response:
@@ -372,6 +423,7 @@ class OpenAIServer:
         self.check_engine()
         self.check_model(body.model)
         refuse_unsupported(body)
+        refuse_lone_surrogates(body)
         prompt, token_ids = await self.completion_prompt(body)
         params = self.sampling_params(body, len(token_ids), body.max_tokens, body.logprobs)
         job = self.make_job(body, "cmpl", prompt, token_ids, params, arrival)
@@ -387,6 +439,7 @@ class OpenAIServer:
         self.check_engine()
         self.check_model(body.model)
         refuse_unsupported(body)
+        refuse_lone_surrogates(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         prompt, token_ids = await self.chat_prompt(body)
