@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +11,27 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # the step's token budget
 DEFAULT_MAX_NUM_SEQS = 32  # requests running at once
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB, when neither a block count nor a size is given
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+# vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S: a step that runs longer than this means a hung worker
+# (stopped, deadlocked): its requests fail and /health reports the engine unhealthy.
+ENGINE_ITERATION_TIMEOUT_ENV = "LLM_ENGINE_ITERATION_TIMEOUT_S"
+DEFAULT_ENGINE_ITERATION_TIMEOUT_S = 60.0
+
+
+def engine_iteration_timeout_s(value: float | None = None) -> float:
+    """`value`, else $LLM_ENGINE_ITERATION_TIMEOUT_S, else 60 s; refused unless positive."""
+    source = "engine_iteration_timeout_s"
+    if value is None:
+        raw = os.environ.get(ENGINE_ITERATION_TIMEOUT_ENV)
+        if raw is None:
+            return DEFAULT_ENGINE_ITERATION_TIMEOUT_S
+        source = ENGINE_ITERATION_TIMEOUT_ENV
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"{source} must be a number of seconds, got {raw!r}") from None
+    if not value > 0:
+        raise ValueError(f"{source} must be a positive number of seconds, got {value!r}")
+    return float(value)
 
 
 @dataclass
@@ -50,6 +72,10 @@ class EngineConfig:
     # 1 × 1: one worker in this process (UniProcExecutor).
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # How long one step may run before the engine counts as hung (None: the environment's
+    # LLM_ENGINE_ITERATION_TIMEOUT_S, else 60 s). Past it the multi-process executor fails the
+    # step and stops its workers; /health answers 503 meanwhile with any executor.
+    engine_iteration_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         """Refuse settings no engine can run with, before anything is loaded (nano-vllm's place
@@ -64,6 +90,9 @@ class EngineConfig:
             )
         if self.num_swap_blocks is not None and self.num_swap_blocks < 0:
             raise ValueError(f"num_swap_blocks must be >= 0, got {self.num_swap_blocks}")
+        self.engine_iteration_timeout_s = engine_iteration_timeout_s(
+            self.engine_iteration_timeout_s
+        )
         if self.quantization and (self.tensor_parallel_size, self.pipeline_parallel_size) != (1, 1):
             raise ValueError(
                 f"quantization {self.quantization!r} runs with one worker only; "

@@ -90,6 +90,7 @@ class EngineCore:
         self.clock = EngineClock()
         self._output_failures: dict[str, str] = {}  # this step's requests whose text failed
         self._prefix_cache_counts = (0, 0)  # (queries, hits) at the last step's end
+        self._executing: tuple[int, float] | None = None  # (step, monotonic start) while running
 
     def _load_model(
         self, config: EngineConfig, model_config: LlamaConfig | None, tokenizer: Tokenizer | None
@@ -151,6 +152,7 @@ class EngineCore:
             return MultiprocExecutor(
                 self.model_dir, self.model_config, self.device, self.dtype, config.block_size,
                 config.kernels, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                step_timeout_s=config.engine_iteration_timeout_s,
             )  # fmt: skip
         return UniProcExecutor(
             Worker(
@@ -347,6 +349,7 @@ class EngineCore:
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run the model. If the forward itself fails, only the step's requests fail."""
+        self._executing = (scheduler_output.step, time.monotonic())
         try:
             return self.executor.execute_model(scheduler_output)
         except ExecutorDiedError:  # no worker left to run the next step: the engine stops
@@ -357,6 +360,24 @@ class EngineCore:
             return ModelRunnerOutput(
                 {}, failed={s.request_id: message for s in scheduler_output.scheduled}
             )
+        finally:
+            self._executing = None
+
+    def stalled(self) -> str | None:
+        """Why the engine is not making progress, or None: a step that has run past the engine
+        iteration timeout (a hung worker, a deadlocked kernel). Read from any thread (the
+        server's /health); the multi-process executor gives such a step up by itself."""
+        executing = self._executing
+        if executing is None:
+            return None
+        step, started = executing
+        elapsed, limit = time.monotonic() - started, self.config.engine_iteration_timeout_s
+        if elapsed <= limit:
+            return None
+        return (
+            f"step {step} has run for {elapsed:.0f} s, past the engine iteration timeout "
+            f"({limit:g} s): the engine is not making progress"
+        )
 
     def _process_outputs(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput

@@ -192,6 +192,17 @@ class AsyncLLM:
         """False once the engine thread has died (or was shut down): nothing will be served."""
         return self.errored is None and self._thread.is_alive() and not self._stopped
 
+    def health(self) -> str | None:
+        """None while the engine loop runs and makes progress; else why not: it died, it was
+        shut down, or its step has run past the engine iteration timeout (the server's /health
+        answers 503 with this reason)."""
+        if self.errored is not None:
+            return f"the engine loop died: {self.errored}"
+        if self._stopped or not self._thread.is_alive():
+            return "the engine loop is stopped"
+        stalled = getattr(self.engine, "stalled", None)
+        return stalled() if stalled is not None else None
+
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
         self._wakeup.set()

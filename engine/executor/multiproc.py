@@ -78,7 +78,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine.config import DEFAULT_CPU_KV_CACHE_BYTES
+from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, engine_iteration_timeout_s
 from engine.executor.abstract import Executor, ExecutorDiedError
 from engine.executor.transport import (
     COLLECTIVE_TIMEOUT_S,
@@ -94,6 +94,7 @@ from engine.executor.transport import (
     torchrun_rank,
     wait_at_most,
 )
+from engine.executor.watchdog import hung_step_message, resume
 from engine.kernels.float32_linear import FLOAT32_LINEAR_ENV, float32_linear_backend
 from engine.layers.sharding import (
     ParallelContext,
@@ -110,7 +111,6 @@ from engine.worker.worker import Worker
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 300.0  # spawn + import torch + load weights, per engine start
-STEP_TIMEOUT_S = 600.0  # one step (a worker silent this long is treated as hung)
 POLL_S = 0.05
 SHUTDOWN_WAIT_S = 5.0
 DEATH_GRACE_S = 3.0  # after a failure, how long the workers' exit codes are awaited
@@ -406,6 +406,7 @@ def _stop_ranks(ranks: _Ranks) -> None:
     for p in ranks.processes:
         if p.is_alive():
             p.terminate()
+            resume(p.pid)  # a stopped worker acts on SIGTERM only once it runs again
             p.join(timeout=2.0)
         if p.is_alive():
             p.kill()
@@ -432,9 +433,12 @@ class MultiprocExecutor(Executor):
         pipeline_parallel_size: int = 1,
         master_addr: str | None = None,
         master_port: int | None = None,
+        step_timeout_s: float | None = None,
     ):
         """Validates everything it can (sizes, devices, the rendezvous port) and starts nothing:
-        the processes start (or the torchrun world is joined) in initialize()."""
+        the processes start (or the torchrun world is joined) in initialize().
+        `step_timeout_s`: the engine iteration timeout (None: engine/config.py's default), past
+        which a step counts as hung: it fails and every worker is stopped."""
         tp, pp = tensor_parallel_size, pipeline_parallel_size
         self.torchrun = torchrun_rank() is not None
         if self.torchrun:  # torchrun started the ranks: WORLD_SIZE must be tp × pp
@@ -468,6 +472,7 @@ class MultiprocExecutor(Executor):
                     "MASTER_PORT (or unset it: a free port is picked)"
                 )
         self.master_port = port
+        self.step_timeout_s = engine_iteration_timeout_s(step_timeout_s)
         self.num_blocks = 0
         self.output_rank = tp * (pp - 1)
         self.ranks = _Ranks()
@@ -622,7 +627,12 @@ class MultiprocExecutor(Executor):
                     pass
                 self._check_alive(self._what)
             if time.monotonic() > self._deadline:
-                self._fail(f"the workers did not answer in time during {self._what}")
+                self._fail(self._timed_out())
+
+    def _timed_out(self) -> str:
+        if self._what.startswith("step"):
+            return hung_step_message(self._what, self.step_timeout_s, self.processes)
+        return f"the workers did not answer in time during {self._what}"
 
     def _call(self, kind: str, payload, timeout: float, what: str) -> tuple[list, int]:
         """One message to every rank, one reply from each (by rank), and the message's bytes.
@@ -691,7 +701,7 @@ class MultiprocExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
         replies, control_bytes = self._call(
-            "step", scheduler_output, STEP_TIMEOUT_S, f"step {scheduler_output.step}"
+            "step", scheduler_output, self.step_timeout_s, f"step {scheduler_output.step}"
         )
         output: ModelRunnerOutput = replies[self.output_rank]
         workers = [r.workers[0] if isinstance(r, ModelRunnerOutput) else r for r in replies]

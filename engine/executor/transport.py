@@ -76,8 +76,8 @@ class Comm:
 # -- the control plane: messages down, replies up, over a gloo group ----------------------------
 
 # A worker waits this long for the driver's next message (an idle server sends none); the driver
-# bounds its own waits (STARTUP_TIMEOUT_S, STEP_TIMEOUT_S). A peer that dies closes its
-# connections, which fails a pending collective at once: no timeout is needed to notice that.
+# bounds its own waits (STARTUP_TIMEOUT_S, the engine iteration timeout). A peer that dies closes
+# its connections, which fails a pending collective at once: no timeout is needed to notice that.
 CONTROL_IDLE_TIMEOUT = timedelta(days=30)
 
 

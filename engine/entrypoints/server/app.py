@@ -47,6 +47,7 @@ import json
 import logging
 import os
 import resource
+import signal
 import socket
 import threading
 import time
@@ -361,9 +362,14 @@ DOCS_AUTH = [Depends(require_api_key_for_docs)]
 
 @router.get("/health", responses={503: ERROR_RESPONSES[503]})
 async def health(raw_request: Request) -> Response:
-    """200 while the engine loop runs; 503 once it has died (restart the server)."""
-    if not get_server(raw_request).async_llm.is_running:
+    """200 while the engine loop runs and makes progress; 503 once it has died (restart the
+    server), or while a step has run past the engine iteration timeout (a hung worker)."""
+    async_llm = get_server(raw_request).async_llm
+    if not async_llm.is_running:
         return engine_not_running().response()
+    stalled = async_llm.health()
+    if stalled is not None:
+        return APIError(503, stalled, "server_error", code="engine_not_progressing").response()
     return JSONResponse({"status": "ok"})
 
 
@@ -558,13 +564,33 @@ def serve(
         target=_stop_when_engine_dies, args=(async_llm, server), name="engine-watchdog", daemon=True
     )
     watchdog.start()
-    server.run()
+    with _sigterm_raises_system_exit():
+        server.run()
     if async_llm.errored is not None:
         logger.error(
             "the engine loop died (%s); exiting with status 1", type(async_llm.errored).__name__
         )
         return 1
     return 0
+
+
+@contextlib.contextmanager
+def _sigterm_raises_system_exit():
+    """uvicorn re-raises a captured SIGTERM after its graceful shutdown; with the default
+    handler that ends the process at once, before the caller's `finally` stops the engine's
+    worker processes (a stopped worker would outlive it). SystemExit(143) lets cleanup run."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_now(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_now)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _stop_when_engine_dies(async_llm, server: uvicorn.Server, interval: float = 0.2) -> None:

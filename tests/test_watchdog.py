@@ -1,0 +1,140 @@
+"""The engine-iteration watchdog (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S; here
+LLM_ENGINE_ITERATION_TIMEOUT_S, engine/config.py): a step that does not finish in time fails
+its requests with an error that names the hung worker, /health answers 503 while the engine makes
+no progress, and no process outlives the engine, whatever state a worker was left in.
+
+Bounded: a watchdog of a few seconds, tp 2 on the tiny model, every wait with a deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from engine import SamplingParams
+from engine.config import ENGINE_ITERATION_TIMEOUT_ENV, EngineConfig
+from engine.entrypoints.llm import AsyncLLM
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+SMALL = dict(num_kv_blocks=8, max_model_len=128, max_num_batched_tokens=24, kernels="torch")
+
+
+def alive(pids: list[int]) -> list[int]:
+    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+
+
+def children() -> set[int]:
+    """This process's live descendants, but multiprocessing's resource_tracker (a spawn start
+    leaves one per process; it ends with this process, once no worker holds its pipe)."""
+    return {
+        p.pid
+        for p in psutil.Process().children(recursive=True)
+        if p.status() != "zombie" and "resource_tracker" not in " ".join(p.cmdline())
+    }
+
+
+def wait_until(condition, timeout_s: float, poll_s: float = 0.05):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(poll_s)
+    return condition()
+
+
+def test_the_timeout_comes_from_the_config_or_the_environment(monkeypatch):
+    assert EngineConfig().engine_iteration_timeout_s == 60.0  # vLLM's default
+    monkeypatch.setenv(ENGINE_ITERATION_TIMEOUT_ENV, "2.5")
+    assert EngineConfig().engine_iteration_timeout_s == 2.5
+    assert EngineConfig(engine_iteration_timeout_s=7).engine_iteration_timeout_s == 7.0
+    monkeypatch.setenv(ENGINE_ITERATION_TIMEOUT_ENV, "soon")
+    with pytest.raises(ValueError, match=ENGINE_ITERATION_TIMEOUT_ENV):
+        EngineConfig()
+    with pytest.raises(ValueError, match="positive"):
+        EngineConfig(engine_iteration_timeout_s=0)
+
+
+def _consume(llm: AsyncLLM, prompt_token_ids: list[int]) -> dict:
+    """Stream one request to its end in a thread of its own; the result says how it ended."""
+    result: dict = {}
+
+    async def stream() -> None:
+        async for output in llm.generate(None, GREEDY, prompt_token_ids=prompt_token_ids):
+            result["finished"] = output.finished
+
+    def run() -> None:
+        try:
+            asyncio.run(stream())
+        except Exception as error:  # noqa: BLE001 — what the test checks
+            result["error"] = error
+
+    result["thread"] = threading.Thread(target=run, daemon=True)
+    result["thread"].start()
+    return result
+
+
+def test_a_hung_step_makes_health_503_until_the_engine_moves_again(make_engine):
+    """Any executor: a step past the timeout is reported by /health; when it ends, 200 again."""
+    from engine.entrypoints.server.app import start_server_in_thread
+
+    engine = make_engine(engine_iteration_timeout_s=0.5, kernels="torch")
+    release = threading.Event()
+    execute = engine.executor.execute_model
+
+    def hung_once(scheduler_output):
+        release.wait(timeout=30)
+        return execute(scheduler_output)
+
+    engine.executor.execute_model = hung_once
+    llm = AsyncLLM(engine)
+    with start_server_in_thread(llm) as server:
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+        request = _consume(llm, [5, 6, 7])
+        stalled = wait_until(
+            lambda: (r := httpx.get(f"{server.url}/health", timeout=5)).status_code == 503 and r,
+            timeout_s=15,
+        )
+        assert stalled, "a step hung past the engine iteration timeout, /health still says 200"
+        error = stalled.json()["error"]
+        assert error["code"] == "engine_not_progressing"
+        assert "engine iteration timeout" in error["message"]
+        release.set()
+        request["thread"].join(timeout=20)
+        assert request.get("finished") is True and "error" not in request
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+    llm.shutdown()
+
+
+def test_a_stopped_worker_fails_the_step_and_leaves_no_process(make_engine):
+    before = children()
+    engine = make_engine(**SMALL, tensor_parallel_size=2, engine_iteration_timeout_s=3.0)
+    pids = engine.executor.worker_pids()
+    llm = AsyncLLM(engine)
+    try:
+        first = _consume(llm, [5, 6, 7])
+        first["thread"].join(timeout=30)
+        assert first.get("finished") is True, first
+
+        os.kill(pids[1], signal.SIGSTOP)
+        start = time.monotonic()
+        second = _consume(llm, [8, 9, 10])
+        reported = wait_until(lambda: llm.health(), timeout_s=30)
+        assert "engine iteration timeout" in reported  # first the stall, then the death
+        second["thread"].join(timeout=30)
+        assert time.monotonic() - start < 30  # the collective's own timeout is 600 s
+        message = str(second.get("error"))
+        assert "did not finish within the engine iteration timeout (3 s" in message
+        assert f"worker rank 1 (pid {pids[1]}) is stopped" in message
+        assert llm.health().startswith("the engine loop died")
+    finally:
+        llm.shutdown()
+        engine.shutdown()
+    assert wait_until(lambda: not alive(pids), timeout_s=10), alive(pids)
+    assert wait_until(lambda: children() <= before, timeout_s=10), children() - before
