@@ -225,3 +225,55 @@ def test_lone_surrogates_get_a_400_naming_the_field(server):
         error = assert_error(response, 400, param)
         assert "surrogate" in error["message"]
     assert completion(server, prompt="a\U0001f600b").status_code == 200  # a proper pair is fine
+
+
+# -- 6. unknown and misspelled fields ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field, value, hint",
+    [
+        ("max_token", 5, "max_tokens"),
+        ("temprature", 0.5, "temperature"),
+        ("top_pp", 0.5, "top_p"),
+        ("completely_unknown", 1, None),
+    ],
+)
+def test_unknown_fields_get_openais_400_with_a_hint(server, field, value, hint):
+    for response in (completion(server, **{field: value}), chat(server, **{field: value})):
+        error = assert_error(response, 400, field)
+        assert error["message"].startswith(f"Unrecognized request argument supplied: {field}")
+        if hint:
+            assert f"did you mean {hint}?" in error["message"]
+
+
+def test_fields_openai_documents_without_effect_pass(server):
+    ignored = {"user": "u1", "metadata": {"a": "b"}, "store": False, "service_tier": "auto"}
+    assert completion(server, **ignored).status_code == 200
+    assert chat(server, **ignored).status_code == 200
+
+
+def test_stream_options_without_stream_is_refused(server):
+    for response in (
+        completion(server, stream_options={"include_usage": True}),
+        chat(server, stream=False, stream_options={"include_usage": True}),
+    ):
+        assert "stream" in assert_error(response, 400, "stream_options")["message"]
+    error = assert_error(
+        completion(server, stream=True, stream_options={"include_usag": True}), 400
+    )
+    assert "stream_options.include_usag" in error["message"]
+
+
+def test_message_fields_are_checked(server):
+    tool_call = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    error = assert_error(
+        chat(server, messages=[{"role": "user", "content": "hi", "tool_calls": tool_call}]),
+        400,
+        "messages",
+    )
+    assert "tool_calls" in error["message"]
+    error = assert_error(
+        chat(server, messages=[{"role": "user", "contnet": "hi"}]), 400, "messages"
+    )
+    assert "messages[0].contnet" in error["message"] and "did you mean content?" in error["message"]

@@ -5,7 +5,8 @@ serving.py answers them)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import difflib
+from typing import Annotated, ClassVar, Literal
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -166,6 +167,17 @@ UNSUPPORTED_FIELDS = (
     "truncate_prompt_tokens",
 )
 HARMLESS_VALUES: dict[str, tuple] = {"best_of": (1,), "tool_choice": ("none",)}
+# Fields of OpenAI's API that do not change the answer: accepted and ignored. Any other field a
+# schema does not name gets OpenAI's 400 "Unrecognized request argument supplied".
+IGNORED_FIELDS = (
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+)
+IGNORED_MESSAGE_FIELDS = ("tool_call_id", "refusal")
 
 
 class _Body(BaseModel):
@@ -173,6 +185,7 @@ class _Body(BaseModel):
     # refused. Unknown fields are kept aside (model_extra): ignored (user, metadata, ...) unless
     # they are in UNSUPPORTED_FIELDS.
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+    allowed_extras: ClassVar[tuple[str, ...]] = ()
 
 
 class StreamOptions(_Body):
@@ -181,6 +194,8 @@ class StreamOptions(_Body):
 
 class SamplingFields(_Body):
     """The fields both endpoints share: sampling, stopping, streaming, scheduling."""
+
+    allowed_extras: ClassVar[tuple[str, ...]] = UNSUPPORTED_FIELDS + IGNORED_FIELDS
 
     model: str | None = Field(None, max_length=4096)
     temperature: float | None = Field(
@@ -228,6 +243,7 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
+    allowed_extras: ClassVar[tuple[str, ...]] = ("tool_calls",) + IGNORED_MESSAGE_FIELDS
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -238,6 +254,37 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+def refuse_unrecognized(body: BaseModel, path: str = "") -> None:
+    """OpenAI's 400 for a field no schema here names, with the known name it is closest to
+    (`max_token` → max_tokens, `temprature` → temperature): a misspelling is never silently
+    ignored. Message fields are checked too; tool calls are refused (no tools here)."""
+    for name, value in (body.model_extra or {}).items():
+        if name not in body.allowed_extras:
+            known = list(type(body).model_fields) + list(body.allowed_extras)
+            hint = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+            raise bad_request(
+                f"Unrecognized request argument supplied: {path}{name[:100]}"
+                + (f" (did you mean {hint[0]}?)" if hint else ""),
+                (path.split("[")[0] or name)[:100],
+                "unrecognized_argument",
+            )
+        if name == "tool_calls" and value:
+            raise bad_request(
+                f"{path}tool_calls: not supported by this engine (it has no tools)",
+                path.split("[")[0],
+                "unsupported_parameter",
+            )
+    for i, message in enumerate(getattr(body, "messages", None) or []):
+        refuse_unrecognized(message, f"messages[{i}].")
+    if getattr(body, "stream_options", None) is not None:
+        refuse_unrecognized(body.stream_options, "stream_options.")
+    if getattr(body, "stream_options", None) is not None and not getattr(body, "stream", True):
+        raise bad_request(
+            "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+            "stream_options",
+        )
 
 
 def refuse_unsupported(body: BaseModel) -> None:

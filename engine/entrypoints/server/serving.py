@@ -33,6 +33,7 @@ from engine.entrypoints.server.protocol import (
     engine_failed,
     engine_not_running,
     refuse_lone_surrogates,
+    refuse_unrecognized,
     refuse_unsupported,
 )
 from engine.metrics import ServerMetrics
@@ -422,6 +423,7 @@ class OpenAIServer:
         arrival = arrival_time(raw_request)
         self.check_engine()
         self.check_model(body.model)
+        refuse_unrecognized(body)
         refuse_unsupported(body)
         refuse_lone_surrogates(body)
         prompt, token_ids = await self.completion_prompt(body)
@@ -438,6 +440,7 @@ class OpenAIServer:
         arrival = arrival_time(raw_request)
         self.check_engine()
         self.check_model(body.model)
+        refuse_unrecognized(body)
         refuse_unsupported(body)
         refuse_lone_surrogates(body)
         if body.top_logprobs is not None and not body.logprobs:
