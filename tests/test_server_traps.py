@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import socket
+import threading
 import time
 
 import httpx
 import pytest
-from test_server import API_KEY, assert_error, post
+from test_server import API_KEY, AUTH, assert_error, post
 
 from engine.core import EngineConfig, EngineCore
 from engine.entrypoints.llm import AsyncLLM
@@ -277,3 +279,63 @@ def test_message_fields_are_checked(server):
         chat(server, messages=[{"role": "user", "contnet": "hi"}]), 400, "messages"
     )
     assert "messages[0].contnet" in error["message"] and "did you mean content?" in error["message"]
+
+
+# -- 7. shutdown ends what is still open ---------------------------------------------------------
+
+
+@pytest.fixture()
+def slow_steps(async_llm):
+    """Each engine step takes at least 50 ms, so a 200-token request outlives a short grace."""
+
+    def slow(record):
+        time.sleep(0.05)
+
+    async_llm.step_listeners.append(slow)
+    yield
+    async_llm.step_listeners.remove(slow)
+
+
+def test_shutdown_ends_streams_with_done_and_answers_waiting_requests_503(async_llm, slow_steps):
+    body = {"prompt": "hi", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    handle = start_server_in_thread(build_app(async_llm, api_key=API_KEY), shutdown_grace=0.5)
+    results: dict = {}
+
+    def stream():
+        lines = []
+        with httpx.stream(
+            "POST",
+            f"{handle.url}/v1/completions",
+            json={**body, "stream": True},
+            headers=AUTH,
+            timeout=20,
+        ) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line[6:])
+                    results.setdefault("streaming", time.monotonic())
+        results["stream"] = lines
+
+    def waiting():
+        results["waiting"] = post(handle, "/v1/completions", body)
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=waiting)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 10
+    while "streaming" not in results and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # the waiting request is surely running too
+    handle.stop(timeout=15)
+    for thread in threads:
+        thread.join(15)
+    events = results["stream"]
+    assert events[-1] == "[DONE]", events[-3:]
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "server_error" and "shutting down" in error["message"]
+    assert len(events) < 200  # cut, not finished
+    assert "shutting down" in assert_error(results["waiting"], 503)["message"]
+    deadline = time.monotonic() + 5
+    while async_llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not async_llm.engine.has_unfinished_requests()

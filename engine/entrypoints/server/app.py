@@ -80,14 +80,14 @@ logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "LLM_LAB_API_KEY"  # `python -m engine serve` reads it when --api-key is not given
 # uvicorn's limits, stated: a header block that grows past 16 KiB unfinished gets a 400; idle
-# keep-alive connections close after 5 s; shutdown waits 3 s for open streams. uvicorn has no
+# keep-alive connections close after 5 s. Shutdown waits `shutdown_grace` (3 s) for open
+# requests, then ends them (an error event and [DONE], or a 503) and gives those answers
+# SHUTDOWN_WRITE_S to leave before uvicorn cancels what remains (DrainingServer). uvicorn has no
 # header-read or body-read timeout and no connection cap that answers before the app, so the
 # protocol below adds them (ConnectionLimits).
-UVICORN_LIMITS = dict(
-    h11_max_incomplete_event_size=16 * 1024,
-    timeout_keep_alive=5,
-    timeout_graceful_shutdown=3,
-)
+UVICORN_LIMITS = dict(h11_max_incomplete_event_size=16 * 1024, timeout_keep_alive=5)
+SHUTDOWN_GRACE_S = 3.0
+SHUTDOWN_WRITE_S = 1.0
 HEADER_READ_TIMEOUT_S = 10.0
 BODY_READ_TIMEOUT_S = 30.0
 HEADER_TIMEOUT_ENV = "LLM_LAB_HEADER_TIMEOUT_S"
@@ -113,7 +113,8 @@ class ConnectionLimits:
     - header_timeout: the request head must be complete this many seconds after the connection
       opened (or after the previous response on a kept-alive connection);
     - body_timeout: the request body must be complete this many seconds after its head;
-    - max_connections: one connection more gets a 503 (OpenAI's error shape) and is closed.
+    - max_connections: one connection more gets a 503 (OpenAI's error shape) and is closed;
+    - shutdown_grace: how long a shutdown waits for open requests before ending them.
 
     Both deadlines run from their start, not from the last byte, so trickling does not extend
     them (slowloris, slow POST)."""
@@ -121,6 +122,7 @@ class ConnectionLimits:
     header_timeout: float = HEADER_READ_TIMEOUT_S
     body_timeout: float = BODY_READ_TIMEOUT_S
     max_connections: int = 1000
+    shutdown_grace: float = SHUTDOWN_GRACE_S
 
     @classmethod
     def from_env(cls, **overrides) -> "ConnectionLimits":
@@ -250,12 +252,46 @@ ACCEPT_RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOME
 
 def uvicorn_config(app, limits: ConnectionLimits | None = None, **kwargs) -> uvicorn.Config:
     """uvicorn's Config with our limits and the connection limits."""
-    protocol = type(
-        "HeaderTimeoutH11Protocol",
-        (HeaderTimeoutH11Protocol,),
-        {"limits": limits or ConnectionLimits.from_env()},
+    limits = limits or ConnectionLimits.from_env()
+    protocol = type("HeaderTimeoutH11Protocol", (HeaderTimeoutH11Protocol,), {"limits": limits})
+    return uvicorn.Config(
+        app,
+        http=protocol,
+        timeout_graceful_shutdown=limits.shutdown_grace + SHUTDOWN_WRITE_S,
+        **UVICORN_LIMITS,
+        **kwargs,
     )
-    return uvicorn.Config(app, http=protocol, **UVICORN_LIMITS, **kwargs)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, plus an end for the requests still open when the grace period is over.
+
+    uvicorn waits for open requests and then cancels their tasks: a stream stops with no error
+    event and no `[DONE]` (the openai client raises APIConnectionError), a non-stream request
+    gets no answer. Here, `limits.shutdown_grace` seconds into the shutdown, the app's server
+    ends them: an error event plus `[DONE]` for each stream, a 503 for each waiting request."""
+
+    def __init__(self, config: uvicorn.Config, limits: ConnectionLimits):
+        super().__init__(config)
+        self.limits = limits
+
+    async def shutdown(self, sockets=None) -> None:
+        openai_server = getattr(getattr(self.config.app, "state", None), "server", None)
+        end = getattr(openai_server, "end_open_requests", None)
+        handle = None
+        if end is not None:
+            handle = asyncio.get_running_loop().call_later(self.limits.shutdown_grace, end)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if handle is not None:
+                handle.cancel()
+
+
+def make_server(app, limits: ConnectionLimits | None = None, **kwargs) -> DrainingServer:
+    """The uvicorn server for `app` with the connection limits (from the environment if None)."""
+    limits = limits or ConnectionLimits.from_env()
+    return DrainingServer(uvicorn_config(app, limits, **kwargs), limits)
 
 
 # -- the HTTP edge: body cap, API key ---------------------------------------------------------
@@ -512,6 +548,7 @@ def start_server_in_thread(
     header_timeout: float | None = None,
     body_timeout: float | None = None,
     max_connections: int | None = None,
+    shutdown_grace: float | None = None,
 ) -> ServerHandle:
     """Serve `app_or_engine` (a FastAPI app, or anything build_app takes) with uvicorn in a daemon
     thread. port=0 picks a free port; the handle's .url says which. Limits left None come from
@@ -526,9 +563,12 @@ def start_server_in_thread(
     sock.bind((host, port))
     port = sock.getsockname()[1]
     limits = ConnectionLimits.from_env(
-        header_timeout=header_timeout, body_timeout=body_timeout, max_connections=max_connections
+        header_timeout=header_timeout,
+        body_timeout=body_timeout,
+        max_connections=max_connections,
+        shutdown_grace=shutdown_grace,
     )
-    server = uvicorn.Server(uvicorn_config(app, limits, log_level=log_level, lifespan="on"))
+    server = make_server(app, limits, log_level=log_level, lifespan="on")
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{port}", daemon=True
     )
@@ -558,7 +598,7 @@ def serve(
     loop cannot be revived in-process, so the server stops and lets a supervisor (systemd,
     Docker's restart policy, Kubernetes) start a fresh one, rather than answer 503 forever."""
     app = build_app(engine_or_async_llm, api_key=api_key, **app_options)
-    server = uvicorn.Server(uvicorn_config(app, limits, host=host, port=port, log_level=log_level))
+    server = make_server(app, limits, host=host, port=port, log_level=log_level)
     async_llm = app.state.server.async_llm
     watchdog = threading.Thread(
         target=_stop_when_engine_dies, args=(async_llm, server), name="engine-watchdog", daemon=True

@@ -247,6 +247,14 @@ class OpenAIServer:
         self.created = int(time.time())
         self.metrics = ServerMetrics(self.engine, self.model_name)
         self.async_llm.step_listeners.append(self.metrics.on_step)
+        self.closing = asyncio.Event()  # set when the shutdown grace period is over
+
+    def end_open_requests(self) -> None:
+        """The shutdown's grace period is over: every open stream ends with an error event and
+        `[DONE]`, every waiting non-stream request gets a 503 (their requests are aborted). Call
+        it on the server's event loop."""
+        logger.warning("shutdown grace period over: ending the requests still open")
+        self.closing.set()
 
     def close(self) -> None:
         with contextlib.suppress(ValueError):
@@ -535,7 +543,10 @@ class OpenAIServer:
     ) -> RequestOutput | None:
         """The final output, or None if the client left first (the request is then aborted)."""
         try:
-            final = await final_output(raw_request, outputs)
+            final = await final_output(raw_request, outputs, self.closing)
+        except ServerClosing:
+            self.metrics.count_abort()
+            raise shutting_down() from None
         except Exception:  # noqa: BLE001 - e.g. the engine loop died mid-request
             logger.exception("generation failed")
             raise APIError(500, "generation failed: the engine stopped", "server_error") from None
@@ -610,10 +621,11 @@ async def stream_events(
     engine stream, which aborts the request and frees its KV blocks."""
     final: RequestOutput | None = None
     failed = False
+    events = until_closing(outputs, server.closing)
     try:
         for choice in shape.opening_choices():
             yield sse(shape.chunk([choice]))
-        async for output in outputs:
+        async for output in events:
             final = output
             if output.finish_reason == "error":
                 failed = True
@@ -624,11 +636,16 @@ async def stream_events(
                 yield sse(shape.chunk([choice]))
         if shape.job.include_usage and final is not None and not failed:
             yield sse(shape.chunk([], usage_of(final)))
+    except ServerClosing:
+        failed = True
+        server.metrics.count_abort()
+        yield sse(shutting_down().body())
     except Exception:  # noqa: BLE001 - the stream has started: report in-band, keep serving
         failed = True
         logger.exception("stream %s failed", shape.job.request_id)
         yield sse(APIError(500, "generation failed: the engine stopped", "server_error").body())
     finally:
+        await events.aclose()
         await outputs.aclose()  # aborts the request if it has not finished
         if not failed and (final is None or not final.finished):
             server.metrics.count_abort()
@@ -662,9 +679,12 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 async def final_output(
-    raw_request: Request, outputs: AsyncIterator[RequestOutput]
+    raw_request: Request,
+    outputs: AsyncIterator[RequestOutput],
+    closing: asyncio.Event | None = None,
 ) -> RequestOutput | None:
-    """Run a request to the end, unless the client hangs up first (then abort it: None)."""
+    """Run a request to the end, unless the client hangs up first (then abort it: None) or the
+    server's shutdown grace period ends first (then abort it: ServerClosing)."""
 
     async def consume() -> RequestOutput | None:
         final = None
@@ -673,18 +693,67 @@ async def final_output(
         return final
 
     generation = asyncio.ensure_future(consume())
-    watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+    watchers = {asyncio.ensure_future(_wait_for_disconnect(raw_request))}
+    if closing is not None:
+        watchers.add(asyncio.ensure_future(closing.wait()))
     try:
-        await asyncio.wait({generation, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({generation, *watchers}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watcher.cancel()
-        if not generation.done():  # client gone (or we were cancelled): abort the request
+        for watcher in watchers:
+            watcher.cancel()
+        if not generation.done():  # client gone, server closing (or we were cancelled): abort
             generation.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await generation
     if generation.cancelled():
+        if closing is not None and closing.is_set():
+            raise ServerClosing
         return None
     return generation.result()
+
+
+class ServerClosing(Exception):
+    """The server's shutdown grace period ended while this request was still running."""
+
+
+def shutting_down() -> APIError:
+    return APIError(
+        503, "the server is shutting down; this request was not finished", "server_error"
+    )
+
+
+_END = object()
+
+
+async def until_closing(
+    outputs: AsyncIterator[RequestOutput], closing: asyncio.Event
+) -> AsyncIterator[RequestOutput]:
+    """`outputs`, until the server's shutdown grace period ends: then ServerClosing (the engine
+    request is aborted when the caller closes `outputs`). Works whatever the engine is doing,
+    a hung step included: the wait is on the server's event, not on the engine."""
+    closed = asyncio.ensure_future(closing.wait())
+
+    async def next_output():
+        return await anext(outputs, _END)
+
+    try:
+        while True:
+            pending = asyncio.ensure_future(next_output())
+            try:
+                await asyncio.wait({pending, closed}, return_when=asyncio.FIRST_COMPLETED)
+            finally:  # closing, or this task was cancelled: stop the pending read first
+                if not pending.done():
+                    pending.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await pending
+            if pending.cancelled():
+                raise ServerClosing
+            output = pending.result()
+            if output is _END:
+                return
+            yield output
+    finally:
+        closed.cancel()
 
 
 def arrival_time(raw_request: Request) -> float:
