@@ -43,8 +43,9 @@ class LLM:
         `quantization`: None, "int8", "int4" or "gguf" (weight-only, engine/worker/quantization.py;
         the int4 group size is `quantization_group_size`, 32 by default).
         `tensor_parallel_size=N, pipeline_parallel_size=M` (engine_kwargs, EngineConfig's
-        names) run N × M worker processes; a script doing so needs the
-        `if __name__ == "__main__":` guard, as every spawn-based multiprocessing program does."""
+        names) run N × M worker processes, forked where safe (Linux, CUDA not initialised in
+        this process), so a plain script needs no `if __name__ == "__main__":` guard; where they
+        must be spawned, an unguarded script is refused at once, with the fix."""
         config = EngineConfig(
             model=model,
             device=device,

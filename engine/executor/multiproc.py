@@ -45,9 +45,10 @@ ranks' collectives inside the forward, NCCL on CUDA) and the *control group* (gl
 over TCP) that carries the control path: the driver broadcasts each message (a pickled
 SchedulerOutput, as a uint8 tensor) and gathers one reply per rank. Everything goes over the
 network, so the ranks may sit on different machines. Two launches, one protocol:
-- spawned (the default, one machine): this process is the driver and holds no shard; it spawns
-  one worker per rank (torch.multiprocessing) and hosts the control group's rendezvous; the
-  workers' data group meets through MASTER_ADDR/MASTER_PORT (default 127.0.0.1 and a free port).
+- spawned (the default, one machine): this process is the driver and holds no shard; it starts
+  one worker per rank (torch.multiprocessing: forked where safe, as vLLM does, else spawned; see
+  engine/executor/start_method.py) and hosts the control group's rendezvous; the workers' data
+  group meets through MASTER_ADDR/MASTER_PORT (default 127.0.0.1 and a free port).
 - torchrun (across machines): torchrun starts one process per rank and sets MASTER_ADDR,
   MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK. RANK 0's process is the driver *and* rank 0's
   worker (it runs its shard in-process); every other rank runs `run_torchrun_worker` (the same
@@ -55,11 +56,13 @@ network, so the ranks may sit on different machines. Two launches, one protocol:
 
 Failure: every wait on the control group is bounded and, for spawned workers, checks that every
 worker is alive, so a worker that dies (or raises) makes the engine raise ExecutorDiedError (a
-RuntimeError) instead of hanging. Spawned workers are daemon processes, exit when their parent
-dies (a watchdog thread on the parent pid, and the control group's connection closing), and are
-stopped by `shutdown()` (a "shutdown" message, then terminate), by garbage collection of the
-executor and at interpreter exit. Under torchrun the driver's shutdown message ends every rank's
-loop; torchrun itself stops the other ranks of a failed run.
+RuntimeError) instead of hanging; a step that runs past the engine iteration timeout (a stopped
+or deadlocked worker; engine/executor/watchdog.py) does the same. Spawned workers are daemon
+processes, exit when their parent dies (a watchdog thread on the parent pid, and the control
+group's connection closing), and are stopped by `shutdown()` (a "shutdown" message, then
+terminate, then kill), by garbage collection of the executor and at interpreter exit. Under
+torchrun the driver's shutdown message ends every rank's loop; torchrun itself stops the other
+ranks of a failed run.
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ import torch.distributed as dist
 
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, engine_iteration_timeout_s
 from engine.executor.abstract import Executor, ExecutorDiedError
+from engine.executor.start_method import worker_start_method
 from engine.executor.transport import (
     COLLECTIVE_TIMEOUT_S,
     CONTROL_IDLE_TIMEOUT,
@@ -451,6 +455,7 @@ class MultiprocExecutor(Executor):
             check_local_gpus(device)
         else:
             check_parallel_sizes(model_config, tp, pp, device)
+            self.start_method = worker_start_method()  # fork, or spawn (refused if unguarded)
         self.tp, self.pp, self.world_size = tp, pp, tp * pp
         self.model_config = model_config
         self.spec = dict(
@@ -496,7 +501,7 @@ class MultiprocExecutor(Executor):
             self.ranks.control = join_torchrun_world(self.spec["device"])
             self.local = RankServer(0, self.tp, self.pp)
             return
-        ctx = torch.multiprocessing.get_context("spawn")
+        ctx = torch.multiprocessing.get_context(self.start_method)
         port = self.master_port or _free_port(self.master_addr)
         size = self.world_size + 1  # the control group: this process (0) and every worker
         store = dist.TCPStore(

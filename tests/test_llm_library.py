@@ -1,0 +1,85 @@
+"""`LLM` as a library user meets it: a plain script (no `if __name__ == "__main__":` guard, the
+README's shape) runs tensor parallel, because the workers fork where that is safe
+(engine/executor/start_method.py); where they must be spawned, such a script is refused at once
+with the fix; `generate` takes vLLM's prompt dicts, `cache_salt` included."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from engine import SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT_IDS = [5, 6, 7, 8, 9, 10, 11]
+MAX_TOKENS = 8
+
+
+def plain_script(model_dir: Path, tp: int) -> str:
+    """Builds the engine at the script's top level, no guard."""
+    return (
+        "from engine import LLM, SamplingParams\n"
+        f"llm = LLM(model={str(model_dir)!r}, device='cpu', num_kv_blocks=16, max_model_len=128,\n"
+        f"          kernels='torch', tensor_parallel_size={tp})\n"
+        f"params = SamplingParams(max_tokens={MAX_TOKENS}, temperature=0.0, ignore_eos=True)\n"
+        f"out = llm.generate(prompt_token_ids=[{PROMPT_IDS}], sampling_params=params,\n"
+        "                   use_tqdm=False)\n"
+        "print('TOKENS', *out[0].token_ids, flush=True)\n"
+    )
+
+
+def run_script(tmp_path: Path, text: str, timeout_s: float, **env) -> subprocess.CompletedProcess:
+    script = tmp_path / "plain_script.py"
+    script.write_text(text)
+    return subprocess.run(
+        [sys.executable, str(script)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
+def tp1_tokens(model_dir: Path) -> list[int]:
+    from engine import LLM
+
+    llm = LLM(model=str(model_dir), device="cpu", num_kv_blocks=16, max_model_len=128,
+              kernels="torch")  # fmt: skip
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return llm.generate(prompt_token_ids=[PROMPT_IDS], sampling_params=params, use_tqdm=False)[
+        0
+    ].token_ids
+
+
+def test_a_plain_script_runs_tensor_parallel(tiny_model_dir, tmp_path):
+    done = run_script(tmp_path, plain_script(tiny_model_dir, tp=2), timeout_s=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("TOKENS"))
+    assert [int(t) for t in line.split()[1:]] == tp1_tokens(tiny_model_dir)
+
+
+def test_a_plain_script_that_must_spawn_is_refused_at_once_with_the_fix(tiny_model_dir, tmp_path):
+    start = time.monotonic()
+    done = run_script(
+        tmp_path,
+        plain_script(tiny_model_dir, tp=2),
+        timeout_s=120,
+        LLM_WORKER_MULTIPROC_METHOD="spawn",
+    )
+    assert done.returncode != 0
+    assert 'outside an `if __name__ == "__main__":` block' in done.stderr, done.stderr[-3000:]
+    assert "LLM_WORKER_MULTIPROC_METHOD=spawn" in done.stderr
+    assert "died" not in done.stderr  # refused before any worker started
+    assert time.monotonic() - start < 120
+
+
+def test_a_guarded_script_still_spawns(tiny_model_dir, tmp_path):
+    body = plain_script(tiny_model_dir, tp=2).replace("\n", "\n    ")
+    guarded = "if __name__ == '__main__':\n    " + body
+    done = run_script(tmp_path, guarded, timeout_s=180, LLM_WORKER_MULTIPROC_METHOD="spawn")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "TOKENS" in done.stdout
