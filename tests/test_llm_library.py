@@ -83,3 +83,32 @@ def test_a_guarded_script_still_spawns(tiny_model_dir, tmp_path):
     done = run_script(tmp_path, guarded, timeout_s=180, LLM_WORKER_MULTIPROC_METHOD="spawn")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "TOKENS" in done.stdout
+
+
+def test_prompt_dicts_take_a_cache_salt_that_separates_prefix_cache_hits(tiny_model_dir):
+    import pytest
+
+    from engine import LLM
+
+    llm = LLM(model=str(tiny_model_dir), device="cpu", num_kv_blocks=32, max_model_len=128,
+              kernels="torch")  # fmt: skip
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    ids = [5 + i % 97 for i in range(40)]  # two full 16-token blocks and a partial one
+    text = llm.get_tokenizer().decode(ids)
+
+    def cached(prompt) -> int:
+        (output,) = llm.generate(prompt, params, use_tqdm=False)
+        return output.metrics.num_cached_tokens
+
+    assert cached({"prompt_token_ids": ids, "cache_salt": "alice"}) == 0
+    assert cached({"prompt_token_ids": ids, "cache_salt": "bob"}) == 0  # another salt: no hit
+    assert cached({"prompt_token_ids": ids}) == 0  # no salt is a salt of its own
+    assert cached({"prompt_token_ids": ids, "cache_salt": "alice"}) == 32  # same salt: a hit
+    assert cached({"prompt": text, "cache_salt": "carol"}) == 0  # TextPrompt
+    assert cached({"prompt": text, "cache_salt": "carol"}) >= 16
+    mixed = llm.generate(["plain text", {"prompt_token_ids": ids}], params, use_tqdm=False)
+    assert [len(o.token_ids) for o in mixed] == [2, 2]
+    with pytest.raises(ValueError, match="'multi_modal_data'"):
+        llm.generate({"prompt": "x", "multi_modal_data": {}}, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="needs 'prompt'"):
+        llm.generate({"cache_salt": "x"}, params, use_tqdm=False)

@@ -20,6 +20,28 @@ from engine.trace import StepRecord
 logger = logging.getLogger(__name__)
 
 
+# vLLM's TextPrompt and TokensPrompt keys that this engine uses (it has no multi-modal inputs)
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+
+
+def parse_prompt(prompt: str | dict | None) -> tuple[str | None, list[int] | None, str | None]:
+    """(text, token ids, cache_salt) of a string or of vLLM's prompt dict; a dict with another
+    key, or with neither text nor token ids, is refused (ValueError) before anything runs."""
+    if prompt is None or isinstance(prompt, str):
+        return prompt, None, None
+    if not isinstance(prompt, dict):
+        raise TypeError(f"a prompt is a string or a dict, got {type(prompt).__name__}")
+    unknown = sorted(set(prompt) - set(PROMPT_KEYS))
+    if unknown:
+        raise ValueError(
+            f"unsupported prompt key(s) {', '.join(map(repr, unknown))}; a prompt dict takes "
+            f"{', '.join(map(repr, PROMPT_KEYS))}"
+        )
+    if prompt.get("prompt") is None and prompt.get("prompt_token_ids") is None:
+        raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+    return prompt.get("prompt"), prompt.get("prompt_token_ids"), prompt.get("cache_salt")
+
+
 class LLM:
     """Offline inference: give it all prompts, get all answers (vLLM's `LLM`)."""
 
@@ -72,27 +94,33 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[str] | None = None,
+        prompts: str | dict | list[str | dict] | None = None,
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
         prompt_token_ids: list[list[int]] | None = None,
         priorities: list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion, batched continuously; outputs in input order."""
-        if isinstance(prompts, str):
+        """Run every prompt to completion, batched continuously; outputs in input order. A
+        prompt is a string or one of vLLM's prompt dicts: {"prompt": text} (TextPrompt) or
+        {"prompt_token_ids": [...]} (TokensPrompt), either with "cache_salt" (requests share
+        prefix-cache blocks only under an equal salt)."""
+        if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         count = len(prompts) if prompts is not None else len(prompt_token_ids or [])
-        prompts = prompts or [None] * count
+        parsed = [parse_prompt(p) for p in prompts or [None] * count]
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * count
         requests = [
             self.engine.add_request(
                 prompt=prompt,
                 sampling_params=params,
-                prompt_token_ids=prompt_token_ids[i] if prompt_token_ids else None,
+                prompt_token_ids=prompt_token_ids[i] if prompt_token_ids else token_ids,
                 priority=priorities[i] if priorities else 0,
+                cache_salt=cache_salt,
             )
-            for i, (prompt, params) in enumerate(zip(prompts, sampling_params))
+            for i, ((prompt, token_ids, cache_salt), params) in enumerate(
+                zip(parsed, sampling_params)
+            )
         ]
         finished: dict[str, RequestOutput] = {}
         self.step_records = []
