@@ -169,6 +169,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         kernels=args.kernels,
+        engine_iteration_timeout_s=args.engine_iteration_timeout_s,
     )
     engine = EngineCore(config)
     _report_cuda_graphs(engine)
@@ -455,6 +456,14 @@ def add_serve_parser(sub) -> None:
     add_kernels_arg(p)
     add_quantization_args(p)
     add_parallel_args(p)
+    p.add_argument(
+        "--engine-iteration-timeout-s",
+        type=float,
+        default=None,
+        help="a step running longer counts as hung: /health answers 503, and with worker "
+        "processes (-tp/-pp) the step fails and the server exits with status 1 (default 60, "
+        "or the environment variable LLM_ENGINE_ITERATION_TIMEOUT_S)",
+    )
     p.set_defaults(func=cmd_serve)
 
 
