@@ -166,11 +166,12 @@ def test_health_and_models(server, client, model_name, tiny_model_dir):
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     models = client.models.list()
     assert [m.id for m in models.data] == [model_name]
-    # the served name is the artifact directory's name; the full path is accepted too
-    out = client.completions.create(
-        model=str(tiny_model_dir), prompt="Hi", max_tokens=2, temperature=0
-    )
+    # the served name is the artifact directory's name; the full path is not accepted (it would
+    # let a client confirm a guessed path)
+    out = client.completions.create(model=model_name, prompt="Hi", max_tokens=2, temperature=0)
     assert out.model == model_name
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model=str(tiny_model_dir), prompt="Hi", max_tokens=2)
 
 
 def test_completions_streamed_equals_non_streamed_equals_greedy(client, reference, model_name):

@@ -339,3 +339,73 @@ def test_shutdown_ends_streams_with_done_and_answers_waiting_requests_503(async_
     while async_llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not async_llm.engine.has_unfinished_requests()
+
+
+# -- 8. the smaller ones ------------------------------------------------------------------------
+
+
+def test_the_key_is_checked_before_the_body(server):
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        for content in (b"not json at all", b'{"prompt": 12}', b"{"):
+            assert_error(post(server, path, content=content, headers={}), 401)
+            bad_key = {"Authorization": "Bearer wrong"}
+            assert_error(post(server, path, content=content, headers=bad_key), 401)
+        assert_error(post(server, path, content=b"not json at all"), 400)  # with the key
+
+
+def test_only_the_served_name_is_a_model(server, tiny_model_dir):
+    assert completion(server, model=tiny_model_dir.name).status_code == 200
+    for guess in (str(tiny_model_dir), str(tiny_model_dir) + "/", "../" + tiny_model_dir.name):
+        error = assert_error(completion(server, model=guess), 404, "model")
+        assert str(tiny_model_dir.parent) not in error["message"].replace(guess[:200], "")
+
+
+def test_a_thousand_stop_strings_are_refused_with_the_limit(server):
+    for response in (
+        completion(server, stop=[f"s{i}" for i in range(1000)]),
+        chat(server, stop=[f"s{i}" for i in range(17)]),
+    ):
+        error = assert_error(response, 400, "stop")
+        assert "at most 16 stop strings" in error["message"]
+    assert completion(server, stop=[f"s{i}" for i in range(16)]).status_code == 200
+
+
+def test_405_names_the_allowed_methods(server):
+    response = httpx.get(f"{server.url}/v1/completions", headers=AUTH)
+    assert_error(response, 405)
+    assert response.headers["allow"] == "POST"
+    response = httpx.post(f"{server.url}/v1/models", headers=AUTH)
+    assert_error(response, 405)
+    assert response.headers["allow"] == "GET"
+
+
+def test_chat_logprobs_leave_out_the_closing_special_token(server):
+    """The message's text has no `<|im_end|>`; its logprobs must not have it either (nor its
+    bytes). The engine's last output is built by hand: a random model rarely ends on it."""
+    from types import SimpleNamespace
+
+    from engine.entrypoints.server.serving import ChatShape, GenerationJob
+    from engine.sampling_params import SamplingParams
+
+    openai_server = server.app.state.server
+    tokenizer = openai_server.tokenizer
+    im_end = tokenizer.token_to_id("<|im_end|>")
+    words = tokenizer.encode_plain("Hello there")
+    entries = [{"token_id": t, "logprob": -0.5, "top_logprobs": {}} for t in [*words, im_end]]
+    output = SimpleNamespace(
+        text="Hello there",
+        logprobs=entries,
+        delta_token_ids=[im_end],
+        delta_text="",
+        finished=True,
+        finish_reason="stop",
+        stop_reason=None,
+    )
+    for skip, expected in ((True, words), (False, [*words, im_end])):
+        params = SamplingParams(logprobs=0, skip_special_tokens=skip)
+        job = GenerationJob("chatcmpl-x", None, [1], params, 0, 0.0, None, False, False)
+        shape = ChatShape(openai_server, job, True)
+        content = shape.final_choice(output)["logprobs"]["content"]
+        assert [bytes(c["bytes"]) for c in content] == [tokenizer.token_bytes(t) for t in expected]
+        last = shape.delta_choice(output)["logprobs"]
+        assert (last is None) if skip else len(last["content"]) == 1

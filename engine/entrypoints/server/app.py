@@ -452,11 +452,18 @@ async def on_invalid_request(request: Request, exc: InvalidRequestError) -> Resp
 
 
 async def on_request_validation(request: Request, exc: RequestValidationError) -> Response:
+    """FastAPI reads and validates the body before the route's dependencies run; a client
+    without the key learns nothing from the body's check: the key is checked first."""
+    try:
+        get_server(request).check_api_key(await bearer(request))
+    except APIError as key_error:
+        return key_error.response()
     return validation_error(exc).response()
 
 
 async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
-    return APIError(exc.status_code, str(exc.detail)).response()
+    """In OpenAI's shape, keeping the exception's headers (405's Allow, 401's WWW-Authenticate)."""
+    return APIError(exc.status_code, str(exc.detail)).response(exc.headers)
 
 
 async def on_unexpected(request: Request, exc: Exception) -> Response:

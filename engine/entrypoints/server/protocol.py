@@ -57,8 +57,8 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -205,7 +205,7 @@ class SamplingFields(_Body):
     top_k: int | None = Field(None, ge=-1, le=MAX_INT32, description="vLLM extension")
     min_p: float | None = Field(None, ge=0, le=1, description="vLLM extension")
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: str | list[str] | None = Field(None, description=f"at most {MAX_STOP_STRINGS} strings")
     stop_token_ids: Annotated[list[Count], Field(max_length=1024)] | None = None
     n: int = Field(1, ge=1, le=MAX_INT32, description="only 1 is supported")
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
@@ -342,3 +342,10 @@ def _surrogate_path(value, path: str = "") -> str | None:
         if found is not None:
             return found
     return None
+
+
+def refuse_too_many_stop_strings(body: SamplingFields) -> None:
+    """More than MAX_STOP_STRINGS stop strings: a 400 that says the limit (SamplingParams words
+    it the same way), before the prompt is tokenized."""
+    if isinstance(body.stop, list) and len(body.stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings, got {len(body.stop)}", "stop")

@@ -33,6 +33,7 @@ from engine.entrypoints.server.protocol import (
     engine_failed,
     engine_not_running,
     refuse_lone_surrogates,
+    refuse_too_many_stop_strings,
     refuse_unrecognized,
     refuse_unsupported,
 )
@@ -185,8 +186,16 @@ class ChatShape(ResponseShape):
             }
         ]
 
+    def visible(self, entries: list[dict]) -> list[dict]:
+        """The logprob entries of tokens the text shows: with skip_special_tokens (the default)
+        the closing `<|im_end|>` is not in the message, so its logprob is not either."""
+        if not self.job.params.skip_special_tokens:
+            return entries
+        special = self.server.tokenizer.special_token_ids
+        return [e for e in entries if e["token_id"] not in special]
+
     def delta_choice(self, output: RequestOutput) -> dict | None:
-        entries = new_logprob_entries(output) if self.want_logprobs else None
+        entries = self.visible(new_logprob_entries(output)) if self.want_logprobs else None
         if not (output.delta_text or entries or output.finished):
             return None  # nothing to say yet (text held back at a UTF-8 or stop boundary)
         choice = {
@@ -200,7 +209,11 @@ class ChatShape(ResponseShape):
         return choice
 
     def final_choice(self, output: RequestOutput) -> dict:
-        logprobs = self.server.chat_logprobs(output.logprobs or []) if self.want_logprobs else None
+        logprobs = (
+            self.server.chat_logprobs(self.visible(output.logprobs or []))
+            if self.want_logprobs
+            else None
+        )
         return {
             "index": 0,
             "message": {"role": "assistant", "content": output.text},
@@ -281,7 +294,9 @@ class OpenAIServer:
             raise engine_not_running()
 
     def check_model(self, name: str | None) -> None:
-        if name is None or name in (self.model_name, self.model_dir.name, str(self.model_dir)):
+        """Only the served name: accepting the model's path too would let a client confirm a
+        guessed path on this machine."""
+        if name is None or name == self.model_name:
             return
         raise APIError(
             404,
@@ -434,6 +449,7 @@ class OpenAIServer:
         refuse_unrecognized(body)
         refuse_unsupported(body)
         refuse_lone_surrogates(body)
+        refuse_too_many_stop_strings(body)
         prompt, token_ids = await self.completion_prompt(body)
         params = self.sampling_params(body, len(token_ids), body.max_tokens, body.logprobs)
         job = self.make_job(body, "cmpl", prompt, token_ids, params, arrival)
@@ -451,6 +467,7 @@ class OpenAIServer:
         refuse_unrecognized(body)
         refuse_unsupported(body)
         refuse_lone_surrogates(body)
+        refuse_too_many_stop_strings(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         prompt, token_ids = await self.chat_prompt(body)
