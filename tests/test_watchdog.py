@@ -10,8 +10,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -21,6 +25,7 @@ from engine import SamplingParams
 from engine.config import ENGINE_ITERATION_TIMEOUT_ENV, EngineConfig
 from engine.entrypoints.llm import AsyncLLM
 
+ROOT = Path(__file__).resolve().parent.parent
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 SMALL = dict(num_kv_blocks=8, max_model_len=128, max_num_batched_tokens=24, kernels="torch")
 
@@ -138,3 +143,88 @@ def test_a_stopped_worker_fails_the_step_and_leaves_no_process(make_engine):
         engine.shutdown()
     assert wait_until(lambda: not alive(pids), timeout_s=10), alive(pids)
     assert wait_until(lambda: children() <= before, timeout_s=10), children() - before
+
+
+def _start_serve(model_dir, timeout_s: float) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [
+        sys.executable, "-m", "engine", "serve", "--model", str(model_dir), "--device", "cpu",
+        "--kernels", "torch", "--num-kv-blocks", "16", "--max-model-len", "128", "-tp", "2",
+        "--port", str(port), "--served-model-name", "tiny", "--log-level", "warning",
+        "--engine-iteration-timeout-s", str(timeout_s),
+    ]  # fmt: skip
+    server = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"{url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return server.poll() is not None  # gone: stop waiting
+
+    assert wait_until(up, timeout_s=120, poll_s=0.3) and server.poll() is None
+    return server, url
+
+
+def _descendants(pid: int) -> list[int]:
+    return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+
+
+def _stream_in_background(url: str) -> threading.Thread:
+    def run() -> None:
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 64, "stream": True}
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as reply:
+                for _ in reply.iter_lines():
+                    pass
+        except httpx.HTTPError:
+            pass
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.slow  # two server processes with tp 2, each for seconds
+def test_serve_with_a_stopped_worker_reports_it_exits_and_leaves_no_process(tiny_model_dir):
+    """The issue's run: SIGSTOP on one rank of `serve -tp 2`; /health answers 503 within the
+    watchdog time, the server exits with status 1, and nothing it started is left."""
+    server, url = _start_serve(tiny_model_dir, timeout_s=3)
+    try:
+        started = _descendants(server.pid)
+        workers = [p for p in started if "resource_tracker" not in psutil.Process(p).cmdline()]
+        os.kill(workers[-1], signal.SIGSTOP)
+        stream = _stream_in_background(url)
+
+        def unhealthy():
+            try:
+                return httpx.get(f"{url}/health", timeout=2).status_code == 503
+            except httpx.HTTPError:
+                return False
+
+        assert wait_until(unhealthy, timeout_s=30), "/health kept answering 200"
+        assert server.wait(timeout=60) == 1
+        stream.join(timeout=30)
+        assert wait_until(lambda: not alive(started), timeout_s=15), alive(started)
+    finally:
+        server.kill()
+
+
+@pytest.mark.slow
+def test_sigterm_while_a_worker_is_stopped_leaves_no_process(tiny_model_dir):
+    """SIGTERM before the watchdog fires (uvicorn re-raises it after its shutdown, which used to
+    end the process before the workers were stopped): the stopped worker is killed too."""
+    server, url = _start_serve(tiny_model_dir, timeout_s=60)
+    try:
+        started = _descendants(server.pid)
+        os.kill(started[-1], signal.SIGSTOP)
+        stream = _stream_in_background(url)
+        time.sleep(1.0)  # the step is now blocked on the stopped rank
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
+        stream.join(timeout=30)
+        assert wait_until(lambda: not alive(started), timeout_s=15), alive(started)
+    finally:
+        server.kill()
