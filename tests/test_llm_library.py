@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from engine import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,8 +88,6 @@ def test_a_guarded_script_still_spawns(tiny_model_dir, tmp_path):
 
 
 def test_prompt_dicts_take_a_cache_salt_that_separates_prefix_cache_hits(tiny_model_dir):
-    import pytest
-
     from engine import LLM
 
     llm = LLM(model=str(tiny_model_dir), device="cpu", num_kv_blocks=32, max_model_len=128,
@@ -112,3 +112,28 @@ def test_prompt_dicts_take_a_cache_salt_that_separates_prefix_cache_hits(tiny_mo
         llm.generate({"prompt": "x", "multi_modal_data": {}}, params, use_tqdm=False)
     with pytest.raises(ValueError, match="needs 'prompt'"):
         llm.generate({"cache_salt": "x"}, params, use_tqdm=False)
+
+
+@pytest.mark.slow  # the real model, tp 3 in a fresh process: tens of seconds on a small CPU
+def test_the_readme_example_with_tensor_parallel_3_runs_as_a_plain_script(
+    default_model_dir, tmp_path
+):
+    """The issue's script: the README's example with tensor_parallel_size=3, no guard."""
+    from engine import LLM
+
+    script = (
+        "from engine import LLM, SamplingParams\n"
+        f"llm = LLM(model={str(default_model_dir)!r}, device='cpu', num_kv_blocks=8,\n"
+        "          max_model_len=128, kernels='torch', tensor_parallel_size=3)\n"
+        "outs = llm.generate(['Hello'], SamplingParams(max_tokens=8, temperature=0.0),\n"
+        "                    use_tqdm=False)\n"
+        "print('TOKENS', *outs[0].token_ids, flush=True)\n"
+    )
+    done = run_script(tmp_path, script, timeout_s=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("TOKENS"))
+    llm = LLM(model=str(default_model_dir), device="cpu", num_kv_blocks=8, max_model_len=128,
+              kernels="torch")  # fmt: skip
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    expected = llm.generate(["Hello"], params, use_tqdm=False)[0].token_ids
+    assert [int(t) for t in line.split()[1:]] == expected
