@@ -456,6 +456,12 @@ def add_serve_parser(sub) -> None:
     add_kernels_arg(p)
     add_quantization_args(p)
     add_parallel_args(p)
+    add_iteration_timeout_arg(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def add_iteration_timeout_arg(p: argparse.ArgumentParser) -> None:
+    """The engine-iteration watchdog (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S)."""
     p.add_argument(
         "--engine-iteration-timeout-s",
         type=float,
@@ -464,7 +470,6 @@ def add_serve_parser(sub) -> None:
         "processes (-tp/-pp) the step fails and the server exits with status 1 (default 60, "
         "or the environment variable LLM_ENGINE_ITERATION_TIMEOUT_S)",
     )
-    p.set_defaults(func=cmd_serve)
 
 
 def add_bench_workload_args(p: argparse.ArgumentParser) -> None:
