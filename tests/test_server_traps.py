@@ -95,17 +95,22 @@ def test_a_trickling_body_is_cut_off_by_the_body_deadline(async_llm):
 
 def test_a_connection_over_the_cap_gets_503(async_llm):
     """With the cap at 2, two idle connections are held and a third one's request gets a 503 in
-    OpenAI's error shape; once they close, requests are served again."""
+    OpenAI's error shape (a /health probe is still answered, and closed); once they close,
+    requests are served again."""
     app = build_app(async_llm, api_key=API_KEY)
     with start_server_in_thread(app, max_connections=2) as handle:
         held = [socket.create_connection((handle.host, handle.port), timeout=5) for _ in range(2)]
         try:
             time.sleep(0.2)  # let the server accept both
             with socket.create_connection((handle.host, handle.port), timeout=5) as extra:
-                extra.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                extra.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
                 reply = read_reply(extra)
             assert reply.startswith(b"HTTP/1.1 503"), reply[:200]
             assert b'"error"' in reply and b"connections" in reply
+            with socket.create_connection((handle.host, handle.port), timeout=5) as probe:
+                probe.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                reply = read_reply(probe)  # answered, then closed (read_reply reads to the end)
+            assert reply.startswith(b"HTTP/1.1 200") and b'"ok"' in reply, reply[:200]
         finally:
             for sock in held:
                 sock.close()

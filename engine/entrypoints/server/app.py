@@ -151,7 +151,7 @@ class HeaderTimeoutH11Protocol(H11Protocol):
         super().connection_made(transport)
         self._deadline = None
         if len(self.connections) > self.limits.max_connections:
-            self.app = _over_capacity
+            self.app = _over_capacity(self.app)
             _throttled_warning(
                 "over_capacity",
                 "%d connections open (the cap is %d): answering 503",
@@ -203,12 +203,29 @@ class HeaderTimeoutH11Protocol(H11Protocol):
             self.transport.close()
 
 
-async def _over_capacity(scope, receive, send) -> None:
-    """The answer on a connection over the cap: 503, OpenAI's shape, then the connection closes."""
-    await _send_error(
-        send,
-        APIError(503, "the server has too many open connections; retry later", "server_error"),
-    )
+def _over_capacity(app):
+    """The app on a connection over the cap: a 503 in OpenAI's shape, except for /health (a
+    load balancer's probe, no engine work), which is answered; either way the connection then
+    closes."""
+
+    async def answer(scope, receive, send) -> None:
+        if scope.get("path") != "/health":
+            return await _send_error(
+                send,
+                APIError(
+                    503, "the server has too many open connections; retry later", "server_error"
+                ),
+            )
+
+        async def send_and_close(message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", []) if h[0] != b"connection"]
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        await app(scope, receive, send_and_close)
+
+    return answer
 
 
 _last_warning: dict[str, float] = {}

@@ -392,7 +392,6 @@ class OpenAIServer:
         return (prompt if isinstance(prompt, str) else None), token_ids
 
     async def chat_prompt(self, body: ChatCompletionRequest) -> tuple[str, list[int]]:
-        self.check_message_count(len(body.messages))
         messages = []
         for message in body.messages:
             content = message.content
@@ -464,6 +463,7 @@ class OpenAIServer:
         arrival = arrival_time(raw_request)
         self.check_engine()
         self.check_model(body.model)
+        self.check_message_count(len(body.messages))  # first: the checks below walk them all
         refuse_unrecognized(body)
         refuse_unsupported(body)
         refuse_lone_surrogates(body)
