@@ -35,7 +35,13 @@ Defaults worth knowing:
 - temperature defaults to 1.0 and top_p to 1.0, as in OpenAI's API; send temperature=0 for greedy.
 - one prompt and n=1 per request; fields this engine does not implement (logit_bias, tools,
   response_format, penalties, echo, suffix, best_of, ...) are refused with a 400 that names them
-  rather than silently ignored.
+  rather than silently ignored; a field no schema names gets OpenAI's "Unrecognized request
+  argument supplied" with the closest known name (max_token → max_tokens).
+- the API key is checked before the body, so a client without it learns nothing from the body's
+  check; the model is the served name only, never the model's path.
+- a slow client cannot hold a connection: the head must arrive within 10 s, the body within
+  30 s after it; connections over the cap get a 503; a shutdown ends what is still open after
+  its grace period with an error event and `[DONE]`, or a 503 (ConnectionLimits, DrainingServer).
 """
 
 from __future__ import annotations

@@ -182,8 +182,9 @@ IGNORED_MESSAGE_FIELDS = ("tool_call_id", "refusal")
 
 class _Body(BaseModel):
     # strict: "0.5" is not a number and 1 is not a boolean, as in OpenAI's API; NaN and ±inf are
-    # refused. Unknown fields are kept aside (model_extra): ignored (user, metadata, ...) unless
-    # they are in UNSUPPORTED_FIELDS.
+    # refused. Fields the model does not declare are kept aside (model_extra): `allowed_extras`
+    # are checked by refuse_unsupported (or ignored: user, metadata, ...), any other one gets
+    # refuse_unrecognized's 400.
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
     allowed_extras: ClassVar[tuple[str, ...]] = ()
 
