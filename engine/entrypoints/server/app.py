@@ -155,7 +155,7 @@ class HeaderTimeoutH11Protocol(H11Protocol):
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._deadline = None
+        self._deadline = self._deadline_kind = None
         if len(self.connections) > self.limits.max_connections:
             self.app = _over_capacity(self.app)
             _throttled_warning(
@@ -172,15 +172,16 @@ class HeaderTimeoutH11Protocol(H11Protocol):
             return
         state = self.conn.their_state
         if state is h11.SEND_BODY:  # the head has arrived, the body has not (all) yet
-            if getattr(self, "_deadline_kind", None) != "body":
+            if self._deadline_kind != "body":
                 self._arm_deadline(self.limits.body_timeout, self._body_timed_out)
         elif state is not h11.IDLE:  # the whole request has arrived
             self._cancel_deadline()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing():  # the next request on this connection gets one too
-            self._arm_deadline(self.limits.header_timeout, self._header_timed_out)
+        if self.transport.is_closing() or self._deadline_kind == "body":
+            return  # a body still arriving after an early answer keeps its own deadline
+        self._arm_deadline(self.limits.header_timeout, self._header_timed_out)  # the next request
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_deadline()
