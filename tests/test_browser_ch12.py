@@ -52,11 +52,6 @@ def test_ch12_lab_in_browser(page, app_url):
     page.screenshot(path=str(SHOTS / "ch12_lab.png"), full_page=False)
 
 
-@pytest.mark.xfail(
-    reason="known defect (issue 30 note, 2026-12-04): the simulated 70B run goes on in slices for "
-    "minutes, so it does not end within the test's timeout; the sliced run must be cut shorter",
-    strict=False,
-)
 def test_ch12_simulation_in_browser(page, app_url):
     """실행 대상 → 시뮬레이션: the same views draw Llama-3.1-70B on 8 H100s against 4 (computed),
     with the scale table; 실행 runs the simulated engines (no worker process)."""

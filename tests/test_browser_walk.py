@@ -140,17 +140,7 @@ def step_reload_and_finish(pg, base: str, chapter_id: str) -> None:
     assert sidebar_state(pg) == finished[0], (sidebar_state(pg), finished)
 
 
-# Known defect (issue 30 note, 2026-12-04): a reload does not restore chapter 12's engines, whose
-# workers start on the page's own buttons; the walk fails there until it does.
-WALK = [
-    pytest.param(c, marks=pytest.mark.xfail(reason="ch12 reload loses its run", strict=True))
-    if c == "12"
-    else c
-    for c in CHAPTERS
-]
-
-
-@pytest.mark.parametrize("chapter_id", WALK)
+@pytest.mark.parametrize("chapter_id", CHAPTERS)
 def test_walk_every_chapters_default_lab(page, app_url, chapter_id):
     open_chapter(page, app_url, chapter_id)
     if chapter_id in NO_STEP_LAB:

@@ -479,9 +479,12 @@ def click_pending() -> bool:
 
 
 def _run_bar(ctx: LabContext, run: LabRun):
-    """The run's progress bar with its 정지 button, in the lab's progress slot."""
+    """The run's progress bar with its 정지 button, in the lab's progress slot. Returns the slot
+    (emptied when the run ends, so no 정지 is left behind by a run that ended within this script
+    run) and the bar."""
     with ctx.progress if ctx.progress is not None else st.container():
-        row = st.container(horizontal=True, vertical_alignment="center")
+        holder = st.empty()
+        row = holder.container(horizontal=True, vertical_alignment="center")
         bar = row.progress(run.fraction(), text=run.label())
         row.button(
             "정지",
@@ -491,7 +494,7 @@ def _run_bar(ctx: LabContext, run: LabRun):
             args=(ctx.key,),
             help="진행 중인 실행을 지금 스텝에서 멈춥니다 (엔진과 기록은 그대로)",
         )
-    return bar
+    return holder, bar
 
 
 def advance_run(
@@ -503,7 +506,7 @@ def advance_run(
     ctx.advanced = True
     if run is None:
         return 0
-    bar = _run_bar(ctx, run)
+    holder, bar = _run_bar(ctx, run)
     budget_s = run.budget(budget_s)
     start, stepped, finished = time.perf_counter(), 0, False
     while run.done < run.limit:
@@ -518,7 +521,7 @@ def advance_run(
     run.slice_end = time.perf_counter()
     if finished or run.done >= run.limit:
         st.session_state.pop(_RUN.format(ctx.key), None)
-        bar.empty()
+        holder.empty()
     return stepped
 
 

@@ -51,7 +51,7 @@ from ui.lab import (
     set_playing,
 )
 from ui.predict import compare, predict
-from ui.session import current_settings, get_engine, reset_engine
+from ui.session import current_settings, get_engine, persist_key, reset_engine
 from ui.simulation import simulation_overrides
 from ui.widgets import evidence, show_frame
 
@@ -416,6 +416,7 @@ def scale_view(spec: dict) -> None:
 SIM_MODEL, SIM_TP = "llama-3.1-70b", 8  # the simulated default: 70B on 8 GPUs vs 4
 LIVE = "_ch12_live"  # the signature of the real engines the learner started (None: not yet)
 PENDING = "_ch12_pending"  # "run" or "load": what to do once those engines are up
+persist_key(LIVE)  # a reload finds the started engines (held by the registry) as started
 
 
 def lab_model_config() -> LlamaConfig:
