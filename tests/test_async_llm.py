@@ -216,7 +216,6 @@ def test_step_listeners_see_every_step_and_cannot_break_the_loop(async_llm):
     assert async_llm.errored is None
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_is_running_tells_a_live_loop_from_a_dead_or_stopped_one(tiny_model_dir):
     """The server's /health and `serve`'s exit status read this flag."""
     llm = AsyncLLM(model=str(tiny_model_dir), **ENGINE)

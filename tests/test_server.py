@@ -537,7 +537,6 @@ def test_chat_content_parts_equal_plain_content(client, model_name):
     assert a.usage.prompt_tokens == b.usage.prompt_tokens
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_engine_failure_is_reported_not_hidden(engine_kwargs, model_name):
     """If the engine loop dies, requests get a 5xx in the error shape and /health says so."""
     llm = AsyncLLM(EngineCore(EngineConfig(**engine_kwargs)))

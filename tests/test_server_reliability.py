@@ -520,7 +520,6 @@ def test_a_failing_request_gets_an_error_and_the_others_complete(
 # -- the engine loop itself dies ---------------------------------------------------------------
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_serve_exits_with_status_1_when_the_engine_loop_dies(engine_kwargs):
     """A dead loop cannot serve again: serve() stops and returns 1 for a supervisor to restart."""
     engine = EngineCore(EngineConfig(**engine_kwargs))

@@ -16,14 +16,12 @@ import time
 import httpx
 import pytest
 from test_server import API_KEY, AUTH, assert_error, post
+from test_server_reliability import MAX_MODEL_LEN, chat, completion
 
 from engine.core import EngineConfig, EngineCore
 from engine.entrypoints.llm import AsyncLLM
 from engine.entrypoints.server import app as app_module
 from engine.entrypoints.server.app import build_app, start_server_in_thread
-
-MAX_MODEL_LEN = 1024
-CHAT = [{"role": "user", "content": "What is a KV cache?"}]
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +42,6 @@ def async_llm(tiny_model_dir):
 def server(async_llm):
     with start_server_in_thread(build_app(async_llm, api_key=API_KEY)) as handle:
         yield handle
-
-
-def completion(server, **body) -> httpx.Response:
-    return post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, **body})
-
-
-def chat(server, **body) -> httpx.Response:
-    return post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, **body})
 
 
 def read_reply(sock: socket.socket) -> bytes:

@@ -103,24 +103,21 @@ def cmd_artifact(args: argparse.Namespace) -> int:
     return 0
 
 
+def engine_config(args: argparse.Namespace):
+    """The EngineConfig a command's flags name: each field its flag sets (the rest default)."""
+    from dataclasses import fields
+
+    from engine.config import EngineConfig
+
+    given = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
+    return EngineConfig(**given)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine.core import EngineConfig, EngineCore
+    from engine.core import EngineCore
     from engine.sampling_params import SamplingParams
 
-    engine = EngineCore(
-        EngineConfig(
-            model=args.model,
-            device=args.device,
-            dtype=args.dtype,
-            quantization=args.quantization,
-            quantization_group_size=args.quantization_group_size,
-            speculative_config=args.speculative_config,
-            enforce_eager=args.enforce_eager,
-            tensor_parallel_size=args.tensor_parallel_size,
-            pipeline_parallel_size=args.pipeline_parallel_size,
-            kernels=args.kernels,
-        )
-    )
+    engine = EngineCore(engine_config(args))
     _report_cuda_graphs(engine)
     _report_layout(engine)
     prompt = args.prompt
@@ -149,28 +146,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve until Ctrl-C; exit status 1 if the engine loop dies (so a supervisor restarts us)."""
-    from engine.core import EngineConfig, EngineCore
+    from engine.core import EngineCore
     from engine.entrypoints.server.app import ConnectionLimits, serve
     from engine.entrypoints.server.protocol import DEFAULT_MAX_BODY_BYTES
 
-    config = EngineConfig(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        num_kv_blocks=args.num_kv_blocks,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        quantization=args.quantization,
-        quantization_group_size=args.quantization_group_size,
-        speculative_config=args.speculative_config,
-        enforce_eager=args.enforce_eager,
-        tensor_parallel_size=args.tensor_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-        kernels=args.kernels,
-        engine_iteration_timeout_s=args.engine_iteration_timeout_s,
-    )
+    config = engine_config(args)
     engine = EngineCore(config)
     _report_cuda_graphs(engine)
     _report_layout(engine)

@@ -259,11 +259,11 @@ class AsyncLLM:
                         listener(record)
                     except Exception:  # an observer must never stop the engine
                         logger.exception("step listener failed")
-        except BaseException as exc:  # surface the failure to every waiting caller
+        except BaseException as exc:  # surface the failure to every waiting caller and /health
             self.errored = exc
             for request_id in list(self._streams):
                 self._deliver(request_id, RuntimeError(f"engine loop died: {exc!r}"))
-            raise
+            logger.error("the engine loop died; every open request failed", exc_info=exc)
 
     def _drain_inbox(self) -> None:
         while True:
