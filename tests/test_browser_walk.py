@@ -16,7 +16,7 @@ import re
 import shutil
 
 import pytest
-from _browser import ROOT, SHOTS, chapter_fixtures, wait_run_over
+from _browser import ROOT, SHOTS, LabDriver, chapter_fixtures, wait_run_over
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -29,6 +29,19 @@ LAB_COUNTER = re.compile(r"스텝 (\d+) · KV 블록 (\d+)/(\d+)")
 SIDEBAR_STEP = re.compile(r"스텝 (\d+)")
 SIDEBAR_KV = re.compile(r"KV 블록 (\d+)/(\d+) 사용")
 REFUSALS = ("거절했습니다", "거절되었습니다", "받지 못했습니다")
+# What a chapter's finished default run shows beyond the common checks: texts on the page and the
+# least number of plots drawn with data (the ch05, ch07, ch08 and ch12 lab checks live here, not in
+# a second run of the same workload elsewhere).
+SHOWS = {
+    "05": (("메모리 예산 계산기",), 3),
+    "06": ((), 1),
+    "07": (("같은 워크로드, 세 가지 방식",), 6),
+    "08": (("긴 프롬프트가 decode 중인",), 4),
+    "12": (
+        ("tp 3 × pp 1", "워커가 가진 것", "전체 비교", "측정값", "보고값", "all-reduce 60번"),
+        5,
+    ),
+}
 
 app_url, page = chapter_fixtures("walk", TIMEOUT_MS)
 
@@ -112,6 +125,15 @@ def check_text(pg, chapter_id: str) -> None:
         assert word not in body, f"ch{chapter_id}: a default request was refused ({word})"
 
 
+def check_shows(pg, chapter_id: str) -> None:
+    texts, min_plots = SHOWS.get(chapter_id, ((), 0))
+    body = pg.locator("[data-testid='stMain']").inner_text()
+    missing = [t for t in texts if t not in body]
+    assert not missing, f"ch{chapter_id}: {missing} not on the page"
+    with_data = [n for n in LabDriver.plot_traces(pg) if n > 0]
+    assert len(with_data) >= min_plots, f"ch{chapter_id}: plots with data {with_data}"
+
+
 def screenshot(pg, chapter_id: str) -> None:
     header = pg.get_by_role("heading", name="실험실").first
     if header.count():
@@ -148,6 +170,7 @@ def test_walk_every_chapters_default_lab(page, app_url, chapter_id):
     else:
         step_reload_and_finish(page, app_url, chapter_id)
     check_text(page, chapter_id)
+    check_shows(page, chapter_id)
     no_exception(page)
     screenshot(page, chapter_id)
 
