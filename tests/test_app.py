@@ -393,10 +393,14 @@ def test_quiz_gives_feedback(app):
     questions = load_quiz("00")
     choice = next(i for i, q in enumerate(questions, 1) if q["kind"] == "choice")
     q = questions[choice - 1]
+    wrong = next(o for o in q["options"] if o != q["options"][q["answer"]])
+    at.radio(key=f"quiz_ch00_{choice}").set_value(wrong).run()
+    assert any(e.value.startswith("다시 생각해 보세요") for e in at.error)
     at.radio(key=f"quiz_ch00_{choice}").set_value(q["options"][q["answer"]]).run()
     assert any(s.value.startswith("정답입니다") for s in at.success)
-    short = next(i for i, q in enumerate(questions, 1) if q["kind"] == "short")
-    at.text_input(key=f"quiz_ch00_{short}").input("모르겠어요").run()
-    assert any(e.value.startswith("다시 생각해 보세요") for e in at.error)
-    at.text_input(key=f"quiz_ch00_{short}").input(questions[short - 1]["accept"][0]).run()
-    assert sum(s.value.startswith("정답입니다") for s in at.success) == 2
+    # an open question is self-assessed: write, reveal the model answer, mark yourself
+    own = next(i for i, q in enumerate(questions, 1) if q["kind"] == "self")
+    at.text_area(key=f"quiz_ch00_{own}").input("모르겠어요").run()
+    at.checkbox(key=f"quiz_ch00_{own}_reveal").check().run()
+    assert any(questions[own - 1]["model_answer"] in m.value for m in at.info)
+    assert sum(s.value.startswith("정답입니다") for s in at.success) == 1

@@ -3,24 +3,27 @@
 render_chapter("03", lab): lessons/ch03.md up to `<!-- LAB -->` → lab() → the rest of the lesson
 → 확인 문제 (the quiz) → 다음 장 with a link to the next chapter's page.
 
-The quiz (lessons/chNN_quiz.json) is a list of questions of two kinds:
+The quiz (lessons/chNN_quiz.json) is a list of questions of three kinds. Two are graded by the
+code, because a right answer to them can be verified (자동 채점); the third, an open "explain why"
+question, is graded by the learner against a model answer (스스로 채점), because no keyword list can
+tell a right explanation from a wrong one that uses the same words ("기아는 아니다").
 
     {"kind": "choice", "question": str, "options": [str, ...], "answer": int,
      "hint": str (optional), "explanation": str}
     {"kind": "short", "question": str, "check": CHECK, "accept": [str, ...],
      "hint": str (optional), "explanation": str}
+    {"kind": "self", "question": str, "model_answer": str, "explanation": str}
 
-CHECK says what a right short answer is, in a form the code can verify:
+CHECK says what a right short answer is:
     {"type": "number", "value": float, "rel_tol": float (default 0.005)}
-        the last number written (thousands separators allowed) lies within the tolerance;
+        the answer states exactly one number and no negation (a comma before exactly three digits
+        is a thousands separator; "1,5" is ambiguous and read as no number), within the tolerance;
     {"type": "exact", "answers": [str, ...]}
-        the whole answer, normalised, is one of these;
-    {"type": "keywords", "all": [[str, ...], ...], "none": [str, ...] (optional)}
-        every group in "all" has a synonym in the answer and no word of "none" appears
-        ("=word" matches only an answer that is exactly that word).
+        the whole answer, normalised, is one of these.
 "accept" holds example right answers (each must pass CHECK); one is shown once the answer is
-revealed. Choice options are shuffled per session (seeded); a first wrong answer gets a hint and a
-second try, and only a second wrong answer reveals the key and the explanation.
+revealed. A number answer that does not state exactly one number is not graded: the learner is
+asked to write one number. Choice options are shuffled per session (seeded); a first wrong answer
+gets a hint and a second try, and only a second wrong answer reveals the key and the explanation.
 """
 
 from __future__ import annotations
@@ -107,25 +110,47 @@ def normalize(text: str) -> str:
     return re.sub(r"[\s\-_·'\"`‘’“”]+", "", str(text)).lower()
 
 
-_NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+_NUMBER_TOKEN = re.compile(r"[0-9][0-9,]*(?:\.[0-9]+)?")
+_GROUPED = re.compile(r"[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?")
 
 
-def numbers_in(text: str) -> list[float]:
-    """The numbers written in text, thousands separators allowed ("23,040" → 23040.0)."""
+def numbers_in(text: str) -> list[float] | None:
+    """The numbers written in text; None when one of them is ambiguous.
+
+    A comma followed by exactly three digits is a thousands separator ("23,040" → 23040.0); any
+    other comma inside a number ("1,5": a decimal comma? a list?) makes the answer ambiguous, so it
+    is not read at all rather than read as 15. A comma that ends a number is punctuation."""
     out = []
-    for raw in _NUMBER.findall(str(text)):
-        try:
-            out.append(float(raw.replace(",", "")))
-        except ValueError:
-            continue
+    for raw in _NUMBER_TOKEN.findall(str(text)):
+        raw = raw.rstrip(",")
+        if "," in raw and not _GROUPED.fullmatch(raw):
+            return None
+        out.append(float(raw.replace(",", "")))
     return out
 
 
-def _keyword_in(word: str, given: str) -> bool:
-    """A synonym appears in the normalised answer ("=word": the whole answer must be the word)."""
-    if word.startswith("="):
-        return given == normalize(word[1:])
-    return normalize(word) in given
+NUMBER_PROBLEM = (
+    "숫자 하나만 써 주세요. 숫자가 여럿이거나 부정하는 말이 섞인 답은 채점하지 않습니다. "
+    "천 단위 쉼표는 23,040처럼 세 자리마다 찍습니다."
+)
+_NEGATION = re.compile(r"아니|아님|아냐|않|없|못|틀|\b(?:not|no|isn't|wrong)\b", re.IGNORECASE)
+
+
+def answer_number(answer: str) -> float | None:
+    """The one number an answer states, or None when it cannot be read as exactly one: no number,
+    several ("3블록 × 5 = 15"), an ambiguous comma ("1,5"), or a negation ("12가 아니다")."""
+    found = numbers_in(answer)
+    if found is None or len(found) != 1 or _NEGATION.search(str(answer)):
+        return None
+    return found[0]
+
+
+def answer_problem(answer: str, check: dict) -> str | None:
+    """Why a short answer cannot be graded as written (None when it can). A number question is
+    sent back rather than graded wrong when its answer does not state exactly one number."""
+    if check.get("type") != "number" or not normalize(answer):
+        return None
+    return None if answer_number(answer) is not None else NUMBER_PROBLEM
 
 
 def check_answer(answer: str, check: dict) -> bool:
@@ -135,19 +160,20 @@ def check_answer(answer: str, check: dict) -> bool:
         return False
     kind = check.get("type")
     if kind == "number":
-        found = numbers_in(answer)
-        if not found:
+        found = answer_number(answer)
+        if found is None:
             return False
         value = float(check["value"])
         tol = float(check.get("rel_tol", 0.005)) * abs(value) or 1e-9
-        return abs(found[-1] - value) <= tol
+        return abs(found - value) <= tol
     if kind == "exact":
         return given in {normalize(a) for a in check["answers"]}
-    if kind == "keywords":
-        if any(normalize(w) in given for w in check.get("none", [])):
-            return False
-        return all(any(_keyword_in(w, given) for w in group) for group in check["all"])
     raise ValueError(f"unknown check type: {kind!r}")
+
+
+def choice_is_right(q: dict, choice: str) -> bool:
+    """A chosen option is right only when it is the key itself, never by sharing its words."""
+    return choice == q["options"][q["answer"]]
 
 
 def shuffled_order(n: int, seed: int, chapter_id: str, index: int) -> list[int]:
@@ -183,8 +209,59 @@ def _feedback(key: str, answer: str, right: bool, q: dict, key_text: str) -> Non
         st.error("다시 생각해 보세요. 정답: " + key_text + " — " + q.get("explanation", ""))
 
 
+KIND_LABELS = {"choice": "자동 채점", "short": "자동 채점", "self": "스스로 채점"}
+SELF_MARKS = ["맞았어요", "틀렸어요"]
+
+
+def _choice(key: str, q: dict, order: list[int]) -> None:
+    shown = [q["options"][j] for j in order]
+    choice = st.radio("답 고르기", shown, index=None, key=key, label_visibility="collapsed")
+    if choice is not None:
+        _feedback(key, choice, choice_is_right(q, choice), q, q["options"][q["answer"]])
+
+
+def _short(key: str, q: dict) -> None:
+    answer = st.text_input(
+        "답 쓰기", key=key, label_visibility="collapsed", placeholder="답을 쓰고 Enter"
+    )
+    if not answer.strip():
+        return
+    problem = answer_problem(answer, q["check"])
+    if problem:
+        st.warning(problem)
+        return
+    right = check_answer(answer, q["check"])
+    _feedback(key, answer.strip(), right, q, "예시 답: " + (q.get("accept") or ["—"])[0])
+
+
+def _self_assessed(key: str, q: dict) -> None:
+    """Write first, then reveal the model answer and mark yourself; the code never grades it."""
+    written = st.text_area(
+        "내 답 쓰기", key=key, label_visibility="collapsed", placeholder="내 생각을 먼저 써 보세요"
+    )
+    shown = st.checkbox(
+        "모범 답안 보기",
+        key=f"{key}_reveal",
+        disabled=not written.strip(),
+        help="먼저 답을 쓰면 열 수 있습니다.",
+    )
+    if not (shown and written.strip()):
+        return
+    st.info("모범 답안: " + q["model_answer"] + "\n\n" + q["explanation"])
+    mark = st.radio(
+        "내 답을 모범 답안과 견주어 스스로 채점해 보세요",
+        SELF_MARKS,
+        index=None,
+        key=f"{key}_mark",
+        horizontal=True,
+    )
+    if mark == SELF_MARKS[1]:
+        st.caption("어느 부분이 달랐는지 본문의 해당 절에서 다시 확인해 보세요.")
+
+
 def quiz(chapter_id: str) -> None:
-    """The chapter's questions with feedback: shuffled options, a hint and a second try."""
+    """The chapter's questions, each labelled with who grades it: the code (choice, number,
+    exact term) or the learner against a model answer (open explanations)."""
     questions = load_quiz(chapter_id)
     if not questions:
         st.caption("이 장의 확인 문제는 준비 중입니다.")
@@ -194,29 +271,14 @@ def quiz(chapter_id: str) -> None:
     for i, q in enumerate(questions, 1):
         key = f"quiz_{cid}_{i}"
         with st.container(border=True):
-            st.markdown(f"**문제 {i}.** {q['question']}")
-            if q.get("kind") == "choice":
-                order = shuffled_order(len(q["options"]), seed, cid, i)
-                shown = [q["options"][j] for j in order]
-                choice = st.radio(
-                    "답 고르기", shown, index=None, key=key, label_visibility="collapsed"
-                )
-                if choice is not None:
-                    key_text = q["options"][q["answer"]]
-                    _feedback(key, choice, choice == key_text, q, key_text)
+            label = KIND_LABELS[q["kind"]]
+            st.markdown(f"**문제 {i}.** :gray-badge[{label}] {q['question']}")
+            if q["kind"] == "choice":
+                _choice(key, q, shuffled_order(len(q["options"]), seed, cid, i))
+            elif q["kind"] == "short":
+                _short(key, q)
             else:
-                answer = st.text_input(
-                    "답 쓰기", key=key, label_visibility="collapsed", placeholder="답을 쓰고 Enter"
-                )
-                if answer.strip():
-                    example = (q.get("accept") or ["—"])[0]
-                    _feedback(
-                        key,
-                        answer.strip(),
-                        check_answer(answer, q["check"]),
-                        q,
-                        "예시 답: " + example,
-                    )
+                _self_assessed(key, q)
 
 
 # app.py registers its st.Page objects here (chapter id → page), so that links work for every page.
