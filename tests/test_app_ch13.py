@@ -37,6 +37,26 @@ def test_expected_tokens_per_step_is_leviathans_formula():
     assert ch13.expected_tokens_per_step(0.5, 200) == pytest.approx(2.0)
 
 
+def test_alpha_counts_only_the_positions_the_verifier_judged():
+    """vLLM's acceptance rate divides by every draft; Leviathan et al.'s alpha is the chance a
+    position is accepted given the ones before it were, so the drafts behind a rejection (never
+    judged) are left out. Steps: 1 of 3 accepted, 3 of 3, 0 of 2."""
+    stats = ch13.SpecStats(3, 0, 0, 0, 0, 0, 0, [], [0] * 3, [0] * 3)
+    for drafts, accepted in ((3, 1), (3, 3), (2, 0)):
+        ch13._count_verify_step(stats, drafts, accepted)
+    assert stats.acceptance_rate == pytest.approx(4 / 8)
+    assert stats.alpha == pytest.approx(4 / 6)
+    assert stats.mean_acceptance_length == pytest.approx(1 + 4 / 3)
+    assert (stats.accepted_per_pos, stats.reached_per_pos) == ([2, 1, 1], [3, 2, 1])
+    assert stats.formula == pytest.approx(
+        (2 * ch13.expected_tokens_per_step(4 / 6, 3) + ch13.expected_tokens_per_step(4 / 6, 2)) / 3
+    )
+    # the quote example of the lesson: about 1.5 accepted per step is alpha ≈ 0.7, 2.5 tokens
+    assert ch13.expected_tokens_per_step(0.7, 3) == pytest.approx(2.533)
+    assert ch13.speedup_estimate(0.7, 3, 0.0) == pytest.approx(2.533)
+    assert ch13.speedup_estimate(0.7, 3, 0.05) == pytest.approx(2.533 / 1.15)
+
+
 def test_spec_config_is_accepted_by_the_engine_and_keeps_min_below_max():
     from engine.spec_decode import SpeculativeConfig
 
@@ -87,9 +107,13 @@ def test_spec_stats_agree_with_the_engine_counters(spec_run):
     proposed = sum(len(s.draft_token_ids) for r in on.records for s in r.scheduled)
     accepted = sum(s.num_accepted_tokens for r in on.records for s in r.scheduled)
     assert (stats.proposed, stats.accepted) == (proposed, accepted)
-    assert stats.alpha == pytest.approx(accepted / proposed)
+    assert stats.acceptance_rate == pytest.approx(accepted / proposed)
     assert stats.tokens_per_verify_step == pytest.approx(1 + accepted / stats.verify_steps)
-    assert stats.formula == pytest.approx(ch13.expected_tokens_per_step(stats.alpha, 3))
+    rejected = sum(
+        0 < len(s.draft_token_ids) != s.num_accepted_tokens for r in on.records for s in r.scheduled
+    )
+    assert stats.alpha == pytest.approx(accepted / (accepted + rejected))
+    assert stats.formula_at_k == pytest.approx(ch13.expected_tokens_per_step(stats.alpha, 3))
     # every decode token of the run is counted: outputs minus the first token of each prefill
     assert stats.decode_tokens == sum(map(len, on.outputs)) - len(on.outputs)
     assert ch13.spec_stats(on.records, 3, "r1").proposed <= stats.proposed

@@ -39,12 +39,16 @@ NGRAM = {
 # -- the proposer and the verifier alone -------------------------------------------------------
 
 
-def test_ngram_proposer_prefers_the_longest_then_the_most_recent_match():
+def test_ngram_proposer_prefers_the_longest_then_the_earliest_match():
+    """vLLM's prompt lookup (v1/spec_decode/ngram_proposer.py) takes the longest n-gram and,
+    among its occurrences, the earliest."""
     proposer = NgramProposer(num_speculative_tokens=2, prompt_lookup_max=3, prompt_lookup_min=1)
-    # "7 8 9" occurred at index 0 (followed by 1 2); "8 9" more recently at 5 (followed by 5 5)
+    # "7 8 9" occurred at index 0 (followed by 1 2); "8 9" also at 5 (followed by 5 5)
     assert proposer.propose([7, 8, 9, 1, 2, 8, 9, 5, 5, 7, 8, 9]) == [1, 2]
-    # only the 1-gram "9" matches; its most recent earlier occurrence is followed by 4 5
-    assert proposer.propose([9, 3, 9, 4, 5, 6, 9]) == [4, 5]
+    # only the 1-gram "9" matches; its earliest occurrence is followed by 3 9 (the later by 4 5)
+    assert proposer.propose([9, 3, 9, 4, 5, 6, 9]) == [3, 9]
+    # "1 2" occurs at 0 (then 5 1) and at 3 (then 6 1): the earliest wins
+    assert proposer.propose([1, 2, 5, 1, 2, 6, 1, 2]) == [5, 1]
     assert proposer.propose([1, 2, 3]) == []  # nothing repeats: no draft
     assert proposer.propose([5]) == []
     # near the end of the text fewer than k tokens may follow

@@ -19,19 +19,23 @@ class NgramProposer:
         """Up to k draft tokens for a request whose tokens so far (prompt + output) are
         `token_ids`; [] when its last n-gram never appeared before.
 
-        Longer n-grams first: a longer match is stronger evidence that the text repeats."""
+        Longer n-grams first: a longer match is stronger evidence that the text repeats. Among
+        equal matches the earliest, as vLLM's prompt lookup takes
+        (vllm/v1/spec_decode/ngram_proposer.py): the first occurrence is most often the prompt's
+        original (the list or passage being copied), and taking the same match keeps this
+        engine's drafts, and so its acceptance numbers, comparable with vLLM's."""
         for n in range(min(self.max_n, len(token_ids) - 1), self.min_n - 1, -1):
-            start = self._last_earlier_match(token_ids, n)
+            start = self._earliest_match(token_ids, n)
             if start is not None:
                 return token_ids[start + n : start + n + self.k]
         return []
 
     @staticmethod
-    def _last_earlier_match(token_ids: list[int], n: int) -> int | None:
-        """Where the last n tokens occurred most recently before (the suffix itself excluded)."""
+    def _earliest_match(token_ids: list[int], n: int) -> int | None:
+        """Where the last n tokens first occurred (the suffix itself excluded)."""
         suffix = token_ids[-n:]
-        last = suffix[-1]
-        for end in range(len(token_ids) - 2, n - 2, -1):  # `end`: index of a match's last token
-            if token_ids[end] == last and token_ids[end - n + 1 : end + 1] == suffix:
-                return end - n + 1
+        first = suffix[0]
+        for start in range(len(token_ids) - n):
+            if token_ids[start] == first and token_ids[start : start + n] == suffix:
+                return start
         return None

@@ -223,7 +223,18 @@ def draft_grid_figure(table: pd.DataFrame, k: int, max_rows: int = 16) -> go.Fig
 
 @dataclass
 class SpecStats:
-    """Counts read from a run's records (measured) and the formula at the measured alpha."""
+    """Counts read from a run's records (measured) and the formula at the measured alpha.
+
+    Three rates that are easy to mix up, each with its own definition:
+    - `acceptance_rate` (vLLM's "draft acceptance rate"): accepted drafts / proposed drafts;
+    - `mean_acceptance_length` (vLLM's): 1 + accepted drafts per verifying step, the tokens a
+      verifying step emits (the model's own token included);
+    - `alpha` (Leviathan et al.'s alpha): the chance that a draft position is accepted given that
+      the ones before it were, estimated from the positions the verifier actually reached:
+      accepted / (accepted + verifying steps that rejected one). This is the alpha that
+      (1 - alpha^(k+1)) / (1 - alpha) takes; the acceptance rate also counts the drafts behind a
+      rejection, which the verifier never judged, and so reads lower.
+    """
 
     k: int
     verify_steps: int  # (step, request) pairs that verified drafts
@@ -231,14 +242,27 @@ class SpecStats:
     accepted: int
     decode_steps: int  # (step, request) decode pairs, with or without drafts
     decode_tokens: int  # tokens those decode pairs emitted
+    rejected_steps: int = 0  # verifying steps that rejected a draft (not all accepted)
+    draft_counts: list[int] = field(default_factory=list)  # drafts of each verifying step
+    accepted_per_pos: list[int] = field(default_factory=list)  # accepted at draft position i
+    reached_per_pos: list[int] = field(default_factory=list)  # judged at i (all before accepted)
 
     @property
-    def alpha(self) -> float | None:
+    def acceptance_rate(self) -> float | None:
         return self.accepted / self.proposed if self.proposed else None
 
     @property
-    def tokens_per_verify_step(self) -> float | None:
+    def alpha(self) -> float | None:
+        judged = self.accepted + self.rejected_steps
+        return self.accepted / judged if judged else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
         return 1 + self.accepted / self.verify_steps if self.verify_steps else None
+
+    @property
+    def tokens_per_verify_step(self) -> float | None:
+        return self.mean_acceptance_length
 
     @property
     def tokens_per_decode_step(self) -> float | None:
@@ -249,32 +273,61 @@ class SpecStats:
         return self.proposed / self.verify_steps if self.verify_steps else None
 
     @property
+    def conditional_rate_per_pos(self) -> list[float | None]:
+        """Per draft position: accepted there / judged there (all before it accepted)."""
+        return [a / r if r else None for a, r in zip(self.accepted_per_pos, self.reached_per_pos)]
+
+    @property
     def formula(self) -> float | None:
+        """The formula at the measured alpha, averaged over the verifying steps with each step's
+        own number of drafts (n-gram drafts can be fewer than k); k for every step gives
+        `formula_at_k`."""
+        a = self.alpha
+        if a is None or not self.draft_counts:
+            return None
+        return sum(expected_tokens_per_step(a, n) for n in self.draft_counts) / len(
+            self.draft_counts
+        )
+
+    @property
+    def formula_at_k(self) -> float | None:
         a = self.alpha
         return None if a is None else expected_tokens_per_step(a, self.k)
 
 
 def spec_stats(records: list[StepRecord], k: int, request_id: str | None = None) -> SpecStats:
-    verify = proposed = accepted = decode_steps = decode_tokens = 0
+    stats = SpecStats(k, 0, 0, 0, 0, 0, 0, [], [0] * k, [0] * k)
     for rec in records:
         for s in rec.scheduled:
-            if request_id is not None and s.request_id != request_id:
+            if s.phase != "decode" or (request_id is not None and s.request_id != request_id):
                 continue
-            if s.phase != "decode":
-                continue
-            emitted = len(rec.new_tokens.get(s.request_id, []))
-            decode_steps += 1
-            decode_tokens += emitted
+            stats.decode_steps += 1
+            stats.decode_tokens += len(rec.new_tokens.get(s.request_id, []))
             if s.draft_token_ids:
-                verify += 1
-                proposed += len(s.draft_token_ids)
-                accepted += s.num_accepted_tokens
-    return SpecStats(k, verify, proposed, accepted, decode_steps, decode_tokens)
+                _count_verify_step(stats, len(s.draft_token_ids), s.num_accepted_tokens)
+    return stats
+
+
+def _count_verify_step(stats: SpecStats, drafts: int, accepted: int) -> None:
+    """One verifying step: positions 0..accepted-1 accepted, position `accepted` (if a draft was
+    there) judged and rejected, the ones behind it never judged."""
+    stats.verify_steps += 1
+    stats.proposed += drafts
+    stats.accepted += accepted
+    stats.rejected_steps += accepted < drafts
+    stats.draft_counts.append(drafts)
+    grow = drafts - len(stats.accepted_per_pos)
+    if grow > 0:  # a run stepped with a larger k than the one asked about
+        stats.accepted_per_pos += [0] * grow
+        stats.reached_per_pos += [0] * grow
+    for i in range(min(accepted + 1, drafts)):
+        stats.reached_per_pos[i] += 1
+        stats.accepted_per_pos[i] += i < accepted
 
 
 def formula_figure(k: int, measured: SpecStats | None = None) -> go.Figure:
-    """Tokens per verifying step against alpha: the formula's curve for k (and k ± 1 for shape),
-    the measured point at the measured alpha."""
+    """Tokens per verifying step against Leviathan et al.'s alpha: the formula's curve for k (and
+    k ± 1 for shape), the measured mean acceptance length at the measured alpha."""
     alphas = np.linspace(0, 0.999, 101)
     fig = go.Figure()
     for kk in sorted({max(1, k - 1), k, k + 1}):
@@ -299,12 +352,19 @@ def formula_figure(k: int, measured: SpecStats | None = None) -> go.Figure:
         )
     fig.update_layout(
         title=f"한 검증 스텝에 나오는 토큰 수: (1 − α^(k+1)) / (1 − α), k={k}",
-        xaxis_title="받아들임 비율 α",
+        xaxis_title="α (앞 초안이 모두 맞았을 때 이 초안이 맞을 확률)",
         yaxis_title="토큰/스텝",
         height=320,
         margin=dict(l=10, r=10, t=40, b=10),
     )
     return fig
+
+
+def speedup_estimate(alpha: float, k: int, c: float) -> float:
+    """Leviathan et al.'s expected walltime improvement, (1 - alpha^(k+1)) / ((1 - alpha)(ck + 1)),
+    with c the cost of one draft relative to one target forward (n-gram drafts: c ≈ 0). It
+    assumes a verifying forward costs what a plain one does (memory-bound decode)."""
+    return expected_tokens_per_step(alpha, k) / (c * k + 1)
 
 
 def compare_outputs(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -458,8 +518,8 @@ def decode_seconds(records: list[StepRecord]) -> float:
 
 def speed_table(runs: dict[tuple[int, bool], PromptRun], k: int) -> pd.DataFrame:
     """One row per (batch, on/off): steps, tokens, engine time (all, and decode steps only),
-    tokens/s, alpha; on the 'on' row the speedups (time off / time on, all and decode only) and
-    whether the outputs were identical."""
+    tokens/s, the acceptance rate and alpha; on the 'on' row the speedups (time off / time on,
+    all and decode only) and whether the outputs were identical."""
     rows = []
     for (batch, on), run in sorted(runs.items(), key=lambda kv: kv[0]):
         stats = spec_stats(run.records, k)
@@ -477,7 +537,10 @@ def speed_table(runs: dict[tuple[int, bool], PromptRun], k: int) -> pd.DataFrame
             if run.records
             else None,
             "decode 시간 (s)": round(decode_seconds(run.records), 3),
-            "α (받아들임 비율)": None if stats.alpha is None else round(stats.alpha, 2),
+            "수락률 (받아들인 초안 ÷ 초안)": None
+            if stats.acceptance_rate is None
+            else round(stats.acceptance_rate, 2),
+            "α (앞이 맞았을 때 맞을 확률)": None if stats.alpha is None else round(stats.alpha, 2),
             "속도 향상 (끔 시간 / 켬 시간)": None,
             "decode만 속도 향상": None,
             "출력 같음": None,

@@ -20,6 +20,7 @@ from ui.experiments.ch13 import (
     speed_figure,
     speed_steps,
     speed_table,
+    speedup_estimate,
 )
 from ui.lab import LabContext, Progress, Side, add_prompt, reset_lab, run_steps, set_playing
 from ui.predict import compare, predict
@@ -101,55 +102,73 @@ def _draft_view(on_records, tokenizer, rid: str, k: int) -> None:
             )
 
 
+def _rate(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
+
+
 def _stats_view(on_records, k: int, rid: str, ids: list[str]) -> None:
-    """α and tokens per verifying step measured, against the formula at the measured α."""
+    """vLLM's two metrics (acceptance rate, mean acceptance length) and Leviathan et al.'s α,
+    each with its own definition, and the formula at that α against the measured tokens per step."""
     stats = spec_stats(on_records, k, rid)
     all_stats = spec_stats(on_records, k)
-    c1, c2, c3, c4 = st.columns(4)
-    c1.metric("α (받아들임 비율)", "—" if stats.alpha is None else f"{stats.alpha:.2f}")
-    c2.metric(
-        "검증 스텝당 토큰 (측정)",
-        "—" if stats.tokens_per_verify_step is None else f"{stats.tokens_per_verify_step:.2f}",
-    )
-    c3.metric("공식 (1−α^(k+1))/(1−α)", "—" if stats.formula is None else f"{stats.formula:.2f}")
-    c4.metric(
-        "decode 스텝당 토큰 (초안 없는 스텝 포함)",
-        "—" if stats.tokens_per_decode_step is None else f"{stats.tokens_per_decode_step:.2f}",
-    )
+    c1, c2, c3, c4, c5 = st.columns(5)
+    c1.metric("수락률 (받아들인 초안 ÷ 초안)", _rate(stats.acceptance_rate))
+    c2.metric("α (앞이 맞았을 때 맞을 확률)", _rate(stats.alpha))
+    c3.metric("검증 스텝당 토큰 = 평균 수락 길이 (측정)", _rate(stats.tokens_per_verify_step))
+    c4.metric("공식 (1−α^(k+1))/(1−α)", _rate(stats.formula))
+    c5.metric("decode 스텝당 토큰 (초안 없는 스텝 포함)", _rate(stats.tokens_per_decode_step))
     cond = dict(
         요청=rid,
         k=k,
         **{"초안 없는 decode 스텝": stats.decode_steps - stats.verify_steps},
     )
     if stats.alpha is not None:
-        evidence(
-            "측정값",
-            f"요청 {rid}: 초안 {stats.proposed}개 중 {stats.accepted}개 받아들임 → "
-            f"α = {stats.alpha:.2f}; 검증 스텝 {stats.verify_steps}개에서 평균 "
-            f"{stats.tokens_per_verify_step:.2f}토큰 (받아들인 초안 + 모델 토큰 1개); 검증 스텝당 "
-            f"초안 평균 {stats.mean_drafts:.2f}개",
-            **cond,
-        )
-        evidence(
-            "계산값",
-            f"측정한 α = {stats.alpha:.2f}, k = {k}을 넣으면 검증 스텝당 {stats.formula:.2f}토큰",
-            formula="(1 − α^(k+1)) / (1 − α) (Leviathan et al., ICML'23)",
-        )
-        st.caption(
-            "공식은 매 스텝 초안이 k개 꽉 차 있고, 각 초안이 서로 독립으로 확률 α로 맞는다고 "
-            "가정합니다. n-gram 초안은 k개보다 짧을 수 있고, 맞고 틀림이 몰려서 나옵니다(목록을 "
-            "옮기는 동안은 계속 맞다가 새 줄에서 틀림). 그래서 측정값과 공식이 어긋날 수 있습니다."
-        )
+        _stats_evidence(stats, k, cond)
         compare(f"{KEY}_tps", stats.tokens_per_verify_step, "토큰/스텝", fmt="{:.2f}")
     if all_stats.alpha is not None and len(ids) > 1:
         evidence(
             "측정값",
-            f"이 엔진의 모든 요청: α = {all_stats.alpha:.2f}, 검증 스텝당 "
-            f"{all_stats.tokens_per_verify_step:.2f}토큰",
+            f"이 엔진의 모든 요청: 수락률 {all_stats.acceptance_rate:.2f}, α = "
+            f"{all_stats.alpha:.2f}, 검증 스텝당 {all_stats.tokens_per_verify_step:.2f}토큰",
             요청=len(ids),
             k=k,
         )
     st.plotly_chart(formula_figure(k, stats), width="stretch", key=f"{KEY}_formula")
+
+
+def _stats_evidence(stats, k: int, cond: dict) -> None:
+    """The counts behind each rate, then the formula at the measured α."""
+    per_pos = ", ".join(
+        f"{i + 1}번째 {a}/{r}"
+        for i, (a, r) in enumerate(zip(stats.accepted_per_pos, stats.reached_per_pos))
+        if r
+    )
+    evidence(
+        "측정값",
+        f"요청 {cond['요청']}: 초안 {stats.proposed}개 중 {stats.accepted}개 받아들임 → "
+        f"수락률 {stats.acceptance_rate:.2f} (vLLM의 draft acceptance rate). 검증기가 실제로 "
+        f"판정한 자리(앞 초안이 모두 맞은 자리)만 세면 {per_pos} → α = {stats.alpha:.2f}. "
+        f"검증 스텝 {stats.verify_steps}개에서 평균 {stats.tokens_per_verify_step:.2f}토큰 "
+        f"(받아들인 초안 + 모델 토큰 1개, vLLM의 mean acceptance length); 검증 스텝당 초안 "
+        f"평균 {stats.mean_drafts:.2f}개",
+        **cond,
+    )
+    evidence(
+        "계산값",
+        f"측정한 α = {stats.alpha:.2f}를 스텝마다 실제 초안 수와 함께 넣으면 검증 스텝당 "
+        f"{stats.formula:.2f}토큰 (초안이 늘 k = {k}개였다면 {stats.formula_at_k:.2f}). "
+        f"초안 비용 c ≈ 0인 n-gram에서 검증 스텝이 평범한 스텝과 같은 값이라면 기대 속도 향상은 "
+        f"{speedup_estimate(stats.alpha, k, 0.0):.2f}배, 초안 하나가 대상 모델 forward의 "
+        f"5%인 초안 모델(c = 0.05)이라면 {speedup_estimate(stats.alpha, k, 0.05):.2f}배",
+        formula="(1 − α^(k+1)) / (1 − α), 속도 향상 (1 − α^(k+1)) / ((1 − α)(ck + 1)) "
+        "(Leviathan et al., ICML'23)",
+    )
+    st.caption(
+        "수락률은 틀린 초안 뒤에 있어 판정받지 못한 초안까지 분모에 넣으므로 α보다 낮게 "
+        "나옵니다. 공식에 넣을 것은 α입니다. 공식은 또 맞을 확률이 자리마다 같고 서로 "
+        "독립이라고 가정하므로, 맞고 틀림이 몰려 나오는 n-gram 초안에서는 측정값과 조금 "
+        "어긋날 수 있습니다."
+    )
 
 
 def _outputs_view(ctx: LabContext, requests: list, k: int) -> None:
@@ -250,7 +269,8 @@ def speed_section(spec: dict, k: int) -> None:
             f"배치 {row['배치 (요청 수)']}: 속도 향상 {row['속도 향상 (끔 시간 / 켬 시간)']:.2f}배 "
             "(끔 시간 ÷ 켬 시간; 1보다 크면 켬이 빠르고, 작으면 느림), prefill을 뺀 decode "
             f"스텝만으로는 {fmt_value(row['decode만 속도 향상'])}배, "
-            f"α = {fmt_value(row['α (받아들임 비율)'])}, "
+            f"수락률 {fmt_value(row['수락률 (받아들인 초안 ÷ 초안)'])}, "
+            f"α = {fmt_value(row['α (앞이 맞았을 때 맞을 확률)'])}, "
             f"greedy 출력 같음: {fmt_value(row['출력 같음'])}",
             **cond,
             배치=row["배치 (요청 수)"],
