@@ -211,6 +211,10 @@ def _feedback(key: str, answer: str, right: bool, q: dict, key_text: str) -> Non
 
 KIND_LABELS = {"choice": "자동 채점", "short": "자동 채점", "self": "스스로 채점"}
 SELF_MARKS = ["맞았어요", "틀렸어요"]
+KIND_LEGEND = (
+    "자동 채점: 고른 답, 숫자, 용어처럼 코드가 확인할 수 있는 답입니다. "
+    "스스로 채점: 설명을 먼저 써 보고, 모범 답안과 견주어 직접 표시합니다."
+)
 
 
 def _choice(key: str, q: dict, order: list[int]) -> None:
@@ -268,6 +272,7 @@ def quiz(chapter_id: str) -> None:
         return
     cid = f"ch{chapter(chapter_id).id}"
     seed = _session_seed()
+    st.caption(KIND_LEGEND)
     for i, q in enumerate(questions, 1):
         key = f"quiz_{cid}_{i}"
         with st.container(border=True):
