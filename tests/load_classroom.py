@@ -3,15 +3,18 @@
     .venv/bin/python tests/load_classroom.py --learners 4 --steps 5
 
 Starts `streamlit run app.py` on a free 127.0.0.1 port (with .streamlit/config.toml), or measures
-a server already running (--url and --pid). One warm-up learner first loads the page and steps,
-alone: that is the one-learner level. Then the wave: every learner opens chapter 00 in its own
-browser context (its own Streamlit session), queues a prompt carrying its own marker and presses
-"다음 스텝" --steps times; all learners click at the same time. Printed:
+a server already running (--url and --pid), or several behind a proxy (--url of the proxy, --pid
+of every replica: their CPU and RSS are summed; deploy/classroom.py, docs/deploy.md). One warm-up
+learner first loads the page and steps, alone: that is the one-learner level. Then the wave:
+every learner opens chapter 00 in its own browser context (its own Streamlit session), queues a
+prompt carrying its own marker and presses "다음 스텝" --steps times; all learners click at the
+same time. Printed:
 
   click latency p50/p90 (click → the app idle again), server CPU seconds per click (from
   /proc/<pid>/stat), server RSS at start, with one learner, at the wave's peak and after the wave
   left (the reaper releases engines LLM_LAB_SESSION_TTL_S after a tab closes; this script sets
-  a short TTL when it starts the server), and whether each learner saw only its own request.
+  a short TTL when it starts the server), whether each learner saw only its own request, and
+  (behind deploy/'s proxy) which replica served each learner (its X-LLM-Lab-Replica header).
 The server it starts gets OMP_WAIT_POLICY=PASSIVE (the classroom's serving setting, README) unless
 --omp-wait-policy says otherwise.
 
@@ -29,6 +32,8 @@ import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,10 +49,17 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
-def descendants_cpu_seconds(root: int, exclude: int | None = None) -> float:
-    """CPU seconds of every live process below `root`, leaving out `exclude` and whatever runs
-    below it (here: below this script, without the Streamlit server it started, are the headless
-    Chromium's browser, GPU and renderer processes: what the learners' browsers cost)."""
+def servers_cpu_seconds(pids: Iterable[int]) -> float:
+    """CPU seconds of the app's processes together (several replicas behind a proxy)."""
+    return sum(cpu_seconds(pid) for pid in pids)
+
+
+def descendants_cpu_seconds(root: int, exclude: Iterable[int] = ()) -> float:
+    """CPU seconds of every live process below `root`, leaving out those in `exclude` and
+    whatever runs below them (here: below this script, without the Streamlit servers it started,
+    are the headless Chromium's browser, GPU and renderer processes: what the learners' browsers
+    cost)."""
+    exclude = set(exclude)
     parent: dict[int, int] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -57,7 +69,7 @@ def descendants_cpu_seconds(root: int, exclude: int | None = None) -> float:
     total = 0.0
     for pid in parent:
         p, seen = pid, 0
-        while p in parent and p not in (root, exclude) and seen < 64:
+        while p in parent and p != root and p not in exclude and seen < 64:
             p, seen = parent[p], seen + 1
         if p == root and pid != root:
             try:
@@ -67,11 +79,17 @@ def descendants_cpu_seconds(root: int, exclude: int | None = None) -> float:
     return total
 
 
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+def rss_mb(pids: int | Iterable[int]) -> float:
+    """Resident memory of a process, or of several together, in MB."""
+    total = 0.0
+    for pid in (pids,) if isinstance(pids, int) else pids:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1]) / 1024
+                break
+        else:
+            return float("nan")
+    return total
 
 
 class Server:
@@ -106,6 +124,7 @@ class Learner:
     saw_own: bool = False
     body: str = ""
     clicks_cpu_s: float | None = None  # server CPU over this learner's clicks (alone: per click)
+    replica: str | None = None  # the proxy's X-LLM-Lab-Replica: which app process served it
 
 
 async def _wait_run(page, timeout_ms: int) -> None:
@@ -167,14 +186,15 @@ async def run_learner(
     start: asyncio.Event,
     timeout_ms: int,
     keep_open: asyncio.Event | None = None,
-    pid: int | None = None,
+    pids: tuple[int, ...] = (),
 ) -> None:
     context = await browser.new_context(viewport={"width": 1280, "height": 900}, locale="ko-KR")
     page = await context.new_page()
     page.set_default_timeout(timeout_ms)
     try:
         t0 = time.perf_counter()
-        await page.goto(url)
+        response = await page.goto(url)
+        learner.replica = response.headers.get("x-llm-lab-replica") if response else None
         await page.wait_for_selector("[data-testid='stApp']")
         await _wait_run(page, timeout_ms)
         learner.load_s = time.perf_counter() - t0
@@ -183,11 +203,11 @@ async def run_learner(
         )
         await _click(page, "요청 추가", timeout_ms)
         await start.wait()  # everybody clicks together
-        cpu0 = cpu_seconds(pid) if pid else None
+        cpu0 = servers_cpu_seconds(pids) if pids else None
         for _ in range(steps):
             learner.clicks_s.append(await _click(page, "다음 스텝", timeout_ms))
         if cpu0 is not None:
-            learner.clicks_cpu_s = cpu_seconds(pid) - cpu0
+            learner.clicks_cpu_s = servers_cpu_seconds(pids) - cpu0
         body = await page.inner_text("body")
         learner.saw_own = learner.marker in body
         exceptions = page.locator("[data-testid='stException']")
@@ -228,7 +248,7 @@ def percentile(values: list[float], q: float) -> float:
 
 async def classroom(
     url: str,
-    pid: int,
+    pid: int | Iterable[int],
     learners: int,
     steps: int,
     timeout_ms: int,
@@ -236,7 +256,11 @@ async def classroom(
     status=None,
     log=print,
 ) -> dict:
+    """Run the one-learner level and the wave against `url`; `pid` is the app's process, or the
+    processes of every replica behind a proxy (CPU and RSS are their sums)."""
     from playwright.async_api import async_playwright
+
+    pids = (pid,) if isinstance(pid, int) else tuple(pid)
 
     chromium = find_chromium()
     if chromium is None:
@@ -248,7 +272,7 @@ async def classroom(
     result: dict = {
         "learners": learners,
         "steps": steps,
-        "rss_start_mb": rss_mb(pid),
+        "rss_start_mb": rss_mb(pids),
         "load_average_start": os.getloadavg(),
     }
     async with async_playwright() as p:
@@ -259,12 +283,12 @@ async def classroom(
         go = asyncio.Event()
         go.set()
         warm = Learner(-1, f"워밍업{tag}")
-        await run_learner(browser, url, warm, steps, go, timeout_ms, pid=pid)
+        await run_learner(browser, url, warm, steps, go, timeout_ms, pids=pids)
         result["one_learner_click_p50_s"] = percentile(warm.clicks_s, 0.5)
         result["one_learner_cpu_per_click_s"] = (warm.clicks_cpu_s or 0.0) / max(
             len(warm.clicks_s), 1
         )
-        result["rss_one_learner_mb"] = rss_mb(pid)
+        result["rss_one_learner_mb"] = rss_mb(pids)
         log(
             f"one learner: click p50 {result['one_learner_click_p50_s']:.2f} s, "
             f"{result['one_learner_cpu_per_click_s']:.3f} server CPU-s per click, "
@@ -287,14 +311,14 @@ async def classroom(
             await asyncio.sleep(0.2)
         await asyncio.sleep(1.0)
         me = os.getpid()
-        cpu0, t0 = cpu_seconds(pid), time.perf_counter()
-        client0 = descendants_cpu_seconds(me, exclude=pid)
+        cpu0, t0 = servers_cpu_seconds(pids), time.perf_counter()
+        client0 = descendants_cpu_seconds(me, exclude=pids)
         go.set()
         while any(len(lr.clicks_s) < steps and not lr.errors for lr in loaded):
             await asyncio.sleep(0.1)
-        cpu1, t1 = cpu_seconds(pid), time.perf_counter()
-        client1 = descendants_cpu_seconds(me, exclude=pid)
-        result["rss_peak_mb"] = rss_mb(pid)
+        cpu1, t1 = servers_cpu_seconds(pids), time.perf_counter()
+        client1 = descendants_cpu_seconds(me, exclude=pids)
+        result["rss_peak_mb"] = rss_mb(pids)
         closing.set()
         await asyncio.gather(*tasks)
         await browser.close()
@@ -318,10 +342,11 @@ async def classroom(
     )
     result["learner_bodies"] = {lr.index: lr.body for lr in loaded}
     result["markers"] = {lr.index: lr.marker for lr in loaded}
+    result["replicas"] = {lr.index: lr.replica for lr in [warm, *loaded] if lr.replica}
     # 3. Everybody has left. Nobody else connects: only the reaper can give the memory back.
     result["load_average_wave"] = os.getloadavg()
     result["engines_released_after_s"] = await _wait_engines_released(status, reap_wait_s)
-    result["rss_after_mb"] = rss_mb(pid)
+    result["rss_after_mb"] = rss_mb(pids)
     result["status_after"] = status() if status else None
     return result
 
@@ -356,6 +381,13 @@ def report(r: dict) -> str:
         + ("each learner saw only its own request" if r["isolation_ok"] else "BROKEN"),
         f"  errors         {r['errors'] or 'none'}",
     ]
+    if r.get("replicas"):
+        spread = Counter(r["replicas"].values())
+        lines.append(
+            "  replicas       "
+            + ", ".join(f"{name}: {n} learners" for name, n in sorted(spread.items()))
+            + " (the proxy's X-LLM-Lab-Replica; the warm-up learner is index -1)"
+        )
     return "\n".join(lines)
 
 
@@ -364,7 +396,12 @@ def main() -> int:
     ap.add_argument("--learners", type=int, default=4)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--url", help="a running app (default: start one here)")
-    ap.add_argument("--pid", type=int, help="the running app's process id (with --url)")
+    ap.add_argument(
+        "--pid",
+        type=lambda text: [int(p) for p in text.split(",")],
+        help="the running app's process id (with --url); behind a proxy, every replica's, "
+        "comma-separated (deploy/classroom.py prints them)",
+    )
     ap.add_argument(
         "--ttl", type=float, default=15, help="LLM_LAB_SESSION_TTL_S of the server started here"
     )
