@@ -53,7 +53,7 @@ def lab() -> None:
     def before(ctx: LabContext) -> None:
         predict(
             "ch11_speed",
-            f"동시 요청 {batch}개일 때, int8 엔진의 디코드 스텝은 float32 엔진과 비교해 어떨까?",
+            f"동시 요청 {batch}개일 때, int8 엔진의 decode 스텝은 float32 엔진과 비교해 어떨까?",
             options=CHOICES,
             locked=ctx.started,
         )

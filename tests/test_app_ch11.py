@@ -33,7 +33,7 @@ def test_lab_runs_three_engines_and_summarises(app):
     bars = chart(app, "ch11_decode_fig")["data"][0]
     assert list(bars["x"]) == ["float32", "int8", "int4"] and bars["y"]
     frames = [df.value for df in app.dataframe]
-    summary = next(f for f in frames if "디코드 스텝 중앙값 (ms)" in f.columns)
+    summary = next(f for f in frames if "decode 스텝 중앙값 (ms)" in f.columns)
     mb = dict(zip(summary["엔진"], summary["가중치 (MB)"]))
     assert mb["int4"] < mb["int8"] < mb["float32"] / 3
     agreement = next(f for f in frames if "float32와 같은 토큰 비율" in f.columns)
@@ -45,7 +45,7 @@ def test_lab_runs_three_engines_and_summarises(app):
 
 def test_bytes_table_matches_the_formats(app):
     frames = [df.value for df in app.dataframe]
-    column = "디코드 스텝당 읽는 가중치 (MB)"
+    column = "decode 스텝당 읽는 가중치 (MB)"
     table = next(f for f in frames if column in f.columns).set_index("형식")
     ratio = table["float32 대비"]
     assert ratio["bfloat16"] == 0.5 and 0.25 < ratio["int8"] < 0.3
@@ -132,4 +132,4 @@ def test_page_shows_the_llama_cpp_comparison_of_the_latest_bench(app, monkeypatc
     assert not app.exception, [e.value for e in app.exception]
     assert any("llama.cpp" in s.value for s in app.subheader)
     frames = [d.value for d in app.dataframe if "÷ llama.cpp" in d.value.columns]
-    assert frames and list(frames[0]["디코드 토큰/s"]) == [96.0, 107.3]
+    assert frames and list(frames[0]["decode 토큰/s"]) == [96.0, 107.3]

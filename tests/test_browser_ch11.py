@@ -35,7 +35,7 @@ def test_ch11_lab_in_browser(page, app_url):
         page.wait_for_timeout(300)
     no_exception(page)
     body = page.inner_text("body")
-    assert "같은 요청, 다른 숫자" in body and "디코드 스텝 하나가 읽는 가중치" in body
+    assert "같은 요청, 다른 숫자" in body and "decode 스텝 하나가 읽는 가중치" in body
     before = len(plot_traces(page))
     button = page.get_by_role("button", name="실행", exact=True).first
     button.scroll_into_view_if_needed()
@@ -43,7 +43,7 @@ def test_ch11_lab_in_browser(page, app_url):
     # three engines load and run (minutes on a busy CPU): wait for the run's own summary, then
     # for the explanation computed after it in the same run (the grid check reads 106 M weights
     # once per process), then for the run to end
-    page.get_by_text("디코드만 한 스텝의 중앙값").first.wait_for(timeout=STEP_TIMEOUT_MS)
+    page.get_by_text("decode만 한 스텝의 중앙값").first.wait_for(timeout=STEP_TIMEOUT_MS)
     page.get_by_text("왜 이런 일치율인가").first.wait_for(timeout=STEP_TIMEOUT_MS)
     _wait_idle(page, STEP_TIMEOUT_MS, settle_ms=500)
     no_exception(page)

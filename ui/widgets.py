@@ -22,6 +22,7 @@ EVIDENCE_KINDS = {
     "측정값": ("blue", "measured"),
     "계산값": ("green", "derived"),
     "보고값": ("orange", "reported"),
+    "제조사 문서": ("violet", "vendor-documented"),
 }
 
 
@@ -103,8 +104,8 @@ def decision_table(record: StepRecord | None) -> pd.DataFrame:
 
 
 def evidence(kind: str, text: str, **conditions) -> None:
-    """A number with its evidence label: 측정값 (conditions), 계산값 (formula=...),
-    보고값 (source=...)."""
+    """A number with its evidence label, one of the four chapter 00 defines: 측정값 (conditions),
+    계산값 (formula=...), 보고값 and 제조사 문서 (source=...)."""
     if kind not in EVIDENCE_KINDS:
         raise ValueError(f"evidence kind must be one of {list(EVIDENCE_KINDS)}, got {kind!r}")
     color, english = EVIDENCE_KINDS[kind]
@@ -113,7 +114,7 @@ def evidence(kind: str, text: str, **conditions) -> None:
     extra = ""
     if kind == "계산값" and "formula" in conditions:
         extra = f" · 공식: `{conditions.pop('formula')}`"
-    if kind == "보고값" and "source" in conditions:
+    if kind in ("보고값", "제조사 문서") and "source" in conditions:
         extra = f" · 출처: {conditions.pop('source')}"
     cond = " · ".join(f"{k}={v}" for k, v in conditions.items())
     st.markdown(

@@ -88,7 +88,7 @@ def bytes_table(cfg, group: int = 32) -> pd.DataFrame:
                 "선형층 비트/가중치": round(8 * linears / params, 2),
                 "선형층 (MB)": round(linears / 1e6, 3),
                 "lm_head (MB)": round(head / 1e6, 3),
-                "디코드 스텝당 읽는 가중치 (MB)": round((linears + head) / 1e6, 3),
+                "decode 스텝당 읽는 가중치 (MB)": round((linears + head) / 1e6, 3),
             }
         )
     df = pd.DataFrame(rows)
@@ -116,11 +116,11 @@ def decode_summary(runs: dict[str, RunResult], weight_bytes: dict[str, int]) -> 
             {
                 "엔진": label,
                 "가중치 (MB)": _r(wb / 1e6, 3) if wb else None,
-                "디코드 스텝 중앙값 (ms)": _r(ms, 2),
+                "decode 스텝 중앙값 (ms)": _r(ms, 2),
                 "첫 엔진 대비 속도": _r(base_ms / ms, 2) if ms and base_ms else None,
                 "가중치 읽기 속도 (GB/s)": _r(wb / (ms / 1e3) / 1e9, 2) if wb and ms else None,
                 "출력 토큰/s": _r(res.throughput),
-                "디코드 스텝 수": int(len(decode)),
+                "decode 스텝 수": int(len(decode)),
             }
         )
     return pd.DataFrame(rows)
@@ -386,7 +386,7 @@ def peer_rows(results: dict | None) -> pd.DataFrame | None:
         {
             "엔진": f"우리 엔진 · {v['name']}",
             "스텝당 MB": round(v["weight_bytes_per_step"] / 1e6, 1),
-            "디코드 토큰/s": round(v["decode_tokens_per_s"], 1),
+            "decode 토큰/s": round(v["decode_tokens_per_s"], 1),
             "스텝 ms": round(v.get("decode_step_ms", 1e3 / v["decode_tokens_per_s"]), 2),
             "÷ llama.cpp": round(v["decode_tokens_per_s"] / base, 2),
         }
@@ -398,7 +398,7 @@ def peer_rows(results: dict | None) -> pd.DataFrame | None:
             "엔진": f"llama.cpp {peer.get('version', '')} · Q4_1"
             + (" · AMX 등 확장 버퍼 없이" if peer.get("extra_buffers") is False else ""),
             "스텝당 MB": None,
-            "디코드 토큰/s": round(base, 1),
+            "decode 토큰/s": round(base, 1),
             "스텝 ms": round(peer.get("decode_step_ms", 1e3 / base), 2),
             "÷ llama.cpp": 1.0,
         }

@@ -127,7 +127,7 @@ def calculator() -> tuple[str, str, float, int]:
 
 
 def _budget_evidence(b, model: str, gpu: str, util: float, headroom: float) -> None:
-    """The calculator's numbers with their formulas (계산값) and the GPU's figures (보고값)."""
+    """The calculator's numbers with their formulas (계산값) and the GPU's figures (제조사 문서)."""
     m, g = MODELS[model], GPUS[gpu]
     evidence(
         "계산값",
@@ -157,7 +157,7 @@ def _budget_evidence(b, model: str, gpu: str, util: float, headroom: float) -> N
             "않습니다 (바이트 줄이기: 11장 양자화, 나누기: 12장 분산 실행)."
         )
     evidence(
-        "보고값",
+        "제조사 문서",
         f"{g.name} 메모리 {g.memory_gb:g} GB, 대역폭 {g.bandwidth_gbps:,} GB/s",
         source=g.source,
     )
@@ -197,8 +197,8 @@ def _source_tables() -> None:
                 [
                     {
                         "GPU": x.name,
-                        "메모리 (GB, 보고값)": x.memory_gb,
-                        "대역폭 (GB/s, 보고값)": x.bandwidth_gbps,
+                        "메모리 (GB, 제조사 문서)": x.memory_gb,
+                        "대역폭 (GB/s, 제조사 문서)": x.bandwidth_gbps,
                         "출처": x.source,
                     }
                     for x in GPUS.values()

@@ -61,7 +61,7 @@ def _speed_choice(ratio: float) -> str:
 
 def summary_view(ctx: LabContext) -> None:
     first = ctx.engines[ctx.sides[0].key]
-    st.markdown("**디코드 스텝 하나가 읽는 가중치** (이 모델의 config.json 모양으로 계산)")
+    st.markdown("**decode 스텝 하나가 읽는 가중치** (이 모델의 config.json 모양으로 계산)")
     st.dataframe(bytes_table(first.model_config), hide_index=True)
     evidence(
         "계산값",
@@ -75,19 +75,19 @@ def summary_view(ctx: LabContext) -> None:
         return
     weight_bytes = {s.label: ctx.engines[s.key].weight_bytes() for s in ctx.sides}
     summary = decode_summary(runs, weight_bytes)
-    st.markdown("**측정 요약** (엔진 시계, 디코드만 한 스텝의 중앙값)")
+    st.markdown("**측정 요약** (엔진 시계, decode만 한 스텝의 중앙값)")
     show_frame(summary, hide_index=True)
     fig = go.Figure(
         go.Bar(
             x=summary["엔진"],
-            y=summary["디코드 스텝 중앙값 (ms)"],
+            y=summary["decode 스텝 중앙값 (ms)"],
             text=summary["가중치 (MB)"].map(lambda mb: f"가중치 {mb} MB"),
-            name="디코드 스텝 (ms)",
+            name="decode 스텝 (ms)",
         )
     )
     fig.update_layout(
         height=300,
-        title="디코드 스텝 하나의 시간 (ms, 중앙값) — 막대 위: 엔진이 가진 가중치",
+        title="decode 스텝 하나의 시간 (ms, 중앙값) — 막대 위: 엔진이 가진 가중치",
         yaxis_title="ms",
         margin=dict(l=10, r=10, t=40, b=10),
     )
@@ -103,15 +103,15 @@ def summary_view(ctx: LabContext) -> None:
         )
     evidence(
         "계산값",
-        "가중치 읽기 속도 = 가중치 바이트 ÷ 디코드 스텝 시간 (스텝의 다른 일까지 포함한 하한)",
+        "가중치 읽기 속도 = 가중치 바이트 ÷ decode 스텝 시간 (스텝의 다른 일까지 포함한 하한)",
         formula="weight_bytes / step_ms",
     )
     labels = list(summary["엔진"])
     if "float32" in labels and "int8" in labels:
-        ms = summary.set_index("엔진")["디코드 스텝 중앙값 (ms)"]
+        ms = summary.set_index("엔진")["decode 스텝 중앙값 (ms)"]
         if ms["float32"] and ms["int8"]:
             compare("ch11_speed", _speed_choice(ms["float32"] / ms["int8"]))
-            st.caption(f"디코드 스텝: float32 {ms['float32']} ms, int8 {ms['int8']} ms")
+            st.caption(f"decode 스텝: float32 {ms['float32']} ms, int8 {ms['int8']} ms")
     _agreement_view(ctx, runs)
 
 
@@ -237,7 +237,7 @@ def bench_sections() -> None:
         "같은 파일, 같은 기계: 우리 엔진과 llama.cpp",
         peer_rows(results),
         "`pip install llama-cpp-python` 뒤에 `python -m engine bench --compare-quantization`을 "
-        "돌리면 여기에 배치 1 디코드 비교가 나옵니다 (llama.cpp가 같은 GGUF 파일을 씁니다).",
-        "배치 1 디코드, 같은 프롬프트, 한 실행 안에서 차례로 (bench 10절); "
+        "돌리면 여기에 배치 1 decode 비교가 나옵니다 (llama.cpp가 같은 GGUF 파일을 씁니다).",
+        "배치 1 decode, 같은 프롬프트, 한 실행 안에서 차례로 (bench 10절); "
         "llama.cpp는 자식 프로세스에서 같은 스레드 수로",
     )
