@@ -75,19 +75,34 @@ def test_no_position_holds_more_than_40_percent_of_keys(cid):
     assert top / len(keys) <= 0.4, (cid, keys)
 
 
-def test_key_is_seldom_the_longest_option():
-    """Among questions whose options differ in length (by more than 3 characters), the key is at
-    least as long as every other option in at most 20% of them (was 17 of 48, ties counted)."""
-    longest, varied = [], 0
+def varied_choices():
+    """Choice questions whose options differ in length by more than 3 characters (short numeric
+    options such as "약 8 GB" cannot be varied), each with the key's length rank (how many of
+    its options are strictly shorter than the key) and whether no option is longer than the key."""
+    out = []
     for cid, i, q in of_kind("choice"):
         lengths = [len(o) for o in q["options"]]
-        if max(lengths) - min(lengths) <= 3:
-            continue
-        varied += 1
-        if lengths[q["answer"]] >= max(lengths):
-            longest.append((cid, i))
-    assert varied >= 30
-    assert len(longest) / varied <= 0.2, (len(longest), varied, longest)
+        if max(lengths) - min(lengths) > 3:
+            key_len = lengths[q["answer"]]
+            out.append((cid, i, sum(n < key_len for n in lengths), key_len >= max(lengths)))
+    return out
+
+
+def test_key_is_seldom_the_longest_option():
+    """The key is at least as long as every other option in at most 20% of the questions (it was
+    17 of 48, ties counted)."""
+    varied = varied_choices()
+    assert len(varied) >= 30
+    longest = [(cid, i) for cid, i, _, at_least_as_long in varied if at_least_as_long]
+    assert len(longest) / len(varied) <= 0.2, (len(longest), len(varied), longest)
+
+
+def test_key_length_rank_is_spread():
+    """Nor is the key systematically the second longest or the shortest: no length rank holds
+    more than a third of the questions, so an option's length tells nothing."""
+    varied = varied_choices()
+    ranks = Counter(rank for _, _, rank, _ in varied)
+    assert max(ranks.values()) / len(varied) <= 1 / 3, ranks
 
 
 # -- every auto-graded question rejects wrong answers of its own --------------------------------
