@@ -9,6 +9,13 @@ from pathlib import Path
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # the step's token budget
 DEFAULT_MAX_NUM_SEQS = 32  # requests running at once
+# With chunked prefill, the most prompt tokens one request takes in one step (0: no cap). vLLM's
+# default is 0 (it sets 4% of max_model_len only with max_num_partial_prefills > 1); ours caps
+# at 64 because on a CPU a step costs about its token count, so one long prompt taking the whole
+# 512-token budget makes every short request behind it wait for its entire prefill (issue 32:
+# 4-token requests behind a 4,001-token prompt got their first token after 7-10 s, not 0.2-0.4 s).
+# The price is the long prompt's own TTFT: more, smaller steps (docs/performance.md).
+DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 64
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB, when neither a block count nor a size is given
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S: a step that runs longer than this means a hung worker
@@ -50,7 +57,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     # vLLM's name: with chunked prefill, no request takes more than this many prompt tokens in one
     # step (0: no cap), so one long prompt cannot take the whole budget while short ones wait.
-    long_prefill_token_threshold: int = 0
+    # Default 64, not vLLM's 0: see DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD.
+    long_prefill_token_threshold: int = DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD
     scheduling_policy: str = "fcfs"
     preemption_mode: str = "recompute"  # or "swap": a preempted request's K/V wait in host memory
     num_swap_blocks: int | None = None  # swap space in blocks; None = as many as the KV cache has

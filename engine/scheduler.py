@@ -28,7 +28,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from engine.config import (
+    DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+)
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import Phase, ScheduledRequest, SchedulerOutput
@@ -49,7 +53,8 @@ class SchedulerConfig:
     policy: str = "fcfs"
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"  # or "swap"
-    long_prefill_token_threshold: int = 0  # max prompt tokens per request per step (0: no cap)
+    # max prompt tokens per request per step (0: no cap); 64 by default, not vLLM's 0 (config.py)
+    long_prefill_token_threshold: int = DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD
 
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -62,7 +67,7 @@ class TokenBudget:
         self,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool,
-        long_prefill_token_threshold: int = 0,
+        long_prefill_token_threshold: int = DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD,
     ):
         self.remaining = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -71,8 +76,9 @@ class TokenBudget:
     def fit(self, num_uncomputed_tokens: int) -> int:
         """Tokens a request may run now: all it has left, cut to the budget. Without chunked
         prefill a request that does not fit whole gets none. With chunked prefill a long prompt
-        is also cut to `long_prefill_token_threshold` (if set), which leaves the rest of the
-        budget to the requests behind it: prefill fairness."""
+        is also cut to `long_prefill_token_threshold` (unless 0), which leaves the rest of the
+        budget to the requests behind it: prefill fairness. The cut holds even when nothing else
+        waits, as in vLLM V1's scheduler: a lone long prompt simply takes more, smaller steps."""
         if not self.enable_chunked_prefill:
             return num_uncomputed_tokens if num_uncomputed_tokens <= self.remaining else 0
         wanted = num_uncomputed_tokens

@@ -10,7 +10,11 @@ import json
 import os
 import sys
 
-from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from engine.config import (
+    DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+)
 
 # engine.entrypoints.server.app.API_KEY_ENV, spelled out: importing the server here would load
 # torch for --help.
@@ -426,9 +430,11 @@ def add_serve_parser(sub) -> None:
     p.add_argument(
         "--long-prefill-token-threshold",
         type=int,
-        default=0,
+        default=DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD,
         help="max prompt tokens one request may take per step, so a long prompt cannot starve "
-        "short ones (0: no cap)",
+        f"short ones (0: no cap; default {DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD}, not vLLM's 0: on "
+        "a CPU a step costs about its tokens, and the cap lets short requests into the steps of "
+        "a long prefill at the price of more steps for the long prompt)",
     )
     p.add_argument("--log-level", default="info")
     p.add_argument("--speculative-config", type=speculative_config_arg, help=SPEC_HELP)
