@@ -159,7 +159,7 @@ def test_simulated_sizes_and_fit():
     fit = dict(max_model_len=1024, block_size=16, max_num_batched_tokens=128, max_num_seqs=8)
     assert simulated_fit_error("llama-3.1-70b", "h100-sxm", 4, 1, **fit) is None
     assert simulated_fit_error("llama-3.1-70b", "h100-sxm", 4, 2, **fit) is None
-    # 70B in bf16 is about 141 GB: one or two 80 GB GPUs cannot hold it (says by how much)
+    # 70B in bf16 is about 141 GB: one 80 GB GPU cannot hold it (says by how much)
     assert "GB short" in simulated_fit_error("llama-3.1-70b", "h100-sxm", 1, 1, **fit)
     assert "가능한 tp" in simulated_fit_error("smollm2-135m-instruct", "h100-sxm", 2, 1, **fit)
 
@@ -179,6 +179,11 @@ def test_tp_scaling_shows_the_mistake_at_scale():
     assert list(decode["메모리에 들어감"]) == [False, True, True, True]
     assert pd.isna(decode.loc[1, "속도 (가장 작은 tp 대비)"])
     assert decode.loc[2, "속도 (가장 작은 tp 대비)"] == 1.0 and decode.loc[8, "이상적 속도"] == 4.0
+    # ... and on two it fits only barely: 70.6 GB of weights per GPU leave under 1 GB, a few
+    # hundred tokens of KV cache for the whole engine; four GPUs leave tens of GB
+    assert decode.loc[2, "GPU당 가중치 (GB)"] == pytest.approx(70.6, abs=0.1)
+    room, tokens = decode["GPU당 KV 캐시 자리 (GB)"], decode["KV 캐시에 들어가는 토큰"]
+    assert room[2] < 1 < 30 < room[4] and tokens[2] < 32 * 1024 < tokens[4]
     assert (
         1
         < decode.loc[8, "속도 (가장 작은 tp 대비)"] / decode.loc[4, "속도 (가장 작은 tp 대비)"]

@@ -462,16 +462,24 @@ def tp_scaling(
     step (`prefill_tokens` new tokens of one request) on tp = each size, from the cost model
     (engine/tools/cost_model.py, the same one the simulated engine uses). Per row: the step's
     time and its parts, the all-reduce share of the step, the speed-up against the smallest size in
-    the table that fits in memory and the ideal one (the ratio of GPU counts), and whether the
-    weights fit (sizes the model's heads cannot be cut into are left out)."""
+    the table that fits in memory and the ideal one (the ratio of GPU counts), whether the
+    weights fit, and what the KV cache gets of each GPU once weights and activations are placed
+    (chapter 05's budget; a size that barely fits leaves room for few tokens). Sizes the
+    model's heads cannot be cut into are left out."""
     from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION
     from engine.layers.sharding import valid_tensor_parallel_sizes
     from engine.tools.cost_model import CostModel
-    from engine.tools.presets import PresetError, load_hardware_preset, load_model_preset
+    from engine.tools.presets import (
+        DTYPE_BYTES,
+        PresetError,
+        load_hardware_preset,
+        load_model_preset,
+    )
     from engine.tools.simulator import plan_memory
 
     preset, hw = load_model_preset(model_preset), load_hardware_preset(hardware)
     valid = set(valid_tensor_parallel_sizes(preset.config))
+    hw_bytes = DTYPE_BYTES[hw.dtype]
     rows = []
     phases = {
         "decode": ([(1, context)] * batch, batch),
@@ -482,12 +490,12 @@ def tp_scaling(
         for tp in [s for s in sizes if s in valid]:
             cost = CostModel(preset.config, hw, tp, efficiency).step_cost(step_batch, sampled)
             try:
-                plan_memory(
+                plan = plan_memory(
                     preset, hw, tp, 16, DEFAULT_GPU_MEMORY_UTILIZATION, prefill_tokens, batch
                 )
-                fits = True
             except PresetError:
-                fits = False
+                plan = None
+            fits = plan is not None
             if fits and base is None:  # the speed-ups are against the smallest size that fits
                 base = (tp, cost.total_s)
             rows.append(
@@ -502,6 +510,9 @@ def tp_scaling(
                     "속도 (가장 작은 tp 대비)": _r(base[1] / cost.total_s, 2) if fits else None,
                     "이상적 속도": _r(tp / base[0], 2) if fits else None,
                     "메모리에 들어감": fits,
+                    "GPU당 가중치 (GB)": _r(preset.num_parameters() * hw_bytes / tp / 1e9, 1),
+                    "GPU당 KV 캐시 자리 (GB)": _r(plan.kv_budget_bytes / 1e9, 2) if fits else None,
+                    "KV 캐시에 들어가는 토큰": plan.num_blocks * 16 if fits else None,
                 }
             )
     return pd.DataFrame(rows)

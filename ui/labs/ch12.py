@@ -399,6 +399,7 @@ def scale_view(spec: dict) -> None:
     )
     st.plotly_chart(fig, key="ch12_scale")
     show_frame(table.replace({"메모리에 들어감": {True: "예", False: "아니오"}}))
+    _kv_room_note(table)
     evidence(
         "계산값",
         "decode 스텝: 요청 32개가 각자 1,024토큰을 캐시에 두고 한 토큰씩; prefill 스텝: 한 요청의 "
@@ -410,6 +411,29 @@ def scale_view(spec: dict) -> None:
             "하드웨어": f"{hw.name} ({hw.evidence})",
             "효율 계수": "가정값",
         },
+    )
+
+
+def _kv_room_note(table, batch: int = 32, context: int = 1024) -> None:
+    """계산값 from the table: what the smallest size that fits leaves for the KV cache, against
+    the tokens the decode row assumes cached (batch × context)."""
+    fitting = table[(table["단계"] == "decode") & table["메모리에 들어감"]]
+    if fitting.empty:
+        return
+    row = fitting.iloc[0]
+    tokens, needed = int(row["KV 캐시에 들어가는 토큰"]), batch * context
+    verdict = (
+        f"표의 decode 스텝이 가정한 {needed:,}토큰(요청 {batch}개 × {context:,})에 모자랍니다. "
+        "가중치는 들어가도 요청을 몇 개 받지 못하는, 겨우 들어가는 크기입니다"
+        if tokens < needed
+        else f"표의 decode 스텝이 가정한 {needed:,}토큰을 담을 수 있습니다"
+    )
+    evidence(
+        "계산값",
+        f"메모리에 들어가는 가장 작은 크기 tp {int(row['GPU 수 (tp)'])}: GPU마다 가중치 "
+        f"{row['GPU당 가중치 (GB)']} GB를 올리고 나면 KV 캐시 자리는 "
+        f"{row['GPU당 KV 캐시 자리 (GB)']} GB, 엔진 전체로 {tokens:,}토큰입니다. {verdict}.",
+        formula="KV 자리 = 메모리 × gpu_memory_utilization − 가중치/tp − 활성값 예비분 (05장)",
     )
 
 
