@@ -63,7 +63,9 @@ def test_four_learners_isolated_and_reaped(default_model_dir, tmp_path):
 
 def test_the_lab_in_a_fragment_needs_no_page_rerun(default_model_dir, tmp_path):
     """Chapter 00's lab inside st.fragment (as issue 11 runs it): the engine is built, admitted,
-    stepped and its state drawn by fragment reruns alone; the page script ran once per learner."""
+    stepped and its state drawn by fragment reruns alone; the page script ran once per learner.
+    Then one more learner on the same server: a lab tab opens by a fragment rerun and stays open
+    (check_the_open_tab_stays_open)."""
     if find_chromium() is None:
         pytest.skip("no Chromium found: install Debian's chromium to run the browser tests")
     pytest.importorskip("playwright.async_api", reason="playwright is not installed")
@@ -84,6 +86,7 @@ def test_the_lab_in_a_fragment_needs_no_page_rerun(default_model_dir, tmp_path):
                 status=server.status,
             )
         )
+        check_the_open_tab_stays_open(server.url)  # one more learner, on the same server
     finally:
         server.stop()
     print("\n" + report(r))
@@ -96,30 +99,14 @@ def test_the_lab_in_a_fragment_needs_no_page_rerun(default_model_dir, tmp_path):
     assert r["status_after"]["engines"] == 0
 
 
-def test_a_lab_tab_opens_by_a_fragment_rerun_and_stays_open(default_model_dir, tmp_path):
+def check_the_open_tab_stays_open(url: str) -> None:
     """Only the open tab of the lab's views is drawn (issue 12; ui/lab.py, views): after a step
     the page holds the journey alone; clicking KV 캐시 reruns the lab's fragment (the page script
     still ran once) and draws the KV grid and the occupancy instead; the next 다음 스텝 keeps
     that tab open and redraws it with the new step."""
-    from _browser import (
-        SERVER_FLAGS,
-        browser_page,
-        open_tab,
-        plot_types,
-        start_streamlit,
-        stop_process,
-        wait_idle,
-    )
+    from _browser import browser_page, open_tab, plot_types, wait_idle
 
     timeout_ms = 300_000
-    try:
-        proc, url = start_streamlit(
-            tmp_path / "streamlit.log",
-            app="tests/classroom_fragment_app.py",
-            extra_args=SERVER_FLAGS,
-        )
-    except RuntimeError as exc:
-        pytest.fail(str(exc))
 
     def click(page, name: str) -> None:
         page.get_by_role("button", name=name, exact=True).first.click()
@@ -133,32 +120,29 @@ def test_a_lab_tab_opens_by_a_fragment_rerun_and_stays_open(default_model_dir, t
             ".map(e => e.data[0].x.length)"
         )[0]
 
-    try:
-        with browser_page(url, timeout_ms) as page:
-            click(page, "예시 요청 추가")
-            click(page, "다음 스텝")
-            types = plot_types(page)
-            assert len(types) == 1 and "heatmap" not in types[0], types  # the journey alone
-            open_tab(page, "KV 캐시", timeout_ms)
-            page.wait_for_function(
-                "() => [...document.querySelectorAll('.js-plotly-plot')]"
-                ".some(e => (e.data || []).some(t => t.type === 'heatmap'))",
-                timeout=timeout_ms,
-            )
-            types = plot_types(page)
-            # the grid (a heatmap, with its legend's traces) and the occupancy, nothing else
-            assert len(types) == 2 and sum("heatmap" in t for t in types) == 1, types
-            assert usage_points(page) == 1
-            click(page, "다음 스텝")
-            kv_tab = page.get_by_role("tab", name="KV 캐시", exact=True).first
-            assert kv_tab.get_attribute("aria-selected") == "true"
-            page.wait_for_function(
-                "() => [...document.querySelectorAll('.js-plotly-plot')]"
-                ".some(e => (e.data || []).length && e.data[0].type !== 'heatmap'"
-                " && e.data[0].x.length === 2)",
-                timeout=timeout_ms,
-            )
-            assert len(plot_types(page)) == 2
-            assert "페이지 실행 1회" in page.inner_text("body")  # tab and steps: fragment runs
-    finally:
-        stop_process(proc)
+    with browser_page(url, timeout_ms) as page:
+        click(page, "예시 요청 추가")
+        click(page, "다음 스텝")
+        types = plot_types(page)
+        assert len(types) == 1 and "heatmap" not in types[0], types  # the journey alone
+        open_tab(page, "KV 캐시", timeout_ms)
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('.js-plotly-plot')]"
+            ".some(e => (e.data || []).some(t => t.type === 'heatmap'))",
+            timeout=timeout_ms,
+        )
+        types = plot_types(page)
+        # the grid (a heatmap, with its legend's traces) and the occupancy, nothing else
+        assert len(types) == 2 and sum("heatmap" in t for t in types) == 1, types
+        assert usage_points(page) == 1
+        click(page, "다음 스텝")
+        kv_tab = page.get_by_role("tab", name="KV 캐시", exact=True).first
+        assert kv_tab.get_attribute("aria-selected") == "true"
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('.js-plotly-plot')]"
+            ".some(e => (e.data || []).length && e.data[0].type !== 'heatmap'"
+            " && e.data[0].x.length === 2)",
+            timeout=timeout_ms,
+        )
+        assert len(plot_types(page)) == 2
+        assert "페이지 실행 1회" in page.inner_text("body")  # tab and steps: fragment runs
