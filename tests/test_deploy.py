@@ -26,7 +26,7 @@ from _browser import find_chromium
 
 from deploy.classroom import Classroom, ProxyLimits, find_nginx, free_port, render_nginx_config
 
-LEARNERS, STEPS, TTL_S = 4, 2, 3
+LEARNERS, STEPS, TTL_S = 3, 2, 3
 NO_NGINX = "no nginx binary found: apt-get install nginx (.ci/run does) to run the deploy tests"
 
 
