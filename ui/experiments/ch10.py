@@ -66,10 +66,15 @@ DEFAULT_GAP_MS = {"shared": 100.0, "chat": 1500.0}
 
 
 def lab_overrides(caching: bool, num_kv_blocks: int) -> dict:
-    """One side of the lab: the same engine settings, prefix caching on or off."""
+    """One side of the lab: the same engine settings, prefix caching on or off. Each prompt's
+    prefill fits one step (no per-request cap: long_prefill_token_threshold 0, vLLM's default),
+    so a request arriving a gap later finds every whole block of the one before, as the chapter
+    computes; with the engine's cap of 64 a ~110-token prompt takes two steps and a request that
+    arrives between them finds only the first chunk's blocks."""
     return {
         "enable_prefix_caching": caching,
         "enable_chunked_prefill": True,
+        "long_prefill_token_threshold": 0,
         "max_num_batched_tokens": LAB_BUDGET,
         "max_model_len": LAB_MAX_MODEL_LEN,
         "num_kv_blocks": num_kv_blocks,
