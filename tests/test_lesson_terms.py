@@ -31,22 +31,14 @@ RUN = 20  # characters
 # file (relative to the repository root) -> why its check is skipped for now
 PENDING_LABELS = {
     "lessons/ch08.md": "helper-12's file (issue 33): paper-reported / measured / derived",
-    "lessons/ch12.md": "helper L2's file (issue 33): vendor-reported / paper-reported",
-    "lessons/ch13.md": "helper L2's file (issue 33): paper-reported, '보고값, 제조사 블로그·문서'",
     "lessons/ch14.md": "ch14's terms and labels are assigned later by the lead (issue 33)",
     "ui/labs/ch12.py": "helper L2's file (issue 33): NVLink / PCIe datasheet figures as 보고값",
 }
 PENDING_TERMS = {
-    "lessons/ch12.md": "helper L2's file (issue 33): 파이프라인 거품 → 파이프라인 버블",
-    "lessons/ch13.md": "helper L2's file (issue 33): 받아들임 비율 → 수락률",
     "lessons/ch14.md": "assigned later by the lead (issue 33): 닫힌/열린 고리 → closed-loop",
-    "ui/labs/ch13.py": "helper L2's file (issue 33): 받아들임 비율 → 수락률",
-    "ui/experiments/ch13.py": "helper L2's file (issue 33): 받아들임 비율 → 수락률",
 }
 PENDING_SEED = {
     "lessons/ch14.md": "assigned later by the lead (issue 33): the API expansion copies the seed's",
-    "lessons/ch01_quiz.json": "helper Q's file (issue 33): two answers still share the seed's "
-    "sentences",
 }
 
 
