@@ -129,7 +129,7 @@ def test_lab_runs_tp1_and_tp2_and_leaves_no_workers(tiny_model_dir):
         assert all(values(t["y"]) for t in steps["data"])
         assert steps["layout"]["yaxis"]["rangemode"] == "tozero"
         text = " ".join(m.value for m in at.markdown)
-        assert "측정값" in text and "계산값" in text and "보고값" in text
+        assert "측정값" in text and "계산값" in text and "제조사 문서" in text
         assert "all-reduce 4번" in text  # derived: 2 × 2 layers
 
         # another layout goes back to the planned view; 실행 there starts the pp 2 engine, and
@@ -228,7 +228,7 @@ def test_lab_simulates_70b_on_8_gpus_against_4(tiny_model_dir):
         assert all(values(t["y"]) for t in comm)
         assert all(values(t["y"]) for t in chart(at, "ch12_step_times")["data"])
         text = " ".join(m.value for m in at.markdown)
-        assert "계산값" in text and "보고값" in text and "NVLink" in text
+        assert "계산값" in text and "제조사 문서" in text and "NVLink" in text
         assert "all-reduce 160번" in text  # derived: 2 × 80 layers
     finally:
         shutdown_all(at)

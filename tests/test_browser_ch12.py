@@ -31,7 +31,7 @@ def test_ch12_simulation_in_browser(page, app_url):
     assert "all-reduce 160번" in body  # derived: 2 × 80 layers
     lab.click(page, "실행")
     body = page.inner_text("body")
-    assert "전체 비교" in body and "계산값" in body and "보고값" in body
+    assert "전체 비교" in body and "계산값" in body and "제조사 문서" in body
     traces = lab.plot_traces(page)
     assert len(traces) >= 4 and all(n > 0 for n in traces), traces
     SHOTS.mkdir(parents=True, exist_ok=True)

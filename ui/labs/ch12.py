@@ -346,18 +346,18 @@ def summary_view(ctx: LabContext, tp: int) -> None:
         "줄지만 스레드도 1/N로 줄고, 층마다 두 번씩 서로를 기다립니다. GPU 여러 장이 빨라지는 "
         "것은 장치마다 자기 연산기와 메모리 대역폭이 따로 있기 때문입니다."
     )
-    evidence("보고값", NVLINK, source="NVIDIA H100 데이터시트 (vendor-reported)")
-    evidence("보고값", PCIE, source="PCI-SIG PCIe 5.0 규격 (vendor-reported)")
+    evidence("제조사 문서", NVLINK, source="NVIDIA H100 데이터시트")
+    evidence("제조사 문서", PCIE, source="PCI-SIG PCIe 5.0 규격")
 
 
 def _interconnect_evidence(engine) -> None:
-    """보고값: the simulated hardware's interconnect, as its preset states it (with source)."""
+    """제조사 문서: the simulated hardware's interconnect, as its preset states it (with source)."""
     hw = engine.executor.hardware
     evidence(
-        "보고값",
+        "제조사 문서",
         f"{hw.name}의 {hw.interconnect}: GPU 한 장당 {hw.interconnect_bandwidth / 1e9:,.0f} GB/s "
         "(양방향 합; 비용 모델은 한 방향, 즉 절반을 씀)",
-        source=f"{hw.source} ({hw.evidence})",
+        source=f"{hw.source} (데이터시트)",
     )
 
 
