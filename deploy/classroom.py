@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -31,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE = Path(__file__).resolve().parent / "nginx.conf.template"
 PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
+TEMP_FOLDERS = ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
 
 
 @dataclass(frozen=True)
@@ -89,14 +91,17 @@ def render_nginx_config(
     run_dir: Path | str,
     limits: ProxyLimits = ProxyLimits(),
     daemon: bool = False,
+    temp_dir: Path | str | None = None,
 ) -> str:
-    """deploy/nginx.conf.template with every placeholder filled (an unknown one is an error)."""
+    """deploy/nginx.conf.template with every placeholder filled (an unknown one is an error);
+    nginx's temp folders under `temp_dir` (default: run_dir/temp)."""
     values = {
         **{name: str(value) for name, value in vars(limits).items()},
         **_upstream_lines(app_ports),
         "engine_port": str(engine_port),
         "listen": listen,
         "run_dir": str(run_dir),
+        "temp_dir": str(temp_dir or Path(run_dir) / "temp"),
         "daemon": "" if daemon else "daemon off;",
     }
     return PLACEHOLDER.sub(lambda m: values[m.group(1)], TEMPLATE.read_text())
@@ -140,6 +145,7 @@ class Classroom:
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     app_ports: list[int] = field(default_factory=list)
     engine_port: int = 0
+    temp_dir: Path | None = None
 
     @property
     def url(self) -> str:
@@ -170,8 +176,11 @@ class Classroom:
             raise RuntimeError("no nginx binary: apt-get install nginx, or set $NGINX")
         self.run_dir = Path(self.run_dir or tempfile.mkdtemp(prefix="llm-lab-deploy-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.app_ports = [free_port() for _ in range(self.replicas)]
-        self.engine_port = free_port()
+        ports: list[int] = []
+        while len(ports) < self.replicas + 1:  # distinct, though the OS could hand one out twice
+            port = free_port()
+            ports += [port] if port not in ports else []
+        *self.app_ports, self.engine_port = ports
         for i, port in enumerate(self.app_ports):
             self._spawn(f"r{i}", self._replica_command(port), self._replica_environment(i))
         self._spawn("engine", self._engine_command(), {**os.environ})
@@ -201,20 +210,37 @@ class Classroom:
         return [python(), "-m", "engine", "serve", "--host", "127.0.0.1",
                 "--port", str(self.engine_port), *self.engine_args]  # fmt: skip
 
+    def _make_temp_folders(self) -> None:
+        """nginx's temp folders: large responses and request bodies spill there, written by its
+        worker processes. Started by root, nginx runs those as `nobody`, who may not get through
+        a private folder above the run directory (pytest's tmp_path is one), so they then get a
+        folder of their own under the system's temp directory, owned by nobody."""
+        if os.geteuid() != 0:
+            self.temp_dir = self.run_dir / "temp"
+        else:
+            self.temp_dir = Path(tempfile.mkdtemp(prefix="llm-lab-nginx-temp-"))
+            self.temp_dir.chmod(0o755)
+        for name in TEMP_FOLDERS:
+            (self.temp_dir / name).mkdir(parents=True, exist_ok=True)
+            if os.geteuid() == 0:
+                os.chown(self.temp_dir / name, pwd.getpwnam("nobody").pw_uid, -1)
+
     def _start_nginx(self, nginx: str) -> None:
-        for temp in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
-            (self.run_dir / "temp" / temp).mkdir(parents=True, exist_ok=True)
-        if os.geteuid() == 0:  # the workers run as nobody: let them into the temp folders
-            self.run_dir.chmod(0o755)
-            for temp in (self.run_dir / "temp").iterdir():
-                temp.chmod(0o777)
+        self._make_temp_folders()
         conf = self.run_dir / "nginx.conf"
         conf.write_text(
             render_nginx_config(
-                self.app_ports, self.engine_port, self.listen, self.run_dir, self.limits
+                self.app_ports,
+                self.engine_port,
+                self.listen,
+                self.run_dir,
+                self.limits,
+                temp_dir=self.temp_dir,
             )
         )
-        base = [nginx, "-p", str(self.run_dir), "-c", str(conf), "-e", str(self.log("error"))]
+        # -e: messages before the config is read go to stderr (nginx.log), not to the
+        # compiled-in log path, which a user other than root may not open.
+        base = [nginx, "-p", str(self.run_dir), "-c", str(conf), "-e", "stderr"]
         check = subprocess.run([*base, "-t"], capture_output=True, text=True, timeout=30)
         if check.returncode != 0:
             raise RuntimeError(f"nginx -t rejected {conf}:\n{check.stderr}")
@@ -245,6 +271,8 @@ class Classroom:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=5)
+        if self.temp_dir is not None and self.run_dir not in self.temp_dir.parents:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def pids(self) -> dict[str, int]:
         return {name: proc.pid for name, proc in self.procs.items()}
