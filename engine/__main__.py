@@ -3,7 +3,7 @@
 A thin dispatcher: the commands and their flags are in engine/entrypoints/cli.py, one small
 function each. Across machines, generate and serve also run under torchrun (one process per rank;
 see docs/distributed.md): `torchrun --nnodes 2 --node-rank R --nproc-per-node 1 --master-addr A
---master-port P -m engine generate "prompt" -tp 2`."""
+--master-port P -m engine generate "prompt" -pp 2` (the default model splits by tp 3, not 2)."""
 
 from __future__ import annotations
 

@@ -30,17 +30,23 @@ SIDEBAR_STEP = re.compile(r"스텝 (\d+)")
 SIDEBAR_KV = re.compile(r"KV 블록 (\d+)/(\d+) 사용")
 REFUSALS = ("거절했습니다", "거절되었습니다", "받지 못했습니다")
 # What a chapter's finished default run shows beyond the common checks: texts on the page and the
-# least number of plots drawn with data (the ch05, ch07, ch08 and ch12 lab checks live here, not in
-# a second run of the same workload elsewhere).
+# least number of plots drawn with data (the lab checks of ch05, ch07, ch08 and ch10–13 live here,
+# not in a second run of the same workload elsewhere).
 SHOWS = {
     "05": (("메모리 예산 계산기",), 3),
     "06": ((), 1),
     "07": (("같은 워크로드, 세 가지 방식",), 6),
     "08": (("긴 프롬프트가 decode 중인",), 4),
+    "10": (("요청별 비교", "decode 스텝은 켬·끔 모두", "측정값"), 3),
+    "11": (
+        ("decode 스텝 하나가 읽는 가중치", "측정 요약", "왜 이런 일치율인가", "최대 절대 오차 0"),
+        2,
+    ),
     "12": (
         ("tp 3 × pp 1", "워커가 가진 것", "전체 비교", "측정값", "제조사 문서", "all-reduce 60번"),
         5,
     ),
+    "13": (("토큰 하나하나까지 같습니다", "이 실험이 보여 줄 것", "받아들임"), 3),
 }
 
 app_url, page = chapter_fixtures("walk", TIMEOUT_MS)

@@ -32,7 +32,6 @@ RUN = 20  # characters
 PENDING_LABELS = {
     "lessons/ch08.md": "helper-12's file (issue 33): paper-reported / measured / derived",
     "lessons/ch14.md": "ch14's terms and labels are assigned later by the lead (issue 33)",
-    "ui/labs/ch12.py": "helper L2's file (issue 33): NVLink / PCIe datasheet figures as 보고값",
 }
 PENDING_TERMS = {
     "lessons/ch14.md": "assigned later by the lead (issue 33): 닫힌/열린 고리 → closed-loop",
