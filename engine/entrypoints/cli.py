@@ -394,6 +394,35 @@ def add_serve_parser(sub) -> None:
         action="store_true",
         help="serve /metrics, /docs and /openapi.json without the API key",
     )
+    add_connection_limit_args(p)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    p.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD,
+        help="max prompt tokens one request may take per step, so a long prompt cannot starve "
+        f"short ones (0: no cap; default {DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD}, not vLLM's 0: on "
+        "a CPU a step costs about its tokens, and the cap lets short requests into the steps of "
+        "a long prefill at the price of more steps for the long prompt)",
+    )
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--speculative-config", type=speculative_config_arg, help=SPEC_HELP)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    add_kernels_arg(p)
+    add_quantization_args(p)
+    add_parallel_args(p)
+    add_iteration_timeout_arg(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def add_connection_limit_args(p: argparse.ArgumentParser) -> None:
+    """serve's bounds on what one client may hold: body size, head and body deadlines and open
+    connections (engine/entrypoints/server/app.py's ConnectionLimits)."""
     p.add_argument(
         "--max-body-bytes",
         type=int,
@@ -421,29 +450,6 @@ def add_serve_parser(sub) -> None:
         help="open connections beyond this get a 503 (default: half the file-descriptor "
         "limit, at most 1000, or LLM_LAB_MAX_CONNECTIONS)",
     )
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
-    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
-    p.add_argument(
-        "--long-prefill-token-threshold",
-        type=int,
-        default=DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD,
-        help="max prompt tokens one request may take per step, so a long prompt cannot starve "
-        f"short ones (0: no cap; default {DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD}, not vLLM's 0: on "
-        "a CPU a step costs about its tokens, and the cap lets short requests into the steps of "
-        "a long prefill at the price of more steps for the long prompt)",
-    )
-    p.add_argument("--log-level", default="info")
-    p.add_argument("--speculative-config", type=speculative_config_arg, help=SPEC_HELP)
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    add_kernels_arg(p)
-    add_quantization_args(p)
-    add_parallel_args(p)
-    add_iteration_timeout_arg(p)
-    p.set_defaults(func=cmd_serve)
 
 
 def add_iteration_timeout_arg(p: argparse.ArgumentParser) -> None:
