@@ -72,13 +72,18 @@ def chunked_config(config: ConfigLike | None, chunked: bool, budget: int, max_nu
     max_num_batched_tokens >= max_model_len and, when chunking is off, raises the budget to
     max_model_len by default. The off side follows that rule: its budget becomes
     max(budget, max_model_len), so both sides accept the same requests and the comparison is
-    chunking itself, not a refused prompt (the page says so)."""
+    chunking itself, not a refused prompt (the page says so).
+
+    Both sides run with `long_prefill_token_threshold` 0 (no cap), not the engine's default
+    (64): here the budget alone sets the chunk size, so the budget slider means what it says;
+    the cap is chapter 14's comparison (the page says so too)."""
     cfg = make_config(
         config,
         enable_chunked_prefill=chunked,
         max_num_batched_tokens=budget,
         max_num_seqs=max_num_seqs,
         enable_prefix_caching=False,
+        long_prefill_token_threshold=0,
     )
     if not chunked and cfg.max_model_len is not None:
         cfg = make_config(cfg, max_num_batched_tokens=max(budget, cfg.max_model_len))
@@ -181,7 +186,8 @@ def budget_sweep(
     """TTFT and ITL percentiles (ms, engine clock, 계산값) of the same Poisson workload on a
     simulated engine, one run per max_num_batched_tokens: the chunked-prefill trade-off at
     8B/70B scale. A small budget cuts long prompts into many chunks (ITL of the others stays
-    low, TTFT of the long ones grows); a large one does the reverse."""
+    low, TTFT of the long ones grows); a large one does the reverse. No per-request cap
+    (`long_prefill_token_threshold` 0, as in chunked_config): the budget alone sets the chunks."""
     from engine.tools.simulator import simulate
     from engine.tools.workload import percentiles
 
@@ -198,6 +204,7 @@ def budget_sweep(
             tensor_parallel_size=tensor_parallel_size,
             max_num_batched_tokens=budget,
             enable_chunked_prefill=True,
+            long_prefill_token_threshold=0,
         )
         itl = percentiles([x for m in result.metrics for x in m.itl])
         ttft = result.summary["ttft_s"]

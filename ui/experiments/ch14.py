@@ -69,7 +69,8 @@ def fairness_base(config: ConfigLike | None):
 
 
 def fairness_config(config: ConfigLike | None, threshold: int, budget: int, max_num_seqs: int):
-    """One side's engine config: chunked prefill on, the same budget, the threshold varied."""
+    """One side's engine config: chunked prefill on, the same budget, the threshold varied. Each
+    side sets its threshold explicitly: the off side's 0 is not the engine's default (64)."""
     return make_config(
         config,
         enable_chunked_prefill=True,

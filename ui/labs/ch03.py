@@ -41,6 +41,7 @@ def cache_compare_lab() -> None:
         settings = current_settings()
         common = dict(
             max_num_batched_tokens=1024,
+            long_prefill_token_threshold=0,  # every prefill and recompute in one step
             max_model_len=1024,
             num_kv_blocks=max(settings.num_kv_blocks, 1024 // settings.block_size),
         )

@@ -4,6 +4,7 @@ they compute is in ui/experiments/ch08.py."""
 
 import streamlit as st
 
+from engine.config import DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD
 from ui.experiments.ch08 import (
     CHUNKED_MODES,
     OFF,
@@ -35,6 +36,7 @@ FIELDS = (
     "enable_prefix_caching",
     "max_model_len",
     "num_kv_blocks",
+    "long_prefill_token_threshold",
 )
 
 
@@ -181,7 +183,15 @@ def lab_settings(spec: dict | None) -> tuple[int, int, int, int, list[str]]:
 
 
 def off_note(sides: list[Side], budget: int) -> None:
-    """Why the chunked-prefill-off engine runs with a larger budget (vLLM's rule)."""
+    """Why no engine here caps a prompt's chunk below the budget (the engine's default does),
+    and why the chunked-prefill-off engine runs with a larger budget (vLLM's rule)."""
+    st.caption(
+        f"이 실험실의 엔진은 `long_prefill_token_threshold`를 0(상한 없음)으로 둡니다. 엔진 "
+        f"기본값({DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD})이라면 긴 프롬프트는 예산과 상관없이 "
+        f"한 스텝에 {DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD}토큰까지만 들어가지만, 여기서는 조각 "
+        "크기를 토큰 예산 하나로만 정해 예산 슬라이더가 말 그대로의 뜻을 갖게 했습니다. 그 상한과 "
+        "그 대가는 14장 실험실에서 비교합니다."
+    )
     off = next((s for s in sides if s.label == OFF), None)
     if off is None:
         return

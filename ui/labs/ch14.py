@@ -10,6 +10,7 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
+from engine.config import DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD
 from engine.scheduler import TokenBudget
 from ui import figures
 from ui.experiments.ch14 import (
@@ -145,7 +146,8 @@ def fairness_lab() -> None:
     st.caption(
         f"워크로드: {long_len}토큰 프롬프트 하나(출력 4)가 먼저 줄을 서고, 같은 순간 짧은 요청 "
         f"{num_short}개(프롬프트 8, 출력 8)가 그 뒤에 섭니다. 두 엔진 모두 chunked prefill 켬, "
-        f"토큰 예산 {budget}, 최대 동시 요청 4. 다른 것은 임계값 하나뿐입니다."
+        f"토큰 예산 {budget}, 최대 동시 요청 4. 다른 것은 임계값 하나뿐입니다. 끈 쪽은 엔진 "
+        f"기본값({DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD})이 아니라 0을 직접 정한 엔진입니다."
     )
     if threshold >= budget:
         st.warning(
