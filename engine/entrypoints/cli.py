@@ -279,6 +279,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
             gpu_memory_utilization=args.gpu_memory_utilization,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
         ).items()
         if v is not None
     }
@@ -580,6 +581,13 @@ def add_simulate_parser(sub) -> None:
         type=int,
         default=None,
         help=f"token budget per step ({DEFAULT_MAX_NUM_BATCHED_TOKENS})",
+    )
+    p.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        help="max prompt tokens one request may take per step (default 0, no cap: vLLM's default "
+        "for a simulated GPU; the real engine's 64 is chosen for CPU step costs)",
     )
     p.add_argument(
         "--max-num-seqs",
