@@ -30,7 +30,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +37,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from engine.utils import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = (
@@ -303,12 +304,6 @@ def test_every_quoted_command_has_a_plan_and_every_plan_a_command():
 
 
 # -- running them --------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def argv_of(command: str) -> tuple[dict, list[str]]:

@@ -10,7 +10,6 @@ are few; every launch has a timeout, so a hang fails instead of blocking the sui
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,18 +21,13 @@ import pytest
 from _tiny import run_engine
 
 from engine import SamplingParams
+from engine.utils import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The same engine runs on two machines"
 MAX_TOKENS = 12
 LAUNCH_TIMEOUT_S = 300
 MARK = "ENGINE_TORCHRUN_TEST_MARK"  # set in every launched process's environment
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -109,6 +109,7 @@ from engine.layers.sharding import (
 )
 from engine.models.config import LlamaConfig
 from engine.scheduler_output import SchedulerOutput
+from engine.utils import free_port
 from engine.worker.model_runner import ModelRunnerOutput
 from engine.worker.worker import Worker
 
@@ -372,12 +373,6 @@ def _port_is_free(host: str, port: int) -> bool:
         return True
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 @dataclasses.dataclass
 class _Ranks:
     """What it takes to stop the ranks, kept apart from the executor (its finalizer must not
@@ -502,7 +497,7 @@ class MultiprocExecutor(Executor):
             self.local = RankServer(0, self.tp, self.pp)
             return
         ctx = torch.multiprocessing.get_context(self.start_method)
-        port = self.master_port or _free_port(self.master_addr)
+        port = self.master_port or free_port(self.master_addr)
         size = self.world_size + 1  # the control group: this process (0) and every worker
         store = dist.TCPStore(
             self.master_addr, 0, is_master=True, wait_for_workers=False,
