@@ -71,6 +71,7 @@ import dataclasses
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 import traceback
@@ -341,6 +342,7 @@ def _worker_main(
     """A spawned worker: join the driver's control group (as rank + 1; the driver is 0), then
     serve its messages (the first, "load", joins the data group and loads the shard)."""
     _die_with_parent()
+    _close_inherited_tcp_sockets()
     os.environ.update(env)  # torchrun's names: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, ...
     status = 1
     try:
@@ -371,6 +373,25 @@ def _port_is_free(host: str, port: int) -> bool:
         except OSError:
             return False
         return True
+
+
+def _close_inherited_tcp_sockets() -> None:
+    """A forked worker starts with copies of its parent's TCP sockets: a server's listening socket
+    and its clients' connections (the app's browsers). Holding them, it would keep a connection the
+    parent has closed open, and a browser's next request on it would wait forever (a reload of
+    chapter 12 hung so). The worker opens its own sockets after this; pipes are kept."""
+    for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []:
+        try:
+            fd = int(name)
+            if fd <= 2 or not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            sock = socket.socket(fileno=fd)
+        except (OSError, ValueError):
+            continue
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.close()
+        else:
+            sock.detach()
 
 
 @dataclasses.dataclass
