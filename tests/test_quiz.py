@@ -15,6 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from test_lesson_terms import quiz_text
 
 from ui.lesson import (
     LESSONS_DIR,
@@ -250,17 +251,6 @@ def test_questions_and_explanations_speak_politely(cid):
                 assert not _PLAIN_END.search(sentence), (cid, i, field, sentence)
 
 
-def _strings(x):
-    if isinstance(x, str):
-        yield x
-    elif isinstance(x, dict):
-        for v in x.values():
-            yield from _strings(v)
-    elif isinstance(x, list):
-        for v in x:
-            yield from _strings(v)
-
-
 @pytest.mark.skipif(not SEEDS, reason="the course's original chapter is not on this machine")
 @pytest.mark.parametrize("path", QUIZ_FILES, ids=lambda p: p.name)
 def test_no_20_character_run_shared_with_the_original_chapter(path):
@@ -268,7 +258,7 @@ def test_no_20_character_run_shared_with_the_original_chapter(path):
     options counts too), shares no run of 20 characters with the original chapter."""
     seed = " ".join(SEEDS[0].read_text(encoding="utf-8").split())
     runs = {seed[j : j + 20] for j in range(len(seed) - 19)}
-    text = " ".join(" ".join(_strings(json.loads(path.read_text(encoding="utf-8")))).split())
+    text = " ".join(quiz_text(path).split())
     shared = [text[j : j + 20] for j in range(len(text) - 19) if text[j : j + 20] in runs]
     assert not shared, (path.name, shared[:3])
 
