@@ -259,6 +259,31 @@ def cmd_quality(args: argparse.Namespace) -> int:
     return 0
 
 
+def _trace_workload(args: argparse.Namespace, engine_config: dict):
+    """--trace-file read for the chosen model preset at full scale (unless --time-scale or caps
+    say otherwise); a prompt + output longer than the context is cut to it (and counted), and the
+    context defaults to the trace's longest request, up to the model's limit."""
+    from engine.tools.presets import load_model_preset
+    from engine.tools.trace_readers import read_trace
+
+    preset = load_model_preset(args.model_preset)
+    limit = engine_config.get("max_model_len") or preset.config.max_position_embeddings
+    trace = read_trace(
+        args.trace_file,
+        preset.config.vocab_size,
+        args.trace_format,
+        special_ids={preset.bos_token_id, preset.eos_token_id} - {None},
+        time_scale=args.time_scale,
+        max_requests=args.max_requests,
+        max_input_len=args.max_input_len,
+        max_output_len=args.max_output_len,
+        max_total_len=limit,
+    )
+    longest = max(len(r.prompt_token_ids) + r.output_len for r in trace.requests)
+    engine_config.setdefault("max_model_len", max(longest, 16))
+    return trace
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     import json
 
@@ -283,19 +308,30 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         ).items()
         if v is not None
     }
+    trace = _trace_workload(args, engine_config) if args.trace_file else None
     result = simulator.simulate(
         args.model_preset,
         args.hardware,
-        rate=args.rate,
+        rate=None if trace else args.rate,
         num_requests=args.num_requests,
         prompt_len=tuple(args.prompt_len),
         output_len=tuple(args.output_len),
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        workload=trace.requests if trace else None,
         **engine_config,
     )
-    print(simulator.format_result(result))
+    text = simulator.format_result(result)
+    if trace:
+        from engine.tools.trace_readers import describe
+
+        drawn = ("rate_req_s", "prompt_len", "output_len", "seed")  # Poisson's, unused here
+        kept = {k: v for k, v in result.conditions["workload"].items() if k not in drawn}
+        result.conditions["workload"] = {**kept, **trace.conditions}
+        text = text.replace("all at once", "arrivals from the trace", 1)
+        text += "\n" + describe(trace)
+    print(text)
     if args.json:
         data = {
             "summary": result.summary,
@@ -555,6 +591,23 @@ def add_bench_parser(sub) -> None:
     p.set_defaults(func=cmd_bench)
 
 
+def add_trace_file_args(p: argparse.ArgumentParser) -> None:
+    """--trace-file and its scaling (engine/tools/trace_readers.py): a production trace instead
+    of the Poisson workload (--rate, --num-requests and the length ranges are then unused)."""
+    p.add_argument(
+        "--trace-file",
+        default=None,
+        help="replay a trace: Mooncake JSON lines or an Azure LLM inference CSV",
+    )
+    p.add_argument("--trace-format", choices=["auto", "mooncake", "azure"], default="auto")
+    p.add_argument(
+        "--time-scale", type=float, default=1.0, help="with --trace-file: arrivals ÷ this (1)"
+    )
+    p.add_argument("--max-requests", type=int, default=None, help="the trace's first N only")
+    p.add_argument("--max-input-len", type=int, default=None, help="cut longer prompts (counted)")
+    p.add_argument("--max-output-len", type=int, default=None, help="cut longer outputs (counted)")
+
+
 def add_simulate_parser(sub) -> None:
     """`python -m engine simulate` and its flags."""
     p = sub.add_parser(
@@ -614,6 +667,7 @@ def add_simulate_parser(sub) -> None:
         help="each request's target output length is drawn uniformly from this range",
     )
     p.add_argument("--seed", type=int, default=0)
+    add_trace_file_args(p)
     p.add_argument(
         "--json",
         default=None,
