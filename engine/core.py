@@ -9,6 +9,7 @@ looks like afterwards, so that a learner can replay the engine's life one decisi
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import logging
@@ -52,6 +53,20 @@ INITIAL_STATS = {
     "spec_decode_num_draft_tokens": 0,
     "spec_decode_num_accepted_tokens": 0,
 }
+
+# What EngineCore.fork may change: the scheduler's and the cache's settings, never the model.
+FORKABLE = (
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "scheduling_policy",
+    "enable_chunked_prefill",
+    "long_prefill_token_threshold",
+    "preemption_mode",
+    "num_swap_blocks",
+    "enable_prefix_caching",
+    "speculative_config",
+    "num_kv_blocks",
+)
 
 
 class EngineCore:
@@ -165,6 +180,81 @@ class EngineCore:
                 quantization_group_size=config.quantization_group_size,
             )
         )
+
+    # -- what if? ------------------------------------------------------------------------------
+
+    def fork(self, **changes) -> "EngineCore":
+        """A second engine that continues from exactly this state (queues, every request's tokens
+        and progress, block tables, the block pool with its hashes and free-list order, the K/V,
+        the engine clock, seeded samplers) with some settings changed (FORKABLE). The original
+        is untouched. With no changes the fork makes the original's decisions and tokens, given
+        the same arrivals (greedy and seeded sampling). Fewer `num_kv_blocks` keep the blocks in
+        use and drop free ones; too few to hold what runs are refused with the numbers."""
+        config = self._fork_config(changes)
+        twin = copy.copy(self)
+        twin.config = config
+        memo = {id(x): x for x in (self.tokenizer, self.model_config, self.executor)}
+        state = (self.scheduler, self.output_processor, self.live_requests)
+        state += (self.finished_requests, self.clock, self.stats)
+        state = copy.deepcopy(state, memo)
+        (twin.scheduler, twin.output_processor, twin.live_requests) = state[:3]
+        (twin.finished_requests, twin.clock, twin.stats) = state[3:]
+        twin.kv_cache_manager = twin.scheduler.kv_cache_manager
+        next_id = next(self._ids)
+        self._ids, twin._ids = itertools.count(next_id), itertools.count(next_id)
+        twin._configure_fork(self, config)
+        return twin
+
+    def _fork_config(self, changes: dict) -> EngineConfig:
+        unknown = sorted(set(changes) - set(FORKABLE))
+        if unknown:
+            raise ValueError(
+                f"a fork cannot change {', '.join(unknown)}; it may change {', '.join(FORKABLE)}"
+            )
+        changes.setdefault("num_kv_blocks", self.num_blocks)
+        config = dataclasses.replace(self.config, **changes)  # checked in __post_init__
+        config.resolve_max_model_len(self.max_model_len, None)  # chunked prefill off: budget
+        needed = -(-self.max_model_len // config.block_size)
+        if config.num_kv_blocks < needed:
+            raise ValueError(
+                f"{config.num_kv_blocks} KV blocks cannot hold one request of max_model_len="
+                f"{self.max_model_len} tokens ({needed} blocks)"
+            )
+        return config
+
+    def _configure_fork(self, original: "EngineCore", config: EngineConfig) -> None:
+        """The fork's own cache, swap space, scheduler settings and drafting (called on the fork
+        right after the state was copied)."""
+        kv = self.kv_cache_manager
+        block_map = kv.resize(config.num_kv_blocks)
+        kv.set_prefix_caching(config.enable_prefix_caching)
+        self.scheduler.reconfigure(self._scheduler_config(config))
+        num_swap = self._fork_swap_space(original.config, config)
+        self.executor = original.executor.fork(
+            block_map, config.num_kv_blocks, num_swap, self.clock
+        )
+        self.num_blocks = config.num_kv_blocks
+        self.speculative_config = SpeculativeConfig.from_value(config.speculative_config)
+        self.proposer = self._make_proposer(self.speculative_config)
+        k = self.speculative_config.num_speculative_tokens if self.speculative_config else 0
+        for request in self.scheduler.running:
+            request.spec_token_ids = request.spec_token_ids[:k]
+        self.cuda_graphs = self._configure_cuda_graphs()
+        self._output_failures, self._executing = {}, None
+
+    def _fork_swap_space(self, before: EngineConfig, after: EngineConfig) -> int:
+        """The fork's swap blocks: the original's (copied) unless the preemption mode or the swap
+        size changed; then a fresh swap space (refused while requests are swapped out)."""
+        kv = self.kv_cache_manager
+        mode = (after.preemption_mode, after.num_swap_blocks)
+        if mode == (before.preemption_mode, before.num_swap_blocks):
+            return kv.swap_space.num_blocks
+        num_swap = 0
+        if after.preemption_mode == "swap":
+            num_swap = after.num_swap_blocks
+            num_swap = after.num_kv_blocks if num_swap is None else num_swap
+        kv.resize_swap_space(num_swap)
+        return num_swap
 
     def shutdown(self) -> None:
         """Stop the executor's worker processes (if any). Also happens when the engine is

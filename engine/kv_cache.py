@@ -416,3 +416,69 @@ class KVCacheManager:
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
         )
+
+    # -- a fork of the engine (EngineCore.fork) ------------------------------------------------
+
+    def resize(self, num_blocks: int) -> dict[int, int]:
+        """Keep every block in use and as many free ones as fit in `num_blocks` (the ones the
+        free queue would hand out last are kept: the front of the queue is what would be evicted
+        next anyway), renumber them 0..num_blocks-1 in their old order, and add fresh blocks
+        when growing. Returns old id → new id for the kept blocks (whose K/V must be copied).
+        Raises ValueError when the blocks in use do not fit."""
+        pool = self.block_pool
+        num_used = len(pool.blocks) - len(pool.free_queue)
+        if num_blocks < max(num_used, 1):
+            raise ValueError(
+                f"{num_blocks} KV blocks cannot hold the {num_used} blocks the running requests "
+                "use now; keep at least that many"
+            )
+        num_dropped = max(len(pool.blocks) - num_blocks, 0)
+        dropped = list(pool.free_queue.values())[:num_dropped]
+        for block in dropped:
+            pool._evict(block)
+            pool._unmark_cached_free(block.block_id)
+            del pool.free_queue[block.block_id]
+        gone = {id(b) for b in dropped}
+        kept = [b for b in pool.blocks if id(b) not in gone]
+        block_map = {b.block_id: new_id for new_id, b in enumerate(kept)}
+        self._renumber(kept, block_map, num_blocks)
+        return block_map
+
+    def _renumber(self, kept: list[KVCacheBlock], block_map: dict[int, int], n: int) -> None:
+        """Give the kept blocks their new ids (parents keyed by id follow; a parent that was
+        dropped leaves a key no block has, so its children are never hit) and rebuild the pool's
+        id-keyed views, free-queue order unchanged, fresh blocks at the back."""
+        pool = self.block_pool
+        for block in kept:
+            key = block.parent_key
+            if key is not None and key[0] != "salt":
+                parent = block_map.get(key[0])
+                block.parent_key = (parent, key[1]) if parent is not None else ("dropped", key)
+            block.block_id = block_map[block.block_id]
+        fresh = [KVCacheBlock(i) for i in range(len(kept), n)]
+        order = list(pool.free_queue.values()) + fresh
+        pool.blocks = kept + fresh
+        pool.free_queue = OrderedDict((b.block_id, b) for b in order)
+        pool.cached_free = {b.block_id for b in order if b.block_hash is not None}
+        pool._cached_free_view = None
+        self.num_blocks = n
+
+    def set_prefix_caching(self, enabled: bool) -> None:
+        """Turn prefix caching on or off from now on. Off forgets every cached hash (cached-free
+        blocks become plain free ones); on hashes running requests' full blocks from the next
+        step, as if they had been cached all along."""
+        self.enable_prefix_caching = self.block_pool.enable_caching = enabled
+        if enabled:
+            return
+        pool = self.block_pool
+        for block in pool.blocks:
+            pool._evict(block)
+        pool.cached_free.clear()
+        pool._cached_free_view = None
+        self.req_to_hashes.clear()
+
+    def resize_swap_space(self, num_blocks: int) -> None:
+        """A fork that changes the preemption mode: a fresh swap space (nothing may be swapped)."""
+        if self.swap_space.req_to_swap_ids:
+            raise ValueError("requests are swapped out: the swap space cannot be replaced")
+        self.swap_space = SwapSpace(num_blocks)

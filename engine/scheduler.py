@@ -248,6 +248,24 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def reconfigure(self, config: SchedulerConfig) -> None:
+        """New settings from the next step on (EngineCore.fork). A new policy starts with no
+        history; leaving swap preemption turns every swapped-out request into a recompute one,
+        the way a preemption without swap space would have left it."""
+        if config.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {config.preemption_mode!r}"
+            )
+        if config.policy != self.config.policy:
+            self.policy = make_policy(config.policy)
+        if config.preemption_mode != "swap":
+            for request in self.waiting:
+                if request.is_swapped_out:
+                    self.kv_cache_manager.drop_swapped(request)
+                    request.is_swapped_out = False
+                    request.num_computed_tokens = request.num_cached_tokens = 0
+        self.config = config
+
     # -- the decision --------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

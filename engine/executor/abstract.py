@@ -18,6 +18,10 @@ class ExecutorDiedError(RuntimeError):
     """The executor cannot go on (a worker process died, failed or hung); the engine stops."""
 
 
+class ForkNotSupportedError(ValueError):
+    """This executor's KV cache cannot be copied into a second engine."""
+
+
 class Executor(ABC):
     num_blocks: int
     num_swap_blocks: int = 0  # host-memory blocks for swap preemption (0: none)
@@ -37,6 +41,12 @@ class Executor(ABC):
     @abstractmethod
     def kv_cache_bytes(self) -> int:
         """Bytes of KV-cache memory over all workers."""
+
+    def fork(self, block_map: dict[int, int], num_blocks: int, num_swap_blocks: int, clock):
+        """An executor for a fork of the engine (EngineCore.fork): the same model, its own KV
+        cache of `num_blocks` blocks holding this one's blocks renumbered by `block_map`, and
+        `clock`, the forked engine's clock. Executors that cannot copy their cache refuse."""
+        raise ForkNotSupportedError(f"{type(self).__name__} cannot fork its KV cache")
 
     def shutdown(self) -> None:
         pass

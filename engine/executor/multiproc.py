@@ -83,7 +83,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, engine_iteration_timeout_s
-from engine.executor.abstract import Executor, ExecutorDiedError
+from engine.executor.abstract import Executor, ExecutorDiedError, ForkNotSupportedError
 from engine.executor.start_method import worker_start_method
 from engine.executor.transport import (
     COLLECTIVE_TIMEOUT_S,
@@ -746,6 +746,12 @@ class MultiprocExecutor(Executor):
         bytes it holds that other ranks hold too, and the shapes of its first layer's
         matrices."""
         return [dict(r) for r in self._layout]
+
+    def fork(self, block_map: dict[int, int], num_blocks: int, num_swap_blocks: int, clock):
+        raise ForkNotSupportedError(
+            "a tensor / pipeline parallel engine keeps its KV cache in its worker processes, "
+            "which a fork would have to start again: fork the same scenario on one worker"
+        )
 
     def shutdown(self) -> None:
         if self._finalizer is not None:

@@ -30,3 +30,8 @@ class UniProcExecutor(Executor):
 
     def kv_cache_bytes(self) -> int:
         return self.worker.kv_cache_bytes()
+
+    def fork(self, block_map: dict[int, int], num_blocks: int, num_swap_blocks: int, clock):
+        twin = UniProcExecutor(self.worker.fork(block_map, num_blocks, num_swap_blocks))
+        twin.num_blocks, twin.num_swap_blocks = num_blocks, num_swap_blocks
+        return twin

@@ -29,6 +29,7 @@ formula.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import pickle
@@ -498,6 +499,15 @@ class SimulatedExecutor(Executor):
         if target is not None and count >= target and eos is not None and not params.ignore_eos:
             return eos
         return self.filler_token_id
+
+    def fork(self, block_map: dict[int, int], num_blocks: int, num_swap_blocks: int, clock):
+        """No tensors to copy: the same cost model and output lengths, its own counters, the
+        forked engine's (virtual) clock."""
+        twin = copy.copy(self)
+        twin.num_emitted = dict(self.num_emitted)
+        twin.costs = list(self.costs)
+        twin.num_blocks, twin.num_swap_blocks, twin.clock = num_blocks, num_swap_blocks, clock
+        return twin
 
     def weight_bytes(self) -> int:
         """The model's bytes; with several ranks, their sum (replicated parts counted on every

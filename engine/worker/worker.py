@@ -8,6 +8,7 @@ maximum model length is refused at start-up, with both numbers in the error.
 
 from __future__ import annotations
 
+import copy
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -263,3 +264,26 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def fork(self, block_map: dict[int, int], num_blocks: int, num_swap_blocks: int) -> "Worker":
+        """A second worker on the same (shared, read-only) weights with its own KV cache of
+        `num_blocks` blocks: block `old` of this cache copied to block `block_map[old]`. The swap
+        space is copied when it keeps its size (a fork that changes the preemption mode starts
+        with an empty one), and seeded requests' random generators continue where they are."""
+        twin = copy.copy(self)
+        twin.initialize_cache(num_blocks, num_swap_blocks)
+        if block_map:
+            old_ids = torch.tensor(list(block_map.keys()), device=self.device)
+            new_ids = torch.tensor(list(block_map.values()), device=self.device)
+            for source, target in zip(self.runner.kv_caches, twin.runner.kv_caches):
+                for k_or_v in (0, 1):
+                    target[k_or_v][new_ids] = source[k_or_v][old_ids]
+        swap = self.runner.swap_caches
+        if swap and num_swap_blocks == swap[0][0].shape[0]:
+            for source, target in zip(swap, twin.runner.swap_caches):
+                for k_or_v in (0, 1):
+                    target[k_or_v].copy_(source[k_or_v])
+        for name in ("sampler", "rejection_sampler"):
+            generators = getattr(self.runner, name).generators
+            getattr(twin.runner, name).generators = copy.deepcopy(generators)
+        return twin
