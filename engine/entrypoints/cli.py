@@ -131,8 +131,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
     request = engine.add_request(prompt, params)
+    records = []
     while engine.has_unfinished_requests():
-        for output in engine.step().outputs:
+        records.append(engine.step())
+        for output in records[-1].outputs:
             print(output.delta_text, end="", flush=True)
             if output.finished:
                 m = output.metrics
@@ -144,8 +146,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     f"(measured, {engine.device.type}, {str(engine.dtype).removeprefix('torch.')})",
                     file=sys.stderr,
                 )
+    if args.trace:
+        write_run_trace(args.trace, "generate", records, engine.all_requests(), sys.stderr)
     engine.shutdown()
     return 0 if request.finish_reason != "abort" else 1
+
+
+def add_trace_arg(p: argparse.ArgumentParser, what: str) -> None:
+    """`--trace PATH`: the run as a Chrome / Perfetto trace (docs/traces.md)."""
+    p.add_argument(
+        "--trace",
+        default=None,
+        metavar="PATH",
+        help=f"also write {what} as a Chrome / Perfetto trace (Trace Event Format JSON, engine "
+        "clock; open it in ui.perfetto.dev or chrome://tracing; docs/traces.md)",
+    )
+
+
+def write_run_trace(path: str, label: str, records, requests, out=None) -> None:
+    """Write one run's trace; say where (on `out`, default stdout)."""
+    from engine.tools.trace_export import write_trace
+
+    write_trace(path, [(label, records, requests)])
+    note = f"trace written to {path} (open it in ui.perfetto.dev or chrome://tracing)"
+    print(note, file=out or sys.stdout)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -227,6 +251,7 @@ def bench_config(args: argparse.Namespace):
         pipeline_parallel_size=args.pipeline_parallel_size,
         prompt_len=tuple(args.prompt_len) if args.prompt_len else None,
         output_len=tuple(args.output_len) if args.output_len else None,
+        trace=args.trace,
     )
     overrides = {k: v for k, v in flags.items() if v is not None}
     return BenchConfig.quick_config(**overrides) if args.quick else BenchConfig(**overrides)
@@ -341,6 +366,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(data, f, indent=2, ensure_ascii=False)
         print(f"results written to {args.json}")
+    if args.trace:
+        write_run_trace(args.trace, "simulate", result.records, result.requests)
     return 0
 
 
@@ -396,6 +423,7 @@ def add_generate_parser(sub) -> None:
     add_kernels_arg(p)
     add_quantization_args(p)
     add_parallel_args(p)
+    add_trace_arg(p, "the run (its steps and the request's journey)")
     p.set_defaults(func=cmd_generate)
 
 
@@ -588,6 +616,7 @@ def add_bench_parser(sub) -> None:
         help="also measure float32, bfloat16, int8, int4 and gguf side by side (section 8)",
     )
     add_parallel_args(p)  # > 1: also the same workload at this size against tp 1 (section 9)
+    add_trace_arg(p, "the offline section's engine run (section 2)")
     p.set_defaults(func=cmd_bench)
 
 
@@ -673,6 +702,7 @@ def add_simulate_parser(sub) -> None:
         default=None,
         help="also write the summary, conditions and per-request metrics here",
     )
+    add_trace_arg(p, "the simulated run (every step and request)")
     p.add_argument("--list", action="store_true", help="list the presets and exit")
     p.add_argument(
         "--calibrate", action="store_true", help="re-fit this machine's calibration first"

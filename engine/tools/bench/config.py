@@ -51,6 +51,7 @@ class BenchConfig:
     # tp × pp worker processes against tp 1 (engine/tools/bench/parallel.py)
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    trace: str | None = None  # a path: the offline engine run as a Perfetto trace (docs/traces.md)
 
     @classmethod
     def quick_config(cls, **overrides) -> "BenchConfig":

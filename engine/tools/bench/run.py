@@ -204,6 +204,8 @@ def run_offline(run: BenchRun) -> dict:
         use_tqdm=False,
     )
     engine_run = run_engine_offline(run.llm, workload)
+    if config.trace:
+        write_offline_trace(run, config.trace)
     offline = {"engine": {k: v for k, v in engine_run.items() if k != "tokens"}}
     if not config.skip_transformers:
         run.log(
@@ -221,6 +223,18 @@ def run_offline(run: BenchRun) -> dict:
         offline["greedy_agreement"] = greedy_agreement(engine_run["tokens"], hf["tokens"])
     run.results["offline"] = offline
     return engine_run
+
+
+def write_offline_trace(run: BenchRun, path: str) -> None:
+    """The offline engine run (all requests at once, continuous batching) as a Perfetto trace:
+    its steps and the journeys of its requests (not the warm-up's)."""
+    from engine.tools.trace_export import write_trace
+
+    records = run.llm.step_records
+    seen = {s.request_id for r in records for s in r.scheduled}
+    requests = [q for q in run.engine.all_requests() if q.request_id in seen]
+    write_trace(path, [("bench offline", records, requests)])
+    run.log(f"      offline: trace written to {path} (ui.perfetto.dev, chrome://tracing)")
 
 
 def resample_bandwidth(run: BenchRun) -> float:
