@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from engine.tools import trace_export
 from engine.trace import StepRecord
 
 
@@ -34,3 +35,13 @@ def spec_decode_dataframe(records: list[StepRecord]) -> pd.DataFrame:
             "draft_token_ids",
         ],
     )
+
+
+def export_frames(runs: list[trace_export.Run]) -> dict[str, pd.DataFrame]:
+    """The exported tables (steps, journeys, requests; columns documented in docs/traces.md) as
+    DataFrames, the same rows the CSV downloads hold."""
+    tables = trace_export.trace_tables(runs)
+    return {
+        name: pd.DataFrame(tables[name], columns=list(columns))
+        for name, columns in trace_export.TABLES.items()
+    }

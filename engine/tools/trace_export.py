@@ -230,8 +230,8 @@ def _decision_args(record: StepRecord) -> dict:
 
 
 def scheduler_events(records: list[StepRecord], pid: int) -> list[dict]:
-    """One slice per step on the scheduler track, and the counter tracks: KV blocks (after the
-    step) and running / waiting requests (the scheduler's queues after its decision)."""
+    """One slice per step on the scheduler track, and the counter tracks at each step's end:
+    KV blocks and running / waiting requests after the step."""
     events = []
     for r in records:
         end = r.engine_start_time + r.engine_duration
@@ -243,7 +243,7 @@ def scheduler_events(records: list[StepRecord], pid: int) -> list[dict]:
         queues = {"running": r.num_running, "waiting": r.num_waiting}
         for counter, ts, args in (
             ("KV blocks", end, kv),
-            ("requests", r.engine_start_time, queues),
+            ("requests", end, queues),
         ):
             events.append(
                 {
