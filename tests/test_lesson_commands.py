@@ -140,6 +140,25 @@ PLAN: dict[str, tuple[str, str]] = {
         "the same simulation with its default preset (a minute or more here): the README's "
         "simulate with flags runs here",
     ),
+    # -- traces out (docs/traces.md): parsed here, so that no trace file lands in the repository;
+    # tests/test_trace_export.py runs simulate --trace and generate --trace (slow) into tmp_path
+    "python -m engine simulate --trace run.json": (
+        PARSED,
+        "the default simulation (a minute or more here) and its trace: test_trace_export runs one",
+    ),
+    "python -m engine simulate --model-preset llama-3.1-8b --num-requests 200 --trace sim.json": (
+        PARSED,
+        "a simulation and its trace: tests/test_trace_export.py runs simulate --trace",
+    ),
+    'python -m engine generate "KV 캐시가 뭐야?" --max-tokens 64 --trace generate.json': (
+        PARSED,
+        'a generation (start-up as generate "서울을 소개해 줘") and its trace: '
+        "tests/test_trace_export.py runs generate --trace (slow)",
+    ),
+    "python -m engine bench --quick --trace bench.json": (
+        PARSED,
+        "`bench --quick`, which runs here, writing its offline run's trace",
+    ),
     # -- selfcheck
     "./run.sh selfcheck": (STARTS, SELFCHECK_STARTED),
     "python -m engine selfcheck": (
