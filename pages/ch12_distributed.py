@@ -17,6 +17,7 @@ from engine.layers.sharding import valid_tensor_parallel_sizes
 from engine.tools.presets import load_model_preset
 from engine.tools.simulator import SimulatedExecutor
 from ui.experiments.ch12 import SPEED_CHOICES, lab_workload
+from ui.fidelity import fidelity_section
 from ui.lab import LabContext
 from ui.lab import lab as engine_lab
 from ui.labs.ch12 import (
@@ -107,4 +108,15 @@ def lab() -> None:
     show_code(MultiprocExecutor.execute_model, "방금 실행된 코드 (실행자가 워커들에게 스텝을 보냄)")
 
 
-render_chapter("12", lab, claim=CLAIM)
+def lab_and_fidelity() -> None:
+    """The lab, then the simulator's fidelity on a real trace (ui/fidelity.py), drawn even when
+    the lab fails (its error is shown above by render_chapter)."""
+    try:
+        lab()
+    except Exception:  # not st.stop / st.rerun (BaseException): those end the run here
+        fidelity_section()
+        raise
+    fidelity_section()
+
+
+render_chapter("12", lab_and_fidelity, claim=CLAIM)

@@ -233,3 +233,31 @@ def test_lab_simulates_70b_on_8_gpus_against_4(tiny_model_dir):
     finally:
         shutdown_all(at)
     assert set(multiprocessing.active_children()) - before == set()
+
+
+def test_fidelity_section_runs_the_smallest_trace_and_calibrates(tiny_model_dir):
+    """The fidelity section under the lab (시뮬레이션 side set, so no worker process starts):
+    실행 on the Mooncake sample (4 requests) runs the real tiny engine and the cost model, draws
+    the per-step time and error figures with the load average and labelled numbers; 이 실행으로
+    보정 adds the calibrated series and the before → after median."""
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=TIMEOUT)
+    at.session_state[SETTINGS_KEY] = EngineSettings(model=str(tiny_model_dir), device="cpu")
+    at.session_state["ch12_target"] = "시뮬레이션"
+    at.session_state["fidelity_requests"] = 4
+    at.run()
+    at.switch_page(PAGE)
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    at.button(key="fidelity_run").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    steps = chart(at, "fidelity_steps")["data"]
+    assert [t["name"] for t in steps] == ["측정 (실제 엔진)", "계산 (보정 전)"]
+    assert all(values(t["y"]) for t in steps)
+    assert values(chart(at, "fidelity_error")["data"][0]["y"])
+    text = " ".join(m.value for m in at.markdown)
+    assert "4/32개 요청" in text and "오차 중앙값" in text and "부하 평균" in text
+    assert "측정값" in text and "계산값" in text
+    at.button(key="fidelity_calibrate").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert len(chart(at, "fidelity_error")["data"]) == 2
+    assert "보정한 뒤 오차 중앙값" in " ".join(m.value for m in at.markdown)
