@@ -283,3 +283,37 @@ def test_lab_export_files_put_a_comparison_in_one_trace():
     for name, frame in frames.items():
         assert len(frame) == len(everything[name])
         assert list(frame.columns) == everything["columns"][name]
+
+
+def test_generate_and_bench_offline_write_their_traces(tiny_model_dir, tmp_path):
+    """`generate --trace` (in-process, the tiny model) and the bench's offline section with a
+    trace path: each file validates and holds its run's requests (not the bench's warm-up)."""
+    from engine.__main__ import main
+    from engine.tools.bench.config import BenchConfig
+    from engine.tools.bench.run import BenchRun, open_engine, run_offline
+
+    path = tmp_path / "generate.json"
+    argv = ["generate", "Hello", "--model", str(tiny_model_dir), "--device", "cpu"]
+    argv += ["--max-tokens", "6", "--trace", str(path)]
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert main(argv) == 0
+    trace = json.loads(path.read_text())
+    validate_trace(trace)
+    (only,) = te.read_trace_metrics(trace).values()
+    assert 0 < only["ttft"] <= only["e2e"]
+    bench_path = tmp_path / "bench.json"
+    config = BenchConfig(
+        model=str(tiny_model_dir), device="cpu", num_requests=4, prompt_len=(8, 24),
+        output_len=(4, 8), skip_transformers=True, trace=str(bench_path),
+    )  # fmt: skip
+    llm, model_dir = open_engine(config)
+    try:
+        run = BenchRun(config, llm, model_dir, lambda _: None, ["offline"])
+        run_offline(run)
+    finally:
+        llm.shutdown()
+    trace = json.loads(bench_path.read_text())
+    validate_trace(trace)
+    assert len(te.read_trace_metrics(trace)) == 4
+    steps = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == te.SCHEDULER_TID]
+    assert len(steps) == len(llm.step_records)
