@@ -846,6 +846,40 @@ def kv_usage_spec(records: list[StepRecord]) -> dict:
     return dict(data=data, layout=layout)
 
 
+BRANCH_COLORS = ["#1f77b4", "#d62728", "#9467bd", "#ff7f0e"]
+
+
+def kv_usage_compare_spec(series: list[tuple[str, list[StepRecord]]], fork_step: int) -> dict:
+    """KV blocks in use per step of an engine and its forks on one chart; a dashed line where
+    they parted (EngineCore.fork)."""
+    data = [
+        dict(
+            hovertemplate=f"{label} · 스텝 %{{x}}: %{{y}} 블록<extra></extra>",
+            line=dict(color=BRANCH_COLORS[i % len(BRANCH_COLORS)], shape="hv"),
+            mode="lines",
+            name=label,
+            x=[r.step for r in records],
+            y=[r.kv.num_used for r in records],
+            type="scatter",
+        )
+        for i, (label, records) in enumerate(series)
+    ]
+    layout = _layout_spec(
+        "KV 블록 사용 (원래 엔진과 갈래)",
+        _legend_names(data),
+        height=260,
+        yaxis=zero_axis("사용 중인 KV 블록"),
+        xaxis=dict(type="linear", title=dict(text="스텝")),
+        shapes=[
+            dict(
+                type="line", x0=fork_step, x1=fork_step, y0=0, y1=1, yref="paper",
+                line=dict(color="#7f7f7f", dash="dash"),
+            )
+        ],
+    )  # fmt: skip
+    return dict(data=data, layout=layout)
+
+
 def kv_usage_figure(records: list[StepRecord]) -> go.Figure:
     """KV usage over steps: used blocks (%) and cached-free blocks (%)."""
     return go.Figure(kv_usage_spec(records))

@@ -556,6 +556,36 @@ def get_engine(key: str = "main", **overrides) -> EngineCore:
     return engines[key]["engine"]
 
 
+def adopt_engine(key: str, engine: EngineCore, parent: str) -> None:
+    """Keep an engine made outside get_engine (a fork of `parent`'s engine, ui/fork.py) under
+    `key`: admitted by the registry like a built one, with the parent's records and texts so
+    far (its history is the parent's up to the fork)."""
+    from ui.registry import ClassroomFull, get_registry, planned_kv_bytes
+    from ui.simulation import is_simulated
+
+    track_session()
+    registry, sid = get_registry(), _registry_key()
+    try:
+        registry.check_room(sid, key, 0)
+        registry.admit(sid, key, engine, 0 if is_simulated(engine) else planned_kv_bytes(engine))
+    except ClassroomFull as exc:
+        _classroom_full(exc)
+    st.session_state[_ENGINES][key] = {
+        "signature": ("fork", parent),
+        "engine": engine,
+        "overrides": {},
+        "created": time.perf_counter(),
+    }
+    st.session_state[_RECORDS][key] = list(get_records(parent))
+    st.session_state[_TEXTS][key] = dict(get_texts(parent))
+
+
+def adopted_engine(key: str) -> EngineCore | None:
+    """The engine adopt_engine keeps under `key`, if it is still there."""
+    entry = st.session_state.get(_ENGINES, {}).get(key)
+    return entry["engine"] if entry else None
+
+
 def current_engine(key: str = "main") -> EngineCore:
     """The engine already built under `key` (whatever its overrides), else a default one."""
     track_session()

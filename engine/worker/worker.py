@@ -271,6 +271,7 @@ class Worker:
         space is copied when it keeps its size (a fork that changes the preemption mode starts
         with an empty one), and seeded requests' random generators continue where they are."""
         twin = copy.copy(self)
+        twin.runner = None  # its own, never this worker's (a lazy worker allocates on first use)
         twin.initialize_cache(num_blocks, num_swap_blocks)
         if block_map:
             old_ids = torch.tensor(list(block_map.keys()), device=self.device)

@@ -9,6 +9,7 @@ one metrics definition, engine.request.RequestMetrics.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime as _dt
 from dataclasses import dataclass, field
@@ -206,6 +207,17 @@ class WorkloadFeeder:
         record = self.engine.step()
         self.admit_due()
         return record
+
+    def fork(self, engine: EngineCore) -> "WorkloadFeeder":
+        """The same workload feeding `engine`, a fork of this feeder's engine
+        (EngineCore.fork): what has arrived is the fork's copy, what has not arrives there on
+        the fork's own clock."""
+        twin = copy.copy(self)
+        twin.engine = engine
+        twin.pending = list(self.pending)
+        twin.requests = [r and engine.get_request(r.request_id) for r in self.requests]
+        twin.rejected = dict(self.rejected)
+        return twin
 
     def added(self) -> list[tuple[RequestSpec, Request]]:
         return [(s, r) for s, r in zip(self.specs, self.requests) if r is not None]
