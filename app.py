@@ -21,6 +21,7 @@ import streamlit as st  # noqa: E402
 from ui.lab import ACTIVE_KEY, sidebar_status, sidebar_status_slot  # noqa: E402
 from ui.lesson import CHAPTERS, PAGES, SECTIONS, coming_soon  # noqa: E402
 from ui.session import engine_settings_sidebar, restore_session  # noqa: E402
+from ui.share import open_shared_link  # noqa: E402
 
 # The favicon is a file of this repository, served by this server: a ":material/…" icon would be
 # fetched from fonts.gstatic.com by the browser, which fails on a closed classroom network.
@@ -55,6 +56,8 @@ def build_pages() -> dict[str, list]:
 
 restore_session()  # ?lab=<token>: a reload of the page gets this session's engines and settings
 navigation = st.navigation(build_pages(), expanded=True)  # every chapter listed, no "View more"
+# a shared link (/ch08?w.ch08_budget=256&step=5): its inputs, settings and step, once per session
+open_shared_link(next((cid for cid, page in PAGES.items() if page is navigation), "00"))
 st.sidebar.caption("LLM 추론 시스템의 원리 · 실제 엔진을 한 스텝씩")
 engine_settings_sidebar(show_status=False)
 st.session_state[ACTIVE_KEY] = None  # the page's lab names its engine; none → "main"

@@ -45,6 +45,7 @@ from ui.session import (
     record_step,
     reset_engine,
 )
+from ui.share import share_panel, take_pending_step
 
 ACTIVE_KEY = "_active_engine_key"  # the engine the sidebar's 엔진 상태 shows (the page's lab)
 _FEEDERS = "_lab_feeders"  # engine key → WorkloadFeeder
@@ -895,7 +896,27 @@ def _drive(
     if before is not None:
         with top:
             before(ctx)
+    open_shared_step(ctx, workload, presets)
     _tick(ctx)
+    with controls:  # after this run's steps, so the link names the step the views show
+        share_panel(ctx.key, len(get_records(ctx.sides[0].key)))
+
+
+def open_shared_step(
+    ctx: LabContext, workload: Workload | None, presets: dict[str, str] | None
+) -> None:
+    """A shared link's step (ui/share.py), once: the lab's workload attached (워크로드 넣기), or
+    its chosen example prompt added, then that many lockstep steps as N 스텝 takes them."""
+    steps = take_pending_step(ctx.key)
+    if steps is None:
+        return
+    if workload is not None:
+        reset_lab(ctx, workload)
+    elif presets:
+        chosen = st.session_state.get(f"{ctx.key}_preset")
+        add_prompt(ctx, presets.get(chosen) or next(iter(presets.values())))
+    if steps:
+        run_steps(ctx, steps)
 
 
 def _below_views(

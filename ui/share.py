@@ -1,0 +1,256 @@
+"""A lab's whole setup as a link: an instructor's "링크 복사", a learner's first load of it.
+
+    /ch08?w.ch08_budget=256&cfg.num_kv_blocks=32&step=5&steplab=ch08
+
+Query parameters of a shared link (the page path is the chapter):
+- `w.<widget key>=<JSON value>`: the chapter's lab inputs, every simple-valued widget whose key
+  starts with the chapter's prefix ("ch08_", and "main_" for chapter 00's lab), e.g. the token
+  budget slider, the seed box, the open view tab;
+- `cfg.<EngineSettings field>=<JSON value>`: the sidebar's engine settings that differ from the
+  defaults (ui/session.py);
+- `step=N` (with `steplab=<lab key>`): the lab's workload attached and N lockstep steps taken, the
+  steps 다음 스텝 takes (ui/lab.py, open_shared_step);
+- `preset=<name>`: an instructor preset of the chapter (ui/presets.py), applied under the link's
+  own parameters;
+- `fork=<text>`: a fork's changes, kept as written for ui/fork.py to read (fork_param()).
+
+A link is applied once, on the first run of a browser session that did not restore a saved one
+(restore_session): a reload keeps what the learner changed since. Only keys with the chapter's
+prefix and JSON scalars (or short lists of them) are taken, so a link can set a lab's inputs and
+nothing else of the session.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, fields, replace
+from urllib.parse import urlencode, urlsplit
+
+import streamlit as st
+
+from ui.session import (
+    SETTINGS_KEY,
+    EngineSettings,
+    current_settings,
+    persist_key,
+    validate_settings,
+)
+
+WIDGET = "w."
+SETTING = "cfg."
+STEP, STEP_LAB, PRESET, FORK = "step", "steplab", "preset", "fork"
+MAX_PARAMS = 80
+MAX_VALUE_CHARS = 2000
+MAX_SHARED_STEPS = 500  # the lab's N 스텝 limit (ui/lab.py MAX_N)
+_APPLIED = "_share_applied"  # the session took its link (or had none) on its first run
+_PENDING_STEP = "_share_pending_step"  # (lab key or None, steps) until the lab takes it
+_CHAPTER = "_share_chapter"  # the chapter id of the page this run draws
+_FORK = "_share_fork"  # the link's fork parameter (ui/fork.py reads it through fork_param)
+_NOTES = "_share_notes"  # Korean notes on what a link asked for and did not get
+persist_key(_APPLIED)  # a reload (restore_session) does not apply its link over the learner's work
+persist_key(_FORK)
+
+
+def widget_prefixes(chapter_id: str) -> tuple[str, ...]:
+    """The widget key prefixes a chapter's link may carry: its own, and chapter 00's lab key."""
+    return (f"ch{chapter_id}_", "main_") if chapter_id == "00" else (f"ch{chapter_id}_",)
+
+
+def _simple(value) -> bool:
+    if isinstance(value, (bool, int, float, str)):
+        return not isinstance(value, str) or len(value) <= MAX_VALUE_CHARS
+    if isinstance(value, (list, tuple)):
+        return len(value) <= 16 and all(isinstance(v, (bool, int, float, str)) for v in value)
+    return False
+
+
+def _is_trigger(key: str) -> bool:
+    """Whether `key` belongs to a button (its value is a click, never a setting to share)."""
+    from streamlit.runtime.state import get_session_state
+
+    try:
+        state = get_session_state()._state  # streamlit's SessionState (1.67)
+        widget_id = state._key_id_mapper.get_id_from_key(key, None)
+        meta = state._new_widget_state.widget_metadata.get(widget_id) if widget_id else None
+        return meta is not None and meta.value_type.endswith("trigger_value")
+    except AttributeError:  # internals moved: keep the key (setting a button's is refused later)
+        return False
+
+
+def widget_values(chapter_id: str) -> dict:
+    """The chapter's simple-valued widget values now in st.session_state (buttons left out)."""
+    prefixes = widget_prefixes(chapter_id)
+    found = {}
+    for key in sorted(str(k) for k in st.session_state.keys()):
+        if not key.startswith(prefixes) or _is_trigger(key):
+            continue
+        value = st.session_state[key]
+        if _simple(value):
+            found[key] = list(value) if isinstance(value, tuple) else value
+    return found
+
+
+def settings_changes(settings: EngineSettings) -> dict:
+    """The engine settings that differ from the defaults."""
+    default = asdict(EngineSettings())
+    return {k: v for k, v in asdict(settings).items() if default[k] != v}
+
+
+def link_params(chapter_id: str, lab_key: str | None = None, step: int = 0) -> dict[str, str]:
+    """The query parameters of a link to this session's setup of the chapter's lab."""
+    params = {
+        f"{WIDGET}{k}": json.dumps(v, ensure_ascii=False)
+        for k, v in widget_values(chapter_id).items()
+    }
+    for name, value in settings_changes(current_settings()).items():
+        params[f"{SETTING}{name}"] = json.dumps(value, ensure_ascii=False)
+    if step:
+        params[STEP] = str(int(step))
+        if lab_key:
+            params[STEP_LAB] = lab_key
+    if fork_param():
+        params[FORK] = fork_param()
+    return params
+
+
+def chapter_path(chapter_id: str) -> str:
+    return f"ch{chapter_id}"
+
+
+def link_url(chapter_id: str, params: dict[str, str], base: str | None = None) -> str:
+    """The whole link: the app's address (st.context.url, its page path replaced) + the query."""
+    base = base if base is not None else (st.context.url or "")
+    parts = urlsplit(base)
+    path = parts.path.rstrip("/")
+    last = path.rsplit("/", 1)[-1]
+    if last.startswith("ch") and last[2:].isdigit():
+        path = path[: -len(last)].rstrip("/")
+    origin = f"{parts.scheme}://{parts.netloc}" if parts.netloc else ""
+    query = urlencode(params)
+    return f"{origin}{path}/{chapter_path(chapter_id)}" + (f"?{query}" if query else "")
+
+
+# -- reading a link ------------------------------------------------------------------------------
+
+
+def _decode(text: str):
+    """A parameter's JSON value; a bare word (typed by hand: ?w.ch09_exp=swap) is a string."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def parse_link(query: dict[str, str], chapter_id: str) -> tuple[dict, dict, list[str]]:
+    """(widget values, settings changes, notes) from a link's query parameters. A parameter the
+    link may not set (another chapter's key, an unknown setting, a value that is no scalar) is
+    left out with a Korean note naming it."""
+    prefixes = widget_prefixes(chapter_id)
+    names = {f.name: f.type for f in fields(EngineSettings)}
+    widgets, settings, notes = {}, {}, []
+    for name, text in list(query.items())[:MAX_PARAMS]:
+        if name.startswith(WIDGET):
+            key, value = name[len(WIDGET) :], _decode(text)
+            if key.startswith(prefixes) and _simple(value):
+                widgets[key] = value
+            else:
+                notes.append(f"링크의 '{name}'은(는) 이 장의 입력이 아니라 쓰지 않았습니다.")
+        elif name.startswith(SETTING):
+            field, value = name[len(SETTING) :], _decode(text)
+            if field in names and isinstance(value, (bool, int, float, str)):
+                settings[field] = value
+            else:
+                notes.append(f"링크의 엔진 설정 '{field}'은(는) 알 수 없어 쓰지 않았습니다.")
+    return widgets, settings, notes
+
+
+def _settings_from(changes: dict) -> tuple[EngineSettings | None, str]:
+    """This session's settings (the defaults, on a first load) with a link's changes, validated
+    as the sidebar form validates."""
+    try:
+        asked = replace(current_settings(), **changes)
+    except TypeError as exc:
+        return None, f"링크의 엔진 설정을 읽지 못했습니다 ({exc})."
+    new, note, ok = validate_settings(asked)
+    return (new if ok else None), note
+
+
+def _parse_steps(query: dict[str, str]) -> int | None:
+    text = query.get(STEP)
+    if text is None:
+        return None
+    try:
+        return min(max(int(text), 0), MAX_SHARED_STEPS)
+    except ValueError:
+        return None
+
+
+def open_shared_link(chapter_id: str) -> None:
+    """On a session's first run (app.py, before the sidebar and the page draw): apply the link's
+    preset, widget values, engine settings and step. A reload that took over its saved state
+    (restore_session) has _APPLIED among it: its own values win, the link is not applied again."""
+    st.session_state[_CHAPTER] = chapter_id
+    if st.session_state.get(_APPLIED):
+        return
+    st.session_state[_APPLIED] = True
+    query = {k: st.query_params.get(k) for k in st.query_params.keys()}
+    if FORK in query:
+        st.session_state[_FORK] = str(query[FORK])[:MAX_VALUE_CHARS]
+    from ui.presets import preset_params
+
+    preset = preset_params(chapter_id, query.get(PRESET)) if query.get(PRESET) else {}
+    merged = {**preset, **query}
+    widgets, changes, notes = parse_link(merged, chapter_id)
+    if query.get(PRESET) and not preset:
+        notes.append(f"이 장에는 '{query[PRESET]}' 프리셋이 없습니다.")
+    if changes:
+        settings, note = _settings_from(changes)
+        if settings is not None:
+            st.session_state[SETTINGS_KEY] = settings
+        if note:
+            notes.append(note)
+    st.session_state.update(widgets)
+    steps = _parse_steps(merged)
+    if steps is not None:
+        st.session_state[_PENDING_STEP] = (merged.get(STEP_LAB), steps)
+    st.session_state[_NOTES] = notes
+
+
+def take_pending_step(lab_key: str) -> int | None:
+    """The steps a link asked this lab to open at (once; None: no link step for this lab)."""
+    pending = st.session_state.get(_PENDING_STEP)
+    if pending is None or (pending[0] and pending[0] != lab_key):
+        return None
+    st.session_state.pop(_PENDING_STEP, None)
+    return int(pending[1])
+
+
+def fork_param() -> str:
+    """A shared link's `fork` parameter as written ("" when none): ui/fork.py reads it to open
+    the fork the link describes; link_params puts it back into the links this session shares."""
+    return str(st.session_state.get(_FORK) or "")
+
+
+def current_chapter() -> str | None:
+    return st.session_state.get(_CHAPTER)
+
+
+def link_notes() -> None:
+    """What the link asked for and did not get, once, small and orange."""
+    for note in st.session_state.pop(_NOTES, None) or []:
+        st.caption(f":orange[{note}]")
+
+
+def share_panel(lab_key: str, step: int) -> None:
+    """링크 복사: this lab's setup (the chapter's inputs, the engine settings, the step) as a link,
+    in a popover with a copy button, and the chapter's instructor presets."""
+    chapter_id = current_chapter() or lab_key[2:4]
+    with st.popover("링크 복사", icon=":material/link:"):
+        st.caption(
+            "이 실험의 입력값, 엔진 설정, 지금 스텝을 담은 링크입니다. 새 브라우저에서 열면 같은 "
+            "장이 같은 입력으로 열리고, 워크로드를 넣은 뒤 같은 스텝까지 진행합니다."
+        )
+        st.code(link_url(chapter_id, link_params(chapter_id, lab_key, step)), language=None)
+        from ui.presets import preset_links
+
+        preset_links(chapter_id, lambda params: link_url(chapter_id, params))
