@@ -20,46 +20,65 @@ from engine.tools import trace_export as te
 from engine.tools.workload import SimRequest
 
 REPO = Path(__file__).resolve().parent.parent
-EPS_US = 1e-3  # float rounding of µs sums; a real crossing is far larger
+EPS_US = 1e-3  # 1 ns: times sit on the trace's nanosecond grid
 PHASES_REQUIRING_TID = {"X", "B", "E", "i", "C", "M"}
+
+
+def perfetto_ns(us: float) -> int:
+    """How Perfetto's JSON importer turns a µs value into nanoseconds (json_trace_tokenizer.cc,
+    CoerceToTs): ts and dur each on their own."""
+    return int(us) * 1000 if us == int(us) else round(us * 1000)
 
 
 def validate_trace(trace: dict) -> None:
     """The Trace Event Format's rules this exporter relies on: the object form with traceEvents
     and displayTimeUnit; every event with ph, ts (µs, a number), pid, tid; B/E balanced per
-    track; X with dur ≥ 0; spans on one track nested, never crossing."""
+    track; X with dur ≥ 0; C with numeric args; spans on one track nested, never crossing, as
+    Perfetto's importer reads them (integer ns, intervals closed on the left and open on the
+    right); on a request's track every span inside its `request` span."""
+    spans: dict[tuple, list[tuple[int, int, str]]] = {}
+    open_b: dict[tuple, list[dict]] = {}
     assert set(trace) >= {"traceEvents", "displayTimeUnit"} and trace["displayTimeUnit"] == "ms"
-    spans: dict[tuple, list[tuple[float, float]]] = {}
-    open_b: dict[tuple, list[float]] = {}
     for e in trace["traceEvents"]:
         assert {"ph", "ts", "pid", "tid", "name"} <= set(e), e
         assert e["ph"] in PHASES_REQUIRING_TID, e
         assert isinstance(e["ts"], (int, float)) and e["ts"] >= 0, e
-        track = (e["pid"], e["tid"])
+        track, ts = (e["pid"], e["tid"]), perfetto_ns(e["ts"])
         if e["ph"] == "X":
             assert e["dur"] >= 0, e
-            spans.setdefault(track, []).append((e["ts"], e["ts"] + e["dur"]))
+            spans.setdefault(track, []).append((ts, ts + perfetto_ns(e["dur"]), e["name"]))
         elif e["ph"] == "B":
-            open_b.setdefault(track, []).append(e["ts"])
+            open_b.setdefault(track, []).append(e)
         elif e["ph"] == "E":
-            start = open_b[track].pop()
-            spans.setdefault(track, []).append((start, e["ts"]))
+            begin = open_b[track].pop()
+            spans.setdefault(track, []).append((perfetto_ns(begin["ts"]), ts, begin["name"]))
         elif e["ph"] == "C":
-            assert all(isinstance(v, (int, float)) for v in e["args"].values()), e
+            assert e["args"] and all(isinstance(v, (int, float)) for v in e["args"].values()), e
     assert all(not stack for stack in open_b.values()), "unclosed B events"
-    for track, intervals in spans.items():
-        assert_nested(track, intervals)
+    for (pid, tid), intervals in spans.items():
+        depths = assert_nested((pid, tid), intervals)
+        if tid != te.SCHEDULER_TID:
+            assert all(d == (n != te.REQUEST_SPAN) for n, d in depths), (pid, tid, depths)
+        else:
+            assert {d for _, d in depths} == {0}
 
 
-def assert_nested(track, intervals: list[tuple[float, float]]) -> None:
-    """Sorted by start (a longer span first), each span lies inside the enclosing open one."""
-    stack: list[tuple[float, float]] = []
-    for start, end in sorted(intervals, key=lambda s: (s[0], -s[1])):
-        while stack and stack[-1][1] <= start + EPS_US:
+def assert_nested(track, intervals: list[tuple[int, int, str]]) -> list[tuple[str, int]]:
+    """Perfetto's slice stack (slice_tracker.cc, MaybeCloseStack): sorted by start, a longer span
+    first; a span that ended by the new one's start is closed; the new one must end inside the
+    span still open. Returns each span's (name, depth)."""
+    stack: list[tuple[int, int]] = []
+    depths = []
+    for start, end, name in sorted(intervals, key=lambda s: (s[0], -(s[1] - s[0]))):
+        while stack and (
+            stack[-1][1] < start or (stack[-1][1] == start and not (stack[-1][0] == start == end))
+        ):
             stack.pop()
         if stack:
-            assert end <= stack[-1][1] + EPS_US, f"{track}: {start, end} crosses {stack[-1]}"
+            assert end <= stack[-1][1], f"{track}: {name} {start, end} crosses {stack[-1]}"
+        depths.append((name, len(stack)))
         stack.append((start, end))
+    return depths
 
 
 def assert_round_trip(trace: dict, requests, pid: int | None = None) -> None:

@@ -167,8 +167,16 @@ def request_spans(
 # -- Trace Event Format ------------------------------------------------------------------------
 
 
+def _ns(seconds: float) -> int:
+    return round(seconds * 1e9)
+
+
 def _us(seconds: float) -> float:
-    return seconds * US_PER_S
+    """Microseconds on a whole-nanosecond grid. Perfetto reads ts and dur as nanoseconds, each
+    rounded on its own: spans that meet or nest in seconds still meet or nest after that only if
+    both ends already sit on the grid (a child would otherwise overhang its parent by 1 ns and be
+    moved to an overlap track)."""
+    return _ns(seconds) / 1000
 
 
 def _complete(name: str, start: float, end: float, pid: int, tid: int, args: dict) -> dict:
@@ -177,7 +185,7 @@ def _complete(name: str, start: float, end: float, pid: int, tid: int, args: dic
         "cat": "request" if tid != SCHEDULER_TID else "scheduler",
         "ph": "X",
         "ts": _us(start),
-        "dur": max(_us(end) - _us(start), 0.0),
+        "dur": max(_ns(end) - _ns(start), 0) / 1000,
         "pid": pid,
         "tid": tid,
         "args": args,
@@ -261,7 +269,13 @@ def scheduler_events(records: list[StepRecord], pid: int) -> list[dict]:
 def _request_track(request: Request, tid: int, pid: int, ends: dict, end: float) -> list[dict]:
     root, spans = request_spans(request, ends, end)
     events = [_complete(REQUEST_SPAN, root.start, root.end, pid, tid, root.args)]
-    events += [_complete(s.name, s.start, s.end, pid, tid, s.args) for s in spans]
+    # A wait of no time (scheduled on arrival, resumed in the step that preempted it) is left out:
+    # drawn, it would sit inside the span that starts at the same time.
+    events += [
+        _complete(s.name, s.start, s.end, pid, tid, s.args)
+        for s in spans
+        if _ns(s.end) > _ns(s.start) or s.name not in ("queued", "preempted")
+    ]
     return events
 
 
