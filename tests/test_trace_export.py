@@ -38,12 +38,17 @@ def validate_trace(trace: dict) -> None:
     right); on a request's track every span inside its `request` span."""
     spans: dict[tuple, list[tuple[int, int, str]]] = {}
     open_b: dict[tuple, list[dict]] = {}
+    pids_of_tid: dict[int, int] = {}
     assert set(trace) >= {"traceEvents", "displayTimeUnit"} and trace["displayTimeUnit"] == "ms"
     for e in trace["traceEvents"]:
         assert {"ph", "ts", "pid", "tid", "name"} <= set(e), e
         assert e["ph"] in PHASES_REQUIRING_TID, e
         assert isinstance(e["ts"], (int, float)) and e["ts"] >= 0, e
         track, ts = (e["pid"], e["tid"]), perfetto_ns(e["ts"])
+        # tid 0 is Perfetto's idle thread, tid == pid a main thread; a tid lives in one pid
+        assert (
+            e["tid"] not in (0, e["pid"]) and pids_of_tid.setdefault(e["tid"], e["pid"]) == e["pid"]
+        )
         if e["ph"] == "X":
             assert e["dur"] >= 0, e
             spans.setdefault(track, []).append((ts, ts + perfetto_ns(e["dur"]), e["name"]))
@@ -57,7 +62,7 @@ def validate_trace(trace: dict) -> None:
     assert all(not stack for stack in open_b.values()), "unclosed B events"
     for (pid, tid), intervals in spans.items():
         depths = assert_nested((pid, tid), intervals)
-        if tid != te.SCHEDULER_TID:
+        if tid != te.scheduler_tid(pid):
             assert all(d == (n != te.REQUEST_SPAN) for n, d in depths), (pid, tid, depths)
         else:
             assert {d for _, d in depths} == {0}
@@ -141,7 +146,7 @@ def test_simulated_trace_validates_round_trips_and_shows_every_span(simulated):
     preempted = spans_named(trace, "preempted")
     assert len(preempted) == sum(q.num_preemptions for q in requests) > 0
     # the scheduler slices sit on the engine clock, in µs, with the decision as args
-    steps = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == te.SCHEDULER_TID]
+    steps = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "scheduler"]
     assert len(steps) == len(records)
     for e, r in zip(sorted(steps, key=lambda e: e["ts"]), records):
         assert e["ts"] == pytest.approx(r.engine_start_time * 1e6, abs=EPS_US)
@@ -334,5 +339,5 @@ def test_generate_and_bench_offline_write_their_traces(tiny_model_dir, tmp_path)
     trace = json.loads(bench_path.read_text())
     validate_trace(trace)
     assert len(te.read_trace_metrics(trace)) == 4
-    steps = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == te.SCHEDULER_TID]
+    steps = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "scheduler"]
     assert len(steps) == len(llm.step_records)

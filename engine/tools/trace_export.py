@@ -24,7 +24,10 @@ from engine.trace import StepRecord
 Run = tuple[str, list[StepRecord], list[Request]]
 
 US_PER_S = 1e6
-SCHEDULER_TID = 0
+# Track ids of run `pid`: pid * TID_STRIDE (its scheduler), + 1, 2, … (its requests). Never 0
+# (Perfetto's idle "swapper" thread), never equal to a pid (a process's main thread), and unique
+# across the runs of one file.
+TID_STRIDE = 100_000
 REQUEST_SPAN = "request"  # the root span of a request's track: arrival → finish
 SPAN_NAMES = ("queued", "prefill", "decode", "preempted")
 # A scheduled span (prefill / decode) ends at the first of these journey events after it.
@@ -179,10 +182,14 @@ def _us(seconds: float) -> float:
     return _ns(seconds) / 1000
 
 
+def scheduler_tid(pid: int) -> int:
+    return pid * TID_STRIDE
+
+
 def _complete(name: str, start: float, end: float, pid: int, tid: int, args: dict) -> dict:
     return {
         "name": name,
-        "cat": "request" if tid != SCHEDULER_TID else "scheduler",
+        "cat": "scheduler" if tid == scheduler_tid(pid) else "request",
         "ph": "X",
         "ts": _us(start),
         "dur": max(_ns(end) - _ns(start), 0) / 1000,
@@ -245,7 +252,7 @@ def scheduler_events(records: list[StepRecord], pid: int) -> list[dict]:
         end = r.engine_start_time + r.engine_duration
         name = f"step {r.step}"
         events.append(
-            _complete(name, r.engine_start_time, end, pid, SCHEDULER_TID, _decision_args(r))
+            _complete(name, r.engine_start_time, end, pid, scheduler_tid(pid), _decision_args(r))
         )
         kv = {"used": r.kv.num_used, "cached_free": r.kv.num_cached_free}
         queues = {"running": r.num_running, "waiting": r.num_waiting}
@@ -259,7 +266,7 @@ def scheduler_events(records: list[StepRecord], pid: int) -> list[dict]:
                     "ph": "C",
                     "ts": _us(ts),
                     "pid": pid,
-                    "tid": SCHEDULER_TID,
+                    "tid": scheduler_tid(pid),
                     "args": args,
                 }
             )
@@ -285,16 +292,18 @@ def run_events(run: Run, pid: int) -> list[dict]:
     requests = [q for q in requests if any(e.engine_time is not None for e in q.journey)]
     requests.sort(key=lambda q: _journey(q)[0].engine_time)
     ends, end = step_ends(records), run_end(records, requests)
+    tid0 = scheduler_tid(pid)
     events = [
-        _metadata("process_name", pid, SCHEDULER_TID, {"name": label}),
-        _metadata("process_sort_index", pid, SCHEDULER_TID, {"sort_index": pid}),
-        _metadata("thread_name", pid, SCHEDULER_TID, {"name": "scheduler"}),
-        _metadata("thread_sort_index", pid, SCHEDULER_TID, {"sort_index": 0}),
+        _metadata("process_name", pid, tid0, {"name": label}),
+        _metadata("process_sort_index", pid, tid0, {"sort_index": pid}),
+        _metadata("thread_name", pid, tid0, {"name": "scheduler"}),
+        _metadata("thread_sort_index", pid, tid0, {"sort_index": 0}),
     ]
     events += scheduler_events(records, pid)
-    for tid, request in enumerate(requests, start=1):
+    for i, request in enumerate(requests, start=1):
+        tid = tid0 + i
         events.append(_metadata("thread_name", pid, tid, {"name": request.request_id}))
-        events.append(_metadata("thread_sort_index", pid, tid, {"sort_index": tid}))
+        events.append(_metadata("thread_sort_index", pid, tid, {"sort_index": i}))
         events += _request_track(request, tid, pid, ends, end)
     return events
 
@@ -331,7 +340,7 @@ def read_trace_metrics(trace_json: dict | str, pid: int | None = None) -> dict[s
     roots: dict[tuple[int, int], dict] = {}
     first_tokens: dict[tuple[int, int], float] = {}
     for e in trace["traceEvents"]:
-        if e.get("ph") != "X" or e.get("tid") == SCHEDULER_TID or pid not in (None, e["pid"]):
+        if e.get("ph") != "X" or e.get("cat") != "request" or pid not in (None, e["pid"]):
             continue
         track = (e["pid"], e["tid"])
         if e["name"] == REQUEST_SPAN:
