@@ -15,7 +15,7 @@ import re
 from urllib.parse import urlparse
 
 import pytest
-from _browser import CHROMIUM_ARGS, IDLE, SHOTS, find_chromium
+from _browser import CHROMIUM_ARGS, IDLE, SHOTS, find_chromium, wait_run_over
 from _browser import wait_idle as _wait_idle
 
 pytestmark = pytest.mark.browser
@@ -185,5 +185,42 @@ def test_controls_keep_their_labels_at_150_percent_zoom(browser, shared_app_url)
             assert button.inner_text().strip() == label
         pg.get_by_role("button", name="다음 스텝", exact=True).first.scroll_into_view_if_needed()
         pg.screenshot(path=str(SHOTS / "lab_controls_150pct.png"))
+    finally:
+        ctx.close()
+
+
+def test_a_fork_opens_beside_the_original_and_shows_the_diff(browser, shared_app_url):
+    """여기서 갈라 보기 at step 2 with a small token budget: the branch's counter sits beside the
+    original's, the same buttons step both, and the diff view shows the deltas, the steps whose
+    decisions differ and both KV curves on one chart."""
+    ctx, pg, _ = open_app(browser, shared_app_url, viewport={"width": 1400, "height": 1000})
+    try:
+        set_number(pg, "max_tokens", 12)
+        pg.get_by_label("예시 프롬프트").first.click()
+        pg.get_by_role("option", name="옛날 옛적에 (긴 프롬프트)").click()
+        wait_idle(pg)
+        click(pg, "예시 요청 추가")
+        click(pg, "다음 스텝")
+        expander = pg.locator("[data-testid='stExpander']").filter(has_text="여기서 갈라 보기")
+        expander.locator("summary").first.click()
+        box = number_box(expander, "토큰 예산 (max_num_batched_tokens)")
+        box.fill("8")
+        box.press("Tab")
+        click(pg, "갈라 보기")
+        main = pg.locator("[data-testid='stMain']")
+        assert "갈래 1 · 스텝 1" in " ".join(main.inner_text().split())
+        click(pg, "끝까지")
+        wait_run_over(pg, TIMEOUT_MS)
+        text = " ".join(main.inner_text().split())
+        assert "갈래 1: 토큰 예산 128 → 8" in text and "결정이 달라진 스텝" in text
+        assert "갈래 1 · 스텝" in text
+        traces = pg.locator(".js-plotly-plot").evaluate_all(
+            "els => els.filter(e => (e.layout.title.text || '').includes('원래 엔진과 갈래'))"
+            ".map(e => e.data.map(t => t.name))"
+        )
+        assert traces == [["원래 엔진", "갈래 1"]], traces
+        pg.get_by_text("결정이 달라진 스텝").first.scroll_into_view_if_needed()
+        pg.wait_for_timeout(500)
+        pg.screenshot(path=str(SHOTS / "lab_fork.png"))
     finally:
         ctx.close()
