@@ -31,11 +31,12 @@ import streamlit as st
 
 from engine.core import EngineCore
 from engine.trace import StepRecord
-from ui import figures
+from ui import figures, fork
 from ui.errors import show_error
 from ui.experiments.common import Workload, WorkloadFeeder
 from ui.registry import apply_step_threads, is_served
 from ui.session import (
+    adopted_engine,
     conditions_of,
     engine_status,
     get_engine,
@@ -98,6 +99,12 @@ class LabContext:
     feeders: dict[str, WorkloadFeeder | None]
     progress: object | None = None
     advanced: bool = False
+    branches: list = field(default_factory=list)  # forks of its engines (ui/fork.py)
+
+    @property
+    def stepped_keys(self) -> list[str]:
+        """Every engine a step advances: the sides, then the branches."""
+        return [s.key for s in self.sides] + [b.key for b in self.branches]
 
     def records(self, side: Side | str) -> list[StepRecord]:
         return get_records(side if isinstance(side, str) else side.key)
@@ -138,8 +145,8 @@ def step_once(key: str, engine: EngineCore, feeder: WorkloadFeeder | None) -> St
 def step_all(ctx: LabContext) -> int:
     """One 다음 스텝 for every engine that has work (lockstep). Returns how many stepped."""
     stepped = 0
-    for side in ctx.sides:
-        if step_once(side.key, ctx.engines[side.key], ctx.feeders.get(side.key)) is not None:
+    for key in ctx.stepped_keys:
+        if step_once(key, ctx.engines[key], ctx.feeders.get(key)) is not None:
             stepped += 1
     return stepped
 
@@ -209,7 +216,11 @@ def _context(key: str, sides: list[Side]) -> LabContext | None:
         feeder = _feeders().get(side.key)
         fresh = feeder is not None and feeder.engine is engines[side.key]
         feeders[side.key] = feeder if fresh else None
-    return LabContext(key, sides, engines, feeders)
+    branches = fork.live_branches(key, engines)
+    for branch in branches:
+        engines[branch.key] = adopted_engine(branch.key)
+        feeders[branch.key] = _feeders().get(branch.key)
+    return LabContext(key, sides, engines, feeders, branches=branches)
 
 
 def attach_workload(ctx: LabContext, side_key: str, workload: Workload) -> None:
@@ -219,7 +230,10 @@ def attach_workload(ctx: LabContext, side_key: str, workload: Workload) -> None:
 
 
 def reset_lab(ctx: LabContext, workload: Workload | None = None) -> LabContext:
-    """Fresh engines for every side (records cleared); with a workload, fed from step 0."""
+    """Fresh engines for every side (records cleared, branches dropped); with a workload, fed
+    from step 0."""
+    fork.drop_branches(ctx.key)
+    ctx.branches = []
     for side in ctx.sides:
         reset_engine(side.key)
         _feeders().pop(side.key, None)
@@ -597,15 +611,16 @@ def _controls(ctx: LabContext) -> None:
 
 
 def _counters(ctx: LabContext) -> None:
-    cols = st.columns(len(ctx.sides))
-    for col, side in zip(cols, ctx.sides):
-        engine = ctx.engines[side.key]
+    labels = [s.label for s in ctx.sides] + [b.label for b in ctx.branches]
+    cols = st.columns(len(labels))
+    for col, key, label in zip(cols, ctx.stepped_keys, labels):
+        engine = ctx.engines[key]
         snap = engine.kv_cache_manager.snapshot()
-        feeder = ctx.feeders.get(side.key)
+        feeder = ctx.feeders.get(key)
         pending = len(feeder.pending) if feeder else 0
-        name = f"**{side.label}** · " if side.label else ""
+        name = f"**{label}** · " if label else ""
         col.markdown(
-            f"{name}스텝 **{len(get_records(side.key))}** · "
+            f"{name}스텝 **{len(get_records(key))}** · "
             f"KV 블록 **{snap.num_used}/{snap.num_blocks}**"
             f" · 실행 {len(engine.scheduler.running)} · 대기 {len(engine.scheduler.waiting)}"
             + (f" · 도착 전 {pending}" if pending else "")
@@ -870,6 +885,7 @@ def lab(
             st.rerun(scope="app")  # the fragment's timer starts, changes or stops
         _counters(ctx)
         _all_views(ctx)
+        fork.fork_section(ctx, views, _feeders())
         _last_step_evidence(ctx)
         _below_views(ctx, chapter_view, show_streams, show_code_panel)
         draw_status(slot, sides)
