@@ -57,6 +57,16 @@ def test_a_branch_steps_in_lockstep_and_shows_what_changed(app):
     kv = chart(at, "main__fork1_kvcompare")["data"]
     assert [t["name"] for t in kv] == ["원래 엔진", "갈래 1"]
     assert len(kv[1]["x"]) == len(narrow) and kv[1]["y"] != kv[0]["y"]
+    downloads = at.get("download_button")
+    assert len(downloads) == 5, "the run's trace and tables, one row for every engine"
+    from engine.tools import trace_export
+    from ui.export import trace_runs
+
+    engines = at.session_state["_engines"]
+    runs = [(k, engines[k]["engine"], _records(at, k)) for k in ("main", "main__fork1")]
+    names = [e["args"]["name"] for e in trace_export.chrome_trace(trace_runs(runs))["traceEvents"]
+             if e.get("name") == "process_name"]  # fmt: skip
+    assert names == ["main", "main__fork1"]
     counters = [m.value for m in at.main.markdown if "스텝 **" in m.value]
     assert any(c.startswith("**갈래 1**") for c in counters)
     at.button(key="main_reset").click().run()

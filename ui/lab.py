@@ -886,6 +886,7 @@ def lab(
         _counters(ctx)
         _all_views(ctx)
         fork.fork_section(ctx, views, _feeders())
+        _exports(ctx)
         _last_step_evidence(ctx)
         _below_views(ctx, chapter_view, show_streams, show_code_panel)
         draw_status(slot, sides)
@@ -933,6 +934,20 @@ def open_shared_step(
         add_prompt(ctx, presets.get(chosen) or next(iter(presets.values())))
     if steps:
         run_steps(ctx, steps)
+
+
+def _exports(ctx: LabContext) -> None:
+    """Take the run home: its Perfetto trace and tables, every engine and branch in one file."""
+    if not ctx.started:
+        return
+    from ui.export import export_buttons
+
+    labels = [s.label or "엔진" for s in ctx.sides] + [b.label for b in ctx.branches]
+    runs = [
+        (label, ctx.engines[key], get_records(key)) for label, key in zip(labels, ctx.stepped_keys)
+    ]
+    with st.expander("이 실행 가져가기 — Perfetto 트레이스와 CSV"):
+        export_buttons(ctx.key, runs)
 
 
 def _below_views(
