@@ -159,6 +159,22 @@ PLAN: dict[str, tuple[str, str]] = {
         PARSED,
         "`bench --quick`, which runs here, writing its offline run's trace",
     ),
+    # -- traces in (README, docs/performance.md): engine/tools/trace_readers.py and fidelity.py
+    "python -m engine simulate --trace-file mooncake_trace.jsonl": (
+        PARSED,
+        "a user's own trace file (not shipped; the README says where they are published): "
+        "tests/test_trace_readers.py runs simulate --trace-file on the shipped sample",
+    ),
+    "python -m engine.tools.fidelity": (STARTS, r"^fidelity: \d+ requests of "),
+    "python -m engine.tools.fidelity --trace-file tests/data/azure_sample.csv --json fid.json": (
+        PARSED,
+        "as python -m engine.tools.fidelity (which starts here) on the other shipped sample, "
+        "from the repository root",
+    ),
+    "python -m engine.tools.fidelity --calibrate --calibration /tmp/cal.json": (
+        PARSED,
+        "a calibration run (about a minute), then python -m engine.tools.fidelity (started here)",
+    ),
     # -- selfcheck
     "./run.sh selfcheck": (STARTS, SELFCHECK_STARTED),
     "python -m engine selfcheck": (

@@ -362,7 +362,7 @@ def describe(trace: TraceWorkload) -> str:
     lines = [
         f"trace: {c['trace_file']} ({c['trace_format']}), {c['requests']} of "
         f"{c['requests_in_file']} requests, span {c['span_in_file_s']:.1f} s in the file",
-        f"  time compression ÷{c['time_scale']:g}: replayed over {c['span_replayed_s']:.1f} s; "
+        f"  time compression ÷{c['time_scale']:.3g}: replayed over {c['span_replayed_s']:.1f} s; "
         f"length caps: {', '.join(caps) if caps else 'none'}",
     ]
     if c["trace_format"] == "mooncake":
