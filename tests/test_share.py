@@ -90,27 +90,27 @@ def _open_link(tiny_model_dir, page: str, query: dict[str, str]):
 
 
 def test_a_shared_link_opens_its_chapter_with_its_inputs_settings_and_step(tiny_model_dir):
-    """A new session on /ch08?preset=예산 64&w.ch08_seqs=2&cfg.max_num_seqs=4&step=3: the
+    """A new session on /ch08?preset=예산 32&w.ch08_seqs=2&cfg.max_num_seqs=4&step=3: the
     preset's budget, the link's own max_num_seqs slider over it, the sidebar's setting, both
     engines of the comparison fed their workload and at step 3; the lab's 링크 복사 link
     carries the same values back."""
     from ui.session import SETTINGS_KEY
 
     query = {
-        "preset": "예산 64",
+        "preset": "예산 32",
         "w.ch08_seqs": "2",
         "cfg.max_num_seqs": "4",
         "step": "3",
     }
     at = _open_link(tiny_model_dir, "pages/ch08_continuous_batching.py", query)
-    assert at.slider(key="ch08_budget").value == 64
+    assert at.slider(key="ch08_budget").value == 32
     assert at.slider(key="ch08_seqs").value == 2
     assert at.session_state[SETTINGS_KEY].max_num_seqs == 4
     records = at.session_state["_records"]
     stepped = {key: len(r) for key, r in records.items() if key.startswith("ch08")}
     assert stepped and set(stepped.values()) == {3}, stepped
     assert any("스텝 **3**" in m.value for m in at.markdown), "the lab's counter shows step 3"
-    link = next(c.value for c in at.code if "w.ch08_budget=64" in c.value)
+    link = next(c.value for c in at.code if "w.ch08_budget=32" in c.value)
     assert "step=3" in link and "cfg.max_num_seqs=4" in link and "/ch08?" in link
     assert "ch08_load" not in link and "ch08_step=" not in link, "buttons are no setting"
     at.run()  # a later run of the same session does not apply the link again

@@ -55,10 +55,10 @@ class Chapter:
     def url_path(self) -> str:
         """ "chNN" for every chapter, ready or not (a stable ASCII address: /ch03).
 
-        Note (Streamlit 1.67): because pages/ exists, a session's *first* load of a direct chapter
-        link shows a "Page not found" dialog over the right page. Using the file stem as url_path
-        avoids the dialog but makes Streamlit run the page file alone (no app.py: no sidebar, no
-        navigation), which is worse. Renaming pages/ (e.g. chapters/) would avoid both."""
+        Note (Streamlit 1.67): because pages/ exists, the first session of a fresh server that
+        opens a direct chapter link gets a "Page not found" dialog over the right page under a
+        plain `streamlit run app.py`; `python -m ui.serve` starts the same app without it
+        (ui/serve.py says why; tests/test_browser_share.py checks it)."""
         return f"ch{self.id}"
 
     def page_file(self) -> Path | None:
