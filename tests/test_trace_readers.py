@@ -57,6 +57,9 @@ def test_timestamps_datetime_and_seconds():
         "2023-11-16 18:15:46"
     ) == pytest.approx(0.68059)
     assert parse_timestamp(" 12.5 ") == 12.5
+    assert parse_timestamp("2024-05-10 00:00:01.5+00:00") - parse_timestamp(
+        "2024-05-10 02:00:00+02:00"
+    ) == pytest.approx(1.5)
     with pytest.raises(ValueError):
         parse_timestamp("yesterday")
 

@@ -31,6 +31,7 @@ import datetime
 import json
 import math
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -133,16 +134,23 @@ def _mooncake_rows(path: Path, block_size: int) -> Iterator[TraceRow]:
             yield TraceRow(line, float(stamp) / 1000.0, n_in, n_out, hash_ids)
 
 
+_DATETIME = re.compile(r"^(.*?\d\d:\d\d:\d\d)(?:\.(\d+))?(.*)$")  # date time, fraction, zone
+
+
 def parse_timestamp(text: str) -> float:
     """Seconds: a plain number, or a datetime string (the Azure files' "2023-11-16
-    18:15:46.6805900"; fractional digits beyond microseconds are cut, not rounded)."""
+    18:15:46.6805900", with or without a zone such as "+00:00"; fractional digits beyond
+    microseconds are cut, not rounded; no zone reads as UTC)."""
     text = text.strip()
     try:
         return float(text)
     except ValueError:
         pass
-    date, dot, fraction = text.partition(".")
-    stamp = datetime.datetime.fromisoformat(date + (dot + fraction[:6] if dot else ""))
+    match = _DATETIME.match(text)
+    if match is None:
+        raise ValueError(f"not a datetime: {text!r}")
+    date, fraction, zone = match.groups()
+    stamp = datetime.datetime.fromisoformat(date + (f".{fraction[:6]}" if fraction else "") + zone)
     if stamp.tzinfo is None:
         stamp = stamp.replace(tzinfo=datetime.timezone.utc)
     return stamp.timestamp()
@@ -220,7 +228,7 @@ def _token_range(vocab_size: int, special_ids: Iterable[int]) -> tuple[int, int]
 
 def _block_tokens(key: str, n: int, low: int, high: int) -> list[int]:
     rng = random.Random(key)  # a str seed is hashed with SHA-512: the same on every run
-    return [rng.randrange(low, high) for _ in range(n)]
+    return rng.choices(range(low, high), k=n)
 
 
 def prompt_tokens(row: TraceRow, length: int, block_size: int, low: int, high: int, cache: dict):
