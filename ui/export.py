@@ -4,7 +4,6 @@ comparison) go into one trace file, each its own process named by its label."""
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -52,7 +51,7 @@ def export_files(key: str, runs: list[LabRun]) -> list[ExportFile]:
             "Perfetto 트레이스 (JSON)",
             f"{stem}-trace.json",
             "application/json",
-            lambda: json.dumps(trace_export.chrome_trace(exported)),
+            lambda: trace_export.trace_json(exported),
         ),
         ExportFile("스텝 기록 (CSV)", f"{stem}-steps.csv", "text/csv", table("steps")),
         ExportFile("요청 여정 (CSV)", f"{stem}-journeys.csv", "text/csv", table("journeys")),

@@ -215,23 +215,32 @@ def run_end(records: list[StepRecord], requests: list[Request]) -> float:
     return max(times, default=0.0)
 
 
+_SCHEDULED_IF_NONZERO = (
+    "num_prefix_hit_tokens",
+    "num_recomputed_tokens",
+    "num_draft_tokens",
+    "num_accepted_tokens",
+)
+
+
+def _scheduled_args(s) -> dict:
+    """One scheduled request in a step slice's args; the counts that are usually 0 only when not
+    (a step slice lists every request it ran: this is most of a large trace's bytes)."""
+    args = {
+        "request_id": s.request_id,
+        "phase": s.phase,
+        "num_tokens": s.num_tokens,
+        "num_computed_tokens": s.num_computed_tokens,
+    }
+    args.update({k: getattr(s, k) for k in _SCHEDULED_IF_NONZERO if getattr(s, k)})
+    return args
+
+
 def _decision_args(record: StepRecord) -> dict:
     """What the scheduler decided in a step, as the scheduler slice's args."""
     return {
         "step": record.step,
-        "scheduled": [
-            {
-                "request_id": s.request_id,
-                "phase": s.phase,
-                "num_tokens": s.num_tokens,
-                "num_computed_tokens": s.num_computed_tokens,
-                "num_prefix_hit_tokens": s.num_prefix_hit_tokens,
-                "num_recomputed_tokens": s.num_recomputed_tokens,
-                "num_draft_tokens": s.num_draft_tokens,
-                "num_accepted_tokens": s.num_accepted_tokens,
-            }
-            for s in record.scheduled
-        ],
+        "scheduled": [_scheduled_args(s) for s in record.scheduled],
         "unscheduled": dict(record.unscheduled),
         "preempted": list(record.preempted),
         "finished": dict(record.finished),
@@ -324,10 +333,15 @@ def chrome_trace(runs: list[Run]) -> dict:
     }
 
 
+def trace_json(runs: list[Run]) -> str:
+    """chrome_trace as compact JSON text (what a file holds)."""
+    return json.dumps(chrome_trace(runs), separators=(",", ":"), ensure_ascii=False)
+
+
 def write_trace(path: str | Path, runs: list[Run]) -> Path:
     """Write the runs' trace as JSON; returns the path."""
     path = Path(path)
-    path.write_text(json.dumps(chrome_trace(runs)), encoding="utf-8")
+    path.write_text(trace_json(runs), encoding="utf-8")
     return path
 
 
