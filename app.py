@@ -21,7 +21,7 @@ import streamlit as st  # noqa: E402
 from ui.lab import ACTIVE_KEY, sidebar_status, sidebar_status_slot  # noqa: E402
 from ui.lesson import CHAPTERS, PAGES, SECTIONS, coming_soon  # noqa: E402
 from ui.session import engine_settings_sidebar, restore_session  # noqa: E402
-from ui.share import open_shared_link  # noqa: E402
+from ui.share import open_shared_link, projector_toggle  # noqa: E402
 
 # The favicon is a file of this repository, served by this server: a ":material/…" icon would be
 # fetched from fonts.gstatic.com by the browser, which fails on a closed classroom network.
@@ -59,6 +59,7 @@ navigation = st.navigation(build_pages(), expanded=True)  # every chapter listed
 # a shared link (/ch08?w.ch08_budget=256&step=5): its inputs, settings and step, once per session
 open_shared_link(next((cid for cid, page in PAGES.items() if page is navigation), "00"))
 st.sidebar.caption("LLM 추론 시스템의 원리 · 실제 엔진을 한 스텝씩")
+projector_toggle()  # 프로젝터 보기 (also ?view=projector): large type, the lesson folded
 engine_settings_sidebar(show_status=False)
 st.session_state[ACTIVE_KEY] = None  # the page's lab names its engine; none → "main"
 sidebar_status_slot()  # the page's lab draws 엔진 상태 here after each of its steps

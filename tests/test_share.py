@@ -13,7 +13,7 @@ from _apptest import APP, no_exception
 from ui.lesson import CHAPTERS
 from ui.presets import PRESETS, preset_params
 from ui.share import _APPLIED as APPLIED
-from ui.share import link_url, parse_link, widget_prefixes
+from ui.share import PROJECTOR_KEY, link_url, parse_link, widget_prefixes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -90,10 +90,10 @@ def _open_link(tiny_model_dir, page: str, query: dict[str, str]):
 
 
 def test_a_shared_link_opens_its_chapter_with_its_inputs_settings_and_step(tiny_model_dir):
-    """A new session on /ch08?preset=예산 32&w.ch08_seqs=2&cfg.max_num_seqs=4&step=3: the
-    preset's budget, the link's own max_num_seqs slider over it, the sidebar's setting, both
-    engines of the comparison fed their workload and at step 3; the lab's 링크 복사 link
-    carries the same values back."""
+    """A new session on /ch08?preset=예산 32&w.ch08_seqs=2&cfg.max_num_seqs=4&step=3&view=projector:
+    the preset's budget, the link's own max_num_seqs slider over it, the sidebar's setting, both
+    engines of the comparison fed their workload and at step 3, the projector view; the lab's
+    링크 복사 link carries the same values back."""
     from ui.session import SETTINGS_KEY
 
     query = {
@@ -101,6 +101,7 @@ def test_a_shared_link_opens_its_chapter_with_its_inputs_settings_and_step(tiny_
         "w.ch08_seqs": "2",
         "cfg.max_num_seqs": "4",
         "step": "3",
+        "view": "projector",
     }
     at = _open_link(tiny_model_dir, "pages/ch08_continuous_batching.py", query)
     assert at.slider(key="ch08_budget").value == 32
@@ -113,6 +114,11 @@ def test_a_shared_link_opens_its_chapter_with_its_inputs_settings_and_step(tiny_
     link = next(c.value for c in at.code if "w.ch08_budget=32" in c.value)
     assert "step=3" in link and "cfg.max_num_seqs=4" in link and "/ch08?" in link
     assert "ch08_load" not in link and "ch08_step=" not in link, "buttons are no setting"
+    assert "view=projector" in link
+    # the projector view: its toggle on, the lesson folded into expanders, the large type
+    assert at.toggle(key=PROJECTOR_KEY).value is True
+    assert any("프로젝터 보기에서 접힘" in e.label for e in at.expander)
+    assert any("js-plotly-plot text" in h.proto.body for h in at.get("html"))
     at.run()  # a later run of the same session does not apply the link again
     stepped = {key: len(r) for key, r in at.session_state["_records"].items()}
     assert set(v for k, v in stepped.items() if k.startswith("ch08")) == {3}

@@ -37,6 +37,8 @@ from typing import Callable
 
 import streamlit as st
 
+from ui.share import projector_on
+
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS_DIR = ROOT / "lessons"
 PAGES_DIR = ROOT / "pages"
@@ -354,8 +356,10 @@ def render_chapter(chapter_id: str, lab: Callable[[], None], claim: str | None =
     if title.startswith("# "):
         lesson_markdown(title)
         before = body
+    folded = projector_on()  # the projector view: the lesson folds away, the lab fills the page
     st.markdown(f"[:material/arrow_downward: 실험으로 가기](#{LAB_ANCHOR})")
-    lesson_markdown(before)
+    with st.expander("본문 (프로젝터 보기에서 접힘)") if folded else st.container():
+        lesson_markdown(before)
     st.divider()
     st.header("실험실", anchor=LAB_ANCHOR)
     if claim:
@@ -367,7 +371,8 @@ def render_chapter(chapter_id: str, lab: Callable[[], None], claim: str | None =
 
         show_error(exc, "실험실을 그리지 못했습니다")
     st.divider()
-    lesson_markdown(rest)
+    with st.expander("본문 이어서 (프로젝터 보기에서 접힘)") if folded else st.container():
+        lesson_markdown(rest)
     st.markdown("## 확인 문제")
     quiz(chapter_id)
     if next_part:

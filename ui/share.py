@@ -38,7 +38,9 @@ from ui.session import (
 
 WIDGET = "w."
 SETTING = "cfg."
-STEP, STEP_LAB, PRESET, FORK = "step", "steplab", "preset", "fork"
+STEP, STEP_LAB, PRESET, FORK, VIEW = "step", "steplab", "preset", "fork", "view"
+PROJECTOR = "projector"  # ?view=projector
+PROJECTOR_KEY = "share_projector"  # the sidebar's 프로젝터 보기 toggle
 MAX_PARAMS = 80
 MAX_VALUE_CHARS = 2000
 MAX_SHARED_STEPS = 500  # the lab's N 스텝 limit (ui/lab.py MAX_N)
@@ -110,6 +112,8 @@ def link_params(chapter_id: str, lab_key: str | None = None, step: int = 0) -> d
             params[STEP_LAB] = lab_key
     if fork_param():
         params[FORK] = fork_param()
+    if projector_on():
+        params[VIEW] = PROJECTOR
     return params
 
 
@@ -196,6 +200,8 @@ def open_shared_link(chapter_id: str) -> None:
     query = {k: st.query_params.get(k) for k in st.query_params.keys()}
     if FORK in query:
         st.session_state[_FORK] = str(query[FORK])[:MAX_VALUE_CHARS]
+    if query.get(VIEW) == PROJECTOR:
+        st.session_state[PROJECTOR_KEY] = True
     from ui.presets import preset_params
 
     preset = preset_params(chapter_id, query.get(PRESET)) if query.get(PRESET) else {}
@@ -245,6 +251,7 @@ def share_panel(lab_key: str, step: int) -> None:
     """링크 복사: this lab's setup (the chapter's inputs, the engine settings, the step) as a link,
     in a popover with a copy button, and the chapter's instructor presets."""
     chapter_id = current_chapter() or lab_key[2:4]
+    link_notes()
     with st.popover("링크 복사", icon=":material/link:"):
         st.caption(
             "이 실험의 입력값, 엔진 설정, 지금 스텝을 담은 링크입니다. 새 브라우저에서 열면 같은 "
@@ -254,3 +261,35 @@ def share_panel(lab_key: str, step: int) -> None:
         from ui.presets import preset_links
 
         preset_links(chapter_id, lambda params: link_url(chapter_id, params))
+
+
+# -- the projector view ---------------------------------------------------------------------------
+
+# Large type for a room: the page's text, the widgets' labels, the plotly charts' text (their
+# inline font sizes give way to !important), and the lab's buttons.
+PROJECTOR_CSS = """<style>
+.stMainBlockContainer { max-width: 100%; padding-left: 2rem; padding-right: 2rem; }
+.stMainBlockContainer p, .stMainBlockContainer li, .stMainBlockContainer label,
+.stMainBlockContainer button, .stMainBlockContainer td, .stMainBlockContainer th
+{ font-size: 1.45rem !important; line-height: 1.45; }
+.stMainBlockContainer h1 { font-size: 3rem !important; }
+.stMainBlockContainer h2, .stMainBlockContainer h3 { font-size: 2.2rem !important; }
+.js-plotly-plot text { font-size: 18px !important; }
+</style>"""
+
+
+def projector_on() -> bool:
+    """Whether this session shows the projector view (the toggle, or ?view=projector)."""
+    return bool(st.session_state.get(PROJECTOR_KEY))
+
+
+def projector_toggle() -> None:
+    """The sidebar's 프로젝터 보기 toggle, and the projector's large type while it is on (the
+    lesson text folds away in render_chapter, so the lab fills the page)."""
+    st.sidebar.toggle(
+        "프로젝터 보기",
+        key=PROJECTOR_KEY,
+        help="강의실 화면용: 큰 글씨, 본문은 접고 실험실을 화면 가득 (링크에 ?view=projector)",
+    )
+    if projector_on():
+        st.html(PROJECTOR_CSS)
