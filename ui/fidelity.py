@@ -117,6 +117,15 @@ def _show(f, label: str) -> None:
         f"{t['capped_input']}개, 잘린 출력 {t['capped_output']}개"
     )
     _load_note(c)
+    measured = f.before["measured_s"]
+    evidence(
+        "측정값",
+        f"실제 엔진: {len(measured)}개 스텝, 스텝 시간 합 {sum(measured):.2f}초, "
+        f"가장 긴 스텝 {1000 * max(measured):.0f} ms",
+        모델=Path(c["model"]).name,
+        장치=f"{c['device']}, {c['dtype']}",
+        시계="엔진 시계",
+    )
     calibrated = st.session_state.get(CALIBRATED, False)
     _step_plot(f)
     _error_plot(f, calibrated)
