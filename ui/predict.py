@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import streamlit as st
 
+from ui.poll import class_poll
 from ui.session import persist_key
 
 _STORE = "_predictions"  # pid → {"value": ..., "unit": ..., "question": ...}
@@ -80,6 +81,7 @@ def predict(
                 st.caption(f":orange[{st.session_state[f'_{key}_note']}]")
         if value is not None and not locked:
             store[pid] = {"value": value, "unit": unit, "question": question}
+        class_poll(pid, question, options, unit, prediction(pid))  # a class poll (ui/poll.py)
     return prediction(pid)
 
 

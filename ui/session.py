@@ -485,6 +485,11 @@ def restore_session() -> str:
     return token
 
 
+def session_token() -> str | None:
+    """This browser session's reload token (restore_session), None before app.py set one."""
+    return st.session_state.get(_TOKEN)
+
+
 def _key_of(token: str) -> str:
     return f"lab:{token}"
 

@@ -38,7 +38,7 @@ from ui.session import (
 
 WIDGET = "w."
 SETTING = "cfg."
-STEP, STEP_LAB, PRESET, FORK, VIEW = "step", "steplab", "preset", "fork", "view"
+STEP, STEP_LAB, PRESET, FORK, VIEW, POLL = "step", "steplab", "preset", "fork", "view", "poll"
 PROJECTOR = "projector"  # ?view=projector
 PROJECTOR_KEY = "share_projector"  # the sidebar's 프로젝터 보기 toggle
 MAX_PARAMS = 80
@@ -51,6 +51,8 @@ _FORK = "_share_fork"  # the link's fork parameter (ui/fork.py reads it through 
 _NOTES = "_share_notes"  # Korean notes on what a link asked for and did not get
 persist_key(_APPLIED)  # a reload (restore_session) does not apply its link over the learner's work
 persist_key(_FORK)
+_POLL = "_share_poll"  # the class poll code a link named (ui/poll.py reads it: poll_code)
+persist_key(_POLL)
 
 
 def widget_prefixes(chapter_id: str) -> tuple[str, ...]:
@@ -200,6 +202,8 @@ def open_shared_link(chapter_id: str) -> None:
     query = {k: st.query_params.get(k) for k in st.query_params.keys()}
     if FORK in query:
         st.session_state[_FORK] = str(query[FORK])[:MAX_VALUE_CHARS]
+    if query.get(POLL):
+        st.session_state[_POLL] = str(query[POLL]).strip().upper()[:16]
     if query.get(VIEW) == PROJECTOR:
         st.session_state[PROJECTOR_KEY] = True
     from ui.presets import preset_params
@@ -235,6 +239,11 @@ def fork_param() -> str:
     """A shared link's `fork` parameter as written ("" when none): ui/fork.py reads it to open
     the fork the link describes; link_params puts it back into the links this session shares."""
     return str(st.session_state.get(_FORK) or "")
+
+
+def poll_code() -> str:
+    """The class poll code of this session's link ("" when none; ui/poll.py)."""
+    return str(st.session_state.get(_POLL) or "")
 
 
 def current_chapter() -> str | None:
