@@ -103,6 +103,7 @@ def test_scaling_and_caps_are_counted_and_described():
     text = describe(trace)
     assert "10 of 32 requests" in text and "÷4" in text and "prompt ≤ 300" in text
     assert f"(shortened {c['capped_output']})" in text and "distinct" in text
+    assert c["blocks"] == 10  # one 512-token block each: a 300-token prompt reaches no further
     context = read_azure(AZURE, VOCAB, max_total_len=512)
     assert all(len(r.prompt_token_ids) + r.output_len <= 512 for r in context.requests)
     assert context.conditions["capped_to_context"] > 0

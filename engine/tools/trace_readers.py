@@ -322,8 +322,13 @@ def build_workload(
     }
     if fmt == "mooncake":
         conditions["block_size"] = block_size
-        conditions["distinct_blocks"] = len({h for r in used for h in r.hash_ids})
-        conditions["blocks"] = sum(len(r.hash_ids) for r in used)
+        # the blocks the (possibly cut) prompts still reach
+        reached = [
+            r.hash_ids[: math.ceil(len(q.prompt_token_ids) / block_size)]
+            for r, q in zip(used, requests)
+        ]
+        conditions["distinct_blocks"] = len({h for ids in reached for h in ids})
+        conditions["blocks"] = sum(len(ids) for ids in reached)
     conditions["arrivals"] = f"from the trace, ÷ {scaling.time_scale:g}"
     return TraceWorkload(requests, conditions)
 
