@@ -122,3 +122,34 @@ def test_a_shared_link_opens_its_chapter_with_its_inputs_settings_and_step(tiny_
     at.run()  # a later run of the same session does not apply the link again
     stepped = {key: len(r) for key, r in at.session_state["_records"].items()}
     assert set(v for k, v in stepped.items() if k.startswith("ch08")) == {3}
+
+
+def _first_load(at, page: str, query: dict[str, str]) -> None:
+    """The same AppTest session opens `page` as a new session's first load of a link."""
+    for name in list(at.query_params):
+        del at.query_params[name]
+    for name, value in query.items():
+        at.query_params[name] = value
+    at.session_state[APPLIED] = False
+    at.switch_page(page)
+    at.run()
+    no_exception(at)
+
+
+@pytest.mark.slow
+def test_every_preset_opens_its_chapter_and_a_refused_value_falls_back(tiny_model_dir):
+    """Each chapter's presets applied as a link's first load of its page: no exception, no error
+    box, the preset's inputs in the widgets. A slider value out of range opens with the default
+    and a note instead of a broken lab."""
+    at = _open_link(tiny_model_dir, "pages/ch00_intro.py", {})
+    for chapter_id, presets in sorted(PRESETS.items()):
+        page = str(next((ROOT / "pages").glob(f"ch{chapter_id}_*.py")).relative_to(ROOT))
+        for name in presets:
+            _first_load(at, page, {"preset": name})
+            assert not at.error, (chapter_id, name, [e.value for e in at.error])
+            widgets, _, _ = parse_link(preset_params(chapter_id, name), chapter_id)
+            for key, value in widgets.items():
+                assert at.session_state[key] == value, (chapter_id, name, key)
+    _first_load(at, "pages/ch08_continuous_batching.py", {"w.ch08_budget": "9999"})
+    assert not at.error and at.slider(key="ch08_budget").value == 64
+    assert any("기본값으로 열었습니다" in c.value for c in at.caption)

@@ -37,7 +37,7 @@ from typing import Callable
 
 import streamlit as st
 
-from ui.share import projector_on
+from ui.share import link_values_taken, projector_on, undo_link_values
 
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS_DIR = ROOT / "lessons"
@@ -366,9 +366,12 @@ def render_chapter(chapter_id: str, lab: Callable[[], None], claim: str | None =
         lab_claim(claim)
     try:
         lab()
+        link_values_taken()
     except Exception as exc:  # noqa: BLE001 - a learner sees a Korean message, never a traceback
         from ui.errors import show_error
 
+        if undo_link_values():  # a shared link's value the lab refused: open with its defaults
+            st.rerun()
         show_error(exc, "실험실을 그리지 못했습니다")
     st.divider()
     with st.expander("본문 이어서 (프로젝터 보기에서 접힘)") if folded else st.container():

@@ -49,6 +49,7 @@ _PENDING_STEP = "_share_pending_step"  # (lab key or None, steps) until the lab 
 _CHAPTER = "_share_chapter"  # the chapter id of the page this run draws
 _FORK = "_share_fork"  # the link's fork parameter (ui/fork.py reads it through fork_param)
 _NOTES = "_share_notes"  # Korean notes on what a link asked for and did not get
+_LINK_KEYS = "_share_link_keys"  # the widget keys the link set, until the lab drew them once
 persist_key(_APPLIED)  # a reload (restore_session) does not apply its link over the learner's work
 persist_key(_FORK)
 _POLL = "_share_poll"  # the class poll code a link named (ui/poll.py reads it: poll_code)
@@ -220,10 +221,31 @@ def open_shared_link(chapter_id: str) -> None:
         if note:
             notes.append(note)
     st.session_state.update(widgets)
+    st.session_state[_LINK_KEYS] = list(widgets)
     steps = _parse_steps(merged)
     if steps is not None:
         st.session_state[_PENDING_STEP] = (merged.get(STEP_LAB), steps)
     st.session_state[_NOTES] = notes
+
+
+def undo_link_values() -> bool:
+    """After the lab failed on its first run with a link's values (a number outside a slider's
+    range): drop them, so the page reruns with the lab's defaults, and say so. False when the
+    link set nothing (the failure is the lab's own)."""
+    keys = st.session_state.pop(_LINK_KEYS, None)
+    if not keys:
+        return False
+    for key in keys:
+        st.session_state.pop(key, None)
+    st.session_state.pop(_PENDING_STEP, None)
+    notes = st.session_state.setdefault(_NOTES, [])
+    notes.append("링크의 입력값 중 이 실험실이 받지 못하는 값이 있어 기본값으로 열었습니다.")
+    return True
+
+
+def link_values_taken() -> None:
+    """The chapter's lab drew with the link's values: they are the learner's from now on."""
+    st.session_state.pop(_LINK_KEYS, None)
 
 
 def take_pending_step(lab_key: str) -> int | None:
