@@ -83,7 +83,9 @@ def test_a_learners_prediction_reaches_the_instructors_histogram():
     assert not teacher.exception
     teacher.button(key="poll_open_ch08_itl").click().run()
     code = teacher.session_state["_poll_owned"]["ch08_itl"]
-    assert any(code in c.value and "poll=" + code in c.value for c in teacher.code)
+    link = next(c.value for c in teacher.code if "poll=" + code in c.value)
+    assert "view=" not in link and "step=" not in link  # learners predict before the run
+    assert any("아직 표가 없습니다" in c.value for c in teacher.caption)
 
     learner = _session(token="learner-token-000000", _share_poll=code)
     learner.run()

@@ -27,6 +27,7 @@ POLL_TTL_S = 4 * 3600.0  # a poll nobody closed is forgotten after this long
 CODE_ALPHABET = "ABCDEFGHJKMNPQRSTUVWXYZ23456789"  # no 0/O, 1/I/L: read aloud from a projector
 CODE_LEN = 6
 POLL_PARAM = "poll"
+LEARNER_DROPS = ("step", "steplab", "view")  # link parameters a poll's link leaves out
 
 
 class PollError(ValueError):
@@ -221,11 +222,14 @@ def _poll_results(pid: str, poll: Poll) -> None:
     from ui.share import current_chapter, link_params, link_url
 
     chapter_id = current_chapter() or pid[2:4]
-    link = link_url(chapter_id, {**link_params(chapter_id), POLL_PARAM: poll.code})
+    # the learners' link: the same inputs, before the run (a step would lock their predict box)
+    # and in the ordinary view
+    params = {k: v for k, v in link_params(chapter_id).items() if k not in LEARNER_DROPS}
+    link = link_url(chapter_id, {**params, POLL_PARAM: poll.code})
     st.markdown(f"**반 투표 {poll.code}** · {len(poll.votes)}표 (익명, 이 서버의 메모리에만)")
     st.code(link, language=None)
     labels, counts = histogram(poll)
-    if counts:
+    if sum(counts):
         spec = {
             "data": [{"type": "bar", "x": labels, "y": counts, "text": counts}],
             "layout": {
