@@ -140,7 +140,7 @@ def _first_load(at, page: str, query: dict[str, str]) -> None:
 def test_every_preset_opens_its_chapter_and_a_refused_value_falls_back(tiny_model_dir):
     """Each chapter's presets applied as a link's first load of its page: no exception, no error
     box, the preset's inputs in the widgets. A slider value out of range opens with the default
-    and a note instead of a broken lab."""
+    and a note instead of a broken lab. play=1 plays on from the link's step."""
     at = _open_link(tiny_model_dir, "pages/ch00_intro.py", {})
     for chapter_id, presets in sorted(PRESETS.items()):
         page = str(next((ROOT / "pages").glob(f"ch{chapter_id}_*.py")).relative_to(ROOT))
@@ -153,3 +153,8 @@ def test_every_preset_opens_its_chapter_and_a_refused_value_falls_back(tiny_mode
     _first_load(at, "pages/ch08_continuous_batching.py", {"w.ch08_budget": "9999"})
     assert not at.error and at.slider(key="ch08_budget").value == 64
     assert any("기본값으로 열었습니다" in c.value for c in at.caption)
+    # play=1: 재생 goes on from the link's step at the link's speed
+    _first_load(at, "pages/ch00_intro.py", {"step": "2", "play": "1", "w.main_speed": "0.25"})
+    assert at.session_state["_playing_main"] is True
+    assert at.select_slider(key="main_speed").value == 0.25
+    assert len(at.session_state["_records"]["main"]) >= 2

@@ -923,10 +923,12 @@ def open_shared_step(
     ctx: LabContext, workload: Workload | None, presets: dict[str, str] | None
 ) -> None:
     """A shared link's step (ui/share.py), once: the lab's workload attached (워크로드 넣기), or
-    its chosen example prompt added, then that many lockstep steps as N 스텝 takes them."""
-    steps = take_pending_step(ctx.key)
-    if steps is None:
+    its chosen example prompt added, then that many lockstep steps as N 스텝 takes them, then
+    재생 at the lab's speed if the link says play=1."""
+    pending = take_pending_step(ctx.key)
+    if pending is None:
         return
+    steps, play = pending
     if workload is not None:
         reset_lab(ctx, workload)
     elif presets:
@@ -934,6 +936,8 @@ def open_shared_step(
         add_prompt(ctx, presets.get(chosen) or next(iter(presets.values())))
     if steps:
         run_steps(ctx, steps)
+    if play:
+        set_playing(ctx.key, True)  # after the run of `steps`, the timer steps at the speed
 
 
 def _exports(ctx: LabContext) -> None:

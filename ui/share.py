@@ -10,6 +10,9 @@ Query parameters of a shared link (the page path is the chapter):
   defaults (ui/session.py);
 - `step=N` (with `steplab=<lab key>`): the lab's workload attached and N lockstep steps taken, the
   steps 다음 스텝 takes (ui/lab.py, open_shared_step);
+- `play=1`: 재생 on from there, at the lab's speed (its `w.<lab key>_speed` widget);
+- `view=projector`: the projector view (large type, the lesson folded);
+- `poll=<code>`: a class poll this session votes in (ui/poll.py);
 - `preset=<name>`: an instructor preset of the chapter (ui/presets.py), applied under the link's
   own parameters;
 - `fork=<text>`: a fork's changes, kept as written for ui/fork.py to read (fork_param()).
@@ -39,6 +42,7 @@ from ui.session import (
 WIDGET = "w."
 SETTING = "cfg."
 STEP, STEP_LAB, PRESET, FORK, VIEW, POLL = "step", "steplab", "preset", "fork", "view", "poll"
+PLAY = "play"  # play=1: 재생 from the link's step at the link's speed (w.<lab>_speed)
 PROJECTOR = "projector"  # ?view=projector
 PROJECTOR_KEY = "share_projector"  # the sidebar's 프로젝터 보기 toggle
 MAX_PARAMS = 80
@@ -222,9 +226,9 @@ def open_shared_link(chapter_id: str) -> None:
             notes.append(note)
     st.session_state.update(widgets)
     st.session_state[_LINK_KEYS] = list(widgets)
-    steps = _parse_steps(merged)
-    if steps is not None:
-        st.session_state[_PENDING_STEP] = (merged.get(STEP_LAB), steps)
+    steps, play = _parse_steps(merged), str(merged.get(PLAY, "")) in ("1", "true")
+    if steps is not None or play:
+        st.session_state[_PENDING_STEP] = (merged.get(STEP_LAB), steps or 0, play)
     st.session_state[_NOTES] = notes
 
 
@@ -248,13 +252,14 @@ def link_values_taken() -> None:
     st.session_state.pop(_LINK_KEYS, None)
 
 
-def take_pending_step(lab_key: str) -> int | None:
-    """The steps a link asked this lab to open at (once; None: no link step for this lab)."""
+def take_pending_step(lab_key: str) -> tuple[int, bool] | None:
+    """(the steps a link asked this lab to open at, whether to play on from there), once; None:
+    no link step for this lab."""
     pending = st.session_state.get(_PENDING_STEP)
     if pending is None or (pending[0] and pending[0] != lab_key):
         return None
     st.session_state.pop(_PENDING_STEP, None)
-    return int(pending[1])
+    return int(pending[1]), bool(pending[2])
 
 
 def fork_param() -> str:
