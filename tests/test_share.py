@@ -13,6 +13,7 @@ from _apptest import APP, no_exception
 from ui.lesson import CHAPTERS
 from ui.presets import PRESETS, preset_params
 from ui.share import _APPLIED as APPLIED
+from ui.share import _FORK as FORK_STATE
 from ui.share import PROJECTOR_KEY, link_url, parse_link, widget_prefixes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,6 +103,7 @@ def test_a_shared_link_opens_its_chapter_with_its_inputs_settings_and_step(tiny_
         "cfg.max_num_seqs": "4",
         "step": "3",
         "view": "projector",
+        "fork": "max_num_batched_tokens=256",
     }
     at = _open_link(tiny_model_dir, "pages/ch08_continuous_batching.py", query)
     assert at.slider(key="ch08_budget").value == 32
@@ -114,7 +116,9 @@ def test_a_shared_link_opens_its_chapter_with_its_inputs_settings_and_step(tiny_
     link = next(c.value for c in at.code if "w.ch08_budget=32" in c.value)
     assert "step=3" in link and "cfg.max_num_seqs=4" in link and "/ch08?" in link
     assert "ch08_load" not in link and "ch08_step=" not in link, "buttons are no setting"
-    assert "view=projector" in link
+    assert "view=projector" in link and "fork=max_num_batched_tokens%3D256" in link
+    # what ui/fork.py reads through fork_param()
+    assert at.session_state[FORK_STATE] == "max_num_batched_tokens=256"
     # the projector view: its toggle on, the lesson folded into expanders, the large type
     assert at.toggle(key=PROJECTOR_KEY).value is True
     assert any("프로젝터 보기에서 접힘" in e.label for e in at.expander)

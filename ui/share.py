@@ -268,6 +268,15 @@ def fork_param() -> str:
     return str(st.session_state.get(_FORK) or "")
 
 
+def set_fork_param(text: str | None) -> None:
+    """What ui/fork.py calls when a fork opens or closes: the fork's changes as one parameter
+    value (its own format; None or "" drops it), so the links this session shares carry it."""
+    if text:
+        st.session_state[_FORK] = str(text)[:MAX_VALUE_CHARS]
+    else:
+        st.session_state.pop(_FORK, None)
+
+
 def poll_code() -> str:
     """The class poll code of this session's link ("" when none; ui/poll.py)."""
     return str(st.session_state.get(_POLL) or "")
