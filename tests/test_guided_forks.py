@@ -149,6 +149,8 @@ def test_ch03_without_prefix_caching_the_blocks_come_back_empty(lab_config):
     assert last.num_used == twin_last.num_used == 0
     assert last.num_cached_free > 0 and twin_last.num_cached_free == 0
     assert [r.scheduled for r in run.original_records] == [r.scheduled for r in run.branch_records]
+    used = [r.kv.num_used for r in run.original_records]
+    assert [r.kv.num_used for r in run.branch_records] == used  # one line on the KV chart
 
 
 def test_ch04_more_running_slots_let_the_waiting_requests_in(lab_config):
@@ -182,13 +184,23 @@ def test_ch06_without_prefix_caching_the_same_prompt_takes_its_own_blocks(lab_co
 
 def test_ch07_static_batching_from_the_continuous_engine_takes_more_steps(lab_config):
     """ch07: fork the continuous-batching engine at once with 스케줄링 정책 정적 배칭: a batch
-    waits for its longest request, so the branch needs more steps and a late request's E2E
-    grows."""
-    from ui.experiments.ch07 import DEFAULT_BATCH, batching_config, batching_workload
+    waits for its longest request, so the branch needs more steps and the first late request
+    (r4, arriving DEFAULT_LATE_STEPS decode steps in) gets its first token later."""
+    from ui.experiments.ch07 import (
+        DEFAULT_BATCH,
+        DEFAULT_LATE_STEPS,
+        batching_config,
+        batching_workload,
+        decode_step_ms,
+        late_arrival_ms,
+    )
 
     base = lab_config(enable_prefix_caching=False)
-    engine = EngineCore(batching_config(base, "continuous batching", DEFAULT_BATCH))
-    run = fork_workload(engine, batching_workload(), 0, scheduling_policy="static")
+    cfg = batching_config(base, "continuous batching", DEFAULT_BATCH)
+    late = late_arrival_ms(DEFAULT_LATE_STEPS, decode_step_ms(cfg, DEFAULT_BATCH))  # ui/labs/ch07
+    run = fork_workload(
+        EngineCore(cfg), batching_workload(late_ms=late), 0, scheduling_policy="static"
+    )
     assert len(run.branch_records) > len(run.original_records)
     assert run.first_token_step("r4", branch=True) > run.first_token_step("r4")
 
@@ -237,12 +249,14 @@ def test_ch08_without_chunked_prefill_the_long_prompt_fills_one_step(lab_config,
 
 
 def test_ch09_swap_brings_blocks_back_instead_of_recomputing(lab_config):
-    """ch09 ①: fork at once with 선점 방식 스왑: the preempted requests' K/V come back from host
-    memory (blocks swapped in) and nothing is recomputed; the original recomputes."""
+    """ch09 ①: fork at step 5 (no one preempted yet) with 선점 방식 스왑: the branch preempts
+    too (the KV cache is as small), but the victims' K/V come back from host memory (blocks
+    swapped in) and nothing is recomputed; the original recomputes."""
     from ui.experiments.ch09 import DEFAULT_BLOCKS, burst_workload, preemption_config
 
     engine = EngineCore(preemption_config(lab_config(), DEFAULT_BLOCKS))
-    run = fork_workload(engine, burst_workload(), 0, preemption_mode="swap")
+    run = fork_workload(engine, burst_workload(), 5, preemption_mode="swap")
+    assert not any(r.preempted for r in run.original_records[:5])
     assert sum(r.num_recomputed_tokens for r in run.original_records) > 0
     assert any(r.preempted for r in run.branch_records)
     assert sum(r.num_swapped_in_blocks for r in run.branch_records) > 0
