@@ -38,7 +38,8 @@ case "$cmd" in
     # Idle torch threads sleep instead of spinning between operations: with several learners on
     # few cores, spinning threads doubled a click's CPU (README, "Classroom"). Override to ACTIVE.
     export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
-    exec "$VENV/bin/python" -m streamlit run app.py "$@"
+    # ui/serve.py is `streamlit run app.py` without the "Page not found" dialog on a first deep link.
+    exec "$VENV/bin/python" -m ui.serve "$@"
     ;;
   test)
     setup

@@ -191,7 +191,11 @@ class Classroom:
         self._start_nginx(nginx)
 
     def _replica_command(self, port: int) -> list[str]:
-        return [python(), "-m", "streamlit", "run", self.app, "--server.port", str(port),
+        # ui/serve.py: `streamlit run app.py` without the first deep link's "Page not found"
+        launcher = ["-m", "streamlit", "run", self.app]
+        if self.app == "app.py":
+            launcher = ["-m", "ui.serve"]
+        return [python(), *launcher, "--server.port", str(port),
                 "--server.address", "127.0.0.1", "--server.headless", "true"]  # fmt: skip
 
     def _replica_environment(self, replica: int) -> dict[str, str]:

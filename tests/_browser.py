@@ -62,7 +62,9 @@ def start_streamlit(
     given, is the whole environment of the server (not added to this process's)."""
     python = str(VENV_PYTHON) if VENV_PYTHON.exists() else sys.executable
     port = free_port()
-    cmd = [python, "-m", "streamlit", "run", app, "--server.port", str(port), *extra_args]
+    # app.py through ui/serve.py, as run.sh starts it (no "Page not found" on a first deep link)
+    launcher = ["-m", "ui.serve"] if app == "app.py" else ["-m", "streamlit", "run", app]
+    cmd = [python, *launcher, "--server.port", str(port), *extra_args]
     with open(log_path, "w") as out:
         proc = subprocess.Popen(
             cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env or None
@@ -302,12 +304,11 @@ class LabDriver:
         self.no_exception(pg)
 
     def open_chapter(self, pg, app_url: str, chapter: str) -> None:
-        """Go to /chNN and wait for its first run; close the "page not found" dialog Streamlit
-        shows over a direct chapter link (see ui/lesson.py's Chapter.url_path)."""
+        """Go to /chNN and wait for its first run: no dialog ("Page not found" is gone since the
+        app runs through ui/serve.py), no exception."""
         pg.goto(f"{app_url}/{chapter}")
         pg.wait_for_selector("[data-testid='stApp']")
         self.wait_idle(pg)
-        if pg.locator("[role=dialog]").count():
-            pg.keyboard.press("Escape")
-            pg.wait_for_timeout(300)
+        dialogs = pg.locator("[role=dialog]")
+        assert dialogs.count() == 0, dialogs.first.inner_text()
         self.no_exception(pg)
