@@ -1,8 +1,9 @@
 """A shared link opened in a new browser (ui/share.py): a fresh `python -m ui.serve` server (pages/
 in place) and a fresh Chromium context, whose first load is /ch08?preset=예산 32&w.ch08_seqs=2&
-step=3. The page is chapter 08 with no "Page not found" dialog (ui/serve.py says why a fresh
-server showed one), the sliders hold the link's values, the lab and the sidebar's 엔진 상태 are at
-step 3, and the lab's 링크 복사 gives a link with the same setup back. The real default model."""
+step=3&fork=[a branch at step 1]. The page is chapter 08 with no "Page not found" dialog
+(ui/serve.py says why a fresh server showed one), the sliders hold the link's values, the lab, its
+branch and the sidebar's 엔진 상태 are at step 3, and the lab's 링크 복사 gives a link with the
+same setup back. The real default model."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from _browser import (
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 TIMEOUT_MS = 180_000
-LINK = "/ch08?preset=" + quote("예산 32") + "&w.ch08_seqs=2&step=3"
+FORK = '[{"from":"ch08_off","at":1,"changes":{"max_num_seqs":1}}]'  # a branch made at step 1
+LINK = "/ch08?preset=" + quote("예산 32") + "&w.ch08_seqs=2&step=3&fork=" + quote(FORK)
 
 
 def start_served_app(log_path, timeout_s: float = 120) -> tuple[subprocess.Popen, str]:
@@ -70,7 +72,7 @@ def test_a_shared_link_opens_at_its_step_in_a_new_browser(tmp_path):
             page.goto(url + LINK)  # the server's first session: where the dialog used to show
             page.wait_for_selector(IDLE, timeout=TIMEOUT_MS)
             page.wait_for_function(
-                "() => (document.body.innerText.match(/스텝 3 · KV/g) || []).length >= 2",
+                "() => (document.body.innerText.match(/스텝 3 · KV/g) || []).length >= 3",
                 timeout=TIMEOUT_MS,
             )
             _check_the_scenario(page)
@@ -90,6 +92,7 @@ def _check_the_scenario(page) -> None:
     assert "continuous batching과 토큰 단위 스케줄링" in body and "엔진 설정" in body
     assert slider_value(page, "토큰 예산 (max_num_batched_tokens)") == "32"  # the preset's
     assert slider_value(page, "최대 동시 요청 수 (max_num_seqs)") == "2"  # the link's own
+    assert "갈래 1 · 스텝 3" in " ".join(body.split()), "the link's branch, stepped with the others"
     sidebar = page.locator("[data-testid='stSidebar']").inner_text()
     assert "스텝 3" in sidebar, sidebar[-600:]
     page.get_by_role("button", name="링크 복사").first.click()
@@ -97,4 +100,4 @@ def _check_the_scenario(page) -> None:
     code.wait_for(timeout=30_000)
     link = code.inner_text()
     assert "/ch08?" in link and "w.ch08_budget=32" in link and "w.ch08_seqs=2" in link
-    assert "step=3" in link
+    assert "step=3" in link and "fork=" in link

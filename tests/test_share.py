@@ -4,8 +4,10 @@ that lands on its chapter with its inputs, settings and step."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 from _apptest import APP, no_exception
@@ -13,7 +15,6 @@ from _apptest import APP, no_exception
 from ui.lesson import CHAPTERS
 from ui.presets import PRESETS, preset_params
 from ui.share import _APPLIED as APPLIED
-from ui.share import _FORK as FORK_STATE
 from ui.share import PROJECTOR_KEY, link_url, parse_link, widget_prefixes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,7 +104,7 @@ def test_a_shared_link_opens_its_chapter_with_its_inputs_settings_and_step(tiny_
         "cfg.max_num_seqs": "4",
         "step": "3",
         "view": "projector",
-        "fork": "max_num_batched_tokens=256",
+        "fork": json.dumps([{"from": "ch08_off", "at": 1, "changes": {"max_num_seqs": 1}}]),
     }
     at = _open_link(tiny_model_dir, "pages/ch08_continuous_batching.py", query)
     assert at.slider(key="ch08_budget").value == 32
@@ -112,13 +113,16 @@ def test_a_shared_link_opens_its_chapter_with_its_inputs_settings_and_step(tiny_
     records = at.session_state["_records"]
     stepped = {key: len(r) for key, r in records.items() if key.startswith("ch08")}
     assert stepped and set(stepped.values()) == {3}, stepped
+    assert "ch08_off__fork1" in stepped, "the link's branch, made at step 1, stepped to 3 too"
+    (branch,) = at.session_state["_lab_branches"]["ch08"]
+    assert (branch.parent, branch.step, branch.changes) == ("ch08_off", 1, {"max_num_seqs": 1})
     assert any("스텝 **3**" in m.value for m in at.markdown), "the lab's counter shows step 3"
     link = next(c.value for c in at.code if "w.ch08_budget=32" in c.value)
     assert "step=3" in link and "cfg.max_num_seqs=4" in link and "/ch08?" in link
     assert "ch08_load" not in link and "ch08_step=" not in link, "buttons are no setting"
-    assert "view=projector" in link and "fork=max_num_batched_tokens%3D256" in link
-    # what ui/fork.py reads through fork_param()
-    assert at.session_state[FORK_STATE] == "max_num_batched_tokens=256"
+    assert "view=projector" in link
+    shared = parse_qs(urlsplit(link).query)["fork"][0]
+    assert json.loads(shared) == json.loads(query["fork"]), "the branch goes back into the link"
     # the projector view: its toggle on, the lesson folded into expanders, the large type
     assert at.toggle(key=PROJECTOR_KEY).value is True
     assert any("프로젝터 보기에서 접힘" in e.label for e in at.expander)

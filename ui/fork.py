@@ -10,12 +10,13 @@ per lab; 리셋 or a rebuilt engine (other settings) drops them.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import pandas as pd
 import streamlit as st
 
-from engine.core import EngineCore
+from engine.core import FORKABLE, EngineCore
 from engine.executor.abstract import ForkNotSupportedError
 from engine.trace import StepRecord
 from ui import figures
@@ -353,3 +354,61 @@ def fork_section(ctx, views, feeders: dict) -> None:
     labels = {s.key: s.label or "원래 엔진" for s in ctx.sides}
     for branch in ctx.branches:
         branch_view(branch, labels.get(branch.parent, branch.parent), ctx.engines, views)
+
+
+# -- branches in a shared link (ui/share.py's `fork` parameter) ----------------------------------
+
+MAX_LINK_STEP = 500  # the lab's N 스텝 limit
+
+
+def branches_param(lab_key: str) -> str:
+    """This lab's live branches as a link's `fork` value: JSON [{"from", "at", "changes"}]."""
+    branches = _all().get(lab_key, [])
+    items = [{"from": b.parent, "at": b.step, "changes": b.changes} for b in branches]
+    return json.dumps(items, ensure_ascii=False, separators=(",", ":")) if items else ""
+
+
+def parse_branches(text: str, side_keys: list[str]) -> tuple[list[dict], list[str]]:
+    """A link's `fork` value, checked: at most MAX_BRANCHES items, each from a side of this lab,
+    at a step in [0, MAX_LINK_STEP], changing only what a fork may change (EngineCore.FORKABLE).
+    Returns the usable items (by step) and Korean notes on what was left out."""
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return [], ["링크의 갈래(fork)를 읽지 못해 갈래 없이 열었습니다."]
+    if not isinstance(items, list):
+        return [], ["링크의 갈래(fork)는 목록이어야 해서 갈래 없이 열었습니다."]
+    usable, notes = [], []
+    for item in items[:MAX_BRANCHES]:
+        ok = (
+            isinstance(item, dict)
+            and item.get("from") in side_keys
+            and isinstance(item.get("at"), int)
+            and 0 <= item["at"] <= MAX_LINK_STEP
+            and isinstance(item.get("changes"), dict)
+            and set(item["changes"]) <= set(FORKABLE)
+        )
+        if ok:
+            usable.append(item)
+        else:
+            notes.append(f"링크의 갈래 {str(item)[:80]}은(는) 이 실험실에 맞지 않아 뺐습니다.")
+    return sorted(usable, key=lambda i: i["at"]), notes
+
+
+def open_shared_branches(ctx, text: str, step_all, feeders: dict, limit: int) -> list[str]:
+    """Make a link's branches: step the lab (lockstep) to each branch's step, fork there. Steps
+    stop at `limit` (the link's own step) or when the lab has nothing left. Korean notes back."""
+    items, notes = parse_branches(text, [s.key for s in ctx.sides])
+    for item in items:
+        while len(get_records(item["from"])) < min(item["at"], limit) and step_all(ctx):
+            pass
+        engine = ctx.engines[item["from"]]
+        try:
+            branch = create_branch(ctx.key, item["from"], engine, item["changes"], feeders)
+        except ValueError as exc:  # ForkNotSupportedError included
+            notes.append(f"링크의 갈래를 만들지 못했습니다: {exc}")
+            continue
+        ctx.engines[branch.key] = adopted_engine(branch.key)
+        ctx.feeders[branch.key] = feeders.get(branch.key)
+        ctx.branches.append(branch)
+    return notes

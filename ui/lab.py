@@ -46,7 +46,7 @@ from ui.session import (
     record_step,
     reset_engine,
 )
-from ui.share import share_panel, take_pending_step
+from ui.share import fork_param, share_panel, take_pending_step
 
 ACTIVE_KEY = "_active_engine_key"  # the engine the sidebar's 엔진 상태 shows (the page's lab)
 _FEEDERS = "_lab_feeders"  # engine key → WorkloadFeeder
@@ -934,7 +934,12 @@ def open_shared_step(
     elif presets:
         chosen = st.session_state.get(f"{ctx.key}_preset")
         add_prompt(ctx, presets.get(chosen) or next(iter(presets.values())))
-    if steps:
+    forks = fork_param()
+    if forks:  # the link's branches, each made at its step (the lab stepped there first)
+        for note in fork.open_shared_branches(ctx, forks, step_all, _feeders(), steps):
+            st.caption(f":orange[{note}]")
+    steps -= len(get_records(ctx.sides[0].key))
+    if steps > 0:
         run_steps(ctx, steps)
     if play:
         set_playing(ctx.key, True)  # after the run of `steps`, the timer steps at the speed

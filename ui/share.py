@@ -15,7 +15,8 @@ Query parameters of a shared link (the page path is the chapter):
 - `poll=<code>`: a class poll this session votes in (ui/poll.py);
 - `preset=<name>`: an instructor preset of the chapter (ui/presets.py), applied under the link's
   own parameters;
-- `fork=<text>`: a fork's changes, kept as written for ui/fork.py to read (fork_param()).
+- `fork=<JSON>`: the lab's branches, [{"from": side key, "at": step, "changes": {...}}]
+  (ui/fork.py: each made at its step with EngineCore.fork's changes).
 
 A link is applied once, on the first run of a browser session that did not restore a saved one
 (restore_session): a reload keeps what the learner changed since. Only keys with the chapter's
@@ -31,6 +32,7 @@ from urllib.parse import urlencode, urlsplit
 
 import streamlit as st
 
+from ui import fork
 from ui.session import (
     SETTINGS_KEY,
     EngineSettings,
@@ -117,8 +119,9 @@ def link_params(chapter_id: str, lab_key: str | None = None, step: int = 0) -> d
         params[STEP] = str(int(step))
         if lab_key:
             params[STEP_LAB] = lab_key
-    if fork_param():
-        params[FORK] = fork_param()
+    forks = fork.branches_param(lab_key) if lab_key else ""
+    if forks:
+        params[FORK] = forks
     if projector_on():
         params[VIEW] = PROJECTOR
     return params
@@ -263,18 +266,10 @@ def take_pending_step(lab_key: str) -> tuple[int, bool] | None:
 
 
 def fork_param() -> str:
-    """A shared link's `fork` parameter as written ("" when none): ui/fork.py reads it to open
-    the fork the link describes; link_params puts it back into the links this session shares."""
+    """A shared link's `fork` parameter as written ("" when none): the lab opens the branches it
+    describes (ui/fork.py, open_shared_branches); links this session shares carry its live
+    branches (fork.branches_param)."""
     return str(st.session_state.get(_FORK) or "")
-
-
-def set_fork_param(text: str | None) -> None:
-    """What ui/fork.py calls when a fork opens or closes: the fork's changes as one parameter
-    value (its own format; None or "" drops it), so the links this session shares carry it."""
-    if text:
-        st.session_state[_FORK] = str(text)[:MAX_VALUE_CHARS]
-    else:
-        st.session_state.pop(_FORK, None)
 
 
 def poll_code() -> str:
