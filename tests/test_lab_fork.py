@@ -51,6 +51,7 @@ def test_a_branch_steps_in_lockstep_and_shows_what_changed(app):
     text = "\n".join(m.value for m in at.markdown)
     assert "갈래 1: 토큰 예산" in text and "결정이 달라진 스텝" in text
     assert "갈라진 뒤 모든 스텝의 결정이 원래 엔진과 같습니다" in text  # the no-change branch
+    assert text.count("출력 토큰이 원래 엔진과 같은 요청: 2/2") == 2  # greedy: any schedule
     tables = [df.value for df in at.dataframe]
     deltas = next(t for t in tables if "TTFT 변화 (ms)" in t.columns)
     assert len(deltas) == 2 and deltas["TTFT 변화 (ms)"].notna().all()
@@ -73,3 +74,17 @@ def test_a_branch_steps_in_lockstep_and_shows_what_changed(app):
     no_exception(at)
     assert at.session_state["_lab_branches"].get("main", []) == []
     assert "main__fork1" not in at.session_state["_engines"]
+
+
+def test_a_refused_fork_says_why_in_korean(app):
+    """Too few KV blocks (fewer than one request of max_model_len needs): no branch, the reason
+    in Korean with the engine's words."""
+    at = app
+    at.button(key="main_reset").click().run()
+    at.button(key="main_add_preset").click().run()
+    at.button(key="main_step").click().run()
+    _fork(at, num_kv_blocks=1)
+    warnings = " ".join(w.value for w in at.warning)
+    assert "최대 길이(max_model_len)의 요청 하나도 담지 못할" in warnings, warnings
+    assert "cannot hold one request of max_model_len" in warnings
+    assert at.session_state["_lab_branches"].get("main", []) == []

@@ -11,6 +11,7 @@ per lab; 리셋 or a rebuilt engine (other settings) drops them.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -167,6 +168,30 @@ def create_branch(
     return branch
 
 
+def refusal_ko(exc: ValueError) -> str:
+    """Why EngineCore.fork refused, in Korean (the engine's own words follow in the message)."""
+    text = str(exc)
+    numbers = [int(n) for n in re.findall(r"\d+", text)]
+    if "blocks the running requests" in text:
+        return (
+            f"KV 블록 {numbers[0]}개로는 지금 실행 중인 요청들이 쓰는 블록 {numbers[1]}개를 담을 "
+            f"수 없습니다. KV 블록 수를 {numbers[1]} 이상으로 두세요."
+        )
+    if "cannot hold one request" in text:
+        return "KV 블록이 최대 길이(max_model_len)의 요청 하나도 담지 못할 만큼 적습니다."
+    if "with chunked prefill off" in text:
+        return (
+            "chunked prefill을 끄면 프롬프트가 한 스텝에 통째로 들어가야 해서, 토큰 예산이 최대 "
+            f"길이(max_model_len, {numbers[-1]}) 이상이어야 합니다. 토큰 예산도 함께 올리세요."
+        )
+    if "swapped out" in text:
+        return (
+            "지금 스왑된 요청이 있어 스왑 공간을 바꿀 수 없습니다. 그 요청이 돌아온 뒤에 "
+            "갈라 보세요."
+        )
+    return "엔진이 이 설정을 받지 않았습니다."
+
+
 def _on_fork(lab_key: str, side_keys: list[str], feeders: dict) -> None:
     """The form's submit (a callback: the branch exists before the lab draws its counters and
     views). What went wrong is kept for the form to show."""
@@ -190,7 +215,7 @@ def _on_fork(lab_key: str, side_keys: list[str], feeders: dict) -> None:
             "하나(tp=1, pp=1)나 시뮬레이션으로 돌려 갈라 보세요."
         )
     except ValueError as exc:
-        state[message] = f"이 설정으로는 갈라 볼 수 없습니다: {exc}"
+        state[message] = f"이 설정으로는 갈라 볼 수 없습니다: {refusal_ko(exc)} (엔진: {exc})"
 
 
 # -- the form ------------------------------------------------------------------------------------
@@ -278,6 +303,21 @@ def request_deltas(original: EngineCore, branch: EngineCore) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def same_tokens(original: EngineCore, branch: EngineCore) -> tuple[int, int]:
+    """(requests whose output tokens so far agree with the original's, requests in both): the
+    shorter output must be the start of the longer one."""
+    same = total = 0
+    for request in original.all_requests():
+        twin = branch.get_request(request.request_id)
+        if twin is None:
+            continue
+        a, b = request.output_token_ids, twin.output_token_ids
+        n = min(len(a), len(b))
+        total += 1
+        same += a[:n] == b[:n]
+    return same, total
+
+
 def decision_text(record: StepRecord | None) -> str:
     """A step's decision in one line: who got how many tokens, who was preempted."""
     if record is None:
@@ -319,7 +359,7 @@ def differing_steps(original: list[StepRecord], branch: list[StepRecord], since:
     return rows
 
 
-def branch_view(branch: Branch, parent_label: str, engines: dict, views) -> None:
+def branch_view(branch: Branch, parent_label: str, engines: dict, views, texts=None) -> None:
     """One branch against its original: requests, differing decisions, KV use; its own views."""
     original, engine = engines[branch.parent], engines[branch.key]
     ours, theirs = get_records(branch.parent), get_records(branch.key)
@@ -334,6 +374,12 @@ def branch_view(branch: Branch, parent_label: str, engines: dict, views) -> None
             "요청별 TTFT·E2E (엔진 시계, 갈래 − 원래)",
             **conditions_of(engine, 시계="엔진 시계"),
         )
+    same, total = same_tokens(original, engine)
+    if total:
+        st.markdown(
+            f"**출력 토큰이 원래 엔진과 같은 요청: {same}/{total}** (두 엔진이 지금까지 낸 "
+            "토큰끼리 비교. greedy라면 스케줄이 달라도 같아야 합니다)"
+        )
     rows = differing_steps(ours, theirs, branch.step)
     if rows:
         st.markdown(f"**결정이 달라진 스텝 {len(rows)}개** (처음 20개)")
@@ -345,15 +391,18 @@ def branch_view(branch: Branch, parent_label: str, engines: dict, views) -> None
     st.plotly_chart(figures.prebuilt(spec), width="stretch", key=f"{branch.key}_kvcompare")
     with st.expander(f"{branch.label}의 세 가지 보기 (여정 · 스케줄러 · KV)"):
         views(branch.key, engine, theirs)
+    if texts is not None:
+        with st.expander(f"{branch.label}의 스트리밍된 글"):
+            texts(branch.key, engine)
 
 
-def fork_section(ctx, views, feeders: dict) -> None:
+def fork_section(ctx, views, feeders: dict, texts=None) -> None:
     """The fork form, then one comparison per live branch (called by ui/lab.py's lab, with its
     kept workload feeders: a branch's feeder is kept there too)."""
     fork_form(ctx.key, ctx.sides, ctx.engines, feeders)
     labels = {s.key: s.label or "원래 엔진" for s in ctx.sides}
     for branch in ctx.branches:
-        branch_view(branch, labels.get(branch.parent, branch.parent), ctx.engines, views)
+        branch_view(branch, labels.get(branch.parent, branch.parent), ctx.engines, views, texts)
 
 
 # -- branches in a shared link (ui/share.py's `fork` parameter) ----------------------------------

@@ -885,7 +885,7 @@ def lab(
             st.rerun(scope="app")  # the fragment's timer starts, changes or stops
         _counters(ctx)
         _all_views(ctx)
-        fork.fork_section(ctx, views, _feeders())
+        fork.fork_section(ctx, views, _feeders(), stream_texts)
         _exports(ctx)
         _last_step_evidence(ctx)
         _below_views(ctx, chapter_view, show_streams, show_code_panel)
