@@ -53,7 +53,13 @@ def test_trace_on_both_executors_step_by_step(make_engine, monkeypatch, load, bu
     assert before["measured_s"] == measured == after["measured_s"]  # paired by step, all of them
     for sim, real, error in zip(before["simulated_s"], measured, before["error"]):
         assert error == pytest.approx((sim - real) / real)
-    assert after["median_abs_error"] < before["median_abs_error"]
+
+    # the fit minimizes squared relative residuals: that, not the median, must shrink (the median
+    # of a noisy run, e.g. under a loaded suite, may not)
+    def mean_square(errors: list[float]) -> float:
+        return sum(e * e for e in errors) / len(errors)
+
+    assert mean_square(after["error"]) < mean_square(before["error"]), (before, after)
     assert result.conditions["busy"] is busy
     assert result.schedule["steps"]["real"] == len(measured)
     text = format_fidelity(result)

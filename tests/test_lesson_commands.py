@@ -209,8 +209,9 @@ PLAN: dict[str, tuple[str, str]] = {
         NOT_RUN,
         "as the line above, with passive OpenMP threads",
     ),
-    "OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE LLM_LAB_MAX_ENGINES=24 python -m streamlit run "
-    'app.py --server.port "$port" &': (
+    "python -m ui.serve": (NOT_RUN, "what ./run.sh app starts (served above, /_stcore/health)"),
+    "OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE LLM_LAB_MAX_ENGINES=24 python -m ui.serve "
+    '--server.port "$port" &': (
         NOT_RUN,
         "one of three background app processes behind a reverse proxy; the same app starts "
         "here through ./run.sh app",
