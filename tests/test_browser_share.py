@@ -7,50 +7,16 @@ same setup back. The real default model."""
 
 from __future__ import annotations
 
-import subprocess
-import time
-import urllib.request
 from urllib.parse import quote
 
 import pytest
-from _browser import (
-    CHROMIUM_ARGS,
-    IDLE,
-    ROOT,
-    SERVER_FLAGS,
-    SHOTS,
-    VENV_PYTHON,
-    find_chromium,
-    free_port,
-    stop_process,
-)
+from _browser import CHROMIUM_ARGS, IDLE, SHOTS, find_chromium, streamlit_server
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 TIMEOUT_MS = 180_000
 FORK = '[{"from":"ch08_off","at":1,"changes":{"max_num_seqs":1}}]'  # a branch made at step 1
 LINK = "/ch08?preset=" + quote("예산 32") + "&w.ch08_seqs=2&step=3&fork=" + quote(FORK)
-
-
-def start_served_app(log_path, timeout_s: float = 120) -> tuple[subprocess.Popen, str]:
-    """`python -m ui.serve` (streamlit run app.py, ui/serve.py) on 127.0.0.1 and a free port."""
-    port = free_port()
-    cmd = [str(VENV_PYTHON), "-m", "ui.serve", "--server.port", str(port), *SERVER_FLAGS]
-    with open(log_path, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_process(proc)
-            pytest.fail(f"the app did not start:\n{log_path.read_text()[-3000:]}")
-        time.sleep(0.3)
 
 
 def slider_value(page, label: str) -> str | None:
@@ -62,8 +28,9 @@ def test_a_shared_link_opens_at_its_step_in_a_new_browser(tmp_path):
     if chromium is None:
         pytest.skip("no Chromium found ($CHROMIUM, /usr/bin/chromium, chromium)")
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-    proc, url = start_served_app(tmp_path / "streamlit.log")
-    try:
+    # a fresh server (its first session is where the dialog showed), started as run.sh starts it:
+    # python -m ui.serve
+    with streamlit_server(tmp_path / "streamlit.log") as url:
         with sync_api.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
             context = browser.new_context(viewport={"width": 1400, "height": 1000}, locale="ko-KR")
@@ -79,8 +46,6 @@ def test_a_shared_link_opens_at_its_step_in_a_new_browser(tmp_path):
             SHOTS.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(SHOTS / "share_link.png"))
             browser.close()
-    finally:
-        stop_process(proc)
 
 
 def _check_the_scenario(page) -> None:
