@@ -357,3 +357,71 @@ def test_ch14_a_long_prefill_cap_lets_the_short_requests_in(lab_config):
     for rid in shorts:
         assert run.first_token_step(rid) > run.first_token_step(long_name)
         assert run.first_token_step(rid, branch=True) < run.first_token_step(long_name, branch=True)
+
+
+# -- every chapter's scenario: a fork with no changes is the original ------------------------------
+
+
+def _decisions(records: list[StepRecord]) -> list[tuple]:
+    return [
+        (
+            [(s.request_id, s.phase, s.num_tokens, s.num_computed_tokens) for s in r.scheduled],
+            sorted(r.unscheduled.items()),
+            r.preempted,
+            sorted((k, tuple(v)) for k, v in r.new_tokens.items()),
+            r.num_swapped_in_blocks,
+            r.prefix_cache_hits,
+        )
+        for r in records
+    ]
+
+
+def _chapter_scenario(name: str, config_of, tokenizer) -> tuple[EngineCore, Workload]:
+    """A chapter lab's default engine and workload, on the simulator's clock where arrivals come
+    later (a measured clock would admit them at different steps in two runs of the same engine)."""
+    from ui.experiments import ch07, ch09, ch10, ch12
+
+    if name == "ch07 continuous batching, late arrivals":
+        base = config_of(enable_prefix_caching=False)
+        cfg = ch07.batching_config(base, "continuous batching", ch07.DEFAULT_BATCH)
+        return simulated(cfg), ch07.batching_workload(late_ms=40.0)
+    if name == "ch08 chunked prefill, a long prompt arriving":
+        return _ch08_engine(config_of, simulate=True)
+    if name == "ch09 recompute preemption":
+        return EngineCore(ch09.preemption_config(config_of(), ch09.DEFAULT_BLOCKS)), (
+            ch09.burst_workload()
+        )
+    if name == "ch09 swap preemption":
+        cfg = ch09.preemption_config(config_of(), ch09.DEFAULT_BLOCKS, mode="swap")
+        return EngineCore(cfg), ch09.burst_workload()
+    if name == "ch10 prefix caching, shared system prompt":
+        cfg = config_of(**ch10.lab_overrides(True, 64))
+        workload = ch10.prefix_workload(tokenizer, "shared", 4, ch10.DEFAULT_GAP_MS["shared"])
+        return simulated(cfg), workload
+    return simulated(config_of(), "llama-3.1-70b", tensor_parallel_size=8), ch12.lab_workload()
+
+
+SCENARIOS = [
+    "ch07 continuous batching, late arrivals",
+    "ch08 chunked prefill, a long prompt arriving",
+    "ch09 recompute preemption",
+    "ch09 swap preemption",
+    "ch10 prefix caching, shared system prompt",
+    "ch12 eight simulated GPUs",
+]
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_a_fork_with_no_changes_replays_the_chapters_scenario(name, lab_config, tiny_tokenizer):
+    """The lab's own workload, forked at step 3 with nothing changed: the branch makes the
+    original's decisions (tokens, preemptions, swaps, prefix hits) to the end."""
+    engine, workload = _chapter_scenario(name, lab_config, tiny_tokenizer)
+    run = fork_workload(engine, workload, 3)
+    original, branch = run.after_fork(branch=False), run.after_fork(branch=True)
+    assert original and _decisions(branch) == _decisions(original)
+    if "preemption" in name:
+        assert any(r.preempted for r in original)
+    if "swap" in name:
+        assert sum(r.num_swapped_in_blocks for r in original) > 0
+    if "prefix" in name:
+        assert sum(r.prefix_cache_hits for r in original) > 0
