@@ -88,3 +88,21 @@ def test_a_refused_fork_says_why_in_korean(app):
     assert "최대 길이(max_model_len)의 요청 하나도 담지 못할" in warnings, warnings
     assert "cannot hold one request of max_model_len" in warnings
     assert at.session_state["_lab_branches"].get("main", []) == []
+
+
+def test_a_fork_past_the_classroom_cap_is_refused_with_the_figures(app, monkeypatch):
+    """The registry's engine cap counts branches too: past it, the form says so and no branch
+    is kept (the lab goes on)."""
+    from ui.registry import ClassroomFull, SessionRegistry
+
+    def full(self, session_id, key, need_bytes):
+        raise ClassroomFull("engines", 64, 64, 100 << 20, 4096 << 20, 1 << 20, 60.0)
+
+    at = app
+    at.button(key="main_reset").click().run()
+    at.button(key="main_add_preset").click().run()
+    at.button(key="main_step").click().run()
+    monkeypatch.setattr(SessionRegistry, "check_room", full)
+    _fork(at, max_num_batched_tokens=16, num_kv_blocks=64)  # (the last test set 1)
+    assert "교실이 가득 찼습니다" in " ".join(w.value for w in at.warning)
+    assert at.session_state["_lab_branches"].get("main", []) == []

@@ -21,6 +21,7 @@ from engine.core import FORKABLE, EngineCore
 from engine.executor.abstract import ForkNotSupportedError
 from engine.trace import StepRecord
 from ui import figures
+from ui.registry import ClassroomFull
 from ui.session import (
     adopt_engine,
     adopted_engine,
@@ -208,6 +209,8 @@ def _on_fork(lab_key: str, side_keys: list[str], feeders: dict) -> None:
     values = {name: state.get(f"{lab_key}_fork_{name}") for name in FORM_FIELDS}
     try:
         create_branch(lab_key, parent_key, engine, changes_from(engine, values), feeders)
+    except ClassroomFull as exc:
+        state[message] = exc.message_ko().replace("‘다시 시도’", "‘갈라 보기’")
     except ForkNotSupportedError:
         state[message] = (
             "이 엔진은 갈라 볼 수 없습니다: 텐서·파이프라인 병렬 엔진은 KV 캐시를 여러 워커 "
@@ -454,8 +457,10 @@ def open_shared_branches(ctx, text: str, step_all, feeders: dict, limit: int) ->
         engine = ctx.engines[item["from"]]
         try:
             branch = create_branch(ctx.key, item["from"], engine, item["changes"], feeders)
+        except ClassroomFull as exc:
+            notes.append(exc.message_ko().replace(" 잠시 뒤 ‘다시 시도’를 눌러 주세요.", ""))
         except ValueError as exc:  # ForkNotSupportedError included
-            notes.append(f"링크의 갈래를 만들지 못했습니다: {exc}")
+            notes.append(f"링크의 갈래를 만들지 못했습니다: {refusal_ko(exc)} (엔진: {exc})")
             continue
         ctx.engines[branch.key] = adopted_engine(branch.key)
         ctx.feeders[branch.key] = feeders.get(branch.key)

@@ -564,17 +564,15 @@ def get_engine(key: str = "main", **overrides) -> EngineCore:
 def adopt_engine(key: str, engine: EngineCore, parent: str) -> None:
     """Keep an engine made outside get_engine (a fork of `parent`'s engine, ui/fork.py) under
     `key`: admitted by the registry like a built one, with the parent's records and texts so
-    far (its history is the parent's up to the fork)."""
-    from ui.registry import ClassroomFull, get_registry, planned_kv_bytes
+    far (its history is the parent's up to the fork). Raises ui.registry.ClassroomFull past the
+    classroom's caps (the caller says so; nothing is kept)."""
+    from ui.registry import get_registry, planned_kv_bytes
     from ui.simulation import is_simulated
 
     track_session()
     registry, sid = get_registry(), _registry_key()
-    try:
-        registry.check_room(sid, key, 0)
-        registry.admit(sid, key, engine, 0 if is_simulated(engine) else planned_kv_bytes(engine))
-    except ClassroomFull as exc:
-        _classroom_full(exc)
+    registry.check_room(sid, key, 0)
+    registry.admit(sid, key, engine, 0 if is_simulated(engine) else planned_kv_bytes(engine))
     st.session_state[_ENGINES][key] = {
         "signature": ("fork", parent),
         "engine": engine,
