@@ -27,7 +27,7 @@ STEP_TIMEOUT_MS = 180_000
 def url_of(chapter_id: str) -> str:
     from ui.lesson import CHAPTERS
 
-    return next(c.url_path for c in CHAPTERS if c.id == chapter_id)
+    return next(c.address for c in CHAPTERS if c.id == chapter_id)
 
 
 @pytest.fixture(scope="module")

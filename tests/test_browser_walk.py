@@ -55,7 +55,7 @@ app_url, page = chapter_fixtures("walk", TIMEOUT_MS)
 def url_of(chapter_id: str) -> str:
     from ui.lesson import CHAPTERS as ALL
 
-    return next(c.url_path for c in ALL if c.id == chapter_id)
+    return next(c.address for c in ALL if c.id == chapter_id)
 
 
 def wait_idle(pg) -> None:
@@ -75,10 +75,8 @@ def open_chapter(pg, base: str, chapter_id: str) -> None:
     pg.goto(f"{base}/{url_of(chapter_id)}")
     pg.wait_for_selector("[data-testid='stApp']")
     wait_idle(pg)
-    dialogs = pg.locator("[role=dialog]")
-    if dialogs.count() and "Page not found" in dialogs.first.inner_text():
-        pg.keyboard.press("Escape")  # Streamlit's first-load deep-link dialog (ui/lesson.py)
-        pg.wait_for_timeout(300)
+    dialogs = pg.locator("[role=dialog]")  # none since the app runs via ui/serve.py
+    assert dialogs.count() == 0, dialogs.first.inner_text()
     no_exception(pg)
 
 

@@ -63,6 +63,13 @@ class Chapter:
         (ui/serve.py says why; tests/test_browser_share.py checks it)."""
         return f"ch{self.id}"
 
+    @property
+    def address(self) -> str:
+        """The path a link uses: "" for chapter 00, the default page, which Streamlit serves at
+        the root only (its url_path is ignored: /ch00 would answer "Page not found"); else
+        url_path."""
+        return "" if self.id == "00" else self.url_path
+
     def page_file(self) -> Path | None:
         """pages/chNN_*.py if it exists (the chapter is ready), else None (a 준비 중 page)."""
         found = sorted(PAGES_DIR.glob(f"ch{self.id}_*.py"))

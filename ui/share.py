@@ -128,7 +128,8 @@ def link_params(chapter_id: str, lab_key: str | None = None, step: int = 0) -> d
 
 
 def chapter_path(chapter_id: str) -> str:
-    return f"ch{chapter_id}"
+    """The chapter's address in a link ("" for chapter 00, served at the root: ui/lesson.py)."""
+    return "" if chapter_id == "00" else f"ch{chapter_id}"
 
 
 def link_url(chapter_id: str, params: dict[str, str], base: str | None = None) -> str:
