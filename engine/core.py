@@ -32,9 +32,10 @@ from engine.scheduler_output import Phase, ScheduledRequest, SchedulerOutput
 from engine.spec_decode import NgramProposer, SpeculativeConfig
 from engine.tokenizer import Tokenizer
 from engine.trace import ScheduledRecord, StepRecord
+from engine.utils import cdiv
 from engine.worker.model_runner import ModelRunnerOutput
 from engine.worker.quantization import check_quantization
-from engine.worker.worker import Worker, resolve_device, resolve_dtype
+from engine.worker.worker import CacheTooSmallError, Worker, resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -214,12 +215,8 @@ class EngineCore:
         changes.setdefault("num_kv_blocks", self.num_blocks)
         config = dataclasses.replace(self.config, **changes)  # checked in __post_init__
         config.resolve_max_model_len(self.max_model_len, None)  # chunked prefill off: budget
-        needed = -(-self.max_model_len // config.block_size)
-        if config.num_kv_blocks < needed:
-            raise ValueError(
-                f"{config.num_kv_blocks} KV blocks cannot hold one request of max_model_len="
-                f"{self.max_model_len} tokens ({needed} blocks)"
-            )
+        if config.num_kv_blocks < cdiv(self.max_model_len, config.block_size):  # as at start-up
+            raise CacheTooSmallError(config.num_kv_blocks, config.block_size, self.max_model_len)
         return config
 
     def _configure_fork(self, original: "EngineCore", config: EngineConfig) -> None:

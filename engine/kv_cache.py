@@ -434,9 +434,8 @@ class KVCacheManager:
             )
         num_dropped = max(len(pool.blocks) - num_blocks, 0)
         dropped = list(pool.free_queue.values())[:num_dropped]
-        for block in dropped:
+        for block in dropped:  # (_renumber rebuilds the cached-free set from what is left)
             pool._evict(block)
-            pool._unmark_cached_free(block.block_id)
             del pool.free_queue[block.block_id]
         gone = {id(b) for b in dropped}
         kept = [b for b in pool.blocks if id(b) not in gone]

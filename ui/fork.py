@@ -106,6 +106,11 @@ def drop_branches(lab_key: str) -> None:
         reset_engine(branch.key)
 
 
+def setting_value(engine: EngineCore, name: str):
+    """A SETTINGS field's value in this engine (KV blocks as sized, the rest from its config)."""
+    return engine.num_blocks if name == "num_kv_blocks" else getattr(engine.config, name)
+
+
 def spec_of(engine: EngineCore) -> tuple[str, int]:
     """(method or 끔, k) of an engine's speculative decoding."""
     sc = engine.speculative_config
@@ -114,15 +119,13 @@ def spec_of(engine: EngineCore) -> tuple[str, int]:
 
 def changes_from(engine: EngineCore, values: dict) -> dict:
     """The form's values that differ from the engine's settings, as EngineCore.fork takes them."""
-    config = engine.config
-    current = {s.name: getattr(config, s.name) for s in SETTINGS}
-    current["num_kv_blocks"] = engine.num_blocks
+    current = {s.name: setting_value(engine, s.name) for s in SETTINGS}
     changes = {
         k: v for k, v in values.items() if k in current and v is not None and v != current[k]
     }
     method, k = values.get("spec_method") or SPEC_OFF, values.get("spec_k") or 3
     if (method, k) != spec_of(engine) and not (method == SPEC_OFF == spec_of(engine)[0]):
-        base = dict(config.speculative_config or {})
+        base = dict(engine.config.speculative_config or {})
         changes["speculative_config"] = (
             None if method == SPEC_OFF else {**base, "method": method, "num_speculative_tokens": k}
         )
@@ -139,7 +142,7 @@ def describe(changes: dict, engine: EngineCore) -> str:
             before = "끔" if spec_of(engine)[0] == SPEC_OFF else "%s k=%d" % spec_of(engine)
             parts.append(f"추측 디코딩 {before} → {after}")
             continue
-        before = engine.num_blocks if name == "num_kv_blocks" else getattr(engine.config, name)
+        before = setting_value(engine, name)
         parts.append(f"{labels[name]} {_value_ko(before)} → {_value_ko(value)}")
     return ", ".join(parts) or "바꾼 설정 없음 (같은 엔진이 같은 결정을 하는지 확인)"
 
@@ -253,34 +256,29 @@ def fork_form(lab_key: str, sides: list, engines: dict, feeders: dict) -> None:
         )
 
 
-def _setting_inputs(lab_key: str, engine: EngineCore) -> dict:
-    """The form's fields, first shown with the engine's own settings."""
-    config, values = engine.config, {}
+def _setting_inputs(lab_key: str, engine: EngineCore) -> None:
+    """The form's fields (keys f"{lab_key}_fork_{name}", read by _on_fork), first shown with the
+    engine's own settings."""
     left, right = st.columns(2)
     for i, s in enumerate(SETTINGS):
         column = left if i % 2 == 0 else right
         key = f"{lab_key}_fork_{s.name}"
-        current = engine.num_blocks if s.name == "num_kv_blocks" else getattr(config, s.name)
+        current = setting_value(engine, s.name)
         if s.kind == "int":
-            values[s.name] = column.number_input(
-                s.label, s.low, s.high, int(current), key=key, step=1
-            )
+            column.number_input(s.label, s.low, s.high, int(current), key=key, step=1)
         elif s.kind == "bool":
-            values[s.name] = column.toggle(s.label, bool(current), key=key)
+            column.toggle(s.label, bool(current), key=key)
         else:
             table = CHOICES[s.kind]
-            values[s.name] = column.selectbox(
+            column.selectbox(
                 s.label, list(table), list(table).index(current), format_func=table.get, key=key
             )
     method, k = spec_of(engine)
-    values["spec_method"] = left.selectbox(
+    left.selectbox(
         "추측 디코딩", [SPEC_OFF, "ngram"], [SPEC_OFF, "ngram"].index(method),
         key=f"{lab_key}_fork_spec_method",
     )  # fmt: skip
-    values["spec_k"] = right.number_input(
-        "추측 토큰 수 k", 1, 8, int(k), key=f"{lab_key}_fork_spec_k", step=1
-    )
-    return values
+    right.number_input("추측 토큰 수 k", 1, 8, int(k), key=f"{lab_key}_fork_spec_k", step=1)
 
 
 # -- the comparison ------------------------------------------------------------------------------

@@ -102,10 +102,9 @@ class LabContext:
     branches: list = field(default_factory=list)  # forks of its engines (ui/fork.py)
 
     @property
-    def stepped_keys(self) -> list[str]:
-        """Every engine a step advances: the sides, then the branches."""
-        return [s.key for s in self.sides] + [b.key for b in self.branches]
-
+    def stepped(self) -> list[tuple[str, str]]:
+        """(key, label) of every engine a step advances: the sides, then the branches."""
+        return [(s.key, s.label) for s in self.sides] + [(b.key, b.label) for b in self.branches]
     def records(self, side: Side | str) -> list[StepRecord]:
         return get_records(side if isinstance(side, str) else side.key)
 
@@ -145,7 +144,7 @@ def step_once(key: str, engine: EngineCore, feeder: WorkloadFeeder | None) -> St
 def step_all(ctx: LabContext) -> int:
     """One 다음 스텝 for every engine that has work (lockstep). Returns how many stepped."""
     stepped = 0
-    for key in ctx.stepped_keys:
+    for key, _ in ctx.stepped:
         if step_once(key, ctx.engines[key], ctx.feeders.get(key)) is not None:
             stepped += 1
     return stepped
@@ -611,9 +610,8 @@ def _controls(ctx: LabContext) -> None:
 
 
 def _counters(ctx: LabContext) -> None:
-    labels = [s.label for s in ctx.sides] + [b.label for b in ctx.branches]
-    cols = st.columns(len(labels))
-    for col, key, label in zip(cols, ctx.stepped_keys, labels):
+    cols = st.columns(len(ctx.stepped))
+    for col, (key, label) in zip(cols, ctx.stepped):
         engine = ctx.engines[key]
         snap = engine.kv_cache_manager.snapshot()
         feeder = ctx.feeders.get(key)
@@ -951,10 +949,7 @@ def _exports(ctx: LabContext) -> None:
         return
     from ui.export import export_buttons
 
-    labels = [s.label or "엔진" for s in ctx.sides] + [b.label for b in ctx.branches]
-    runs = [
-        (label, ctx.engines[key], get_records(key)) for label, key in zip(labels, ctx.stepped_keys)
-    ]
+    runs = [(label or "엔진", ctx.engines[key], get_records(key)) for key, label in ctx.stepped]
     with st.expander("이 실행 가져가기 — Perfetto 트레이스와 CSV"):
         export_buttons(ctx.key, runs)
 

@@ -36,7 +36,7 @@ import datetime
 import json
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from engine.tools.trace_readers import Scaling, TraceWorkload, build_workload, read_rows
@@ -214,13 +214,7 @@ class Fidelity:
     summary: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {
-            "before": self.before,
-            "after": self.after,
-            "schedule": self.schedule,
-            "conditions": self.conditions,
-            "summary": self.summary,
-        }
+        return asdict(self)
 
 
 def compare(
