@@ -55,19 +55,20 @@ INITIAL_STATS = {
     "spec_decode_num_accepted_tokens": 0,
 }
 
-# What EngineCore.fork may change: the scheduler's and the cache's settings, never the model.
-FORKABLE = (
-    "max_num_batched_tokens",
-    "max_num_seqs",
-    "scheduling_policy",
-    "enable_chunked_prefill",
-    "long_prefill_token_threshold",
-    "preemption_mode",
-    "num_swap_blocks",
-    "enable_prefix_caching",
-    "speculative_config",
-    "num_kv_blocks",
-)
+# What EngineCore.fork may change (the scheduler's and the cache's settings, never the model),
+# and the types each takes.
+FORKABLE: dict[str, tuple[type, ...]] = {
+    "max_num_batched_tokens": (int,),
+    "max_num_seqs": (int,),
+    "scheduling_policy": (str,),
+    "enable_chunked_prefill": (bool,),
+    "long_prefill_token_threshold": (int,),
+    "preemption_mode": (str,),
+    "num_swap_blocks": (int, type(None)),
+    "enable_prefix_caching": (bool,),
+    "speculative_config": (dict, type(None)),
+    "num_kv_blocks": (int,),
+}
 
 
 class EngineCore:
@@ -212,6 +213,11 @@ class EngineCore:
             raise ValueError(
                 f"a fork cannot change {', '.join(unknown)}; it may change {', '.join(FORKABLE)}"
             )
+        for name, value in changes.items():
+            types = FORKABLE[name]
+            # a bool is an int to Python, never a count here
+            if not isinstance(value, types) or isinstance(value, bool) != (bool in types):
+                raise ValueError(f"{name} must be {' or '.join(t.__name__ for t in types)}")
         changes.setdefault("num_kv_blocks", self.num_blocks)
         config = dataclasses.replace(self.config, **changes)  # checked in __post_init__
         config.resolve_max_model_len(self.max_model_len, None)  # chunked prefill off: budget

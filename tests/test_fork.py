@@ -189,3 +189,20 @@ def test_a_simulated_engine_forks_on_its_virtual_clock():
     run(faster, plan, start=6)
     late = faster.get_request("late").metrics(clock="engine")
     assert late.ttft < reference.get_request("late").metrics(clock="engine").ttft
+
+
+def test_a_fork_refuses_settings_of_the_wrong_type():
+    engine = make_simulated_engine(
+        "llama-3.1-8b", "h100-sxm", num_kv_blocks=300, max_model_len=2048
+    )
+    bad = {
+        "max_num_seqs": "8",
+        "num_kv_blocks": 300.5,
+        "max_num_batched_tokens": True,
+        "enable_prefix_caching": "no",
+        "speculative_config": "ngram",
+    }
+    for name, value in bad.items():
+        with pytest.raises(ValueError, match=f"{name} must be"):
+            engine.fork(**{name: value})
+    assert engine.fork(num_swap_blocks=None, enable_prefix_caching=False).num_blocks == 300
