@@ -162,10 +162,16 @@ def test_bad_files(tmp_path):
     empty.write_text("\n")
     seconds = tmp_path / "seconds.csv"
     seconds.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0.5,10,0\n2.5,10,3\n")
+    binary = tmp_path / "upload.jsonl"  # e.g. a compressed file uploaded in the app
+    binary.write_bytes(b'{"timestamp": 0}\n' + bytes(range(128, 256)) * 4)
+    huge = tmp_path / "huge.csv"  # a field past the csv module's limit
+    huge.write_text('TIMESTAMP,ContextTokens,GeneratedTokens\n1,2,"' + "9" * 200_000 + '"\n')
     for path, problem in (
         (header, "GeneratedTokens"),
         (empty, "neither"),
         (tmp_path / "missing.csv", "no such file"),
+        (binary, "not UTF-8 text"),
+        (huge, "not a readable CSV"),
     ):
         with pytest.raises(TraceError, match=problem):
             read_trace(path, VOCAB)

@@ -198,12 +198,17 @@ def read_rows(path: str | Path, fmt: str = "auto", block_size: int = MOONCAKE_BL
     path = Path(path)
     if not path.is_file():
         raise TraceError(path, None, "no such file")
-    fmt = detect_format(path) if fmt == "auto" else fmt
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown trace format {fmt!r}; known: auto, {', '.join(FORMATS)}")
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, got {block_size}")
-    rows = list(_mooncake_rows(path, block_size) if fmt == "mooncake" else _azure_rows(path))
+    try:  # a binary or otherwise unreadable file (an upload in the app) is a bad trace, too
+        fmt = detect_format(path) if fmt == "auto" else fmt
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown trace format {fmt!r}; known: auto, {', '.join(FORMATS)}")
+        rows = list(_mooncake_rows(path, block_size) if fmt == "mooncake" else _azure_rows(path))
+    except UnicodeDecodeError as error:
+        raise TraceError(path, None, f"not UTF-8 text ({error.reason})") from None
+    except csv.Error as error:
+        raise TraceError(path, None, f"not a readable CSV ({error})") from None
     if not rows:
         raise TraceError(path, None, "no requests in the file")
     for row in rows:
