@@ -19,6 +19,10 @@ MAX_LOGPROBS = 20
 MAX_SEED = 2**64 - 1  # vLLM's range; torch.Generator.manual_seed takes any value in [0, 2**64)
 MAX_INT32 = 2**31 - 1  # the bound of every count and token id (they become int32/int64 tensors)
 MAX_STOP_STRINGS = 16
+# Bounds on a structured-output constraint (the grammar engine's own limits bound the rest):
+# a schema, regex or grammar beyond these is refused before any compilation.
+MAX_STRUCTURED_SPEC_CHARS = 64 * 1024
+MAX_CHOICES = 1024
 
 
 class InvalidRequestError(ValueError):
@@ -45,6 +49,76 @@ def _is_number(value) -> bool:
     return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
 
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One constraint on the output's shape (vLLM's StructuredOutputsParams): a JSON schema
+    (`json`, a dict or its text), a `regex`, a `choice` among strings, a Lark / GBNF `grammar`,
+    or any JSON object (`json_object=True`). Exactly one is set. Whether the grammar engine can
+    compile it is checked when the engine takes the request (engine/structured_output/)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON: no whitespace between tokens (vLLM's option)
+
+    @property
+    def kind(self) -> str:
+        """The one constraint set (verify() makes sure there is exactly one)."""
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self):
+        return getattr(self, self.kind)
+
+    def verify(self) -> None:
+        param = "structured_outputs"
+        kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        require(
+            len(kinds) == 1,
+            param,
+            f"structured outputs take exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}; "
+            f"got {', '.join(kinds) or 'none'}",
+        )
+        spec = getattr(self, kinds[0])
+        expected = {"json": (dict, str), "regex": (str,), "choice": (list,), "grammar": (str,)}
+        expected["json_object"] = (bool,)
+        require(
+            isinstance(spec, expected[kinds[0]]) and spec not in ("", []),
+            param,
+            f"structured outputs: {kinds[0]} must be a non-empty "
+            f"{' or '.join(t.__name__ for t in expected[kinds[0]])}",
+        )
+        if kinds[0] == "choice":
+            require(
+                len(spec) <= MAX_CHOICES and all(isinstance(c, str) and c for c in spec),
+                param,
+                f"structured outputs: choice takes at most {MAX_CHOICES} non-empty strings",
+            )
+        require(
+            spec_chars(spec) <= MAX_STRUCTURED_SPEC_CHARS,
+            param,
+            f"structured outputs: the {kinds[0]} has {spec_chars(spec)} characters; at most "
+            f"{MAX_STRUCTURED_SPEC_CHARS} are accepted",
+        )
+
+
+def spec_chars(spec) -> int:
+    """A constraint's size in characters (a schema dict counts as its JSON text)."""
+    import json
+
+    if isinstance(spec, str):
+        return len(spec)
+    try:
+        return len(json.dumps(spec))
+    except (TypeError, ValueError, RecursionError):
+        return MAX_STRUCTURED_SPEC_CHARS + 1  # not JSON text at all: refused as too large
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -61,6 +135,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per generated token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -145,6 +220,14 @@ class SamplingParams:
             "stop_token_ids",
             f"stop_token_ids must be integers in [0, {MAX_INT32}]",
         )
+        require(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            "structured_outputs must be a StructuredOutputsParams",
+        )
+        if self.structured_outputs is not None:
+            self.structured_outputs.verify()
 
 
 def require(ok: bool, param: str, message: str) -> None:
