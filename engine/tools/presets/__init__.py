@@ -6,6 +6,9 @@
 - Hardware presets (`hardware/*.json`) are vendor-reported figures (datasheets), labelled as such,
   with any figure we are not sure of listed under `uncertain`. "This machine" is not a file: its
   figures are measured by the benchmark's ceilings (engine/tools/calibration.py builds it).
+- Link presets (`links/*.json`) are the links a KV transfer between a prefill and a decode
+  instance can cross (NVLink, InfiniBand, PCIe, Ethernet): the vendor's figure as printed, the
+  one-way bandwidth a transfer uses (보고값), and an assumed per-transfer latency.
 
 Chapter 05's memory calculator (ui/hardware_data.py) reads these same files: one copy of every
 number, for the calculator and the simulator alike.
@@ -52,6 +55,12 @@ class ModelPreset:
         embedding = c.vocab_size * h * (1 if c.tie_word_embeddings else 2)
         return embedding + c.num_layers * per_layer + h
 
+    def kv_bytes(self, num_tokens: int, dtype: str = "bfloat16") -> int:
+        """The K/V of `num_tokens` tokens (computed, 계산값): layers × 2 (K and V) × KV heads ×
+        head_dim × dtype bytes × tokens: what a prefill instance hands a decode instance."""
+        c = self.config
+        return c.num_layers * 2 * c.num_kv_heads * c.head_dim * DTYPE_BYTES[dtype] * num_tokens
+
 
 @dataclass
 class HardwarePreset:
@@ -76,6 +85,33 @@ class HardwarePreset:
         )
 
 
+@dataclass(frozen=True)
+class LinkPreset:
+    """A link a KV transfer crosses: the vendor's figure (`reported`, as printed, often both
+    directions together) and the one-way bandwidth a transfer from one GPU to another uses."""
+
+    key: str
+    name: str
+    reported: str
+    one_way_bandwidth: float  # bytes/s, one direction
+    latency_s: float  # per transfer (assumed: see latency_evidence)
+    evidence: str
+    source: str
+    latency_evidence: str
+
+    def transfer_seconds(self, num_bytes: int) -> float:
+        """Computed (계산값): bytes ÷ one-way bandwidth + latency. One transfer alone on the link:
+        no queueing behind other transfers, no protocol overhead beyond the latency."""
+        return num_bytes / self.one_way_bandwidth + self.latency_s
+
+    def describe(self) -> str:
+        return (
+            f"{self.name}: {self.one_way_bandwidth / 1e9:,.1f} GB/s one way "
+            f"({self.evidence}: {self.reported}; {self.source}), "
+            f"+{1e6 * self.latency_s:.0f} µs per transfer ({self.latency_evidence})"
+        )
+
+
 def _names(folder: str) -> list[str]:
     return sorted(p.stem for p in (PRESETS_DIR / folder).glob("*.json"))
 
@@ -86,6 +122,27 @@ def model_preset_names() -> list[str]:
 
 def hardware_preset_names() -> list[str]:
     return _names("hardware") + [THIS_MACHINE]
+
+
+def link_preset_names() -> list[str]:
+    return _names("links")
+
+
+def load_link_preset(key: str) -> LinkPreset:
+    path = PRESETS_DIR / "links" / f"{key.lower()}.json"
+    if not path.is_file():
+        raise PresetError(f"unknown link preset {key!r}; known: {', '.join(link_preset_names())}")
+    raw = json.loads(path.read_text())
+    return LinkPreset(
+        key=path.stem,
+        name=raw["name"],
+        reported=raw["reported"],
+        one_way_bandwidth=raw["one_way_gb_s"] * 1e9,
+        latency_s=raw["latency_us"] * 1e-6,
+        evidence=raw["evidence"],
+        source=raw["source"],
+        latency_evidence=raw["latency_evidence"],
+    )
 
 
 def _first(value):
