@@ -83,6 +83,9 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
     error: str | None = None  # why the engine failed it (status FINISHED_ERROR)
+    # Its grammar state when it has structured outputs (engine/structured_output/grammar.py):
+    # the matcher that advanced with every output token.
+    structured_output_request: object | None = None
     engine_clock: Callable[[], float] | None = field(default=None, repr=False, compare=False)
 
     @property

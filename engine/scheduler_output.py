@@ -54,6 +54,11 @@ class SchedulerOutput:
     # The worker copies them before the forward, outs first: a block swapped out may be reused now.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Structured outputs: per request that samples under a grammar this step, its packed token
+    # bitmask (bit t of the little-endian 32-bit words allows token t); the sampler applies it.
+    grammar_bitmask: dict[str, bytes] = field(default_factory=dict)
+    grammar_num_allowed: dict[str, int] = field(default_factory=dict)  # tokens each mask allows
+    grammar_mask_seconds: float = 0.0  # measured time to compute the masks
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:

@@ -23,6 +23,7 @@ class ScheduledRecord:
     draft_token_ids: list[int] = field(default_factory=list)  # proposed
     num_accepted_tokens: int = 0  # the drafts the model agreed with (a prefix of them)
     bonus_token_id: int | None = None  # the model's own token after them (correction or bonus)
+    num_allowed_tokens: int | None = None  # structured outputs: tokens its grammar mask allowed
 
     @property
     def num_draft_tokens(self) -> int:
@@ -63,6 +64,10 @@ class StepRecord:
     # rank, tp_rank, pp_rank, step_s, compute_s, comm_s, all_reduce_count, all_reduce_bytes,
     # p2p_bytes, control_bytes, round_trip_s. Empty with the in-process executor.
     workers: list[dict] = field(default_factory=list)
+    # Structured outputs: measured seconds to compute this step's grammar masks (inside the
+    # "schedule" timing), and how many requests sampled under a mask.
+    grammar_mask_seconds: float = 0.0
+    num_masked_requests: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float | None:
