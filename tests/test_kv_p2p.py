@@ -1,0 +1,95 @@
+"""Prefill → decode across processes (engine/worker/kv_p2p.py): the K/V crosses a two-rank gloo
+group between two processes on 127.0.0.1, arrives bit for bit, and a killed peer gives a clear
+error within a deadline instead of a hang."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from engine.utils import free_port
+from engine.worker.kv_p2p import KVTransferError, P2pGlooChannel, parse_peer
+
+DEADLINE_S = 30.0
+
+PRODUCER = textwrap.dedent(
+    """
+    import sys, time, torch
+    from engine.worker.kv_p2p import P2pGlooChannel
+    channel = P2pGlooChannel("kv_producer", "127.0.0.1", int(sys.argv[1]), send_timeout_s=20)
+    torch.manual_seed(0)
+    channel.send("req-a", torch.randn(2, 3, 4, 8), 5)
+    channel.send("req-b", torch.randn(4, 16).to(torch.bfloat16), 9)
+    channel.send("req-big", torch.zeros(1024), 1)
+    print("sent", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def expected() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return torch.randn(2, 3, 4, 8), torch.randn(4, 16).to(torch.bfloat16)
+
+
+@pytest.fixture
+def producer_port():
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PRODUCER, str(port)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        yield proc, port
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_kv_crosses_processes_and_a_killed_producer_fails_the_wait(producer_port):
+    proc, port = producer_port
+    consumer = P2pGlooChannel(
+        "kv_consumer", "127.0.0.1", port, connect_timeout_s=DEADLINE_S, buffer_bytes=2048
+    )
+    try:
+        kv_a, kv_b = expected()
+        got_a, tokens_a = consumer.recv("req-a", timeout_s=DEADLINE_S)
+        got_b, tokens_b = consumer.recv("req-b", timeout_s=DEADLINE_S)
+        assert (tokens_a, tokens_b) == (5, 9)
+        assert got_a.dtype == torch.float32 and torch.equal(got_a, kv_a)
+        assert got_b.dtype == torch.bfloat16 and torch.equal(got_b, kv_b)
+        assert proc.stdout.readline().strip() == "sent"
+        with pytest.raises(KVTransferError, match="dropped: 4096 bytes exceed"):
+            consumer.recv("req-big", timeout_s=DEADLINE_S)  # over the 2 KiB buffer
+        with pytest.raises(KVTransferError, match="did not arrive within 0.2 s"):
+            consumer.recv("never-sent", timeout_s=0.2)
+        assert consumer.stats()["connected"]
+        proc.kill()
+        start = time.monotonic()
+        with pytest.raises(KVTransferError, match="KV producer at 127.0.0.1:.* is gone"):
+            consumer.recv("req-c", timeout_s=DEADLINE_S)
+        assert time.monotonic() - start < DEADLINE_S / 2  # the death is seen, not waited out
+        with pytest.raises(KVTransferError, match="is gone"):  # and later calls fail at once
+            consumer.recv("req-d", timeout_s=DEADLINE_S)
+        assert consumer.stats()["error"]
+    finally:
+        consumer.close()
+
+
+def test_a_producer_with_no_consumer_fails_its_send_and_parse_peer_checks():
+    producer = P2pGlooChannel(
+        "kv_producer", "127.0.0.1", free_port(), connect_timeout_s=0.5, send_timeout_s=1
+    )
+    try:
+        with pytest.raises(KVTransferError, match="KV consumer at 127.0.0.1:.*"):
+            producer.send("req", torch.ones(4), 1)
+    finally:
+        producer.close()
+    assert parse_peer("127.0.0.1:5000") == ("127.0.0.1", 5000)
+    for bad in ("localhost", "host:x", "host:0", ":80"):
+        with pytest.raises(ValueError, match="--kv-peer"):
+            parse_peer(bad)
