@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.kv_connector import KVTransferConfig
+
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # the step's token budget
 DEFAULT_MAX_NUM_SEQS = 32  # requests running at once
@@ -84,6 +86,9 @@ class EngineConfig:
     # LLM_ENGINE_ITERATION_TIMEOUT_S, else 60 s). Past it the multi-process executor fails the
     # step and stops its workers; /health answers 503 meanwhile with any executor.
     engine_iteration_timeout_s: float | None = None
+    # vLLM's name: a KV connector (engine/kv_connector.py): prefill → decode between engines, or
+    # a host-memory tier under the prefix cache. None: K/V live only in this engine's cache.
+    kv_transfer_config: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
         """Refuse settings no engine can run with, before anything is loaded (nano-vllm's place

@@ -105,6 +105,9 @@ class BlockPool:
         self.cached_free: set[int] = set()
         self._cached_free_view: tuple[int, ...] | None = ()
         self.enable_caching = enable_caching
+        # Called with (hash, token ids, block id) when a cached block is handed out again (a KV
+        # connector stores it to a host tier before this step's forward overwrites it).
+        self.on_evict: Callable[[int, tuple[int, ...], int], None] | None = None
 
     def cached_free_view(self) -> tuple[int, ...]:
         if self._cached_free_view is None:
@@ -133,6 +136,8 @@ class BlockPool:
         for _ in range(n):
             _, block = self.free_queue.popitem(last=False)
             self._unmark_cached_free(block.block_id)
+            if self.on_evict is not None and block.block_hash is not None:
+                self.on_evict(block.block_hash, block.token_ids, block.block_id)
             self._evict(block)
             block.ref_cnt = 1
             taken.append(block)

@@ -83,6 +83,9 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
     error: str | None = None  # why the engine failed it (status FINISHED_ERROR)
+    # vLLM's name: what a KV connector needs to find this request's K/V elsewhere (a consumer's
+    # {"remote_request_id", "num_tokens"}), or, once finished on a producer, what it saved
+    kv_transfer_params: dict | None = None
     # Its grammar state when it has structured outputs (engine/structured_output/grammar.py):
     # the matcher that advanced with every output token.
     structured_output_request: object | None = None

@@ -34,6 +34,7 @@ from engine.config import (
     DEFAULT_MAX_NUM_SEQS,
 )
 from engine.kv_cache import KVCacheManager
+from engine.kv_connector import KVConnectorBase_V1
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import Phase, ScheduledRequest, SchedulerOutput
 
@@ -208,7 +209,12 @@ def make_policy(name: str) -> SchedulingPolicy:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        kv_connector: KVConnectorBase_V1 | None = None,
+    ):
         if config.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {config.preemption_mode!r}"
@@ -222,6 +228,15 @@ class Scheduler:
         self.finished_since_last_step: list[str] = []
         self.step_index = 0
         self.num_preemptions = 0
+        # A KV connector (engine/kv_connector.py): K/V loaded from outside at admission, saved
+        # for a consumer, evicted prefix blocks stored to a host tier. Finished requests whose
+        # blocks it keeps until a save has run: waiting for the next step, then freed after it.
+        self.kv_connector = kv_connector
+        self._delayed_free: list[Request] = []
+        self._freeing: list[Request] = []
+        if kv_connector is not None:
+            kv_connector.hash_fn = kv_cache_manager.hash_fn
+            kv_cache_manager.block_pool.on_evict = kv_connector.block_evicted
 
     # -- requests in and out -----------------------------------------------------------------
 
@@ -346,16 +361,26 @@ class Scheduler:
         """Move a waiting request to running if its first chunk fits; else return why not."""
         if request.is_swapped_out:
             return self._swap_in(request, plan)
-        computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
-        num_new = plan.budget.fit(request.num_tokens - num_cached)
+        kv = self.kv_cache_manager
+        computed_blocks, num_cached = kv.get_computed_blocks(request)
+        num_external = 0
+        if self.kv_connector is not None:  # K/V beyond the device hits, loaded, not computed
+            num_external = self.kv_connector.get_num_new_matched_tokens(request, num_cached)
+        num_new = plan.budget.fit(request.num_tokens - num_cached - num_external)
         if num_new == 0:
             return REASON_TOKEN_BUDGET
-        if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks) is None:
+        if kv.allocate_slots(request, num_external + num_new, computed_blocks) is None:
             return REASON_NO_KV_BLOCKS
-        self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_cached)
-        request.num_computed_tokens = request.num_cached_tokens = num_cached
+        kv.record_prefix_lookup(request.num_tokens, num_cached)
+        request.num_computed_tokens = num_cached
+        if self.kv_connector is not None:
+            block_ids = kv.block_ids(request.request_id)
+            self.kv_connector.update_state_after_alloc(request, block_ids, num_external)
+        request.num_computed_tokens = request.num_cached_tokens = num_cached + num_external
         self._start_running(request, plan, mode="recompute")
-        plan.add(self._make_scheduled(request, num_new, num_prefix_hit_tokens=num_cached))
+        plan.add(
+            self._make_scheduled(request, num_new, num_cached, num_external_tokens=num_external)
+        )
         return None
 
     def _swap_in(self, request: Request, plan: StepPlan) -> str | None:
@@ -393,7 +418,7 @@ class Scheduler:
                 **drafts,
             )
         finished_ids, self.finished_since_last_step = self.finished_since_last_step, []
-        return SchedulerOutput(
+        output = SchedulerOutput(
             step=plan.step,
             scheduled=list(plan.scheduled.values()),
             unscheduled=plan.unscheduled,
@@ -403,6 +428,10 @@ class Scheduler:
             blocks_to_swap_out=plan.swap_out,
             blocks_to_swap_in=plan.swap_in,
         )
+        if self.kv_connector is not None:
+            output.kv_connector_metadata = self.kv_connector.build_connector_meta(output)
+            self._freeing, self._delayed_free = self._delayed_free, []  # their saves run now
+        return output
 
     def _make_scheduled(
         self,
@@ -410,6 +439,7 @@ class Scheduler:
         num_new: int,
         num_prefix_hit_tokens: int = 0,
         draft_token_ids: list[int] | None = None,
+        num_external_tokens: int = 0,
     ) -> ScheduledRequest:
         """`num_new` of the request's own tokens from its first uncomputed one, then its drafts."""
         drafts = list(draft_token_ids or [])
@@ -433,6 +463,7 @@ class Scheduler:
             num_prefix_hit_tokens=num_prefix_hit_tokens,
             num_recomputed_tokens=max(0, min(end, request.max_computed_tokens) - start),
             draft_token_ids=drafts,
+            num_external_tokens=num_external_tokens,
         )
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
@@ -478,11 +509,14 @@ class Scheduler:
         `on_token(request, token)`: called for each appended token before its stop check (the
         engine detokenizes there); returns the stop string the text now contains, or None.
         Returns the requests that finished in this step."""
+        for request in self._freeing:  # the saves that needed their blocks have run
+            self.kv_cache_manager.free(request)
+        self._freeing = []
         finished = []
         for s in output.scheduled:
             request = self.requests.get(s.request_id)
-            if request is None:  # aborted or failed while the step ran
-                continue
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or failed while the step ran, or its K/V load failed
             request.num_computed_tokens += s.num_tokens
             request.num_recomputed_tokens += s.num_recomputed_tokens
             tokens = new_token_ids.get(s.request_id, [])
@@ -523,10 +557,40 @@ class Scheduler:
         request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
         self.kv_cache_manager.free_rejected_blocks(request)
 
+    def reset_failed_kv_loads(self, request_ids, step: int) -> None:
+        """The worker could not load these requests' external K/V (and ran none of their
+        tokens): back to the head of the queue with nothing computed, to be recomputed; the
+        connector forgets what it offered them."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request not in self.running:
+                continue
+            self.running.remove(request)
+            self.kv_cache_manager.free(request)
+            request.num_computed_tokens = request.num_cached_tokens = 0
+            request.status = RequestStatus.WAITING
+            self.waiting.insert(0, request)
+            self.kv_connector.request_load_failed(request)
+            request.record("kv_load_failed", step)
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         request.finish_reason = status.value
-        self.kv_cache_manager.free(request)
+        if not self._connector_keeps_blocks(request):
+            self.kv_cache_manager.free(request)
         self.policy.on_finish(request)
         self.finished_since_last_step.append(request.request_id)
         del self.requests[request.request_id]
+
+    def _connector_keeps_blocks(self, request: Request) -> bool:
+        """Tell the connector the request finished: it may hand back kv_transfer_params (a
+        producer: where a consumer finds the K/V) and keep the blocks until a save has run."""
+        if self.kv_connector is None:
+            return False
+        block_ids = self.kv_cache_manager.block_ids(request.request_id)
+        delay, params = self.kv_connector.request_finished(request, block_ids)
+        if params is not None:
+            request.kv_transfer_params = params
+        if delay:
+            self._delayed_free.append(request)
+        return delay

@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine.kv_connector import KVConnectorMetadata
 from engine.sampling_params import SamplingParams
 
 
@@ -40,6 +41,8 @@ class ScheduledRequest:
     # They are the last len(draft_token_ids) of token_ids and count in num_tokens; the model
     # runner returns logits for all of them, not only for the last token.
     draft_token_ids: list[int] = field(default_factory=list)
+    # admitted this step with this many tokens loaded by the KV connector (after the prefix hits)
+    num_external_tokens: int = 0
 
 
 @dataclass
@@ -54,6 +57,8 @@ class SchedulerOutput:
     # The worker copies them before the forward, outs first: a block swapped out may be reused now.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # The KV connector's copies for this step (engine/kv_connector.py); None without a connector.
+    kv_connector_metadata: KVConnectorMetadata | None = None
     # Structured outputs: per request that samples under a grammar this step, its packed token
     # bitmask (bit t of the little-endian 32-bit words allows token t); the sampler applies it.
     grammar_bitmask: dict[str, bytes] = field(default_factory=dict)
