@@ -29,6 +29,8 @@ class RequestOutput:
     metrics: RequestMetrics
     logprobs: list[dict] | None = None
     error: str | None = None  # set when the engine failed this request (finish_reason "error")
+    # vLLM's name: once finished on a kv_producer, what a consumer needs to load its K/V
+    kv_transfer_params: dict | None = None
 
 
 def metrics_of(request: Request) -> RequestMetrics:
@@ -130,4 +132,5 @@ class OutputProcessor:
             if request.sampling_params.logprobs is not None
             else None,
             error=request.error,
+            kv_transfer_params=request.kv_transfer_params if finished else None,
         )

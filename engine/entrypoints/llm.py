@@ -177,6 +177,7 @@ class AsyncLLM:
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Validate now (a bad request raises InvalidRequestError here, before any streaming),
         then return a stream yielding a RequestOutput each time the request advances; the last
@@ -196,6 +197,7 @@ class AsyncLLM:
             arrival_time,
             cache_salt=cache_salt,
         )
+        request.kv_transfer_params = kv_transfer_params  # a kv_consumer loads the remote K/V
         return self._stream(request)
 
     async def _stream(self, request) -> AsyncIterator[RequestOutput]:

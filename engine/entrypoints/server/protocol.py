@@ -193,6 +193,18 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class KVTransferParams(BaseModel):
+    """vLLM's kv_transfer_params, as disaggregated prefill uses them (docs/kv_connector.md): a
+    kv_consumer loads the K/V its producer sent under `remote_request_id` (`num_tokens` of the
+    prompt) instead of computing them; a kv_producer answers with the params for its request.
+    A dict of connector-specific keys in vLLM, so other keys (vLLM's NIXL fields such as
+    do_remote_decode) are ignored; they never change the answer, only where the K/V come from."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    remote_request_id: str | None = Field(None, min_length=1, max_length=256)
+    num_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
+
+
 class SamplingFields(_Body):
     """The fields both endpoints share: sampling, stopping, streaming, scheduling."""
 
@@ -231,6 +243,9 @@ class SamplingFields(_Body):
     )
     stream: bool = False
     stream_options: StreamOptions | None = None
+    kv_transfer_params: KVTransferParams | None = Field(
+        None, description="vLLM extension: disaggregated prefill (python -m engine proxy)"
+    )
 
 
 class CompletionRequest(SamplingFields):

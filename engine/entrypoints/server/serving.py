@@ -80,6 +80,7 @@ class GenerationJob:
     cache_salt: str | None
     stream: bool
     include_usage: bool
+    kv_transfer_params: dict | None = None  # a consumer's remote K/V (docs/kv_connector.md)
 
 
 def usage_of(output: RequestOutput) -> dict:
@@ -125,11 +126,15 @@ class ResponseShape:
         raise NotImplementedError
 
     def response(self, final: RequestOutput) -> dict:
+        """vLLM's body; with kv_transfer_params when a kv_producer saved the request's K/V
+        (what a proxy hands to the consumer)."""
+        kv = {"kv_transfer_params": final.kv_transfer_params} if final.kv_transfer_params else {}
         return {
             **self.base,
             "object": self.response_object,
             "choices": [self.final_choice(final)],
             "usage": usage_of(final),
+            **kv,
         }
 
 
@@ -511,6 +516,8 @@ class OpenAIServer:
         arrival: float,
     ) -> GenerationJob:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        kv_params = body.kv_transfer_params
+        kv = kv_params.model_dump(exclude_none=True) if kv_params is not None else {}
         return GenerationJob(
             f"{prefix}-{uuid.uuid4().hex}",
             prompt,
@@ -521,6 +528,7 @@ class OpenAIServer:
             body.cache_salt,
             body.stream,
             include_usage,
+            kv or None,
         )
 
     async def respond(
@@ -549,6 +557,7 @@ class OpenAIServer:
                 priority=job.priority,
                 arrival_time=job.arrival_time,
                 cache_salt=job.cache_salt,
+                kv_transfer_params=job.kv_transfer_params,
             )
         except InvalidRequestError as exc:
             raise bad_request(str(exc), exc.param) from None
