@@ -30,6 +30,7 @@ from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.scheduler_output import Phase, ScheduledRequest, SchedulerOutput
 from engine.spec_decode import NgramProposer, SpeculativeConfig
+from engine.structured_output import StructuredOutputManager
 from engine.tokenizer import Tokenizer
 from engine.trace import ScheduledRecord, StepRecord
 from engine.utils import cdiv
@@ -97,6 +98,11 @@ class EngineCore:
         )
         self.scheduler = Scheduler(self._scheduler_config(config), self.kv_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.structured_output_manager = StructuredOutputManager(
+            self.model_dir / "tokenizer.json" if self.model_dir else None,
+            self.model_config.vocab_size,
+            self.tokenizer.eos_token_id,
+        )
         self.finished_requests: OrderedDict[str, Request] = OrderedDict()
         self.live_requests: dict[str, Request] = {}
         # False: no RequestOutput and no streamed text per step (a simulator, which reads only
@@ -345,6 +351,9 @@ class EngineCore:
             arrival_time=arrival,
             engine_clock=self.clock.now,
         )
+        if params.structured_outputs is not None:  # compiled once, cached (the server did it)
+            grammar = self.structured_output_manager.make_request(params.structured_outputs)
+            request.structured_output_request = grammar
         event = request.record("arrival")
         event.time = arrival
         if engine_arrival_time is not None:
@@ -566,9 +575,12 @@ class EngineCore:
 
     def _propose_drafts(self) -> None:
         """Speculative decoding: draft the next tokens of every running request about to decode
-        (the scheduler decides next step how many of them fit)."""
+        (the scheduler decides next step how many of them fit). Not for a request with structured
+        outputs: each draft position would need its own mask, computed from the grammar state
+        after the drafts before it, and this engine verifies drafts without masks."""
         for request in self.scheduler.running:
             decoding = request.num_tokens - request.num_computed_tokens == 1
+            decoding = decoding and request.structured_output_request is None
             drafts = self.proposer.propose(request.all_token_ids) if decoding else []
             request.spec_token_ids = drafts
 
@@ -609,6 +621,8 @@ class EngineCore:
         self.stats["swapped_in_blocks"] += len(scheduler_output.blocks_to_swap_in)
         self.stats["swap_seconds"] += runner_output.timings.get("swap", 0.0)
         scheduled = [self._scheduled_record(s, runner_output) for s in scheduler_output.scheduled]
+        for record in scheduled:
+            record.num_allowed_tokens = scheduler_output.grammar_num_allowed.get(record.request_id)
         self._count_speculation(scheduled)
         finished = {o.request_id: o.finish_reason for o in outputs if o.finished}
         kv = self.kv_cache_manager.snapshot()
@@ -644,6 +658,8 @@ class EngineCore:
             prefix_cache_queries=kv.prefix_cache_queries - queries,
             prefix_cache_hits=kv.prefix_cache_hits - hits,
             workers=runner_output.workers,
+            grammar_mask_seconds=scheduler_output.grammar_mask_seconds,
+            num_masked_requests=len(scheduler_output.grammar_bitmask),
         )
 
     def _scheduled_record(

@@ -37,6 +37,7 @@ from engine.kv_cache import KVCacheManager
 from engine.kv_connector import KVConnectorBase_V1
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import Phase, ScheduledRequest, SchedulerOutput
+from engine.structured_output import grammar_bitmask
 
 # Why a request got no tokens this step (shown in the app's decision table).
 REASON_TOKEN_BUDGET = "token_budget"
@@ -418,6 +419,7 @@ class Scheduler:
                 **drafts,
             )
         finished_ids, self.finished_since_last_step = self.finished_since_last_step, []
+        masks = self._grammar_bitmask(plan)
         output = SchedulerOutput(
             step=plan.step,
             scheduled=list(plan.scheduled.values()),
@@ -427,11 +429,24 @@ class Scheduler:
             finished_ids=finished_ids,
             blocks_to_swap_out=plan.swap_out,
             blocks_to_swap_in=plan.swap_in,
+            grammar_bitmask=masks.masks,
+            grammar_num_allowed=masks.num_allowed,
+            grammar_mask_seconds=masks.seconds,
         )
         if self.kv_connector is not None:
             output.kv_connector_metadata = self.kv_connector.build_connector_meta(output)
             self._freeing, self._delayed_free = self._delayed_free, []  # their saves run now
         return output
+
+    def _grammar_bitmask(self, plan: StepPlan):
+        """Structured outputs: the token mask of each request that samples under a grammar now
+        (its matcher holds exactly its output tokens, also after a recompute preemption)."""
+        grammars = {}
+        for s in plan.scheduled.values():
+            grammar = self.requests[s.request_id].structured_output_request
+            if s.produces_token and grammar is not None:
+                grammars[s.request_id] = grammar
+        return grammar_bitmask(grammars)
 
     def _make_scheduled(
         self,
@@ -543,10 +558,25 @@ class Scheduler:
         for token in token_ids:
             request.output_token_ids.append(token)
             stop_string = on_token(request, token) if on_token is not None else None
-            status = check_stop(request, self.config.max_model_len, stop_string)
+            status = self._advance_grammar(request, token) or check_stop(
+                request, self.config.max_model_len, stop_string
+            )
             if status is not None:
                 return status
         return None
+
+    @staticmethod
+    def _advance_grammar(request: Request, token: int) -> RequestStatus | None:
+        """Structured outputs: the grammar accepts the token; a grammar that has ended (it
+        accepted EOS after a complete output) finishes the request with "stop". A token the
+        grammar refuses (none should pass the mask) fails the request, never the step."""
+        grammar = request.structured_output_request
+        if grammar is None:
+            return None
+        if not grammar.accept_token(token):
+            request.error = f"structured outputs: the grammar refused token {token}"
+            return RequestStatus.FINISHED_ERROR
+        return RequestStatus.FINISHED_STOPPED if grammar.is_terminated else None
 
     def _keep_accepted(self, request: Request) -> None:
         """Roll a speculating request back to what was accepted. The forward wrote K/V for its

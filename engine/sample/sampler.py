@@ -37,9 +37,17 @@ class Sampler:
         self.generators.pop(request_id, None)
 
     def __call__(
-        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+        self,
+        logits: torch.Tensor,
+        request_ids: list[str],
+        params: list[SamplingParams],
+        bitmasks: list[bytes | None] | None = None,
     ) -> list[SampleResult]:
-        """logits: [num_reqs, vocab] float32, one row per request that produces a token."""
+        """logits: [num_reqs, vocab] float32, one row per request that produces a token.
+        `bitmasks`: per row its grammar's token mask (structured outputs) or None; applied first,
+        so greedy, temperature, top-k/top-p/min-p and logprobs all see only allowed tokens."""
+        if bitmasks is not None:
+            logits = apply_grammar_bitmask(logits, bitmasks)
         results = []
         greedy_ids = logits.argmax(dim=-1).tolist()
         want_logprobs = any(p.logprobs is not None for p in params)
@@ -92,6 +100,25 @@ class Sampler:
         if p.min_p > 0.0:  # drop tokens less likely than min_p × the most likely one
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         return probs / probs.sum()
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, bitmasks: list[bytes | None]) -> torch.Tensor:
+    """The logits with every token a row's grammar forbids at -inf (rows without a mask are
+    untouched; the caller's tensor is not changed). A mask is packed: bit t of the little-endian
+    32-bit words allows token t, so byte i holds tokens 8i..8i+7, lowest bit first."""
+    rows = [i for i, mask in enumerate(bitmasks) if mask is not None]
+    if not rows:
+        return logits
+    vocab = logits.shape[-1]
+    packed = torch.frombuffer(bytearray(b"".join(bitmasks[i] for i in rows)), dtype=torch.uint8)
+    bits = (packed.view(len(rows), -1, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
+    allowed = bits.view(len(rows), -1)[:, :vocab].bool()
+    if allowed.shape[1] < vocab:  # tokens past the grammar's vocabulary are never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    index = torch.tensor(rows, device=logits.device)
+    masked = logits.clone()
+    masked[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+    return masked
 
 
 def is_distribution(probs: torch.Tensor) -> bool:

@@ -157,7 +157,7 @@ class ModelRunner:
         # No logits on a rank that does not sample (tensor / pipeline parallel peers).
         sampled, failed = {}, {}
         if logits is not None:
-            sampled, failed = self.sample_and_verify(logits, producing)
+            sampled, failed = self.sample_and_verify(logits, producing, sched.grammar_bitmask)
         t3 = time.perf_counter()
         timings = {
             "prepare_inputs": t1 - t0,
@@ -168,10 +168,14 @@ class ModelRunner:
         return ModelRunnerOutput(sampled, timings, failed)
 
     def sample_and_verify(
-        self, logits: torch.Tensor, producing: list[ScheduledRequest]
+        self,
+        logits: torch.Tensor,
+        producing: list[ScheduledRequest],
+        grammar_bitmask: dict[str, bytes] | None = None,
     ) -> tuple[dict[str, list[SampleResult]], dict[str, str]]:
         """Split the logits rows (1 per plain request, 1 + d per speculating one, in order):
-        plain requests are sampled together, speculating ones verified one by one."""
+        plain requests are sampled together (under their grammar masks, if any), speculating ones
+        verified one by one (a request with a grammar never speculates: EngineCore drafts none)."""
         plain_rows, plain, row = [], [], 0
         speculating: list[tuple[ScheduledRequest, torch.Tensor]] = []
         for s in producing:
@@ -183,7 +187,7 @@ class ModelRunner:
                 plain.append(s)
             row += num_rows
         plain_logits = logits if not speculating else logits[plain_rows]
-        results, failed = self.sample(plain_logits, plain) if plain else ({}, {})
+        results, failed = self.sample(plain_logits, plain, grammar_bitmask) if plain else ({}, {})
         sampled = {request_id: [result] for request_id, result in results.items()}
         for s, rows in speculating:
             try:
@@ -197,18 +201,22 @@ class ModelRunner:
         return sampled, failed
 
     def sample(
-        self, logits: torch.Tensor, producing: list
+        self, logits: torch.Tensor, producing: list, grammar_bitmask: dict[str, bytes] | None = None
     ) -> tuple[dict[str, SampleResult], dict[str, str]]:
         """Sample the whole batch at once; if that fails, row by row, so only the bad request
         fails."""
         ids, params = [s.request_id for s in producing], [s.sampling_params for s in producing]
+        masks = [grammar_bitmask.get(i) for i in ids] if grammar_bitmask else None
         try:
-            return dict(zip(ids, self.sampler(logits, ids, params))), {}
+            return dict(zip(ids, self.sampler(logits, ids, params, masks))), {}
         except Exception:  # noqa: BLE001 — find the row that fails, keep the others
             sampled, failed = {}, {}
             for row, (request_id, p) in enumerate(zip(ids, params)):
+                mask = None if masks is None else [masks[row]]
                 try:
-                    sampled[request_id] = self.sampler(logits[row : row + 1], [request_id], [p])[0]
+                    sampled[request_id] = self.sampler(
+                        logits[row : row + 1], [request_id], [p], mask
+                    )[0]
                 except Exception as error:  # noqa: BLE001
                     logger.exception("request %s: sampling failed", request_id)
                     failed[request_id] = f"sampling failed ({type(error).__name__})"
