@@ -135,6 +135,16 @@ PRESETS: dict[str, dict[str, tuple[str, dict[str, str]]]] = {
         ),
         "큰 예산": ("토큰 예산 256: 한 스텝에 다 들어갈 때", _w(ch14_budget=256)),
     },
+    "15": {
+        "짧은 프롬프트, 느린 링크": (
+            "128토큰의 K/V를 25 Gb/s 이더넷으로: 전송이 이득을 삼키는 쪽",
+            _w(ch15_bytes_tokens=128, ch15_bytes_link="eth25"),
+        ),
+        "긴 프롬프트, NVLink": (
+            "8,192토큰의 K/V를 NVLink로: 바이트는 크지만 시간은 짧은 쪽",
+            _w(ch15_bytes_tokens=8192, ch15_bytes_link="nvlink"),
+        ),
+    },
 }
 
 

@@ -1,0 +1,39 @@
+"""Chapter 15 (prefill/decode disaggregation, the host KV tier): the page under Streamlit's
+AppTest on the tiny model, and the experiment functions of ui/experiments/ch15.py: the K/V bytes
+of a request from the model config, the time over each link preset."""
+
+from __future__ import annotations
+
+import pytest
+from _apptest import app_fixture
+
+from engine.tools.presets import load_link_preset
+from ui.experiments import ch15
+
+PAGE = "pages/ch15_disaggregation.py"
+
+
+def test_kv_bytes_follow_the_formula_and_links_divide_them():
+    kv = ch15.KVBytes(num_layers=24, num_kv_heads=4, head_dim=64, dtype_bytes=2, tokens=100)
+    assert kv.per_token == 24 * 2 * 4 * 64 * 2 == 24_576
+    assert kv.total == 2_457_600  # the quiz's number
+    assert f"{kv.total:,}" in kv.formula()
+    rows = ch15.link_rows(kv.total)
+    times = list(rows["예상 전송 시간 (ms, 계산값)"])
+    assert times == sorted(times), "fastest link first"
+    nvlink = load_link_preset("nvlink")
+    assert times[0] == pytest.approx(1e3 * nvlink.transfer_seconds(kv.total), abs=1e-3)
+
+
+app = app_fixture()
+
+
+def test_page_runs_and_shows_bytes_with_their_evidence(app):
+    app.switch_page(PAGE)
+    app.run()
+    assert not app.exception, [e.value for e in app.exception]
+    app.slider(key="ch15_bytes_tokens").set_value(400).run()
+    assert not app.exception, [e.value for e in app.exception]
+    text = " ".join(m.value for m in app.markdown)
+    assert "계산값" in text and "제조사 문서" in text
+    assert sum(1 for m in app.markdown if m.value.startswith("**문제 ")) >= 3
