@@ -310,13 +310,12 @@ def _trace_workload(args: argparse.Namespace, engine_config: dict):
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    import json
-
     from engine.tools import presets, simulator
 
     if args.list:
         print("model presets:    " + ", ".join(presets.model_preset_names()))
         print("hardware presets: " + ", ".join(presets.hardware_preset_names()))
+        print("link presets:     " + ", ".join(presets.link_preset_names()))
         return 0
     if args.calibrate:
         from engine.tools.calibration import calibrate
@@ -334,6 +333,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if v is not None
     }
     trace = _trace_workload(args, engine_config) if args.trace_file else None
+    if args.disaggregate or args.pd_sweep:
+        from engine.tools.disagg_sim import run_cli
+
+        data = run_cli(args, engine_config, trace.requests if trace else None)
+        return _write_json(args.json, data)
     result = simulator.simulate(
         args.model_preset,
         args.hardware,
@@ -357,18 +361,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         text = text.replace("all at once", "arrivals from the trace", 1)
         text += "\n" + describe(trace)
     print(text)
-    if args.json:
-        data = {
-            "summary": result.summary,
-            "conditions": result.conditions,
-            "requests": [m.as_dict() for m in result.metrics],
-        }
-        with open(args.json, "w") as f:
-            json.dump(data, f, indent=2, ensure_ascii=False)
-        print(f"results written to {args.json}")
     if args.trace:
         write_run_trace(args.trace, "simulate", result.records, result.requests)
-    return 0
+    data = {"summary": result.summary, "conditions": result.conditions}
+    return _write_json(args.json, {**data, "requests": [m.as_dict() for m in result.metrics]})
 
 
 SPEC_HELP = (
@@ -637,6 +633,26 @@ def add_trace_file_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-output-len", type=int, default=None, help="cut longer outputs (counted)")
 
 
+def add_disaggregate_args(p: argparse.ArgumentParser) -> None:
+    """Disaggregated prefill/decode (engine/tools/disagg_sim.py): a split against colocated, or
+    every split of N GPUs, with goodput under the SLOs."""
+    p.add_argument("--disaggregate", metavar="P:D", help="P prefill + D decode GPUs vs colocated")
+    p.add_argument("--pd-sweep", type=int, metavar="N", help="every split P:D of N GPUs")
+    p.add_argument("--link", default="nvlink", help="KV transfer link preset (see --list)")
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput's TTFT target")
+    p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="goodput's TPOT target")
+
+
+def _write_json(path: str | None, data: dict) -> int:
+    import json
+
+    if path:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=2, ensure_ascii=False)
+        print(f"results written to {path}")
+    return 0
+
+
 def add_simulate_parser(sub) -> None:
     """`python -m engine simulate` and its flags."""
     p = sub.add_parser(
@@ -703,6 +719,7 @@ def add_simulate_parser(sub) -> None:
         help="also write the summary, conditions and per-request metrics here",
     )
     add_trace_arg(p, "the simulated run (every step and request)")
+    add_disaggregate_args(p)
     p.add_argument("--list", action="store_true", help="list the presets and exit")
     p.add_argument(
         "--calibrate", action="store_true", help="re-fit this machine's calibration first"
