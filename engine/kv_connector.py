@@ -363,6 +363,9 @@ def tier_key(block_hash: int) -> str:
 # the scheduler side it uses, and its worker side in engine/worker/kv_connector.py.
 KV_CONNECTORS: dict[str, type[KVConnectorBase_V1]] = {
     "InProcessConnector": InProcessConnector,
+    # prefill → decode across processes: the same plan, the K/V over torch.distributed
+    # (engine/worker/kv_p2p.py)
+    "P2pGlooConnector": InProcessConnector,
     "OffloadingConnector": OffloadingConnector,
 }
 
