@@ -158,5 +158,11 @@ def test_cli_disaggregate_and_pd_sweep(tmp_path):
     assert len(data["requests"]["split"]) == 6
     rc, out = run_cli("--pd-sweep", "2", "--slo-ttft-ms", "500", "--slo-tpot-ms", "30", *small)
     assert rc == 0 and "best split for this workload and SLO: 1:1" in out
+    trace = ["--trace-file", "tests/data/mooncake_sample.jsonl", "--max-requests", "4"]
+    rc, out = run_cli("--disaggregate", "1:2", *trace, "--json", str(tmp_path / "t.json"))
+    assert rc == 0 and "trace: tests/data/mooncake_sample.jsonl" in out
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert data["conditions"]["workload"]["trace_format"] == "mooncake"
+    assert len(data["requests"]["colocated"]) == 4
     rc, out = run_cli("--list")
     assert "link presets:" in out and "nvlink" in out

@@ -15,6 +15,7 @@ from engine.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
 )
+from engine.entrypoints.disagg_cli import add_kv_transfer_args, add_proxy_parser, kv_transfer_config
 
 # engine.entrypoints.server.app.API_KEY_ENV, spelled out: importing the server here would load
 # torch for --help.
@@ -114,7 +115,7 @@ def engine_config(args: argparse.Namespace):
     from engine.config import EngineConfig
 
     given = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
-    return EngineConfig(**given)
+    return EngineConfig(**given, kv_transfer_config=kv_transfer_config(args))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -336,7 +337,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.disaggregate or args.pd_sweep:
         from engine.tools.disagg_sim import run_cli
 
-        data = run_cli(args, engine_config, trace.requests if trace else None)
+        data = run_cli(args, engine_config, trace)
         return _write_json(args.json, data)
     result = simulator.simulate(
         args.model_preset,
@@ -478,6 +479,7 @@ def add_serve_parser(sub) -> None:
     add_quantization_args(p)
     add_parallel_args(p)
     add_iteration_timeout_arg(p)
+    add_kv_transfer_args(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -774,6 +776,7 @@ COMMANDS = (
     add_simulate_parser,
     add_quality_parser,
     add_selfcheck_parser,
+    add_proxy_parser,
 )
 
 

@@ -643,9 +643,19 @@ FOOTNOTE = (
 )
 
 
-def run_cli(args, engine_config: dict, workload: list[SimRequest] | None) -> dict:
-    """`python -m engine simulate --disaggregate P:D` or `--pd-sweep N` (argparse's args):
-    prints the table and returns the JSON-ready data."""
+def run_cli(args, engine_config: dict, trace=None) -> dict:
+    """`python -m engine simulate --disaggregate P:D` or `--pd-sweep N` (argparse's args; `trace`
+    a trace_readers.Trace for --trace-file): prints the table and returns the JSON-ready data."""
+    data = _run_cli(args, engine_config, trace.requests if trace else None)
+    if trace is not None:
+        from engine.tools.trace_readers import describe
+
+        data["conditions"]["workload"].update(trace.conditions)
+        print(describe(trace))
+    return data
+
+
+def _run_cli(args, engine_config: dict, workload: list[SimRequest] | None) -> dict:
     slo = SLO(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
     common = dict(
         slo=slo,
