@@ -93,3 +93,47 @@ def test_a_producer_with_no_consumer_fails_its_send_and_parse_peer_checks():
     for bad in ("localhost", "host:x", "host:0", ":80"):
         with pytest.raises(ValueError, match="--kv-peer"):
             parse_peer(bad)
+
+
+def test_the_proxy_names_an_unreachable_or_wrong_upstream_and_serve_checks_its_kv_flags():
+    """OpenAI-shaped 502s naming the server, never a hang; --kv-role and --kv-peer together."""
+    import httpx
+
+    from engine.entrypoints.cli import build_parser, engine_config
+    from engine.entrypoints.disagg_proxy import build_proxy_app
+    from engine.entrypoints.server.app import start_server_in_thread
+
+    closed = f"http://127.0.0.1:{free_port()}"
+    not_a_producer = start_server_in_thread(_plain_upstream())
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
+    try:
+        for prefill, code in ((closed, "upstream_unreachable"), (not_a_producer.url, "not_a_kv")):
+            with start_server_in_thread(build_proxy_app(prefill, closed)) as proxy:
+                reply = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=30)
+                assert reply.status_code == 502
+                error = reply.json()["error"]
+                assert error["code"].startswith(code) and prefill in error["message"]
+                assert httpx.get(f"{proxy.url}/health", timeout=30).status_code == 503
+    finally:
+        not_a_producer.stop()
+    serve = ["serve", "--kv-role", "kv_consumer"]
+    with pytest.raises(ValueError, match="--kv-role and --kv-peer go together"):
+        engine_config(build_parser().parse_args(serve))
+    args = build_parser().parse_args(serve + ["--kv-peer", "127.0.0.1:29999"])
+    config = engine_config(args).kv_transfer_config
+    assert (config.kv_connector, config.kv_role) == ("P2pGlooConnector", "kv_consumer")
+    assert config.kv_connector_extra_config == {"kv_peer": "127.0.0.1:29999"}
+    assert engine_config(build_parser().parse_args(["serve"])).kv_transfer_config is None
+
+
+def _plain_upstream():
+    """A server that answers completions without kv_transfer_params (not a kv_producer)."""
+    from fastapi import FastAPI
+
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions() -> dict:
+        return {"choices": [{"text": "x"}]}
+
+    return app
