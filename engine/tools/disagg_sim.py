@@ -35,8 +35,10 @@ from engine.tools.presets import LinkPreset, ModelPreset, load_link_preset, load
 from engine.tools.simulator import _resolve, make_simulated_engine
 from engine.tools.workload import SimRequest, percentiles, poisson_workload
 
-DEFAULT_SLO_TTFT_S = 2.0  # assumed targets for a chat service (DistServe's chatbot SLOs are of
-DEFAULT_SLO_TPOT_S = 0.1  # this order); pass your own
+# Assumed targets for a chat service, not from a source (DistServe sets its own per model and
+# application); pass your own.
+DEFAULT_SLO_TTFT_S = 2.0
+DEFAULT_SLO_TPOT_S = 0.1
 
 
 @dataclass(frozen=True)
