@@ -574,7 +574,8 @@ class Scheduler:
         if grammar is None:
             return None
         if not grammar.accept_token(token):
-            request.error = f"structured outputs: the grammar refused token {token}"
+            why = grammar.error or f"the grammar refused token {token}"
+            request.error = f"structured outputs: {why}"
             return RequestStatus.FINISHED_ERROR
         return RequestStatus.FINISHED_STOPPED if grammar.is_terminated else None
 

@@ -68,7 +68,7 @@ class StructuredOutputRequest:
 
     @property
     def error(self) -> str | None:
-        return self.matcher.get_error() if self.matcher.is_error() else None
+        return self.matcher.get_error().strip() if self.matcher.is_error() else None
 
 
 def bitmask_allowed_count(mask: bytes) -> int:

@@ -17,7 +17,7 @@ PARAM = "structured_outputs"
 DEFAULT_CACHE_SIZE = 128  # compiled grammars kept (LRU)
 # llguidance's own bounds on one grammar (its defaults are 1,000,000 fuel and 500,000 symbols):
 # a hostile schema or regex fails compilation quickly instead of running for seconds.
-INITIAL_LEXER_FUEL = 1_000_000  # about 20 ms of regex analysis
+INITIAL_LEXER_FUEL = 200_000  # about 4 ms of regex analysis
 MAX_GRAMMAR_SIZE = 200_000  # symbols in the grammar's productions
 
 
@@ -102,6 +102,9 @@ class StructuredOutputManager:
             verbose_errors=False,
         )
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
+        # llguidance builds its lexer lazily: the first mask is where a hostile regex runs out of
+        # its limits. Computed here (off the engine's step), it fails the compilation instead.
+        matcher.compute_bitmask()
         if matcher.is_error():
             raise InvalidRequestError(
                 f"structured outputs: the {params.kind} cannot be compiled: "
