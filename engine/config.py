@@ -106,6 +106,12 @@ class EngineConfig:
         self.engine_iteration_timeout_s = engine_iteration_timeout_s(
             self.engine_iteration_timeout_s
         )
+        parallel = (self.tensor_parallel_size, self.pipeline_parallel_size) != (1, 1)
+        if self.kv_transfer_config is not None and parallel:
+            raise ValueError(
+                "a KV connector (kv_transfer_config) runs with one worker only; supported: "
+                "tensor_parallel_size=1 and pipeline_parallel_size=1"
+            )
         if self.quantization and (self.tensor_parallel_size, self.pipeline_parallel_size) != (1, 1):
             raise ValueError(
                 f"quantization {self.quantization!r} runs with one worker only; "

@@ -19,9 +19,10 @@ from collections import OrderedDict
 from engine.artifact import resolve_model_path
 from engine.clock import EngineClock
 from engine.config import EngineConfig
-from engine.executor.abstract import Executor, ExecutorDiedError
+from engine.executor.abstract import Executor, ExecutorDiedError, ForkNotSupportedError
 from engine.executor.uniproc import UniProcExecutor
 from engine.kv_cache import KVCacheManager
+from engine.kv_connector import KVConnectorBase_V1, make_kv_connector
 from engine.models.config import LlamaConfig
 from engine.output import OutputProcessor, RequestOutput
 from engine.request import Request, RequestStatus
@@ -54,6 +55,14 @@ INITIAL_STATS = {
     "spec_decode_num_drafts": 0,
     "spec_decode_num_draft_tokens": 0,
     "spec_decode_num_accepted_tokens": 0,
+    # KV connector (engine/kv_connector.py): blocks copied in by loads, out by saves, to the
+    # host tier by stores; their bytes and measured seconds; loads that failed (recomputed)
+    "kv_load_blocks": 0,
+    "kv_save_blocks": 0,
+    "kv_store_blocks": 0,
+    "kv_transfer_bytes": 0,
+    "kv_transfer_seconds": 0.0,
+    "kv_failed_loads": 0,
 }
 
 # What EngineCore.fork may change (the scheduler's and the cache's settings, never the model),
@@ -87,6 +96,7 @@ class EngineCore:
         self._load_model(config, model_config, tokenizer)
         self.speculative_config = SpeculativeConfig.from_value(config.speculative_config)
         self.proposer = self._make_proposer(self.speculative_config)
+        self.kv_connector = self._make_kv_connector(config)
         self.executor = self._make_executor(config) if executor is None else executor
         self.num_blocks = self._initialize_kv_cache(config)
         self.cuda_graphs = self._configure_cuda_graphs()
@@ -96,7 +106,9 @@ class EngineCore:
             config.enable_prefix_caching,
             num_swap_blocks=self.executor.num_swap_blocks,
         )
-        self.scheduler = Scheduler(self._scheduler_config(config), self.kv_cache_manager)
+        self.scheduler = Scheduler(
+            self._scheduler_config(config), self.kv_cache_manager, self.kv_connector
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured_output_manager = StructuredOutputManager(
             self.model_dir / "tokenizer.json" if self.model_dir else None,
@@ -144,6 +156,15 @@ class EngineCore:
         sc = speculative_config
         return NgramProposer(sc.num_speculative_tokens, sc.prompt_lookup_max, sc.prompt_lookup_min)
 
+    def _make_kv_connector(self, config: EngineConfig) -> KVConnectorBase_V1 | None:
+        """The KV connector's scheduler side (the worker builds its worker side), or None."""
+        if config.kv_transfer_config is None:
+            return None
+        element_bytes = self.dtype.itemsize
+        bytes_per_block = self.model_config.kv_elements_per_token * element_bytes
+        bytes_per_block *= config.block_size
+        return make_kv_connector(config.kv_transfer_config, config.block_size, bytes_per_block)
+
     def _initialize_kv_cache(self, config: EngineConfig) -> int:
         """Size the KV cache (and the swap space) on the executor's workers; the block count."""
         return self.executor.initialize(
@@ -186,6 +207,7 @@ class EngineCore:
                 config.kernels,
                 quantization=config.quantization,
                 quantization_group_size=config.quantization_group_size,
+                kv_transfer_config=config.kv_transfer_config,
             )
         )
 
@@ -198,6 +220,8 @@ class EngineCore:
         is untouched. With no changes the fork makes the original's decisions and tokens, given
         the same arrivals (greedy and seeded sampling). Fewer `num_kv_blocks` keep the blocks in
         use and drop free ones; too few to hold what runs are refused with the numbers."""
+        if self.kv_connector is not None:  # its channel or tier is not part of the copied state
+            raise ForkNotSupportedError("an engine with a KV connector cannot be forked")
         config = self._fork_config(changes)
         twin = copy.copy(self)
         twin.config = config
@@ -488,6 +512,10 @@ class EngineCore:
         streamed text, journeys. A request may bring several tokens (speculative decoding): none
         after the first that stops it (EOS, stop token, max_tokens, max_model_len, or a stop
         string in the text) is kept."""
+        if runner_output.failed_kv_loads:  # left out of the forward: recomputed from scratch
+            self.scheduler.reset_failed_kv_loads(
+                runner_output.failed_kv_loads, scheduler_output.step
+            )
         self._fail_requests(runner_output.failed, scheduler_output.step)
         new_tokens = {
             request_id: [r.token_id for r in results]
@@ -624,6 +652,7 @@ class EngineCore:
         for record in scheduled:
             record.num_allowed_tokens = scheduler_output.grammar_num_allowed.get(record.request_id)
         self._count_speculation(scheduled)
+        self._count_kv_transfers(runner_output)
         finished = {o.request_id: o.finish_reason for o in outputs if o.finished}
         kv = self.kv_cache_manager.snapshot()
         queries, hits = self._prefix_cache_counts
@@ -658,6 +687,7 @@ class EngineCore:
             prefix_cache_queries=kv.prefix_cache_queries - queries,
             prefix_cache_hits=kv.prefix_cache_hits - hits,
             workers=runner_output.workers,
+            kv_transfers=runner_output.kv_transfers,
             grammar_mask_seconds=scheduler_output.grammar_mask_seconds,
             num_masked_requests=len(scheduler_output.grammar_bitmask),
         )
@@ -675,6 +705,7 @@ class EngineCore:
             self._num_prompt_tokens(s.request_id),
             s.num_prefix_hit_tokens,
             s.num_recomputed_tokens,
+            num_external_tokens=s.num_external_tokens,
         )
         results = runner_output.sampled.get(s.request_id, [])
         if s.draft_token_ids and results:
@@ -689,6 +720,14 @@ class EngineCore:
                 self.stats["spec_decode_num_drafts"] += 1
                 self.stats["spec_decode_num_draft_tokens"] += len(record.draft_token_ids)
                 self.stats["spec_decode_num_accepted_tokens"] += record.num_accepted_tokens
+
+    def _count_kv_transfers(self, runner_output: ModelRunnerOutput) -> None:
+        for record in runner_output.kv_transfers:
+            if record.ok:
+                self.stats[f"kv_{record.direction}_blocks"] += record.num_blocks
+                self.stats["kv_transfer_bytes"] += record.num_bytes
+            self.stats["kv_transfer_seconds"] += record.seconds
+        self.stats["kv_failed_loads"] += len(runner_output.failed_kv_loads)
 
     def _retire(self, request: Request) -> None:
         self.live_requests.pop(request.request_id, None)

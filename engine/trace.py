@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from engine.kv_cache import KVSnapshot
+from engine.kv_connector import KVTransferRecord
 
 PHASES = ("schedule", "prepare_inputs", "forward", "sample", "output_processing")
 
@@ -23,6 +24,7 @@ class ScheduledRecord:
     draft_token_ids: list[int] = field(default_factory=list)  # proposed
     num_accepted_tokens: int = 0  # the drafts the model agreed with (a prefix of them)
     bonus_token_id: int | None = None  # the model's own token after them (correction or bonus)
+    num_external_tokens: int = 0  # admitted with this many tokens loaded by the KV connector
     num_allowed_tokens: int | None = None  # structured outputs: tokens its grammar mask allowed
 
     @property
@@ -64,6 +66,19 @@ class StepRecord:
     # rank, tp_rank, pp_rank, step_s, compute_s, comm_s, all_reduce_count, all_reduce_bytes,
     # p2p_bytes, control_bytes, round_trip_s. Empty with the in-process executor.
     workers: list[dict] = field(default_factory=list)
+    # KV connector (engine/kv_connector.py): each copy of the step, measured: loads into the
+    # device cache, saves out after the forward, stores of evicted blocks to the host tier
+    kv_transfers: list[KVTransferRecord] = field(default_factory=list)
+
+    def kv_transfer_totals(self, direction: str) -> tuple[int, int, float]:
+        """(blocks, bytes, measured seconds) of the step's KV copies in one direction."""
+        records = [r for r in self.kv_transfers if r.direction == direction and r.ok]
+        return (
+            sum(r.num_blocks for r in records),
+            sum(r.num_bytes for r in records),
+            sum(r.seconds for r in records),
+        )
+
     # Structured outputs: measured seconds to compute this step's grammar masks (inside the
     # "schedule" timing), and how many requests sampled under a mask.
     grammar_mask_seconds: float = 0.0

@@ -13,17 +13,20 @@ request, alongside the prefills and plain decodes of the others.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from engine.kv_connector import KVConnectorMetadata, KVTransferRecord
 from engine.layers.attention import AttentionMetadata, build_attention_metadata
 from engine.models.llama import LlamaModel
 from engine.sample.rejection_sampler import RejectionSampler
 from engine.sample.sampler import Sampler, SampleResult
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.worker.kv_connector import KVConnectorWorker
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +51,10 @@ class ModelRunnerOutput:
     # multi-process executor: one dict per worker rank (compute vs communication seconds,
     # all-reduce count and bytes; engine/executor/multiproc.py)
     workers: list[dict] = field(default_factory=list)
+    # KV connector: the step's copies, measured (engine/worker/kv_connector.py), and the requests
+    # whose load failed: left out of this forward, the scheduler sends them back to recompute
+    kv_transfers: list[KVTransferRecord] = field(default_factory=list)
+    failed_kv_loads: list[str] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -62,6 +69,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         self.cuda_graphs = None  # a CudaGraphRunner once enable_cuda_graphs() is called
+        self.kv_connector: KVConnectorWorker | None = None  # set by the worker when configured
 
     def enable_cuda_graphs(
         self, enabled: bool = True, max_model_len: int | None = None, **graph_args
@@ -134,9 +142,9 @@ class ModelRunner:
         for request_id in sched.finished_ids:
             self.sampler.forget(request_id)
             self.rejection_sampler.forget(request_id)
-        swap_seconds = self.swap_blocks(sched)
+        sched, swap_seconds, kv = self._copy_before_forward(sched)
         if sched.is_empty:
-            return ModelRunnerOutput({}, {"swap": swap_seconds})
+            return self._finish_kv(ModelRunnerOutput({}, {"swap": swap_seconds}), kv)
         t0 = time.perf_counter()
         graph = self.cuda_graphs.prepare(sched) if self.cuda_graphs is not None else None
         inputs = self.prepare_inputs(sched) if graph is None else None
@@ -165,7 +173,39 @@ class ModelRunner:
             "sample": t3 - t2,
             "swap": swap_seconds,
         }
-        return ModelRunnerOutput(sampled, timings, failed)
+        return self._finish_kv(ModelRunnerOutput(sampled, timings, failed), kv)
+
+    def _copy_before_forward(self, sched: SchedulerOutput) -> tuple:
+        """The KV connector's stores (to its host tier), the swaps, then its loads, in that
+        order (an evicted or swapped-out block may be handed out and written in this step). A
+        request whose load failed leaves the step: its blocks hold no valid K/V. Returns the
+        step to run, the swap seconds and the connector's part: (metadata, records, failed)."""
+        meta = sched.kv_connector_metadata if self.kv_connector is not None else None
+        if meta is None:
+            return sched, self.swap_blocks(sched), None
+        stored = self.kv_connector.store_kv(meta)
+        swap_seconds = self.swap_blocks(sched)
+        loaded, failed = self.kv_connector.start_load_kv(meta)
+        if failed:
+            kept = [s for s in sched.scheduled if s.request_id not in failed]
+            sched = dataclasses.replace(sched, scheduled=kept)
+        return sched, swap_seconds, (meta, stored + loaded, failed)
+
+    def _finish_kv(
+        self,
+        output: ModelRunnerOutput,
+        kv: tuple[KVConnectorMetadata, list[KVTransferRecord], set[str]] | None,
+    ) -> ModelRunnerOutput:
+        """After the forward: the connector's saves; every copy of the step into the output."""
+        if kv is None:
+            return output
+        meta, records, failed = kv
+        records = records + self.kv_connector.save_kv(meta, skip=failed)
+        output.kv_transfers, output.failed_kv_loads = records, sorted(failed)
+        for direction in ("store", "load", "save"):
+            seconds = sum(r.seconds for r in records if r.direction == direction)
+            output.timings[f"kv_{direction}"] = seconds
+        return output
 
     def sample_and_verify(
         self,

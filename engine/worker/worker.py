@@ -20,11 +20,13 @@ from engine.config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
 )
+from engine.kv_connector import KVTransferConfig
 from engine.layers.attention import build_attention_metadata
 from engine.layers.sharding import ParallelContext
 from engine.models.llama import LlamaModel
 from engine.scheduler_output import SchedulerOutput
 from engine.utils import cdiv
+from engine.worker.kv_connector import make_kv_connector_worker
 from engine.worker.model_runner import ModelRunner, ModelRunnerOutput
 from engine.worker.quantization import (
     DEFAULT_GROUP_SIZE,
@@ -152,6 +154,7 @@ class Worker:
         quantization: str | None = None,
         quantization_group_size: int = 32,
         parallel: ParallelContext | None = None,
+        kv_transfer_config: KVTransferConfig | None = None,
     ):
         self.model_dir = Path(model_dir)
         # tensor / pipeline parallel: this worker's rank and its communication (its process
@@ -166,6 +169,7 @@ class Worker:
         self.model: LlamaModel | None = None
         self.runner: ModelRunner | None = None
         self.num_blocks = 0
+        self.kv_transfer_config = kv_transfer_config  # a KV connector's worker side, if any
 
     def load_model(self) -> None:
         # The weights are shared by every engine of the process; the kernel choice is this worker's.
@@ -261,6 +265,9 @@ class Worker:
                 for layer in kv_caches
             ]
         self.runner = ModelRunner(self.model, kv_caches, self.block_size, swap_caches)
+        if self.kv_transfer_config is not None:
+            self.runner.kv_connector = make_kv_connector_worker(self.kv_transfer_config)
+            self.runner.kv_connector.register_kv_caches(kv_caches)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
