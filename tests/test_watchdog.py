@@ -228,3 +228,44 @@ def test_sigterm_while_a_worker_is_stopped_leaves_no_process(tiny_model_dir):
         assert wait_until(lambda: not alive(started), timeout_s=15), alive(started)
     finally:
         server.kill()
+
+
+class _LateWork:
+    """A collective that completes right after a timed wait ran out: the wait raises "Operation
+    timed out!", yet is_completed() is True by the time the caller checks, and it succeeded."""
+
+    def __init__(self, error: str | None = None):
+        self.error, self.timed_waits = error, 0
+
+    def wait(self, timeout=None):
+        if timeout is not None and self.timed_waits == 0:
+            self.timed_waits += 1
+            raise RuntimeError("Operation timed out!")
+        if self.error:
+            raise RuntimeError(self.error)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.timed_waits > 0
+
+
+def test_a_collective_completed_just_after_its_wait_slice_is_a_success_not_a_failure():
+    """Under load, about one tp start-up in 25 stopped every worker with "the control group failed
+    during start-up: Operation timed out!" although nothing had failed."""
+    from engine.executor.abstract import ExecutorDiedError
+    from engine.executor.multiproc import MultiprocExecutor
+
+    failures: list[str] = []
+    executor = MultiprocExecutor.__new__(MultiprocExecutor)
+    executor._what, executor._deadline = "start-up", time.monotonic() + 60
+    executor._dead_workers = lambda failed_only=False: []
+
+    def fail(message: str) -> None:
+        failures.append(message)
+        raise ExecutorDiedError(message)
+
+    executor._fail = fail
+    executor._wait(_LateWork())
+    assert failures == []
+    with pytest.raises(ExecutorDiedError, match="Connection reset by peer"):
+        executor._wait(_LateWork(error="Connection reset by peer"))

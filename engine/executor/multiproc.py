@@ -636,9 +636,10 @@ class MultiprocExecutor(Executor):
                 work.wait(timedelta(seconds=POLL_S * 10))
                 if work.is_completed():
                     return
-            except RuntimeError as error:
-                if work.is_completed():  # failed, not slow: a peer's connection closed
-                    self._fail(f"the control group failed during {self._what}: {error}")
+            except RuntimeError:
+                if work.is_completed():  # done after the slice ran out, or failed
+                    self._fail_unless_succeeded(work)
+                    return
             if self._dead_workers():
                 try:  # its last reply may still be on the way
                     work.wait(timedelta(seconds=SHUTDOWN_WAIT_S))
@@ -649,6 +650,16 @@ class MultiprocExecutor(Executor):
                 self._check_alive(self._what)
             if time.monotonic() > self._deadline:
                 self._fail(self._timed_out())
+
+    def _fail_unless_succeeded(self, work) -> None:
+        """A completed collective whose timed wait raised: it may have completed right after the
+        slice ran out (under load this happened about once in 25 start-ups, and the engine was
+        stopped for nothing), or failed (a peer's connection closed). An untimed wait on completed
+        work returns at once or raises the failure."""
+        try:
+            work.wait()
+        except RuntimeError as error:
+            self._fail(f"the control group failed during {self._what}: {error}")
 
     def _timed_out(self) -> str:
         if self._what.startswith("step"):
