@@ -18,12 +18,31 @@ from engine.tools.disagg_sim import (
     summarize_rows,
     sweep_pd_ratio,
 )
-from engine.tools.presets import PresetError, load_link_preset, load_model_preset
+from engine.tools.presets import (
+    PresetError,
+    link_preset_names,
+    load_link_preset,
+    load_model_preset,
+)
 from engine.tools.workload import SimRequest, poisson_workload
 
 MODEL, GPU = "llama-3.1-8b", "h100-sxm"
 ENGINE = dict(max_num_batched_tokens=8192, max_model_len=8192)
 LONG = 6000
+
+
+def test_link_presets_carry_their_source_and_the_one_way_bandwidth():
+    assert link_preset_names() == ["eth100", "eth25", "ib", "nvlink", "pcie"]
+    for key in link_preset_names():
+        link = load_link_preset(key)
+        assert link.evidence == "vendor-reported" and link.source and link.reported
+        assert link.latency_evidence.startswith("assumed")
+    assert load_link_preset("nvlink").one_way_bandwidth == 900e9 / 2  # 900 GB/s both ways
+    assert load_link_preset("ib").one_way_bandwidth == 400e9 / 8  # 400 Gb/s
+    assert load_link_preset("pcie").one_way_bandwidth == pytest.approx(
+        32e9 * 16 * 128 / 130 / 8, rel=0.01
+    )
+    assert load_link_preset("eth25").transfer_seconds(3_125_000_000) == pytest.approx(1 + 50e-6)
 
 
 def long_prompt(arrival: float) -> SimRequest:
