@@ -187,3 +187,32 @@ def test_the_tier_never_exceeds_its_size_and_matches_its_index(tiny_model_dir, r
         assert (
             core.get_request(str(i)).output_token_ids == plain.get_request(str(i)).output_token_ids
         )
+
+
+def test_generate_takes_a_tier_size_in_mebibytes(tiny_model_dir, capsys):
+    from engine.entrypoints.cli import build_parser, engine_config
+
+    args = build_parser().parse_args(
+        ["generate", "hi", "--model", str(tiny_model_dir), "--kv-offload-mb", "1.5"]
+    )
+    transfer = engine_config(args).kv_transfer_config
+    assert (transfer.kv_connector, transfer.kv_role) == ("OffloadingConnector", "kv_both")
+    assert transfer.offload_bytes == 3 * 2**19
+    plain = build_parser().parse_args(["generate", "hi", "--model", str(tiny_model_dir)])
+    assert engine_config(plain).kv_transfer_config is None
+    args = build_parser().parse_args(
+        [
+            "generate",
+            "hi",
+            "--model",
+            str(tiny_model_dir),
+            "--kv-offload-mb",
+            "1",
+            "--max-tokens",
+            "3",
+            "--device",
+            "cpu",
+        ]
+    )
+    assert args.func(args) == 0
+    assert "[kv connector] {'tier_hit_tokens': 0" in capsys.readouterr().err

@@ -115,7 +115,18 @@ def engine_config(args: argparse.Namespace):
     from engine.config import EngineConfig
 
     given = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
-    return EngineConfig(**given, kv_transfer_config=kv_transfer_config(args))
+    transfer = kv_transfer_config(args) or kv_offload_config(args)
+    return EngineConfig(**given, kv_transfer_config=transfer)
+
+
+def kv_offload_config(args: argparse.Namespace):
+    """generate's --kv-offload-mb N: an OffloadingConnector with an N MiB host tier, or None."""
+    megabytes = getattr(args, "kv_offload_mb", None)
+    if not megabytes:
+        return None
+    from engine.kv_connector import KVTransferConfig
+
+    return KVTransferConfig("OffloadingConnector", "kv_both", offload_bytes=int(megabytes * 2**20))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -147,6 +158,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     f"(measured, {engine.device.type}, {str(engine.dtype).removeprefix('torch.')})",
                     file=sys.stderr,
                 )
+    if engine.kv_connector is not None:
+        print(f"[kv connector] {engine.kv_connector.stats}", file=sys.stderr)
     if args.trace:
         write_run_trace(args.trace, "generate", records, engine.all_requests(), sys.stderr)
     engine.shutdown()
@@ -417,6 +430,15 @@ def add_generate_parser(sub) -> None:
     )
     p.add_argument("--speculative-config", type=speculative_config_arg, help=SPEC_HELP)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument(
+        "--kv-offload-mb",
+        type=float,
+        default=None,
+        metavar="N",
+        help="a host-memory tier of N MiB under the prefix cache: evicted prefix blocks are "
+        "stored there and loaded back instead of recomputed (OffloadingConnector; "
+        "docs/kv_connector.md)",
+    )
     add_kernels_arg(p)
     add_quantization_args(p)
     add_parallel_args(p)
