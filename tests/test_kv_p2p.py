@@ -4,6 +4,7 @@ error within a deadline instead of a hang."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import textwrap
@@ -137,3 +138,133 @@ def _plain_upstream():
         return {"choices": [{"text": "x"}]}
 
     return app
+
+
+def _serve(model_dir, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`python -m engine serve` on the tiny model, on 127.0.0.1; its URL once /health is 200."""
+    import httpx
+
+    port = free_port()
+    command = [
+        sys.executable, "-m", "engine", "serve", "--model", str(model_dir), "--device", "cpu",
+        "--kernels", "torch", "--num-kv-blocks", "32", "--max-model-len", "128",
+        "--port", str(port), "--served-model-name", "tiny", "--log-level", "warning", *flags,
+    ]  # fmt: skip
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and server.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return server, url
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    server.kill()
+    raise AssertionError(f"serve {flags} did not start: {server.stderr.read().decode()[-2000:]}")
+
+
+BODY = {"model": "tiny", "max_tokens": 12, "temperature": 0}
+PROMPTS = ["The engine schedules every request", "Blocks of sixteen tokens hold the K/V"]
+
+
+@contextlib.contextmanager
+def _pair(model_dir):
+    """A kv_producer and a kv_consumer `serve` process and the proxy in front of them:
+    (producer process, prefill URL, decode URL, proxy URL); every process killed at the end."""
+    from engine.entrypoints.disagg_proxy import build_proxy_app
+    from engine.entrypoints.server.app import start_server_in_thread
+
+    peer = f"127.0.0.1:{free_port()}"
+    servers = []
+    try:
+        for role in ("kv_producer", "kv_consumer"):
+            servers.append(_serve(model_dir, "--kv-role", role, "--kv-peer", peer))
+        (producer, prefill_url), (_, decode_url) = servers
+        with start_server_in_thread(build_proxy_app(prefill_url, decode_url)) as proxy:
+            yield producer, prefill_url, decode_url, proxy.url
+    finally:
+        for server, _ in servers:
+            server.kill()
+            server.wait(timeout=10)
+
+
+def _one_engine(model_dir) -> dict[str, str]:
+    """The greedy texts of PROMPTS from one engine, in this process."""
+    from engine.core import EngineConfig, EngineCore
+    from engine.sampling_params import SamplingParams
+    from tests._tiny import run_engine
+
+    config = EngineConfig(
+        model=str(model_dir), device="cpu", num_kv_blocks=32, max_model_len=128, kernels="torch"
+    )
+    engine = EngineCore(config)
+    for prompt in PROMPTS:
+        engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=0), prompt)
+    return {rid: out.text for rid, out in run_engine(engine)[1].items()}
+
+
+def _check_through_proxy(proxy_url: str, expected: dict[str, str]) -> None:
+    """Both prompts through the proxy (one whole, one streamed) give one engine's text; the
+    consumer loaded every prompt token but the last (computed to sample the first token)."""
+    import httpx
+
+    reply = httpx.post(
+        f"{proxy_url}/v1/completions", json={**BODY, "prompt": PROMPTS[0]}, timeout=120
+    )
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["text"] == expected[PROMPTS[0]]
+    usage = reply.json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+    assert _stream_text(proxy_url, {**BODY, "prompt": PROMPTS[1]}) == expected[PROMPTS[1]]
+
+
+@pytest.mark.slow  # two engine processes and a proxy: 6-20 s on two shared cores
+def test_prefill_and_decode_servers_through_the_proxy_equal_one_engine(tiny_model_dir):
+    """Greedy text through kv_producer → kv_consumer equals one engine's; then the producer is
+    killed: the proxy answers a 502 naming it, and the consumer still serves (a request whose
+    K/V can no longer come is recomputed, same text), within a deadline, no hang."""
+    import httpx
+
+    expected = _one_engine(tiny_model_dir)
+    with _pair(tiny_model_dir) as (producer, prefill_url, decode_url, proxy_url):
+        _check_through_proxy(proxy_url, expected)
+        producer.kill()
+        producer.wait(timeout=10)
+        start = time.monotonic()
+        reply = httpx.post(
+            f"{proxy_url}/v1/completions", json={**BODY, "prompt": PROMPTS[0]}, timeout=60
+        )
+        assert reply.status_code == 502 and prefill_url in reply.json()["error"]["message"]
+        stale = {"remote_request_id": "cmpl-gone", "num_tokens": 5}
+        reply = httpx.post(
+            f"{decode_url}/v1/completions",
+            json={**BODY, "prompt": PROMPTS[1], "kv_transfer_params": stale},
+            timeout=60,
+        )
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == expected[PROMPTS[1]]
+        assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert time.monotonic() - start < DEADLINE_S
+
+
+@pytest.mark.slow  # the real model in two server processes
+def test_the_real_model_through_prefill_and_decode_servers_equals_one_engine(default_model_dir):
+    expected = _one_engine(default_model_dir)
+    with _pair(default_model_dir) as (_, _, _, proxy_url):
+        _check_through_proxy(proxy_url, expected)
+
+
+def _stream_text(url: str, body: dict) -> str:
+    import json
+
+    import httpx
+
+    text = ""
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60
+    ) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text

@@ -37,12 +37,20 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from engine.kv_connector import KVTransferConfig
+from engine.worker.kv_connector import KV_CONNECTOR_WORKERS, ChannelConnectorWorker, KVChannel
+
 logger = logging.getLogger(__name__)
 
 PRODUCER_RANK, CONSUMER_RANK = 0, 1
 CONNECT_TIMEOUT_S = 300.0  # the peer's server may still be loading its model
-SEND_TIMEOUT_S = 60.0
-RECV_TIMEOUT_S = 60.0
+# A send or a load runs inside an engine step, which stalls every running request while it waits:
+# both stay well under the engine iteration timeout (60 s). A proxy hands the consumer its
+# kv_transfer_params only after the producer's send returned (the consumer had taken the K/V off
+# the wire), so a load normally finds its K/V waiting; a missing one is given up after
+# RECV_TIMEOUT_S and its request recomputes.
+SEND_TIMEOUT_S = 20.0
+RECV_TIMEOUT_S = 10.0
 DEFAULT_BUFFER_BYTES = 1 << 30  # vLLM: kv_buffer_size (1e9 by default)
 POLL_S = 0.2
 MAX_DROPPED_KEYS = 1024  # dropped keys remembered, so that their recv() fails at once
@@ -82,7 +90,7 @@ def _header(key: bytes, num_tokens: int, payload: torch.Tensor) -> torch.Tensor:
     return torch.tensor(fields, dtype=torch.int64)
 
 
-class P2pGlooChannel:
+class P2pGlooChannel(KVChannel):
     """One end of the producer → consumer channel (see the module docstring). The producer
     (rank 0) hosts the rendezvous at (host, port) and sends; the consumer (rank 1) joins it and
     receives into a bounded buffer. Both connect in the background: a server starts while its
@@ -274,7 +282,8 @@ class P2pGlooChannel:
     def recv(self, key: str, timeout_s: float | None = None) -> tuple[torch.Tensor, int]:
         """The K/V sent under `key` and its token count, taken out of the buffer; waits up to
         timeout_s (default recv_timeout_s) for it to arrive. Raises KVTransferError when it does
-        not: timed out, dropped from a full buffer, or the producer is gone."""
+        not (timed out, dropped from a full buffer, the producer gone) rather than KVChannel's
+        None, so the failed load's log says why; its request recomputes either way."""
         if self.rank != CONSUMER_RANK:
             raise ValueError("only the kv_consumer's channel receives")
         what = f"receiving the K/V of {key!r} from {self.peer_name}"
@@ -323,3 +332,36 @@ class P2pGlooChannel:
             except Exception:  # noqa: BLE001 — already broken
                 pass
         self._store = None
+
+
+CHANNEL_SETTINGS = ("connect_timeout_s", "send_timeout_s", "recv_timeout_s", "buffer_bytes")
+
+
+class P2pConnectorWorker(ChannelConnectorWorker):
+    """P2pGlooConnector's worker side: the channel worker of engine/worker/kv_connector.py over a
+    P2pGlooChannel, opened once the KV cache is registered (the cache's device decides gloo or
+    NCCL for the payload). kv_connector_extra_config: "kv_peer" ("HOST:PORT", required) and
+    optionally the channel's CHANNEL_SETTINGS."""
+
+    def __init__(self, config: KVTransferConfig):
+        if config.kv_role not in ("kv_producer", "kv_consumer"):
+            raise ValueError(
+                f"P2pGlooConnector's kv_role is kv_producer or kv_consumer, got {config.kv_role!r}"
+            )
+        extra = config.kv_connector_extra_config
+        self.peer = parse_peer(str(extra.get("kv_peer", "")))
+        self.settings = {k: extra[k] for k in CHANNEL_SETTINGS if k in extra}
+        super().__init__(config, None)
+
+    def register_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        super().register_kv_caches(kv_caches)
+        if self.channel is None:
+            host, port = self.peer
+            self.channel = P2pGlooChannel(
+                self.config.kv_role, host, port, self.device, **self.settings
+            )
+
+
+# The worker side's registry (engine/worker/kv_connector.py) cannot import this module, which
+# imports it; the Worker imports this module, and so the name is registered.
+KV_CONNECTOR_WORKERS["P2pGlooConnector"] = P2pConnectorWorker

@@ -27,6 +27,7 @@ from engine.models.llama import LlamaModel
 from engine.scheduler_output import SchedulerOutput
 from engine.utils import cdiv
 from engine.worker.kv_connector import make_kv_connector_worker
+from engine.worker.kv_p2p import P2pConnectorWorker  # noqa: F401 — registers P2pGlooConnector
 from engine.worker.model_runner import ModelRunner, ModelRunnerOutput
 from engine.worker.quantization import (
     DEFAULT_GROUP_SIZE,
