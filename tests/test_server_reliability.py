@@ -328,7 +328,7 @@ def test_twenty_thousand_messages_are_refused_without_stalling(server):
     "field, value",
     [
         ("logit_bias", {"50256": -100}),
-        ("response_format", {"type": "json_object"}),
+        ("guided_json", {"type": "object"}),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("tool_choice", "auto"),
         ("echo", True),

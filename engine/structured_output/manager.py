@@ -19,6 +19,10 @@ DEFAULT_CACHE_SIZE = 128  # compiled grammars kept (LRU)
 # a hostile schema or regex fails compilation quickly instead of running for seconds.
 INITIAL_LEXER_FUEL = 200_000  # about 4 ms of regex analysis
 MAX_GRAMMAR_SIZE = 200_000  # symbols in the grammar's productions
+# JSON whitespace between tokens, bounded: with llguidance's default (any run of whitespace) a
+# weak model can fill max_tokens with blank lines and never close the object. 32 characters
+# still fit pretty-printed JSON (a newline and the indentation of eight levels of four).
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,32}"
 
 
 @dataclass
@@ -102,17 +106,25 @@ class StructuredOutputManager:
             verbose_errors=False,
         )
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
-        # llguidance builds its lexer lazily: the first mask is where a hostile regex runs out of
-        # its limits. Computed here (off the engine's step), it fails the compilation instead.
-        matcher.compute_bitmask()
-        if matcher.is_error():
+        error = matcher.get_error() if matcher.is_error() else self._probe(matcher)
+        if error:
             raise InvalidRequestError(
-                f"structured outputs: the {params.kind} cannot be compiled: "
-                f"{short(matcher.get_error())}",
-                PARAM,
+                f"structured outputs: the {params.kind} cannot be compiled: {short(error)}", PARAM
             )
         self.num_compiled += 1
         return CompiledGrammar(params.kind, grammar, matcher)
+
+    def _probe(self, matcher) -> str | None:
+        """llguidance builds its lexer lazily, as tokens arrive: a hostile regex (nested counted
+        repetitions) runs out of its limits in the first steps, not at construction. Two masks
+        and one token on a copy, here off the engine's step, find most of them: the request
+        gets a 400 instead of failing later. The grammar engine's error, or None."""
+        probe = matcher.deep_copy()
+        mask = probe.compute_bitmask()
+        token = first_allowed_token(mask, skip=self.eos_token_id)
+        if token is not None and probe.consume_token(token):
+            probe.compute_bitmask()
+        return probe.get_error() if probe.is_error() else None
 
     def make_request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
         return StructuredOutputRequest(self.compile(params))
@@ -135,6 +147,8 @@ def to_guidance_grammar(params: StructuredOutputsParams) -> str:
     import llguidance
 
     options = {"whitespace_flexible": not params.disable_any_whitespace}
+    if not params.disable_any_whitespace:
+        options["whitespace_pattern"] = JSON_WHITESPACE
     kind, spec = params.kind, params.spec
     if kind == "json":
         schema = json.loads(spec) if isinstance(spec, str) else spec
@@ -150,6 +164,16 @@ def to_guidance_grammar(params: StructuredOutputsParams) -> str:
     return llguidance.grammar_from("grammar", spec)  # Lark, or GBNF converted to Lark
 
 
+def first_allowed_token(mask: bytes, skip: int | None = None) -> int | None:
+    """The lowest token a packed bitmask allows, other than `skip`."""
+    for index, byte in enumerate(mask):
+        for bit in range(8) if byte else ():
+            token = index * 8 + bit
+            if byte >> bit & 1 and token != skip:
+                return token
+    return None
+
+
 def cache_key(params: StructuredOutputsParams) -> tuple:
     spec = params.spec
     if isinstance(spec, (dict, list)):
@@ -159,5 +183,5 @@ def cache_key(params: StructuredOutputsParams) -> tuple:
 
 def short(message: str | Exception, limit: int = 300) -> str:
     """An error message cut to a readable length (a grammar engine may quote the whole grammar)."""
-    text = str(message).strip()
+    text = str(message).replace("<non-verbose/>", "").strip()
     return text if len(text) <= limit else text[:limit] + " …"

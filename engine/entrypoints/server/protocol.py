@@ -6,7 +6,7 @@ serving.py answers them)."""
 from __future__ import annotations
 
 import difflib
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -140,7 +140,6 @@ Count = Annotated[int, Field(ge=0, le=MAX_INT32)]
 # would change the answer, they get a 400 naming them instead of being silently ignored.
 UNSUPPORTED_FIELDS = (
     "logit_bias",
-    "response_format",
     "tools",
     "tool_choice",
     "functions",
@@ -156,7 +155,6 @@ UNSUPPORTED_FIELDS = (
     "guided_regex",
     "guided_choice",
     "guided_grammar",
-    "structured_outputs",
     "prediction",
     "audio",
     "modalities",
@@ -205,6 +203,31 @@ class KVTransferParams(BaseModel):
     num_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
 
 
+class JSONSchemaFormat(_Body):
+    """OpenAI's response_format.json_schema. The schema is always enforced (strict or not)."""
+
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Body):
+    """vLLM's `structured_outputs` extra: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class SamplingFields(_Body):
     """The fields both endpoints share: sampling, stopping, streaming, scheduling."""
 
@@ -243,6 +266,12 @@ class SamplingFields(_Body):
     )
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = Field(
+        None, description="OpenAI's structured outputs: json_object or json_schema"
+    )
+    structured_outputs: StructuredOutputsBody | None = Field(
+        None, description="vLLM extension: one of json, regex, choice, grammar, json_object"
+    )
     kv_transfer_params: KVTransferParams | None = Field(
         None, description="vLLM extension: disaggregated prefill (python -m engine proxy)"
     )

@@ -37,6 +37,7 @@ from engine.entrypoints.server.protocol import (
     refuse_unrecognized,
     refuse_unsupported,
 )
+from engine.entrypoints.server.structured_outputs import GrammarCompiler, structured_outputs_of
 from engine.metrics import ServerMetrics
 from engine.output import RequestOutput
 from engine.sample.sampler import finite_logprob
@@ -266,6 +267,7 @@ class OpenAIServer:
         self.metrics = ServerMetrics(self.engine, self.model_name)
         self.async_llm.step_listeners.append(self.metrics.on_step)
         self.closing = asyncio.Event()  # set when the shutdown grace period is over
+        self.grammars = GrammarCompiler(self.engine)  # structured outputs, off the event loop
 
     def end_open_requests(self) -> None:
         """The shutdown's grace period is over: every open stream ends with an error event and
@@ -277,6 +279,7 @@ class OpenAIServer:
     def close(self) -> None:
         with contextlib.suppress(ValueError):
             self.async_llm.step_listeners.remove(self.metrics.on_step)
+        self.grammars.close()
         if self.owns_async_llm:
             self.async_llm.shutdown()
 
@@ -371,7 +374,12 @@ class OpenAIServer:
         for name in ("temperature", "top_p", "top_k", "min_p"):
             if getattr(body, name) is not None:
                 kwargs[name] = getattr(body, name)
-        params = SamplingParams(**kwargs)
+        kwargs["structured_outputs"], source = structured_outputs_of(body)
+        try:
+            params = SamplingParams(**kwargs)
+        except InvalidRequestError as exc:  # named as the client sent it
+            exc.param = source if exc.param == "structured_outputs" else exc.param
+            raise
         self.engine.check_length(num_prompt_tokens, params.max_tokens)
         return params
 
@@ -456,6 +464,7 @@ class OpenAIServer:
         refuse_too_many_stop_strings(body)
         prompt, token_ids = await self.completion_prompt(body)
         params = self.sampling_params(body, len(token_ids), body.max_tokens, body.logprobs)
+        await self.grammars.compile(body, params)
         job = self.make_job(body, "cmpl", prompt, token_ids, params, arrival)
         return await self.respond(
             job, CompletionShape(self, job, body.logprobs is not None), raw_request
@@ -486,6 +495,7 @@ class OpenAIServer:
             logprobs,
             "max_completion_tokens" if use_completion_tokens else "max_tokens",
         )
+        await self.grammars.compile(body, params)
         job = self.make_job(body, "chatcmpl", prompt, token_ids, params, arrival)
         return await self.respond(job, ChatShape(self, job, body.logprobs), raw_request)
 
