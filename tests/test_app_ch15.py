@@ -37,3 +37,16 @@ def test_page_runs_and_shows_bytes_with_their_evidence(app):
     text = " ".join(m.value for m in app.markdown)
     assert "계산값" in text and "제조사 문서" in text
     assert sum(1 for m in app.markdown if m.value.startswith("**문제 ")) >= 3
+
+
+def test_tier_experiment_runs_on_the_page(app):
+    app.switch_page(PAGE)
+    app.run()
+    app.radio(key="predict_ch15_tier").set_value("장치 < 계층 < 못 찾음").run()
+    app.button(key="ch15_tier_run").click().run()
+    assert not app.exception, [e.value for e in app.exception]
+    cases = app.session_state["ch15_tier"]
+    assert [c.case for c in cases] == list(ch15.TIER_CASES)
+    assert cases[1].tier_hit_tokens > 0
+    text = " ".join(m.value for m in app.markdown)
+    assert "계층의 숫자" in text and "예측 ↔ 측정" in text

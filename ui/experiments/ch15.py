@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import pandas as pd
 
 from engine.tools.presets import link_preset_names, load_link_preset
+from ui.experiments.ch08 import LONG_NAME, long_prompt_workload
+from ui.experiments.common import RunResult, Workload, WorkloadFeeder, prompt_ids, result_of
 
 # -- bytes and links -----------------------------------------------------------------------------
 
@@ -82,3 +84,357 @@ def link_time(key: str, num_bytes: int) -> tuple[float, str, str]:
     """(seconds over the link, the link's figure as its vendor prints it, the source)."""
     link = load_link_preset(key)
     return link.transfer_seconds(num_bytes), link.reported, link.source
+
+
+# -- the host tier: device hit, tier hit, miss --------------------------------------------------
+
+TIER_CASES = ("장치에서 찾음", "계층에서 찾음", "못 찾음")
+TIER_PREFIX_BLOCKS = 6  # the shared system prompt: six full blocks
+TIER_QUESTION = 5  # tokens after it (each request's own question)
+TIER_MAX_TOKENS = 4
+
+
+@dataclass
+class TierCase:
+    """What the request that came back (the shared prefix with a new question) got."""
+
+    case: str
+    ttft_s: float  # engine clock: arrival → first token (measured)
+    steps_to_first_token: int
+    device_hit_tokens: int  # found in the device prefix cache
+    tier_hit_tokens: int  # loaded from the host tier (ScheduledRecord.num_external_tokens)
+    computed_prompt_tokens: int
+    load_bytes: int
+    load_seconds: float  # measured copies host tier → device
+    tier_stats: dict  # the connector's counters after the run ({} without a tier)
+    output_token_ids: list[int]
+
+
+def _send(engine, token_ids: list[int], name: str) -> tuple[object, list]:
+    """Add one request and step the engine until it is idle: (request, the steps' records)."""
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=TIER_MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    request = engine.add_request(None, params, request_id=name, prompt_token_ids=list(token_ids))
+    records = []
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            break
+        records.append(engine.step())
+    return request, records
+
+
+def _case_of(case: str, engine, request, records: list) -> TierCase:
+    from engine.request import RequestMetrics
+
+    rid = request.request_id
+    mine = [(rec, s) for rec in records for s in rec.scheduled if s.request_id == rid]
+    first = next(
+        i
+        for i, (_, s) in enumerate(mine)
+        if s.num_computed_tokens + s.num_tokens >= s.num_prompt_tokens
+    )
+    loads = [t for rec in records for t in rec.kv_transfers if t.direction == "load" and t.ok]
+    connector = engine.scheduler.kv_connector
+    return TierCase(
+        case,
+        RequestMetrics.from_request(request, clock="engine").ttft,
+        first + 1,
+        sum(s.num_prefix_hit_tokens for _, s in mine),
+        sum(s.num_external_tokens for _, s in mine),
+        sum(s.num_tokens for _, s in mine if s.phase != "decode"),
+        sum(t.num_bytes for t in loads if t.request_id == rid),
+        sum(t.seconds for t in loads if t.request_id == rid),
+        dict(getattr(connector, "stats", {})) if connector is not None else {},
+        list(request.output_token_ids),
+    )
+
+
+TIER_BLOCKS = 10  # the device cache: B's prompt takes all of it, evicting A's cached prefix
+TIER_BUDGET = 32  # tokens per step: a prefill computed from scratch takes several steps
+
+
+def tier_engine_overrides(block_size: int, tier_blocks: int, bytes_per_token: int) -> dict:
+    """A small device cache (TIER_BLOCKS blocks) and, with tier_blocks > 0, a host tier of that
+    many blocks (OffloadingConnector, kv_both)."""
+    from engine.kv_connector import KVTransferConfig
+
+    overrides = dict(
+        enable_prefix_caching=True,
+        block_size=block_size,
+        num_kv_blocks=TIER_BLOCKS,
+        max_model_len=TIER_BLOCKS * block_size,
+        max_num_batched_tokens=TIER_BUDGET,
+        kv_transfer_config=None,
+    )
+    if tier_blocks > 0:
+        overrides["kv_transfer_config"] = KVTransferConfig(
+            "OffloadingConnector",
+            "kv_both",
+            offload_bytes=tier_blocks * block_size * bytes_per_token,
+        )
+    return overrides
+
+
+def tier_prompts(engine, block_size: int) -> dict[str, list[int]]:
+    """A: the shared prefix + question 1; B: another prompt that fills the device cache;
+    A2: the shared prefix + question 2 (the request that comes back)."""
+    prefix = prompt_ids(engine, TIER_PREFIX_BLOCKS * block_size, 0)
+    q1, q2 = prompt_ids(engine, TIER_QUESTION, 5), prompt_ids(engine, TIER_QUESTION, 9)
+    b_len = TIER_BLOCKS * block_size - TIER_MAX_TOKENS - 2
+    return {"A": prefix + q1, "B": prompt_ids(engine, b_len, 3), "A2": prefix + q2}
+
+
+def tier_experiment(
+    make_engine, block_size: int, bytes_per_token: int, tier_blocks: int = 32, progress=None
+) -> list[TierCase]:
+    """The same request (shared prefix + a new question) in three situations, each on a fresh
+    engine: its prefix still in the device cache (A, then A2), evicted to the host tier (A, B
+    that fills the cache, then A2; tier on), evicted with no tier (the same, tier off)."""
+    plans = [
+        (TIER_CASES[0], tier_blocks, ("A", "A2")),
+        (TIER_CASES[1], tier_blocks, ("A", "B", "A2")),
+        (TIER_CASES[2], 0, ("A", "B", "A2")),
+    ]
+    cases = []
+    for case, blocks, order in plans:
+        engine = make_engine(**tier_engine_overrides(block_size, blocks, bytes_per_token))
+        prompts = tier_prompts(engine, block_size)
+        for name in order:
+            request, records = _send(engine, prompts[name], name)
+        cases.append(_case_of(case, engine, request, records))
+        if progress is not None:
+            progress()
+    return cases
+
+
+def tier_table(cases: list[TierCase]) -> pd.DataFrame:
+    return pd.DataFrame(
+        [
+            {
+                "경우": c.case,
+                "TTFT (ms, 엔진 시계)": round(1e3 * c.ttft_s, 2),
+                "첫 토큰까지 스텝": c.steps_to_first_token,
+                "장치에서 찾은 토큰": c.device_hit_tokens,
+                "계층에서 불러온 토큰": c.tier_hit_tokens,
+                "계산한 프롬프트 토큰": c.computed_prompt_tokens,
+                "불러온 바이트": c.load_bytes,
+                "불러오기 시간 (ms)": round(1e3 * c.load_seconds, 3),
+            }
+            for c in cases
+        ]
+    )
+
+
+# -- colocated vs split, in lockstep --------------------------------------------------------------
+
+LAB_LONG_LEN = 420  # the long prompt that arrives while the short requests decode (ch08's)
+LAB_MAX_MODEL_LEN = 1024
+SIDE_LABELS = {
+    "colocated": "함께 배치",
+    "prefill": "분리: prefill 엔진",
+    "decode": "분리: decode 엔진",
+}
+
+
+def lab_workload(long_len: int = LAB_LONG_LEN) -> Workload:
+    """Three short requests decode 40 tokens each; the long prompt arrives at 250 ms (engine
+    clock) while they do (chapter 08's workload)."""
+    return long_prompt_workload(long_prompt_len=long_len)
+
+
+def lab_overrides() -> dict:
+    """Every engine of the lab: one step takes a whole prompt (no chunking), so a long prefill
+    lands in one step with whatever else runs."""
+    return dict(
+        max_model_len=LAB_MAX_MODEL_LEN,
+        max_num_batched_tokens=LAB_MAX_MODEL_LEN,
+        long_prefill_token_threshold=0,
+        max_num_seqs=8,
+    )
+
+
+def pair_overrides(channel: str) -> tuple[dict, dict]:
+    """The prefill and the decode engine's overrides: the lab's, plus an InProcessConnector on
+    one channel (its name: this session's, so two sessions never meet)."""
+    from engine.kv_connector import KVTransferConfig
+
+    extra = {"channel": channel}
+    return tuple(
+        {
+            **lab_overrides(),
+            "kv_transfer_config": KVTransferConfig(
+                "InProcessConnector", role, kv_connector_extra_config=extra
+            ),
+        }
+        for role in ("kv_producer", "kv_consumer")
+    )
+
+
+class PairDriver:
+    """Feeds a workload to a DisaggregatedPair on the prefill engine's clock (the front door) and
+    steps the pair; the lab steps it through its two side feeders, prefill first."""
+
+    def __init__(self, pair, workload: Workload):
+        self.pair = pair
+        self.specs = list(workload.requests)
+        self.names = workload.names()
+        self.pending = sorted(range(len(self.specs)), key=lambda i: self.specs[i].arrival_ms)
+        self.requests: list = [None] * len(self.specs)  # the consumer's requests (the answers)
+        self.rejected: dict[str, str] = {}
+        self.start = pair.prefill.clock.now()
+        self.transfers: list = []  # PairTransfer, in the order they completed
+        self._decode_record = None
+        self._prompts = [
+            prompt_ids(pair.prefill, s.prompt_len, i) for i, s in enumerate(self.specs)
+        ]
+
+    def _due(self, i: int) -> float:
+        return self.start + self.specs[i].arrival_ms / 1000
+
+    def admit_due(self) -> None:
+        from engine.sampling_params import InvalidRequestError, SamplingParams
+
+        clock = self.pair.prefill.clock
+        if not self.pair.has_unfinished_requests() and self.pending:
+            clock.advance_to(self._due(self.pending[0]))  # idle: the next arrival comes
+        while self.pending and self._due(self.pending[0]) <= clock.now() + 1e-12:
+            i = self.pending.pop(0)
+            params = SamplingParams(
+                max_tokens=self.specs[i].max_tokens, temperature=0.0, ignore_eos=True
+            )
+            try:
+                self.requests[i] = self.pair.add_request(
+                    None, params, request_id=self.names[i], prompt_token_ids=self._prompts[i]
+                )
+            except InvalidRequestError as exc:
+                self.rejected[self.names[i]] = str(exc)
+
+    def step_prefill(self):
+        """One lockstep step of the pair: the prefill engine's record (the decode engine's is
+        kept for its side's feeder, which asks for it next)."""
+        self.admit_due()
+        if not self.pair.has_unfinished_requests():
+            self._decode_record = None
+            return None
+        step = self.pair.step()
+        self.transfers += step.transfers
+        self._decode_record = step.decode
+        return step.prefill
+
+    def take_decode_record(self):
+        record, self._decode_record = self._decode_record, None
+        return record
+
+
+class PairSideFeeder:
+    """One side (the prefill or the decode engine) of a PairDriver, in the shape of
+    common.WorkloadFeeder that the shared lab and result_of read."""
+
+    def __init__(self, driver: PairDriver, side: str):
+        self.driver, self.side = driver, side
+        self.engine = driver.pair.prefill if side == "prefill" else driver.pair.decode
+        self.specs, self.names, self.rejected = driver.specs, driver.names, driver.rejected
+        self.start = driver.start
+
+    @property
+    def pending(self) -> list[int]:
+        """Requests not arrived yet, and (decode side) those still on the prefill engine."""
+        waiting = list(self.driver.pending)
+        if self.side == "decode":
+            waiting += [
+                i
+                for i, r in enumerate(self.driver.requests)
+                if r is not None and self.engine.get_request(r.request_id) is None
+            ]
+        return waiting
+
+    @property
+    def requests(self) -> list:
+        if self.side == "decode":
+            return self.driver.requests
+        return [r and self.engine.get_request(r.request_id) for r in self.driver.requests]
+
+    @property
+    def done(self) -> bool:
+        return not self.driver.pending and not self.driver.pair.has_unfinished_requests()
+
+    def step(self):
+        if self.side == "prefill":
+            return self.driver.step_prefill()
+        return self.driver.take_decode_record()
+
+    def added(self) -> list:
+        return [(s, r) for s, r in zip(self.specs, self.requests) if r is not None]
+
+    def fork(self, engine):
+        raise ValueError("분리된 엔진 쌍은 갈라 볼 수 없습니다 (두 엔진이 한 채널을 함께 씁니다)")
+
+
+def side_feeders(colocated, pair, workload: Workload) -> dict:
+    """Side name → feeder: the colocated engine's WorkloadFeeder, the pair's two side feeders."""
+    driver = PairDriver(pair, workload)
+    return {
+        "colocated": WorkloadFeeder(colocated, workload),
+        "prefill": PairSideFeeder(driver, "prefill"),
+        "decode": PairSideFeeder(driver, "decode"),
+    }
+
+
+def run_lockstep_sides(feeders: dict, max_steps: int = 2000) -> dict[str, RunResult]:
+    """Step every side in turn (the lab's lockstep) until none has work; side label → run."""
+    records: dict[str, list] = {side: [] for side in feeders}
+    for _ in range(max_steps):
+        stepped = False
+        for side, feeder in feeders.items():
+            record = feeder.step()
+            if record is not None:
+                records[side].append(record)
+                stepped = True
+        if not stepped:
+            break
+    return {
+        SIDE_LABELS[side]: result_of(feeder, records[side], SIDE_LABELS[side])
+        for side, feeder in feeders.items()
+    }
+
+
+def short_itl_rows(run: RunResult, long_name: str = LONG_NAME) -> pd.DataFrame:
+    """Every gap between two output tokens of the short requests (engine clock, measured), with
+    the tokens the step that produced the later token computed: a step that also prefilled the
+    long prompt computed hundreds."""
+    tokens_in_step = {rec.step: sum(s.num_tokens for s in rec.scheduled) for rec in run.records}
+    long_in_step = {
+        rec.step: sum(
+            s.num_tokens for s in rec.scheduled if s.request_id == long_name and s.phase != "decode"
+        )
+        for rec in run.records
+    }
+    token_steps = _token_steps(run.records)
+    rows = []
+    for request in run.requests:
+        if request.request_id == long_name:
+            continue
+        times = request.metrics("engine").token_times
+        steps = token_steps.get(request.request_id, [])
+        for k in range(1, min(len(times), len(steps))):
+            rows.append(
+                {
+                    "요청": request.request_id,
+                    "토큰": k + 1,
+                    "ITL (ms)": 1e3 * (times[k] - times[k - 1]),
+                    "그 스텝의 토큰 수": tokens_in_step.get(steps[k], 0),
+                    "그 스텝에서 계산한 긴 프롬프트 토큰": long_in_step.get(steps[k], 0),
+                }
+            )
+    return pd.DataFrame(rows)
+
+
+def _token_steps(records: list) -> dict[str, list[int]]:
+    """Request id → the step numbers in which it produced each output token, in order."""
+    steps: dict[str, list[int]] = {}
+    for rec in records:
+        for s in rec.scheduled:
+            if s.num_computed_tokens + s.num_tokens >= s.num_prompt_tokens:
+                steps.setdefault(s.request_id, []).append(rec.step)
+    return steps

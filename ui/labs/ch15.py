@@ -1,13 +1,20 @@
 """Chapter 15's lab parts (Streamlit): the K/V bytes one request hands from a prefill engine to a
-decode engine and their time over a chosen link. The page composes them; what they compute is in
+decode engine and their time over a chosen link; the host tier's three cases (device hit, tier
+hit, miss). The page composes them; what they compute is in
 ui/experiments/ch15.py."""
 
 import streamlit as st
 
 from ui.errors import show_error
+from ui.experiments import ch15
 from ui.experiments.ch15 import kv_bytes_of, link_names, link_rows, link_time
-from ui.session import current_settings, get_engine
+from ui.experiments.common import measurement_conditions
+from ui.lab import Progress
+from ui.predict import compare, predict
+from ui.session import build_engine, current_settings, get_engine
 from ui.widgets import evidence, show_frame
+
+TIER_KEY = "ch15_tier"
 
 
 def _mb(num_bytes: float) -> str:
@@ -49,3 +56,86 @@ def bytes_section(engine_key: str, overrides: dict) -> None:
         f"모델: {current_settings().model or '기본 모델'} · dtype {str(engine.dtype)[6:]} · "
         "지연은 프리셋이 가정한 값이며 제조사의 숫자가 아닙니다."
     )
+
+
+TIER_CHOICES = [
+    "장치 < 계층 < 못 찾음",
+    "계층 < 장치 < 못 찾음",
+    "장치 < 못 찾음 < 계층",
+    "셋이 같다",
+]
+
+
+def _tier_order(cases) -> str:
+    """The measured TTFT order as one of TIER_CHOICES (ties count as equal only when all are)."""
+    device, tier, miss = (c.ttft_s for c in cases)
+    if device == tier == miss:
+        return TIER_CHOICES[3]
+    if tier < device:
+        return TIER_CHOICES[1]
+    return TIER_CHOICES[0] if tier <= miss else TIER_CHOICES[2]
+
+
+def tier_section(engine_key: str, overrides: dict) -> None:
+    """The shared prefix that comes back: from the device cache, from the host tier, or
+    recomputed; each on a fresh engine with the OffloadingConnector (or none)."""
+    st.subheader("호스트 계층: 밀려난 시스템 프롬프트가 돌아올 때")
+    block_size = current_settings().block_size
+    st.caption(
+        f"작은 장치 캐시(KV 블록 {ch15.TIER_BLOCKS}개, 블록당 {block_size}토큰, 스텝당 "
+        f"{ch15.TIER_BUDGET}토큰)에 A(공유 시스템 프롬프트 {ch15.TIER_PREFIX_BLOCKS}블록 + 질문) → "
+        "B(캐시를 다 쓰는 다른 프롬프트) → A2(같은 시스템 프롬프트 + 새 질문)를 차례로 보냅니다. "
+        "A2의 첫 토큰까지를 세 경우로 잽니다: B 없이 바로(장치에서 찾음), 계층을 켜고(계층에서 "
+        "찾음), 계층 없이(못 찾음). 경우마다 새 엔진입니다."
+    )
+    cases = st.session_state.get(TIER_KEY)
+    predict(
+        "ch15_tier",
+        "A2의 TTFT는 세 경우에 어떤 순서일까요?",
+        options=TIER_CHOICES,
+        locked=cases is not None,
+    )
+    if st.button("계층 실험 실행", key="ch15_tier_run"):
+        bar = Progress(3, "경우")
+        try:
+            engine = get_engine(engine_key, **overrides)
+            per_token = ch15.kv_bytes_of(engine.model_config, engine.dtype.itemsize, 1).total
+            st.session_state[TIER_KEY] = cases = ch15.tier_experiment(
+                _make_engine, block_size, per_token, progress=bar
+            )
+        except Exception as exc:  # noqa: BLE001
+            show_error(exc, "계층 실험을 실행하지 못했습니다")
+        bar.close()
+    if cases is None:
+        return
+    show_frame(ch15.tier_table(cases))
+    compare("ch15_tier", _tier_order(cases))
+    device, tier, miss = cases
+    engine = get_engine(engine_key, **overrides)
+    evidence(
+        "측정값",
+        f"A2의 TTFT: 장치에서 찾음 {1e3 * device.ttft_s:.1f} ms, 계층에서 찾음 "
+        f"{1e3 * tier.ttft_s:.1f} ms (불러오기 {1e3 * tier.load_seconds:.2f} ms 포함), 못 찾음 "
+        f"{1e3 * miss.ttft_s:.1f} ms (엔진 시계); 첫 토큰까지 스텝 {device.steps_to_first_token}, "
+        f"{tier.steps_to_first_token}, {miss.steps_to_first_token}",
+        **measurement_conditions(engine, 블록크기=block_size),
+    )
+    stats = tier.tier_stats
+    evidence(
+        "측정값",
+        f"계층의 숫자 (계층에서 찾음의 엔진): 찾은 토큰 {stats.get('tier_hit_tokens', 0)}, "
+        f"불러오기 {stats.get('loads', 0)}번, 적어 두기 {stats.get('stores', 0)}번, "
+        f"계층에서 밀려난 블록 {stats.get('tier_evictions', 0)}개, "
+        f"불러온 바이트 {tier.load_bytes:,} B",
+        **measurement_conditions(engine, 블록크기=block_size),
+    )
+    if device.output_token_ids == tier.output_token_ids == miss.output_token_ids:
+        st.success(
+            "세 경우 모두 A2의 출력 토큰이 같습니다(측정값). 계층은 계산을 건너뛰게 할 뿐, "
+            "답을 바꾸지 않습니다."
+        )
+
+
+def _make_engine(**overrides):
+    """A fresh engine for the experiments below the lab (weights are shared per process)."""
+    return build_engine(current_settings(), **overrides)
