@@ -140,6 +140,25 @@ PLAN: dict[str, tuple[str, str]] = {
         "the same simulation with its default preset (a minute or more here): the README's "
         "simulate with flags runs here",
     ),
+    # -- disaggregated prefill/decode (docs/performance.md): engine/tools/disagg_sim.py
+    "python -m engine simulate --list": (RUN, ""),
+    "python -m engine simulate --disaggregate 1:2 --trace-file tests/data/mooncake_sample.jsonl": (
+        PARSED,
+        "the shipped sample, from the repository root: tests/test_simulator_disagg.py runs "
+        "--disaggregate 1:2 on it",
+    ),
+    "python -m engine simulate --disaggregate 1:3 --link ib --slo-ttft-ms 500 --slo-tpot-ms 12": (
+        PARSED,
+        "1,000 requests through split and colocated (about a minute here): "
+        "tests/test_simulator_disagg.py runs --disaggregate on a small workload",
+    ),
+    "python -m engine simulate --pd-sweep 4 --link ib --rate 12 --num-requests 300 "
+    "--prompt-len 512 4096 --output-len 64 512 --max-num-batched-tokens 8192 "
+    "--slo-ttft-ms 500 --slo-tpot-ms 12 --json sweep.json": (
+        PARSED,
+        "the documented sweep (four runs of 300 requests, about 20 s here, and a JSON file): "
+        "tests/test_simulator_disagg.py runs --pd-sweep on a small workload",
+    ),
     # -- traces out (docs/traces.md): parsed here, so that no trace file lands in the repository;
     # tests/test_trace_export.py runs simulate --trace and generate --trace (slow) into tmp_path
     "python -m engine simulate --trace run.json": (
