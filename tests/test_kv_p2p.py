@@ -81,6 +81,41 @@ def test_kv_crosses_processes_and_a_killed_producer_fails_the_wait(producer_port
         consumer.close()
 
 
+CONSUMER = textwrap.dedent(
+    """
+    import sys, time
+    from engine.worker.kv_p2p import P2pGlooChannel
+    channel = P2pGlooChannel("kv_consumer", "127.0.0.1", int(sys.argv[1]))
+    kv, num_tokens = channel.recv("req-a", timeout_s=30)
+    print(f"got {kv.sum().item():g} {num_tokens}", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_a_killed_consumer_fails_the_producers_next_send_at_once():
+    port = free_port()
+    producer = P2pGlooChannel("kv_producer", "127.0.0.1", port, send_timeout_s=DEADLINE_S)
+    consumer = subprocess.Popen(
+        [sys.executable, "-c", CONSUMER, str(port)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        producer.send("req-a", torch.ones(3, 4), 7)
+        assert consumer.stdout.readline().strip() == "got 12 7"
+        consumer.kill()
+        consumer.wait(timeout=10)
+        start = time.monotonic()
+        with pytest.raises(KVTransferError, match="KV consumer at 127.0.0.1:.* failed"):
+            for _ in range(3):  # the first send may still fit the closed socket's buffer
+                producer.send("req-b", torch.ones(3, 4), 7)
+                time.sleep(0.2)
+        assert time.monotonic() - start < DEADLINE_S / 2
+        assert producer.stats()["error"]
+    finally:
+        consumer.kill()
+        producer.close()
+
+
 def test_a_producer_with_no_consumer_fails_its_send_and_parse_peer_checks():
     producer = P2pGlooChannel(
         "kv_producer", "127.0.0.1", free_port(), connect_timeout_s=0.5, send_timeout_s=1
