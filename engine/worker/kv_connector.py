@@ -103,7 +103,13 @@ class KVConnectorWorker:
     def gather(self, block_ids: list[int]) -> torch.Tensor:
         """A copy of these blocks, all layers, K and V (the transfer layout)."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        return torch.stack([torch.stack((k[index], v[index])) for k, v in self.kv_caches])
+        first = self.kv_caches[0][0]
+        shape = (len(self.kv_caches), 2, len(block_ids), *first.shape[1:])
+        out = torch.empty(shape, dtype=first.dtype, device=first.device)
+        for layer, (k, v) in enumerate(self.kv_caches):  # one copy, straight into place
+            torch.index_select(k, 0, index, out=out[layer, 0])
+            torch.index_select(v, 0, index, out=out[layer, 1])
+        return out
 
     def scatter(self, kv: torch.Tensor, block_ids: list[int], start_block: int = 0) -> None:
         """Write blocks start_block.. of `kv` into `block_ids`; ValueError if `kv` does not fit
