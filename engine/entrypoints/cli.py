@@ -113,20 +113,12 @@ def engine_config(args: argparse.Namespace):
     from dataclasses import fields
 
     from engine.config import EngineConfig
-
-    given = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
-    transfer = kv_transfer_config(args) or kv_offload_config(args)
-    return EngineConfig(**given, kv_transfer_config=transfer)
-
-
-def kv_offload_config(args: argparse.Namespace):
-    """generate's --kv-offload-mb N: an OffloadingConnector with an N MiB host tier, or None."""
-    megabytes = getattr(args, "kv_offload_mb", None)
-    if not megabytes:
-        return None
     from engine.kv_connector import KVTransferConfig
 
-    return KVTransferConfig("OffloadingConnector", "kv_both", offload_bytes=int(megabytes * 2**20))
+    given = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
+    mb = getattr(args, "kv_offload_mb", None)  # generate's host tier (OffloadingConnector)
+    offload = KVTransferConfig("OffloadingConnector", offload_bytes=int(mb * 2**20)) if mb else None
+    return EngineConfig(**given, kv_transfer_config=kv_transfer_config(args) or offload)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -431,13 +423,7 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--speculative-config", type=speculative_config_arg, help=SPEC_HELP)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
-        "--kv-offload-mb",
-        type=float,
-        default=None,
-        metavar="N",
-        help="a host-memory tier of N MiB under the prefix cache: evicted prefix blocks are "
-        "stored there and loaded back instead of recomputed (OffloadingConnector; "
-        "docs/kv_connector.md)",
+        "--kv-offload-mb", type=float, metavar="N", help="host KV tier, MiB (docs/kv_connector.md)"
     )
     add_kernels_arg(p)
     add_quantization_args(p)
