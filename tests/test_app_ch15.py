@@ -5,7 +5,7 @@ of a request from the model config, the time over each link preset."""
 from __future__ import annotations
 
 import pytest
-from _apptest import app_fixture
+from _apptest import app_fixture, assert_charts
 
 from engine.tools.presets import load_link_preset
 from ui.experiments import ch15
@@ -47,6 +47,36 @@ def test_tier_experiment_runs_on_the_page(app):
     assert not app.exception, [e.value for e in app.exception]
     cases = app.session_state["ch15_tier"]
     assert [c.case for c in cases] == list(ch15.TIER_CASES)
-    assert cases[1].tier_hit_tokens > 0
+    assert cases[1].tier_hit_tokens > 0 and cases[1].load_bytes > 0  # the worker side copied
+    assert cases[0].output_token_ids == cases[1].output_token_ids == cases[2].output_token_ids
     text = " ".join(m.value for m in app.markdown)
     assert "계층의 숫자" in text and "예측 ↔ 측정" in text
+
+
+def test_lab_steps_the_real_pair_and_compares(app):
+    app.switch_page(PAGE)
+    app.run()
+    assert any("이 실험이 보여 줄 것" in i.value for i in app.info)
+    app.slider(key="ch15_long_len").set_value(200).run()
+    app.radio(key="predict_ch15_split").set_value("함께 배치만").run()
+    app.button(key="ch15_load").click().run()  # 워크로드 넣기
+    for _ in range(3):
+        app.button(key="ch15_step").click().run()  # 다음 스텝: all three engines, lockstep
+    assert not app.exception, [e.value for e in app.exception]
+    records = app.session_state["_records"]
+    assert all(records[k] for k in ("ch15_colocated", "ch15_prefill", "ch15_decode"))
+    app.button(key="ch15_run").click().run()  # 실행: reload and run to the end
+    assert not app.exception, [e.value for e in app.exception]
+    feeders = app.session_state["_lab_feeders"]
+    driver = feeders["ch15_prefill"].driver
+    assert {t.request_id for t in driver.transfers} == {"짧은-0", "짧은-1", "짧은-2", "긴-프롬프트"}
+    pair = driver.pair
+    assert pair.prefill is app.session_state["_engines"]["ch15_prefill"]["engine"]
+    assert pair.decode is app.session_state["_engines"]["ch15_decode"]["engine"]
+    runs = app.session_state["ch15_result"]
+    assert len(runs) == 3
+    assert_charts(
+        app, ["ch15_crossing", "ch15_itl", "ch15_colocated_journey", "ch15_decode_journey"]
+    )
+    text = " ".join(m.value for m in app.markdown)
+    assert "예측 ↔ 측정" in text and "측정값" in text

@@ -100,11 +100,15 @@ class LabContext:
     progress: object | None = None
     advanced: bool = False
     branches: list = field(default_factory=list)  # forks of its engines (ui/fork.py)
+    # (ctx, workload) → {side key: feeder} when the sides' engines share their work (chapter
+    # 15's prefill → decode pair); None: one WorkloadFeeder per side
+    make_feeders: Callable[[LabContext, Workload], dict] | None = None
 
     @property
     def stepped(self) -> list[tuple[str, str]]:
         """(key, label) of every engine a step advances: the sides, then the branches."""
         return [(s.key, s.label) for s in self.sides] + [(b.key, b.label) for b in self.branches]
+
     def records(self, side: Side | str) -> list[StepRecord]:
         return get_records(side if isinstance(side, str) else side.key)
 
@@ -239,8 +243,11 @@ def reset_lab(ctx: LabContext, workload: Workload | None = None) -> LabContext:
         engine = get_engine(side.key, **side.overrides)
         ctx.engines[side.key] = engine
         ctx.feeders[side.key] = None
-        if workload is not None:
+        if workload is not None and ctx.make_feeders is None:
             attach_workload(ctx, side.key, workload)
+    if workload is not None and ctx.make_feeders is not None:
+        for key, feeder in ctx.make_feeders(ctx, workload).items():
+            ctx.feeders[key] = _feeders()[key] = feeder
     return ctx
 
 
@@ -857,11 +864,13 @@ def lab(
     chapter_view: Callable[[LabContext], None] | None = None,
     show_streams: bool = True,
     show_code_panel: bool = True,
+    make_feeders: Callable[[LabContext, Workload], dict] | None = None,
 ) -> None:
     """Draw the lab (inside st.fragment). `sides` default: one engine under `key`.
 
     before(ctx): drawn above the controls (e.g. the prediction box);
-    chapter_view(ctx): the chapter's own view below the three views (summaries, comparisons)."""
+    chapter_view(ctx): the chapter's own view below the three views (summaries, comparisons);
+    make_feeders(ctx, workload): the sides' feeders when their engines share work (LabContext)."""
     sides = sides or [Side(key)]
     st.session_state[ACTIVE_KEY] = sides[0].key
     interval = timer_interval(key)  # the timer this full run gives the fragment
@@ -874,6 +883,7 @@ def lab(
             stop_lab(key)
             draw_status(slot, sides)
             return
+        ctx.make_feeders = make_feeders
         try:
             _drive(ctx, before, default_max_tokens, show_custom, presets, workload, workload_note)
         except Exception as exc:  # noqa: BLE001 - an engine error must not end the page

@@ -422,6 +422,7 @@ def build_engine(settings: EngineSettings | None = None, **overrides) -> EngineC
             config.block_size,
             quantization=config.quantization,
             quantization_group_size=config.quantization_group_size,
+            kv_transfer_config=config.kv_transfer_config,  # the KV connector's worker side
         )
         return EngineCore(config, executor=UniProcExecutor(worker))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pandas as pd
+import plotly.graph_objects as go
 
 from engine.tools.presets import link_preset_names, load_link_preset
 from ui.experiments.ch08 import LONG_NAME, long_prompt_workload
@@ -438,3 +439,112 @@ def _token_steps(records: list) -> dict[str, list[int]]:
             if s.num_computed_tokens + s.num_tokens >= s.num_prompt_tokens:
                 steps.setdefault(s.request_id, []).append(rec.step)
     return steps
+
+
+def transfer_table(driver: PairDriver) -> pd.DataFrame:
+    """Per request that crossed: tokens and bytes loaded (measured), the bytes the formula gives
+    (whole blocks), the producer's save and the consumer's load time (measured)."""
+    connector = driver.pair.decode.kv_connector
+    size, per_block = connector.block_size, connector.bytes_per_block
+    return pd.DataFrame(
+        [
+            {
+                "요청": t.request_id,
+                "불러온 토큰": t.num_tokens,
+                "옮긴 바이트 (측정값)": t.num_bytes,
+                "블록 단위 바이트 (계산값)": -(-t.num_tokens // size) * per_block,
+                "내보내기 (ms)": round(1e3 * t.save_seconds, 3),
+                "불러오기 (ms)": round(1e3 * t.load_seconds, 3),
+            }
+            for t in driver.transfers
+        ]
+    )
+
+
+SEGMENT_COLORS = {"prefill 엔진": "#4C78A8", "전송": "#E45756", "decode 엔진": "#54A24B"}
+
+
+def crossing_segments(driver: PairDriver) -> list[dict]:
+    """Per request: where each part starts (ms after the workload's start: its arrival, then one
+    after the other) and how long it took, each measured on its own engine's clock: the prefill
+    on the prefill engine (arrival → its one token), the transfer (save + load), the decode on
+    the decode engine (first scheduled → finished, or → now while it runs)."""
+    transfers = {t.request_id: t for t in driver.transfers}
+    out = []
+    for spec, name, consumer in zip(driver.specs, driver.names, driver.requests):
+        produced = driver.pair.prefill.get_request(name)
+        if consumer is None or produced is None or produced.finish_time is None:
+            continue
+        p = produced.metrics("engine")
+        parts = [("prefill 엔진", p.finish_time - p.arrival_time)]
+        if name in transfers:
+            parts.append(("전송", transfers[name].seconds))
+            c = consumer.metrics("engine")
+            if c.first_scheduled_time is not None:
+                end = c.finish_time if c.finish_time is not None else driver.pair.decode.clock.now()
+                parts.append(("decode 엔진", end - c.first_scheduled_time))
+        start = spec.arrival_ms
+        for part, seconds in parts:
+            out.append({"요청": name, "구간": part, "시작 (ms)": start, "길이 (ms)": 1e3 * seconds})
+            start += 1e3 * seconds
+    return out
+
+
+def crossing_figure(driver: PairDriver) -> go.Figure:
+    fig = go.Figure()
+    segments = crossing_segments(driver)
+    for part, color in SEGMENT_COLORS.items():
+        mine = [s for s in segments if s["구간"] == part]
+        fig.add_trace(
+            go.Bar(
+                y=[s["요청"] for s in mine],
+                x=[s["길이 (ms)"] for s in mine],
+                base=[s["시작 (ms)"] for s in mine],
+                orientation="h",
+                name=part,
+                marker_color=color,
+                hovertemplate="%{y}: %{x:.2f} ms<extra>" + part + "</extra>",
+            )
+        )
+    fig.update_layout(
+        barmode="overlay",
+        height=120 + 40 * len(driver.specs),
+        title="요청마다 prefill → 전송 → decode (구간마다 그 엔진의 시계로 잰 길이)",
+        xaxis_title="ms (워크로드 시작부터)",
+        yaxis=dict(autorange="reversed"),
+        margin=dict(l=10, r=10, t=40, b=10),
+    )
+    return fig
+
+
+def itl_figure(colocated: pd.DataFrame, split: pd.DataFrame) -> go.Figure:
+    """The first short request's gaps between tokens on both sides; the colocated gaps whose step
+    also prefilled the long prompt are marked."""
+    fig = go.Figure()
+    for label, table in (("함께 배치", colocated), ("분리 (decode 엔진)", split)):
+        if table.empty:
+            continue
+        first = table[table["요청"] == table["요청"].iloc[0]]
+        fig.add_trace(
+            go.Scatter(x=first["토큰"], y=first["ITL (ms)"], mode="lines+markers", name=label)
+        )
+    if not colocated.empty:
+        first = colocated[colocated["요청"] == colocated["요청"].iloc[0]]
+        hit = first[first["그 스텝에서 계산한 긴 프롬프트 토큰"] > 0]
+        fig.add_trace(
+            go.Scatter(
+                x=hit["토큰"],
+                y=hit["ITL (ms)"],
+                mode="markers",
+                marker=dict(size=14, symbol="star", color="#E45756"),
+                name="긴 프롬프트 prefill과 같은 스텝",
+            )
+        )
+    fig.update_layout(
+        height=320,
+        title="짧은 요청 하나의 토큰 간격 (ITL, 엔진 시계)",
+        xaxis_title="출력 토큰 번호",
+        yaxis_title="ms",
+        margin=dict(l=10, r=10, t=40, b=10),
+    )
+    return fig

@@ -3,13 +3,15 @@ decode engine and their time over a chosen link; the host tier's three cases (de
 hit, miss). The page composes them; what they compute is in
 ui/experiments/ch15.py."""
 
+import uuid
+
 import streamlit as st
 
 from ui.errors import show_error
 from ui.experiments import ch15
 from ui.experiments.ch15 import kv_bytes_of, link_names, link_rows, link_time
 from ui.experiments.common import measurement_conditions
-from ui.lab import Progress
+from ui.lab import LabContext, Progress, Side, run_results
 from ui.predict import compare, predict
 from ui.session import build_engine, current_settings, get_engine
 from ui.widgets import evidence, show_frame
@@ -139,3 +141,116 @@ def tier_section(engine_key: str, overrides: dict) -> None:
 def _make_engine(**overrides):
     """A fresh engine for the experiments below the lab (weights are shared per process)."""
     return build_engine(current_settings(), **overrides)
+
+
+# -- colocated vs split, in lockstep (the shared lab) ------------------------------------------
+
+SIDE_KEYS = {"colocated": "ch15_colocated", "prefill": "ch15_prefill", "decode": "ch15_decode"}
+RESULT = "ch15_result"
+SPLIT_CHOICES = ["함께 배치만", "분리만", "둘 다", "둘 다 아님"]
+LONG_COLUMN = "그 스텝에서 계산한 긴 프롬프트 토큰"
+
+
+def _channel() -> str:
+    """This session's channel name: the pair's two engines meet there, no other session's do."""
+    return st.session_state.setdefault("_ch15_channel", f"ch15-{uuid.uuid4().hex[:12]}")
+
+
+def lab_sides() -> list[Side]:
+    prefill, decode = ch15.pair_overrides(_channel())
+    overrides = {"colocated": ch15.lab_overrides(), "prefill": prefill, "decode": decode}
+    return [Side(key, ch15.SIDE_LABELS[side], overrides[side]) for side, key in SIDE_KEYS.items()]
+
+
+def make_feeders(ctx: LabContext, workload) -> dict:
+    """The colocated engine's feeder and the pair's two (one DisaggregatedPair over the prefill
+    and the decode side's engines)."""
+    from engine.entrypoints.disagg import DisaggregatedPair
+
+    engines = ctx.engines
+    pair = DisaggregatedPair(engines[SIDE_KEYS["prefill"]], engines[SIDE_KEYS["decode"]])
+    feeders = ch15.side_feeders(engines[SIDE_KEYS["colocated"]], pair, workload)
+    return {SIDE_KEYS[side]: feeder for side, feeder in feeders.items()}
+
+
+def predict_split(ctx: LabContext) -> None:
+    predict(
+        "ch15_split",
+        "긴 프롬프트의 prefill이 짧은 요청들의 decode와 같은 스텝에 드는(그래서 그 토큰 간격이 "
+        "늘어나는) 쪽은 어디일까요?",
+        options=SPLIT_CHOICES,
+        locked=ctx.started,
+    )
+
+
+def _driver(ctx: LabContext):
+    feeder = ctx.feeders.get(SIDE_KEYS["prefill"])
+    return getattr(feeder, "driver", None)
+
+
+def split_view(ctx: LabContext) -> None:
+    """Below the three engines' views: each request's crossing (prefill, transfer, decode), and
+    once the workload is done, the short requests' ITL colocated vs split."""
+    driver = _driver(ctx)
+    if driver is None or not driver.transfers:
+        st.info(
+            "워크로드를 넣고 진행하면, 여기에 요청마다 prefill → 전송 → decode 구간이 나옵니다."
+        )
+    else:
+        st.markdown("**요청마다 건너간 길** (prefill 엔진 → 전송 → decode 엔진)")
+        st.plotly_chart(ch15.crossing_figure(driver), key="ch15_crossing")
+        _transfer_evidence(ctx, driver)
+    runs = run_results(ctx, RESULT)
+    if runs is None:
+        return
+    colocated = ch15.short_itl_rows(runs[ch15.SIDE_LABELS["colocated"]])
+    split = ch15.short_itl_rows(runs[ch15.SIDE_LABELS["decode"]])
+    st.markdown("**짧은 요청들의 토큰 간격 (ITL)**: 함께 배치 vs 분리의 decode 엔진")
+    st.plotly_chart(ch15.itl_figure(colocated, split), key="ch15_itl")
+    spiked = bool((colocated[LONG_COLUMN] > 0).any())
+    split_spiked = bool((split[LONG_COLUMN] > 1).any())
+    measured = SPLIT_CHOICES[
+        {(True, False): 0, (False, True): 1, (True, True): 2}.get((spiked, split_spiked), 3)
+    ]
+    compare("ch15_split", measured)
+    _itl_evidence(ctx, colocated, split)
+
+
+def _transfer_evidence(ctx: LabContext, driver) -> None:
+    engine = ctx.engines[SIDE_KEYS["decode"]]
+    show_frame(ch15.transfer_table(driver))
+    last = driver.transfers[-1]
+    evidence(
+        "측정값",
+        f"{last.request_id}: {last.num_tokens}토큰의 K/V {last.num_bytes:,} B를 prefill 엔진이 "
+        f"내보내는 데 {1e3 * last.save_seconds:.3f} ms, decode 엔진이 불러오는 데 "
+        f"{1e3 * last.load_seconds:.3f} ms (한 프로세스 안의 메모리 복사: 어떤 링크의 시간도 "
+        "아닙니다)",
+        **measurement_conditions(engine, 블록크기=engine.config.block_size),
+    )
+
+
+def _itl_evidence(ctx: LabContext, colocated, split) -> None:
+    engine = ctx.engines[SIDE_KEYS["colocated"]]
+    long_rows = colocated[colocated[LONG_COLUMN] > 0]
+    if len(long_rows):
+        evidence(
+            "측정값",
+            f"함께 배치: 긴 프롬프트 {int(long_rows[LONG_COLUMN].max())}토큰의 prefill과 같은 "
+            f"스텝에서 나온 짧은 요청의 ITL {long_rows['ITL (ms)'].max():.1f} ms, 그 밖의 ITL "
+            f"중앙값 {colocated[colocated[LONG_COLUMN] == 0]['ITL (ms)'].median():.1f} ms "
+            "(엔진 시계)",
+            **measurement_conditions(engine, 토큰예산=engine.config.max_num_batched_tokens),
+        )
+    evidence(
+        "측정값",
+        f"분리의 decode 엔진: 짧은 요청의 ITL 중앙값 {split['ITL (ms)'].median():.1f} ms, 최대 "
+        f"{split['ITL (ms)'].max():.1f} ms; 한 스텝에서 계산한 긴 프롬프트 토큰은 많아야 "
+        f"{int(split[LONG_COLUMN].max())}개 (나머지는 불러옴)",
+        **measurement_conditions(ctx.engines[SIDE_KEYS["decode"]]),
+    )
+    st.caption(
+        "여러 사람이 나눠 쓰는 CPU에서는 다른 일 때문에 스텝 하나가 수십~수백 ms 늘기도 합니다. "
+        "간격 하나의 크기보다, 그 간격을 만든 스텝이 무엇을 계산했는지(표의 마지막 열)를 함께 "
+        "읽으세요."
+    )
