@@ -222,3 +222,30 @@ def test_prefill_decode_pair_on_the_real_model(default_model_dir):
     per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # float32 on the CPU
     for t in transfers:
         assert t.num_bytes == cdiv(t.num_tokens, 16) * 16 * per_token
+
+
+def test_a_consumer_loads_only_what_its_own_prefix_cache_lacks(tiny_model_dir):
+    """Two requests with a 48-token shared prefix, one after the other: the consumer finds the
+    prefix in its own cache for the second, loads only the blocks after it (start_block 3) and
+    still gives one engine's tokens."""
+    shared = [3 + (5 * j) % 1990 for j in range(48)]
+    requests = {"first": shared + [7, 8, 9, 10], "second": shared + list(range(500, 530))}
+    plain = EngineCore(config(tiny_model_dir))
+    pair = make_disaggregated_pair(config(tiny_model_dir))
+    loads = []
+    for request_id, ids in requests.items():
+        plain.add_request(prompt_token_ids=ids, sampling_params=greedy(), request_id=request_id)
+        pair.add_request(prompt_token_ids=ids, sampling_params=greedy(), request_id=request_id)
+        while plain.has_unfinished_requests():
+            plain.step()
+        while pair.has_unfinished_requests():
+            step = pair.step()
+            loads += [r for r in (step.decode.kv_transfers if step.decode else [])]
+    for request_id in requests:
+        assert (
+            pair.get_request(request_id).output_token_ids
+            == plain.get_request(request_id).output_token_ids
+        )
+    second = next(r for r in loads if r.request_id == "second")
+    assert second.num_tokens == len(requests["second"]) - 1 - 48
+    assert second.num_blocks == cdiv(len(requests["second"]) - 1, BLOCK) - 3
