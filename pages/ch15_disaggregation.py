@@ -15,6 +15,7 @@ from ui.labs.ch15 import (
     make_feeders,
     predict_split,
     split_view,
+    sweep_section,
     tier_section,
 )
 from ui.lesson import render_chapter
@@ -53,6 +54,7 @@ def lab() -> None:
     )
     bytes_section(sides[0].key, sides[0].overrides)
     tier_section(sides[0].key, sides[0].overrides)
+    sweep_section()
     show_code(
         DisaggregatedPair.step, "prefill 엔진과 decode 엔진을 함께 한 스텝 (요청 넘기기 포함)"
     )

@@ -80,3 +80,16 @@ def test_lab_steps_the_real_pair_and_compares(app):
     )
     text = " ".join(m.value for m in app.markdown)
     assert "예측 ↔ 측정" in text and "측정값" in text
+
+
+def test_pd_sweep_names_the_best_split(app):
+    app.switch_page(PAGE)
+    app.run()
+    app.slider(key="ch15_sweep_total").set_value(3).run()
+    app.button(key="ch15_sweep_run").click().run()
+    assert not app.exception, [e.value for e in app.exception]
+    sweep = app.session_state["ch15_sweep"]
+    assert sweep.total_gpus == 3 and sweep.best in ("1:2", "2:1")
+    assert_charts(app, ["ch15_sweep_fig"])
+    text = " ".join(m.value for m in app.markdown)
+    assert f"P:D {sweep.best}" in text and "계산값" in text and "제조사 문서" in text

@@ -548,3 +548,77 @@ def itl_figure(colocated: pd.DataFrame, split: pd.DataFrame) -> go.Figure:
         margin=dict(l=10, r=10, t=40, b=10),
     )
     return fig
+
+
+# -- the simulator's P:D sweep --------------------------------------------------------------------
+
+SWEEP_MODEL = "llama-3.1-8b"
+SWEEP_PROMPTS = (512, 4096)  # tokens, uniform (long prompts: prefill weighs)
+SWEEP_OUTPUTS = (32, 256)
+SWEEP_REQUESTS = 80
+SWEEP_SLO = (0.5, 0.025)  # assumed targets: TTFT 500 ms, TPOT 25 ms
+SWEEP_GPUS = ("h100-sxm", "h200", "a100-80gb-sxm", "a100-40gb-sxm")
+
+
+def pd_sweep(hardware: str, total_gpus: int, rate: float, link: str):
+    """engine/tools/disagg_sim.sweep_pd_ratio on this chapter's workload and SLO (계산값: the
+    cost model on a virtual clock)."""
+    from engine.tools.disagg_sim import SLO, sweep_pd_ratio
+
+    return sweep_pd_ratio(
+        SWEEP_MODEL,
+        hardware,
+        total_gpus,
+        link,
+        slo=SLO(*SWEEP_SLO),
+        rate=rate,
+        num_requests=SWEEP_REQUESTS,
+        prompt_len=SWEEP_PROMPTS,
+        output_len=SWEEP_OUTPUTS,
+    )
+
+
+def sweep_table(sweep) -> pd.DataFrame:
+    """One row per deployment, in Korean, milliseconds."""
+
+    def ms(x):
+        return None if x is None else round(1e3 * x, 1)
+
+    return pd.DataFrame(
+        [
+            {
+                "배치": "함께 배치"
+                if row["deployment"] == "colocated"
+                else f"P:D {row['deployment']}",
+                "TTFT p50 (ms)": ms(row["ttft_p50_s"]),
+                "TTFT p99 (ms)": ms(row["ttft_p99_s"]),
+                "TPOT p50 (ms)": ms(row["tpot_p50_s"]),
+                "TPOT p99 (ms)": ms(row["tpot_p99_s"]),
+                "전송 p50 (ms)": ms(row["transfer_p50_s"]),
+                "SLO를 지킨 비율": round(row["goodput_share"], 3),
+                "goodput (요청/초)": round(row["goodput_req_s"] or 0.0, 2),
+                "출력 처리량 (토큰/초)": round(row["output_tokens_per_s"] or 0.0, 1),
+            }
+            for row in sweep.rows
+        ]
+    )
+
+
+def sweep_figure(table: pd.DataFrame, best: str) -> go.Figure:
+    colors = ["#E45756" if b == f"P:D {best}" else "#4C78A8" for b in table["배치"]]
+    fig = go.Figure(
+        go.Bar(
+            x=table["배치"],
+            y=table["goodput (요청/초)"],
+            marker_color=colors,
+            text=[f"{v:.0%}" for v in table["SLO를 지킨 비율"]],
+            textposition="outside",
+        )
+    )
+    fig.update_layout(
+        height=320,
+        title=f"배치별 goodput (막대 위: SLO를 지킨 요청의 비율) · 빨강: 가장 좋은 분리 {best}",
+        yaxis_title="요청/초",
+        margin=dict(l=10, r=10, t=40, b=10),
+    )
+    return fig

@@ -17,6 +17,7 @@ from ui.session import build_engine, current_settings, get_engine
 from ui.widgets import evidence, show_frame
 
 TIER_KEY = "ch15_tier"
+SWEEP_KEY = "ch15_sweep"
 
 
 def _mb(num_bytes: float) -> str:
@@ -253,4 +254,48 @@ def _itl_evidence(ctx: LabContext, colocated, split) -> None:
         "여러 사람이 나눠 쓰는 CPU에서는 다른 일 때문에 스텝 하나가 수십~수백 ms 늘기도 합니다. "
         "간격 하나의 크기보다, 그 간격을 만든 스텝이 무엇을 계산했는지(표의 마지막 열)를 함께 "
         "읽으세요."
+    )
+
+
+# -- the simulator's P:D sweep ----------------------------------------------------------------
+
+
+def sweep_section() -> None:
+    st.subheader("P:D 훑기: prefill GPU는 몇 대가 알맞나 (시뮬레이터)")
+    c1, c2, c3, c4 = st.columns(4)
+    gpu = c1.selectbox("GPU", list(ch15.SWEEP_GPUS), key="ch15_sweep_gpu")
+    total = c2.slider("GPU 수", 2, 6, 4, key="ch15_sweep_total")
+    rate = c3.slider("도착률 (요청/초)", 2.0, 32.0, 16.0, step=2.0, key="ch15_sweep_rate")
+    names = link_names()
+    link = c4.selectbox("전송 링크", list(names), format_func=names.get, key="ch15_sweep_link")
+    ttft, tpot = ch15.SWEEP_SLO
+    st.caption(
+        f"{ch15.SWEEP_MODEL} (bf16), 요청 {ch15.SWEEP_REQUESTS}개가 포아송 도착, 프롬프트 "
+        f"{ch15.SWEEP_PROMPTS[0]}–{ch15.SWEEP_PROMPTS[1]}토큰, 출력 {ch15.SWEEP_OUTPUTS[0]}–"
+        f"{ch15.SWEEP_OUTPUTS[1]}토큰. SLO(가정한 목표): TTFT {1e3 * ttft:.0f} ms, TPOT "
+        f"{1e3 * tpot:.0f} ms. 같은 요청들을 P:D마다, 그리고 같은 수의 GPU에 함께 배치해 돌립니다."
+    )
+    if st.button("P:D 훑기 실행", key="ch15_sweep_run"):
+        with st.spinner("시뮬레이터가 배치마다 같은 워크로드를 돌리는 중…"):
+            try:
+                st.session_state[SWEEP_KEY] = ch15.pd_sweep(gpu, total, rate, link)
+            except Exception as exc:  # noqa: BLE001
+                show_error(exc, "P:D 훑기를 실행하지 못했습니다")
+    sweep = st.session_state.get(SWEEP_KEY)
+    if sweep is None:
+        return
+    table = ch15.sweep_table(sweep)
+    show_frame(table)
+    st.plotly_chart(ch15.sweep_figure(table, sweep.best), key="ch15_sweep_fig")
+    cond = sweep.results[0].conditions
+    evidence(
+        "계산값",
+        f"GPU {sweep.total_gpus}대에서 goodput이 가장 높은 분리: P:D {sweep.best}",
+        formula="비용 모델(GPU 프리셋)로 잰 가상 시계의 스텝 시간; 전송 = KV 바이트 ÷ 링크의 한 "
+        "방향 대역폭 + 가정한 지연",
+    )
+    evidence(
+        "제조사 문서",
+        f"{cond['hardware']['name']}, {cond['link']['name']} ({cond['link']['reported']})",
+        source=f"{cond['hardware']['source']}; {cond['link']['source']}",
     )
