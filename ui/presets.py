@@ -136,6 +136,10 @@ PRESETS: dict[str, dict[str, tuple[str, dict[str, str]]]] = {
         "큰 예산": ("토큰 예산 256: 한 스텝에 다 들어갈 때", _w(ch14_budget=256)),
     },
     "15": {
+        "아주 긴 프롬프트": (
+            "decode 중에 900토큰 프롬프트가 도착: 함께 배치 쪽의 토큰 간격이 얼마나 튀나",
+            _w(ch15_long_len=900),
+        ),
         "짧은 프롬프트, 느린 링크": (
             "128토큰의 K/V를 25 Gb/s 이더넷으로: 전송이 이득을 삼키는 쪽",
             _w(ch15_bytes_tokens=128, ch15_bytes_link="eth25"),

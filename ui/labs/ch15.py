@@ -13,7 +13,7 @@ from ui.experiments.ch15 import kv_bytes_of, link_names, link_rows, link_time
 from ui.experiments.common import measurement_conditions
 from ui.lab import LabContext, Progress, Side, run_results
 from ui.predict import compare, predict
-from ui.session import build_engine, current_settings, get_engine
+from ui.session import build_engine, current_settings, get_engine, persist_key
 from ui.widgets import evidence, show_frame
 
 TIER_KEY = "ch15_tier"
@@ -152,9 +152,13 @@ SPLIT_CHOICES = ["함께 배치만", "분리만", "둘 다", "둘 다 아님"]
 LONG_COLUMN = "그 스텝에서 계산한 긴 프롬프트 토큰"
 
 
+CHANNEL = "_ch15_channel"
+persist_key(CHANNEL)  # a reload keeps the name, hence the pair's engines (their overrides name it)
+
+
 def _channel() -> str:
     """This session's channel name: the pair's two engines meet there, no other session's do."""
-    return st.session_state.setdefault("_ch15_channel", f"ch15-{uuid.uuid4().hex[:12]}")
+    return st.session_state.setdefault(CHANNEL, f"ch15-{uuid.uuid4().hex[:12]}")
 
 
 def lab_sides() -> list[Side]:
