@@ -707,6 +707,7 @@ class EngineCore:
             s.num_recomputed_tokens,
             num_external_tokens=s.num_external_tokens,
         )
+        record.mask_report = runner_output.mask_reports.get(s.request_id)
         results = runner_output.sampled.get(s.request_id, [])
         if s.draft_token_ids and results:
             record.draft_token_ids = list(s.draft_token_ids)

@@ -136,6 +136,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
+    # Per step, this many most likely tokens before and after the grammar mask and the probability
+    # mass the mask removed (StepRecord's mask_report; chapter 16's lab). 0: off, costs nothing.
+    report_top_tokens: int = 0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -220,11 +223,19 @@ class SamplingParams:
             "stop_token_ids",
             f"stop_token_ids must be integers in [0, {MAX_INT32}]",
         )
+        self._verify_structured_outputs()
+
+    def _verify_structured_outputs(self) -> None:
         require(
             self.structured_outputs is None
             or isinstance(self.structured_outputs, StructuredOutputsParams),
             "structured_outputs",
             "structured_outputs must be a StructuredOutputsParams",
+        )
+        require(
+            _in_range(self.report_top_tokens, 0, MAX_LOGPROBS),
+            "report_top_tokens",
+            f"report_top_tokens must be in [0, {MAX_LOGPROBS}], got {self.report_top_tokens!r}",
         )
         if self.structured_outputs is not None:
             self.structured_outputs.verify()

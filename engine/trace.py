@@ -12,6 +12,20 @@ PHASES = ("schedule", "prepare_inputs", "forward", "sample", "output_processing"
 
 
 @dataclass
+class MaskReport:
+    """One sampled row before and after its grammar mask (asked for with
+    SamplingParams.report_top_tokens): the most likely tokens as (token id, probability) under the
+    model's distribution (softmax of the logits), then under the masked one (renormalized over the
+    allowed tokens), and the probability the mask took away: 1 − the allowed tokens' sum. A row
+    without a mask reports the same list twice and 0 removed."""
+
+    top_before: list[tuple[int, float]]
+    top_after: list[tuple[int, float]]
+    removed_mass: float
+    num_allowed: int
+
+
+@dataclass
 class ScheduledRecord:
     request_id: str
     phase: str  # prefill / chunked_prefill / decode
@@ -26,6 +40,7 @@ class ScheduledRecord:
     bonus_token_id: int | None = None  # the model's own token after them (correction or bonus)
     num_external_tokens: int = 0  # admitted with this many tokens loaded by the KV connector
     num_allowed_tokens: int | None = None  # structured outputs: tokens its grammar mask allowed
+    mask_report: MaskReport | None = None  # if its SamplingParams.report_top_tokens asked
 
     @property
     def num_draft_tokens(self) -> int:

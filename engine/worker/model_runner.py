@@ -24,8 +24,9 @@ from engine.kv_connector import KVConnectorMetadata, KVTransferRecord
 from engine.layers.attention import AttentionMetadata, build_attention_metadata
 from engine.models.llama import LlamaModel
 from engine.sample.rejection_sampler import RejectionSampler
-from engine.sample.sampler import Sampler, SampleResult
+from engine.sample.sampler import Sampler, SampleResult, apply_grammar_bitmask
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.trace import MaskReport
 from engine.worker.kv_connector import KVConnectorWorker
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,8 @@ class ModelRunnerOutput:
     # whose load failed: left out of this forward, the scheduler sends them back to recompute
     kv_transfers: list[KVTransferRecord] = field(default_factory=list)
     failed_kv_loads: list[str] = field(default_factory=list)
+    # requests that asked (SamplingParams.report_top_tokens): their row before and after the mask
+    mask_reports: dict[str, MaskReport] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -167,13 +170,15 @@ class ModelRunner:
         if logits is not None:
             sampled, failed = self.sample_and_verify(logits, producing, sched.grammar_bitmask)
         t3 = time.perf_counter()
+        reports = mask_reports(logits, producing, sched.grammar_bitmask) if producing else {}
         timings = {
             "prepare_inputs": t1 - t0,
             "forward": t2 - t1,
             "sample": t3 - t2,
             "swap": swap_seconds,
         }
-        return self._finish_kv(ModelRunnerOutput(sampled, timings, failed), kv)
+        output = ModelRunnerOutput(sampled, timings, failed, mask_reports=reports)
+        return self._finish_kv(output, kv)
 
     def _copy_before_forward(self, sched: SchedulerOutput) -> tuple:
         """The KV connector's stores (to its host tier), the swaps, then its loads, in that
@@ -292,3 +297,48 @@ def with_logprobs(
         top_logprobs = {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist()))
         results.append(SampleResult(token, row[token].item(), top_logprobs))
     return results
+
+
+def mask_reports(
+    logits: torch.Tensor | None,
+    producing: list[ScheduledRequest],
+    grammar_bitmask: dict[str, bytes] | None,
+) -> dict[str, MaskReport]:
+    """The requests that asked for it (report_top_tokens > 0) and sampled one row: their row
+    before and after the grammar mask. Outside the timed sample phase, and nothing is computed
+    for a request that did not ask."""
+    wanted = [s for s in producing if s.sampling_params.report_top_tokens and not s.draft_token_ids]
+    if logits is None or not wanted:
+        return {}
+    rows = {}
+    row = 0
+    for s in producing:
+        rows[s.request_id] = row
+        row += 1 + len(s.draft_token_ids)
+    masks = grammar_bitmask or {}
+    return {
+        s.request_id: mask_report(
+            logits[rows[s.request_id]],
+            masks.get(s.request_id),
+            s.sampling_params.report_top_tokens,
+        )
+        for s in wanted
+    }
+
+
+def mask_report(row: torch.Tensor, mask: bytes | None, top: int) -> MaskReport:
+    """One row's `top` tokens before and after its mask, and the probability mass it removed."""
+    raw = row.float().unsqueeze(0)
+    masked = apply_grammar_bitmask(raw, [mask])[0]
+    probs = torch.softmax(raw[0], dim=-1)
+    allowed = torch.isfinite(masked)
+    num_allowed = int(allowed.sum())
+    before = probs.topk(min(top, probs.numel()))
+    pairs_before = list(zip(before.indices.tolist(), before.values.tolist()))
+    if num_allowed == 0:
+        return MaskReport(pairs_before, [], 1.0, 0)
+    masked_probs = torch.softmax(masked, dim=-1)
+    after = masked_probs.topk(min(top, num_allowed))
+    removed = max(0.0, 1.0 - float(probs[allowed].sum()))
+    pairs_after = list(zip(after.indices.tolist(), after.values.tolist()))
+    return MaskReport(pairs_before, pairs_after, removed, num_allowed)
