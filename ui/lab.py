@@ -85,6 +85,9 @@ class Side:
     key: str
     label: str = ""
     overrides: dict = field(default_factory=dict)
+    # SamplingParams fields for every request this side gets (chapter 16: one side's requests
+    # under a grammar, the other's free)
+    request_params: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -322,6 +325,7 @@ def add_prompt(
                 temperature=float(temperature),
                 top_p=float(top_p),
                 seed=seed,
+                **side.request_params,
             )
             request = engine.add_request(text, params)
         except (InvalidRequestError, ValueError) as exc:
