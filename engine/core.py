@@ -652,7 +652,7 @@ class EngineCore:
         for record in scheduled:
             record.num_allowed_tokens = scheduler_output.grammar_num_allowed.get(record.request_id)
         self._count_speculation(scheduled)
-        self._count_kv_transfers(runner_output)
+        kv_seconds = self._count_kv_transfers(runner_output)
         finished = {o.request_id: o.finish_reason for o in outputs if o.finished}
         kv = self.kv_cache_manager.snapshot()
         queries, hits = self._prefix_cache_counts
@@ -667,6 +667,7 @@ class EngineCore:
                 "sample": runner_output.timings.get("sample", 0.0),
                 "output_processing": timer.laps["output_processing"],
                 **({"propose": timer.laps["propose"]} if "propose" in timer.laps else {}),
+                **({"kv_transfer": kv_seconds} if runner_output.kv_transfers else {}),
             },
             scheduled=scheduled,
             unscheduled=scheduler_output.unscheduled,
@@ -722,13 +723,16 @@ class EngineCore:
                 self.stats["spec_decode_num_draft_tokens"] += len(record.draft_token_ids)
                 self.stats["spec_decode_num_accepted_tokens"] += record.num_accepted_tokens
 
-    def _count_kv_transfers(self, runner_output: ModelRunnerOutput) -> None:
+    def _count_kv_transfers(self, runner_output: ModelRunnerOutput) -> float:
+        """Add the step's KV copies to the stats; their measured seconds (a phase of the step)."""
+        seconds = sum(record.seconds for record in runner_output.kv_transfers)
         for record in runner_output.kv_transfers:
             if record.ok:
                 self.stats[f"kv_{record.direction}_blocks"] += record.num_blocks
                 self.stats["kv_transfer_bytes"] += record.num_bytes
-            self.stats["kv_transfer_seconds"] += record.seconds
+        self.stats["kv_transfer_seconds"] += seconds
         self.stats["kv_failed_loads"] += len(runner_output.failed_kv_loads)
+        return seconds
 
     def _retire(self, request: Request) -> None:
         self.live_requests.pop(request.request_id, None)

@@ -85,6 +85,7 @@ def test_an_evicted_prefix_comes_back_from_the_tier_with_the_same_tokens(tiny_mo
     c_admission = next(r for r in records["c"] if r.scheduled)
     (c,) = c_admission.scheduled
     assert (c.num_prefix_hit_tokens, c.num_external_tokens) == (16, 32)
+    assert c_admission.timings["kv_transfer"] == sum(t.seconds for t in c_admission.kv_transfers)
     assert c.num_computed_tokens == 48 and c.num_tokens == len(SCRIPT[2][1]) - 48
     plain_c = next(r for r in plain_records["c"] if r.scheduled).scheduled[0]
     assert (plain_c.num_prefix_hit_tokens, plain_c.num_computed_tokens) == (16, 16)
