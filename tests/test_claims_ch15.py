@@ -31,7 +31,7 @@ def make_engine(tiny_model_dir):
 def test_tier_hit_sits_between_device_hit_and_miss(make_engine):
     probe = make_engine(block_size=B, num_kv_blocks=8, max_model_len=128)
     bytes_per_token = ch15.kv_bytes_of(probe.model_config, probe.dtype.itemsize, 1).total
-    device, tier, miss = ch15.tier_experiment(make_engine, B, bytes_per_token)
+    device, tier, miss = ch15.tier_experiment(make_engine, B, bytes_per_token, repeats=1)
     prefix = ch15.TIER_PREFIX_BLOCKS * B
     assert (device.device_hit_tokens, device.tier_hit_tokens) == (prefix, 0)
     assert (tier.device_hit_tokens, tier.tier_hit_tokens) == (0, prefix)

@@ -9,7 +9,7 @@ by the functions below them; nothing here invents a time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -109,6 +109,7 @@ class TierCase:
     load_seconds: float  # measured copies host tier → device
     tier_stats: dict  # the connector's counters after the run ({} without a tier)
     output_token_ids: list[int]
+    ttft_runs_s: list[float] = field(default_factory=list)  # every repeat's TTFT
 
 
 def _send(engine, token_ids: list[int], name: str) -> tuple[object, list]:
@@ -186,27 +187,45 @@ def tier_prompts(engine, block_size: int) -> dict[str, list[int]]:
     return {"A": prefix + q1, "B": prompt_ids(engine, b_len, 3), "A2": prefix + q2}
 
 
+TIER_REPEATS = 3  # each case this many times, interleaved; the median TTFT is shown
+
+
 def tier_experiment(
-    make_engine, block_size: int, bytes_per_token: int, tier_blocks: int = 32, progress=None
+    make_engine,
+    block_size: int,
+    bytes_per_token: int,
+    tier_blocks: int = 32,
+    repeats: int = TIER_REPEATS,
+    progress=None,
 ) -> list[TierCase]:
     """The same request (shared prefix + a new question) in three situations, each on a fresh
     engine: its prefix still in the device cache (A, then A2), evicted to the host tier (A, B
-    that fills the cache, then A2; tier on), evicted with no tier (the same, tier off)."""
+    that fills the cache, then A2; tier on), evicted with no tier (the same, tier off). The three
+    run in turn `repeats` times (a busy machine slows them alike); each case keeps the run with
+    the median TTFT, and every run's TTFT."""
     plans = [
         (TIER_CASES[0], tier_blocks, ("A", "A2")),
         (TIER_CASES[1], tier_blocks, ("A", "B", "A2")),
         (TIER_CASES[2], 0, ("A", "B", "A2")),
     ]
-    cases = []
-    for case, blocks, order in plans:
-        engine = make_engine(**tier_engine_overrides(block_size, blocks, bytes_per_token))
-        prompts = tier_prompts(engine, block_size)
-        for name in order:
-            request, records = _send(engine, prompts[name], name)
-        cases.append(_case_of(case, engine, request, records))
-        if progress is not None:
-            progress()
-    return cases
+    runs: dict[str, list[TierCase]] = {case: [] for case, _, _ in plans}
+    for _ in range(max(1, repeats)):
+        for case, blocks, order in plans:
+            engine = make_engine(**tier_engine_overrides(block_size, blocks, bytes_per_token))
+            prompts = tier_prompts(engine, block_size)
+            for name in order:
+                request, records = _send(engine, prompts[name], name)
+            runs[case].append(_case_of(case, engine, request, records))
+            if progress is not None:
+                progress()
+    return [_median_run(found) for found in runs.values()]
+
+
+def _median_run(found: list[TierCase]) -> TierCase:
+    ordered = sorted(found, key=lambda c: c.ttft_s)
+    middle = ordered[len(ordered) // 2]
+    middle.ttft_runs_s = [c.ttft_s for c in found]
+    return middle
 
 
 def tier_table(cases: list[TierCase]) -> pd.DataFrame:
@@ -214,7 +233,8 @@ def tier_table(cases: list[TierCase]) -> pd.DataFrame:
         [
             {
                 "경우": c.case,
-                "TTFT (ms, 엔진 시계)": round(1e3 * c.ttft_s, 2),
+                "TTFT 중앙값 (ms, 엔진 시계)": round(1e3 * c.ttft_s, 2),
+                "반복한 TTFT (ms)": ", ".join(f"{1e3 * t:.1f}" for t in c.ttft_runs_s),
                 "첫 토큰까지 스텝": c.steps_to_first_token,
                 "장치에서 찾은 토큰": c.device_hit_tokens,
                 "계층에서 불러온 토큰": c.tier_hit_tokens,

@@ -99,7 +99,7 @@ def tier_section(engine_key: str, overrides: dict) -> None:
         locked=cases is not None,
     )
     if st.button("계층 실험 실행", key="ch15_tier_run"):
-        bar = Progress(3, "경우")
+        bar = Progress(3 * ch15.TIER_REPEATS, "실행")
         try:
             engine = get_engine(engine_key, **overrides)
             per_token = ch15.kv_bytes_of(engine.model_config, engine.dtype.itemsize, 1).total
@@ -117,7 +117,8 @@ def tier_section(engine_key: str, overrides: dict) -> None:
     engine = get_engine(engine_key, **overrides)
     evidence(
         "측정값",
-        f"A2의 TTFT: 장치에서 찾음 {1e3 * device.ttft_s:.1f} ms, 계층에서 찾음 "
+        f"A2의 TTFT ({ch15.TIER_REPEATS}번 잰 중앙값): 장치에서 찾음 {1e3 * device.ttft_s:.1f} ms, "
+        "계층에서 찾음 "
         f"{1e3 * tier.ttft_s:.1f} ms (불러오기 {1e3 * tier.load_seconds:.2f} ms 포함), 못 찾음 "
         f"{1e3 * miss.ttft_s:.1f} ms (엔진 시계); 첫 토큰까지 스텝 {device.steps_to_first_token}, "
         f"{tier.steps_to_first_token}, {miss.steps_to_first_token}",
@@ -132,6 +133,12 @@ def tier_section(engine_key: str, overrides: dict) -> None:
         f"불러온 바이트 {tier.load_bytes:,} B",
         **measurement_conditions(engine, 블록크기=block_size),
     )
+    if _tier_order(cases) != TIER_CHOICES[0]:
+        st.warning(
+            "이번 측정의 TTFT 순서는 계산량의 순서(첫 토큰까지 스텝과 계산한 프롬프트 토큰)와 "
+            "다릅니다. 한 스텝의 시간은 이 기계의 다른 일에 따라 크게 흔들립니다. 표의 반복한 "
+            "TTFT를 보고, 다시 실행해 보세요."
+        )
     if device.output_token_ids == tier.output_token_ids == miss.output_token_ids:
         st.success(
             "세 경우 모두 A2의 출력 토큰이 같습니다(측정값). 계층은 계산을 건너뛰게 할 뿐, "
