@@ -186,28 +186,39 @@ class InProcessConnector(KVConnectorBase_V1):
         self._saved: dict[str, int] = {}  # request id → tokens saved (producer)
         self._loaded: set[str] = set()  # requests whose one load was planned (consumer)
         self._loads: list[KVLoad] = []
+        self._drops: list[str] = []  # keys sent but never to be loaded: the channel forgets them
         self.stats = {"saves": 0, "loads": 0, "load_tokens": 0, "failed_loads": 0}
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+    def _key_to_load(self, request: Request) -> str | None:
+        """The key of K/V sent for this consumer request and not taken yet, else None."""
         params = request.kv_transfer_params
         if not self.config.is_kv_consumer or not params or request.request_id in self._loaded:
+            return None
+        key = params.get("remote_request_id")
+        return None if key is None else str(key)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        if self._key_to_load(request) is None:
             return 0
-        if "remote_request_id" not in params:
-            return 0
-        available = min(int(params.get("num_tokens", 0)), request.num_tokens - 1)
+        available = min(
+            int(request.kv_transfer_params.get("num_tokens", 0)), request.num_tokens - 1
+        )
         return max(available - num_computed_tokens, 0)
 
     def update_state_after_alloc(
         self, request: Request, block_ids: list[int], num_external_tokens: int
     ) -> None:
-        if num_external_tokens <= 0:
+        key = self._key_to_load(request)
+        if key is None:
+            return
+        self._loaded.add(request.request_id)
+        if num_external_tokens <= 0:  # its own prefix cache had all of it: drop what was sent
+            self._drops.append(key)
             return
         start = request.num_computed_tokens // self.block_size
         end = cdiv(request.num_computed_tokens + num_external_tokens, self.block_size)
-        key = str(request.kv_transfer_params["remote_request_id"])
         load = KVLoad(request.request_id, key, block_ids[start:end], num_external_tokens, start)
         self._loads.append(load)
-        self._loaded.add(request.request_id)
         self.stats["loads"] += 1
         self.stats["load_tokens"] += num_external_tokens
 
@@ -221,10 +232,13 @@ class InProcessConnector(KVConnectorBase_V1):
                     saves.append(KVSave(s.request_id, s.request_id, blocks, num_tokens))
                     self._saved[s.request_id] = num_tokens
                     self.stats["saves"] += 1
-        loads, self._loads = self._loads, []
-        return KVConnectorMetadata(loads=loads, saves=saves)
+        (loads, self._loads), (drops, self._drops) = (self._loads, []), (self._drops, [])
+        return KVConnectorMetadata(loads=loads, saves=saves, drops=drops)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        key = self._key_to_load(request)
+        if key is not None:  # ended (aborted, failed) before it was admitted: drop what was sent
+            self._drops.append(key)
         self._loaded.discard(request.request_id)
         num_tokens = self._saved.pop(request.request_id, None)
         if num_tokens is None:

@@ -249,3 +249,21 @@ def test_a_consumer_loads_only_what_its_own_prefix_cache_lacks(tiny_model_dir):
     second = next(r for r in loads if r.request_id == "second")
     assert second.num_tokens == len(requests["second"]) - 1 - 48
     assert second.num_blocks == cdiv(len(requests["second"]) - 1, BLOCK) - 3
+
+
+def test_what_a_consumer_never_loads_is_dropped_from_the_channel(tiny_model_dir):
+    """The same 49-token prompt twice: the second time the consumer's own prefix cache holds the
+    48 tokens it could load, so it loads nothing and the channel drops what the producer sent.
+    Nothing stays on the channel."""
+    prompt = [3 + (5 * j) % 1990 for j in range(49)]
+    pair = make_disaggregated_pair(config(tiny_model_dir))
+    channel = pair.decode.executor.worker.runner.kv_connector.channel
+    loads = []
+    for request_id in ("x", "y"):
+        pair.add_request(prompt_token_ids=prompt, sampling_params=greedy(), request_id=request_id)
+        while pair.has_unfinished_requests():
+            step = pair.step()
+            loads += [r.request_id for r in (step.decode.kv_transfers if step.decode else [])]
+    assert loads == ["x"]
+    assert pair.get_request("y").output_token_ids == pair.get_request("x").output_token_ids
+    assert channel.entries == {}

@@ -50,6 +50,11 @@ class KVChannel(ABC):
         """The K/V sent under `key` and its token count (taken: a key is received once), or
         None when nothing was sent under it."""
 
+    def discard(self, key: str) -> None:
+        """Forget what was sent under `key`: the consumer will not load it (its own prefix cache
+        had the tokens, or the request ended first). A channel that keeps what it received until
+        asked must drop it here; a channel that holds nothing has nothing to do."""
+
 
 class InProcessChannel(KVChannel):
     """Two engines in one process: a dict. Found by name (kv_connector_extra_config["channel"])
@@ -75,6 +80,9 @@ class InProcessChannel(KVChannel):
 
     def recv(self, key: str) -> tuple[torch.Tensor, int] | None:
         return self.entries.pop(key, None)
+
+    def discard(self, key: str) -> None:
+        self.entries.pop(key, None)
 
     @property
     def num_bytes(self) -> int:
@@ -180,6 +188,11 @@ class ChannelConnectorWorker(KVConnectorWorker):
     def __init__(self, config: KVTransferConfig, channel: KVChannel):
         super().__init__(config)
         self.channel = channel
+
+    def store_kv(self, meta: KVConnectorMetadata) -> list[KVTransferRecord]:
+        for key in meta.drops:  # sent, but the consumer will not load them
+            self.channel.discard(key)
+        return []
 
     def save(self, save: KVSave) -> int:
         kv = self.gather(save.block_ids)
