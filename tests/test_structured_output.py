@@ -69,6 +69,8 @@ def test_mask_comes_before_greedy_temperature_and_top_k():
     masked = apply_grammar_bitmask(logits, masks)
     assert torch.equal(masked[1], logits[1])  # the free row, and the input is left as it was
     assert torch.isinf(masked[0]).sum() == vocab - len(allowed)
+    wider = apply_grammar_bitmask(torch.zeros(2, 140), masks[:2])  # past the grammar's vocab
+    assert torch.isinf(wider[0]).sum() == 140 - len(allowed) and not torch.isinf(wider[1]).any()
     sampler = Sampler()
     greedy = SamplingParams(temperature=0, logprobs=2)
     out = sampler(logits, ["a", "b", "c"], [greedy] * 3, masks)
@@ -278,3 +280,20 @@ def test_real_model_outputs_validate_against_every_schema(default_model_dir):
         out = final[request_id]
         assert out.finish_reason == "stop", (request_id, out.text)
         jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_bench_part_reports_the_mask_time_per_step(make_engine):
+    """`python -m engine bench` (section 4): free and JSON-schema decode side by side, the mask's
+    median time per step, the allowed-token count, the schema's compile time cold and cached."""
+    from engine.tools.bench.structured import BATCHES, format_structured_outputs
+    from engine.tools.bench.structured import run_structured_outputs as run
+
+    result = run(make_engine(max_model_len=256, num_kv_blocks=64), output_len=6)
+    rows = result["rows"]
+    assert set(rows) == {f"{kind} × {b}" for kind in ("free", "json_schema") for b in BATCHES}
+    for b in BATCHES:
+        assert rows[f"free × {b}"]["mask_ms"] == 0 and rows[f"json_schema × {b}"]["mask_ms"] > 0
+        assert rows[f"json_schema × {b}"]["allowed_tokens_median"] >= 1
+    assert result["compile"]["cached_ms"] < result["compile"]["cold_ms"]
+    text = "\n".join(format_structured_outputs(result))
+    assert "structured outputs (llguidance" in text and "json_schema × 4" in text

@@ -21,7 +21,9 @@ One module per section, all run in one process, on one artifact and one dtype, i
 3. decode.py — decode at batch 1: tokens/s and its fraction of the decode roofline.
 4. decode.py — engine overhead: the share of a step's wall time spent outside the model forward
    (scheduling, input preparation, sampling, output processing, bookkeeping), at batch 1 and at
-   full batch.
+   full batch. With it, structured.py: the same prompt decoded free and under a JSON schema
+   (batch 1 and 4): the grammar mask's time per step, the sampler's, the allowed-token count, and
+   the schema's compile time cold and cached.
 5. latency.py — latency under load: Poisson arrivals at a few rates through the in-process
    AsyncLLM; TTFT, TPOT and E2E percentiles and the throughput reached.
 6. kernels.py — (CPU, float32, full runs) our C++ kernels against torch's linear and attention,

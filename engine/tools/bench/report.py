@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine.tools.bench.structured import format_structured_outputs
 from engine.tools.bench.timing import ratio
 
 
@@ -16,6 +17,7 @@ def format_results(r: dict) -> str:
     lines += format_offline(r["offline"])
     lines += format_decode_batch1(r["decode_batch1"])
     lines += format_overhead(r["overhead"])
+    lines += format_structured_outputs(r.get("structured_outputs"))
     lines += format_latency(r["latency"])
     lines += format_kernels(r.get("kernels"))
     lines += format_targets(r["targets"])

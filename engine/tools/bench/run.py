@@ -37,6 +37,7 @@ from engine.tools.bench.offline import (
 from engine.tools.bench.report import format_fidelity, format_results
 from engine.tools.bench.results import LATEST_RESULTS, device_name, save_results
 from engine.tools.bench.spec_decode import run_spec_decode
+from engine.tools.bench.structured import run_structured_outputs
 from engine.tools.bench.targets import evaluate_targets
 from engine.tools.bench.variants import llama_cpp_peer, measure_variants
 from engine.tools.workload import WorkItem, make_workload
@@ -281,6 +282,8 @@ def run_overhead(run: BenchRun, batch1: dict) -> None:
         "batch_1": batch1,
         "full_batch": step_breakdown(run_steps(run.engine, full), config.max_num_seqs),
     }
+    run.log("  structured outputs: free and JSON-schema decode, the mask's time per step")
+    run.results["structured_outputs"] = run_structured_outputs(run.engine, config.probe_output_len)
 
 
 def run_latency_section(run: BenchRun, offline_requests_per_s: float) -> None:
