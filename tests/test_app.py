@@ -73,11 +73,11 @@ def engine_of(at: AppTest, key: str):
 
 
 def test_navigation_lists_every_chapter(app):
-    """What the running app registered with st.navigation: a page per chapter 00-15, ready
+    """What the running app registered with st.navigation: a page per chapter 00-16, ready
     chapters as their files, the rest as 준비 중 pages, every URL plain ASCII."""
     from ui.lesson import PAGES
 
-    assert sorted(PAGES) == [f"{i:02d}" for i in range(16)]
+    assert sorted(PAGES) == [f"{i:02d}" for i in range(17)]
     for ch in CHAPTERS:
         page = PAGES[ch.id]
         assert ch.url_path.isascii()

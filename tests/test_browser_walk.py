@@ -1,6 +1,6 @@
 """A learner's walk through every chapter, in a real browser on the real default model.
 
-For each chapter 00–15: open the page, put its default work into its lab (the workload, or the
+For each chapter 00–16: open the page, put its default work into its lab (the workload, or the
 first example request), step it three times, check that the sidebar's 엔진 상태 reads the same
 engine at the same step as the lab's counters, reload the page and find the same step again, then
 run the lab to the end and check what the learner sees: no refusal warning, no U+FFFD, no
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 TIMEOUT_MS = 240_000
 DOC_SHOTS = ROOT / "docs" / "screenshots"
-CHAPTERS = [f"{i:02d}" for i in range(16)]
+CHAPTERS = [f"{i:02d}" for i in range(17)]
 # A chapter whose lab has no step controls: the button that runs its default experiment.
 NO_STEP_LAB = {"01": "HTTP 요청 보내기 (stream=True)", "05": "실행"}
 LAB_COUNTER = re.compile(r"스텝 (\d+) · KV 블록 (\d+)/(\d+)")
@@ -48,6 +48,7 @@ SHOWS = {
     ),
     "13": (("토큰 하나하나까지 같습니다", "이 실험이 보여 줄 것", "받아들임"), 3),
     "15": (("요청마다 건너간 길", "짧은 요청들의 토큰 간격", "측정값"), 2),
+    "16": (("스텝마다 마스크가 한 일", "마스크가 지운 확률", "측정값"), 0),
 }
 
 app_url, page = chapter_fixtures("walk", TIMEOUT_MS)

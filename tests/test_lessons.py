@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS = ROOT / "lessons"
-# Every chapter whose lesson exists (00-15 as they land).
+# Every chapter whose lesson exists (00-16 as they land).
 CHAPTERS = sorted(p.stem[2:] for p in LESSONS.glob("ch[0-9][0-9].md"))
 MARK = re.compile(r"\*\*\[([^\]\n]+)\]\*\*")
 # Widget kinds whose label a learner can read and act on (AppTest accessor names).

@@ -46,8 +46,8 @@ def ids(v):
     return v if isinstance(v, (str, int)) else ""
 
 
-def test_quiz_files_exist_for_chapters_00_to_15():
-    assert {f"{i:02d}" for i in range(16)} <= set(CHAPTER_IDS)
+def test_quiz_files_exist_for_chapters_00_to_16():
+    assert {f"{i:02d}" for i in range(17)} <= set(CHAPTER_IDS)
 
 
 @pytest.mark.parametrize("cid", CHAPTER_IDS)
@@ -132,6 +132,7 @@ WRONG = {
     ("13", 5): ["1", "1.875", "2.5", "3", "무한대", "2를 넘을 수 있다, 아니다"],
     ("14", 5): ["6", "2.4", "0.42", "8.5", "14", "16", "15가 아니다"],
     ("15", 3): ["24576", "1228800", "4915200", "2457.6", "245760", "2,457,600이 아니다"],
+    ("16", 3): ["6144", "131072", "4096", "32768", "524288", "16,384가 아니다"],
 }
 
 

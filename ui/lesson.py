@@ -48,7 +48,7 @@ NEXT_HEADING = "## 다음 장"
 
 @dataclass(frozen=True)
 class Chapter:
-    id: str  # "00" … "15"
+    id: str  # "00" … "16"
     title: str  # Korean title shown in the navigation
     section: str
     icon: str  # a Material icon (bundled with Streamlit, so it renders without emoji fonts)
@@ -98,6 +98,7 @@ CHAPTERS = [
     Chapter("13", "13 · speculative decoding", "최적화", ":material/bolt:"),
     Chapter("14", "14 · API 서버와 스트리밍", "서빙", ":material/public:"),
     Chapter("15", "15 · prefill/decode 분리와 KV 캐시 계층", "서빙", ":material/call_split:"),
+    Chapter("16", "16 · 구조화된 출력", "서빙", ":material/data_object:"),
 ]
 SECTIONS = ["기초", "메모리", "배칭과 스케줄링", "최적화", "서빙"]
 
