@@ -149,6 +149,20 @@ PRESETS: dict[str, dict[str, tuple[str, dict[str, str]]]] = {
             _w(ch15_bytes_tokens=8192, ch15_bytes_link="nvlink"),
         ),
     },
+    "16": {
+        "enum과 숫자 범위": (
+            "날씨 스키마: enum 값과 −30~45의 숫자에서 마스크가 무엇을 지우나",
+            _w(ch16_kind="JSON 스키마", ch16_constraint="날씨 (enum + 숫자 범위 −30–45)"),
+        ),
+        "정규식 날짜": (
+            "YYYY-MM-DD: 모양은 맞아도 날짜는 틀릴 수 있다",
+            _w(ch16_kind="정규식", ch16_constraint="날짜 (정규식 YYYY-MM-DD)"),
+        ),
+        "선택지 셋": (
+            "선택지 3개: 첫 스텝에서 지운 확률이 거의 1인 경우",
+            _w(ch16_kind="선택지", ch16_constraint="감정 (선택지 3개)"),
+        ),
+    },
 }
 
 
