@@ -269,3 +269,48 @@ def test_a_collective_completed_just_after_its_wait_slice_is_a_success_not_a_fai
     assert failures == []
     with pytest.raises(ExecutorDiedError, match="Connection reset by peer"):
         executor._wait(_LateWork(error="Connection reset by peer"))
+
+
+def test_workers_connect_only_after_every_worker_is_started(monkeypatch):
+    """The driver's store thread resolves each connecting worker's name; a worker forked while it
+    held glibc's resolver lock hung in its own first lookup (tp 3, 1 start-up in about 50 under
+    load). So no worker may connect before the last one is started: each waits on an Event that
+    the driver sets after the last start."""
+    import threading as _threading
+
+    import torch
+
+    from engine.executor import multiproc
+
+    seen: list[bool] = []
+
+    class FakeProcess:
+        def __init__(self, target, args, name, daemon):
+            self.all_started = args[-1]
+
+        def start(self):
+            seen.append(self.all_started.is_set())
+
+    class FakeContext:
+        Process = FakeProcess
+        Event = _threading.Event
+
+    class Connected(Exception):
+        pass
+
+    def connect(self, store, size):
+        seen.append(self.ranks.processes[-1].all_started.is_set())
+        raise Connected
+
+    monkeypatch.setattr(torch.multiprocessing, "get_context", lambda method: FakeContext)
+    monkeypatch.setattr(multiproc.MultiprocExecutor, "_connect", connect)
+    monkeypatch.setattr(multiproc, "_stop_ranks", lambda ranks: None)
+    executor = multiproc.MultiprocExecutor.__new__(multiproc.MultiprocExecutor)
+    executor.torchrun, executor.start_method = False, "fork"
+    executor.master_addr, executor.master_port = "127.0.0.1", None
+    executor.tp, executor.pp, executor.world_size = 3, 1, 3
+    executor.spec = {"device": torch.device("cpu"), "dtype": torch.bfloat16}
+    executor.ranks = multiproc._Ranks()
+    with pytest.raises(Connected):
+        executor._start()
+    assert seen == [False, False, False, True]

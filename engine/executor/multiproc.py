@@ -337,15 +337,28 @@ def _die_with_parent(interval_s: float = 1.0) -> None:
 
 
 def _worker_main(
-    rank: int, tp: int, pp: int, env: dict, control_addr: tuple[str, int, int], threads: int
+    rank: int,
+    tp: int,
+    pp: int,
+    env: dict,
+    control_addr: tuple[str, int, int],
+    threads: int,
+    all_started,
 ) -> None:
     """A spawned worker: join the driver's control group (as rank + 1; the driver is 0), then
-    serve its messages (the first, "load", joins the data group and loads the shard)."""
+    serve its messages (the first, "load", joins the data group and loads the shard).
+
+    It connects only once every worker is started (`all_started`, an Event): the driver's store
+    thread resolves each connecting peer's name, and a worker forked while it held glibc's
+    resolver lock inherited that lock held and hung in its own first name lookup (1 start-up in
+    about 50 under load, tp 3)."""
     _die_with_parent()
     _close_inherited_tcp_sockets()
     os.environ.update(env)  # torchrun's names: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, ...
     status = 1
     try:
+        if not all_started.wait(STARTUP_TIMEOUT_S):
+            raise TimeoutError("the engine did not finish starting its workers")
         if threads:
             torch.set_num_threads(threads)
         host, port, size = control_addr
@@ -530,6 +543,7 @@ class MultiprocExecutor(Executor):
             threads = max(1, torch.get_num_threads() // self.world_size)
             if self.spec["dtype"] == torch.float32:  # every rank the same float32 linear library
                 same_library = {FLOAT32_LINEAR_ENV: float32_linear_backend()["backend"]}
+        all_started = ctx.Event()
         for rank in range(self.world_size):
             env = {
                 **same_library,
@@ -542,12 +556,16 @@ class MultiprocExecutor(Executor):
             }
             p = ctx.Process(
                 target=_worker_main,
-                args=(rank, self.tp, self.pp, env, (self.master_addr, store.port, size), threads),
+                args=(
+                    rank, self.tp, self.pp, env, (self.master_addr, store.port, size), threads,
+                    all_started,
+                ),
                 name=f"engine-worker-{rank}",
                 daemon=True,
-            )
+            )  # fmt: skip
             p.start()
             self.ranks.processes.append(p)
+        all_started.set()
         self.master_port = port
         self.ranks.control = ControlGroup(self._connect(store, size), 0, size)
 
