@@ -201,16 +201,17 @@ def tier_experiment(
     """The same request (shared prefix + a new question) in three situations, each on a fresh
     engine: its prefix still in the device cache (A, then A2), evicted to the host tier (A, B
     that fills the cache, then A2; tier on), evicted with no tier (the same, tier off). The three
-    run in turn `repeats` times (a busy machine slows them alike); each case keeps the run with
-    the median TTFT, and every run's TTFT."""
+    run in turn `repeats` times, each turn starting with the next case (a busy machine slows them
+    alike, and no case always runs first); each case keeps the run with the median TTFT, and
+    every run's TTFT."""
     plans = [
         (TIER_CASES[0], tier_blocks, ("A", "A2")),
         (TIER_CASES[1], tier_blocks, ("A", "B", "A2")),
         (TIER_CASES[2], 0, ("A", "B", "A2")),
     ]
     runs: dict[str, list[TierCase]] = {case: [] for case, _, _ in plans}
-    for _ in range(max(1, repeats)):
-        for case, blocks, order in plans:
+    for turn in range(max(1, repeats)):
+        for case, blocks, order in plans[turn % 3 :] + plans[: turn % 3]:  # none always first
             engine = make_engine(**tier_engine_overrides(block_size, blocks, bytes_per_token))
             prompts = tier_prompts(engine, block_size)
             for name in order:
