@@ -119,8 +119,14 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmasks: list[bytes | None]) ->
     if allowed.shape[1] < vocab:  # tokens past the grammar's vocabulary are never allowed
         allowed = np.pad(allowed, ((0, 0), (0, vocab - allowed.shape[1])))
         allowed[[i for i, mask in enumerate(bitmasks) if mask is None]] = 1
-    forbidden = torch.from_numpy(allowed[:, :vocab] == 0).to(logits.device)
-    return logits.masked_fill(forbidden, float("-inf"))
+    forbidden = allowed[:, :vocab] == 0
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        # numpy works on one thread: torch's masked_fill waits for its second thread, which on
+        # an oversubscribed CPU cost milliseconds (measured: 0.27 ms at load 2, 29 ms at 10)
+        masked = logits.numpy().copy()
+        masked[forbidden] = -np.inf
+        return torch.from_numpy(masked)
+    return logits.masked_fill(torch.from_numpy(forbidden).to(logits.device), float("-inf"))
 
 
 def is_distribution(probs: torch.Tensor) -> bool:
