@@ -11,6 +11,8 @@ import pytest
 pytest.importorskip("streamlit")
 from _apptest import app_fixture, no_exception  # noqa: E402
 
+from ui.experiments.ch16 import PRESETS  # noqa: E402
+
 PAGE = "pages/ch16_structured_outputs.py"
 app = app_fixture(PAGE)
 
@@ -69,3 +71,21 @@ def test_parse_rate_counts_valid_outputs(app):
     no_exception(at)
     labels = {m.label: m.value for m in at.metric}
     assert labels["말로만 부탁"].endswith("/ 1") and labels["제약을 걸어서"].endswith("/ 1")
+
+
+def test_schema_marks_the_property_being_written(app):
+    """Stepped one step at a time, the person schema's outline marks the property whose value the
+    constrained output is writing (the key path of the partial JSON)."""
+    at = app
+    at.radio(key="ch16_kind").set_value("JSON 스키마").run()
+    at.selectbox(key="ch16_constraint").set_value(next(iter(PRESETS))).run()
+    button(at, "리셋").click().run()
+    button(at, "예시 요청 추가").click().run()
+    marked = []
+    for _ in range(40):  # the random tiny model spends steps on JSON whitespace
+        button(at, "다음 스텝").click().run()
+        no_exception(at)
+        marked += [m.value for m in at.markdown if "▶ name" in m.value or "▶ age" in m.value]
+        if marked:
+            break
+    assert marked, [c.value for c in at.code if c.language == "text"][:2]
