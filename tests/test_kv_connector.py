@@ -267,3 +267,28 @@ def test_what_a_consumer_never_loads_is_dropped_from_the_channel(tiny_model_dir)
     assert loads == ["x"]
     assert pair.get_request("y").output_token_ids == pair.get_request("x").output_token_ids
     assert channel.entries == {}
+
+
+def test_a_worker_without_the_connector_refuses_the_planned_copies(tiny_model_dir, caplog):
+    """An engine whose scheduler has a connector but whose worker was built without one (a caller
+    that builds its own Worker and forgets kv_transfer_config) used to decode from K/V that was
+    never copied, silently; now the step fails (its requests fail, the log says why) and no
+    token is produced."""
+    import torch
+
+    from engine.executor.uniproc import UniProcExecutor
+    from engine.worker.worker import Worker
+
+    producer = KVTransferConfig(
+        "InProcessConnector", "kv_producer", kv_connector_extra_config={"channel": "no-worker"}
+    )
+    worker = Worker(str(tiny_model_dir), torch.device("cpu"), torch.float32, BLOCK, "torch")
+    engine = EngineCore(
+        config(tiny_model_dir, kv_transfer_config=producer), executor=UniProcExecutor(worker)
+    )
+    engine.add_request(prompt_token_ids=prompts()["r0"], sampling_params=greedy(1), request_id="a")
+    while engine.has_unfinished_requests():
+        engine.step()
+    request = engine.get_request("a")
+    assert request.output_token_ids == [] and "RuntimeError" in request.error
+    assert "this worker has no KV connector" in caplog.text

@@ -185,8 +185,14 @@ class ModelRunner:
         order (an evicted or swapped-out block may be handed out and written in this step). A
         request whose load failed leaves the step: its blocks hold no valid K/V. Returns the
         step to run, the swap seconds and the connector's part: (metadata, records, failed)."""
-        meta = sched.kv_connector_metadata if self.kv_connector is not None else None
-        if meta is None:
+        meta = sched.kv_connector_metadata
+        if self.kv_connector is None and meta is not None and not meta.is_empty:
+            raise RuntimeError(
+                "the scheduler planned KV copies but this worker has no KV connector (build its "
+                "Worker with the engine's kv_transfer_config); running the step anyway would "
+                "decode from K/V that was never copied"
+            )
+        if self.kv_connector is None or meta is None:
             return sched, self.swap_blocks(sched), None
         stored = self.kv_connector.store_kv(meta)
         swap_seconds = self.swap_blocks(sched)
