@@ -116,6 +116,30 @@ def test_a_killed_consumer_fails_the_producers_next_send_at_once():
         producer.close()
 
 
+OPEN_AT_EXIT = textwrap.dedent(
+    """
+    import torch
+    from engine.utils import free_port
+    from engine.worker.kv_p2p import P2pGlooChannel
+    port = free_port()
+    consumer = P2pGlooChannel("kv_consumer", "127.0.0.1", port)
+    producer = P2pGlooChannel("kv_producer", "127.0.0.1", port)
+    producer.send("k", torch.ones(2), 1)
+    assert consumer.recv("k", timeout_s=30)[1] == 1
+    print("connected", flush=True)
+    """
+)
+
+
+def test_a_process_leaving_with_its_channels_open_exits_cleanly():
+    """The listener still waits in its gloo group at interpreter exit: without the exit hook
+    that closes open channels the process ends in std::terminate (status 134)."""
+    done = subprocess.run(
+        [sys.executable, "-c", OPEN_AT_EXIT], capture_output=True, text=True, timeout=60
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "connected"), done.stderr[-2000:]
+
+
 def test_a_producer_with_no_consumer_fails_its_send_and_parse_peer_checks():
     producer = P2pGlooChannel(
         "kv_producer", "127.0.0.1", free_port(), connect_timeout_s=0.5, send_timeout_s=1
@@ -205,7 +229,8 @@ PROMPTS = ["The engine schedules every request", "Blocks of sixteen tokens hold 
 @contextlib.contextmanager
 def _pair(model_dir):
     """A kv_producer and a kv_consumer `serve` process and the proxy in front of them:
-    (producer process, prefill URL, decode URL, proxy URL); every process killed at the end."""
+    ((producer, consumer) processes, prefill URL, decode URL, proxy URL); every process killed
+    at the end."""
     from engine.entrypoints.disagg_proxy import build_proxy_app
     from engine.entrypoints.server.app import start_server_in_thread
 
@@ -214,9 +239,9 @@ def _pair(model_dir):
     try:
         for role in ("kv_producer", "kv_consumer"):
             servers.append(_serve(model_dir, "--kv-role", role, "--kv-peer", peer))
-        (producer, prefill_url), (_, decode_url) = servers
+        (producer, prefill_url), (consumer, decode_url) = servers
         with start_server_in_thread(build_proxy_app(prefill_url, decode_url)) as proxy:
-            yield producer, prefill_url, decode_url, proxy.url
+            yield (producer, consumer), prefill_url, decode_url, proxy.url
     finally:
         for server, _ in servers:
             server.kill()
@@ -257,11 +282,12 @@ def _check_through_proxy(proxy_url: str, expected: dict[str, str]) -> None:
 def test_prefill_and_decode_servers_through_the_proxy_equal_one_engine(tiny_model_dir):
     """Greedy text through kv_producer → kv_consumer equals one engine's; then the producer is
     killed: the proxy answers a 502 naming it, and the consumer still serves (a request whose
-    K/V can no longer come is recomputed, same text), within a deadline, no hang."""
+    K/V can no longer come is recomputed, same text), within a deadline, no hang; SIGTERM stops
+    the consumer as it stops any server."""
     import httpx
 
     expected = _one_engine(tiny_model_dir)
-    with _pair(tiny_model_dir) as (producer, prefill_url, decode_url, proxy_url):
+    with _pair(tiny_model_dir) as ((producer, consumer), prefill_url, decode_url, proxy_url):
         _check_through_proxy(proxy_url, expected)
         producer.kill()
         producer.wait(timeout=10)
@@ -280,6 +306,8 @@ def test_prefill_and_decode_servers_through_the_proxy_equal_one_engine(tiny_mode
         assert reply.json()["choices"][0]["text"] == expected[PROMPTS[1]]
         assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert time.monotonic() - start < DEADLINE_S
+        consumer.terminate()  # stops as serve does: 128 + SIGTERM, not std::terminate's 134
+        assert consumer.wait(timeout=DEADLINE_S) == 143
 
 
 @pytest.mark.slow  # the real model in two server processes

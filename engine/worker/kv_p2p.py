@@ -28,9 +28,12 @@ The channel's threads are daemons; close() aborts its groups.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from datetime import timedelta
 
@@ -53,6 +56,7 @@ SEND_TIMEOUT_S = 20.0
 RECV_TIMEOUT_S = 10.0
 DEFAULT_BUFFER_BYTES = 1 << 30  # vLLM: kv_buffer_size (1e9 by default)
 POLL_S = 0.2
+CLOSE_WAIT_S = 1.0  # for the listener to leave its group once the group is let go (best effort)
 MAX_DROPPED_KEYS = 1024  # dropped keys remembered, so that their recv() fails at once
 MAX_DIMS = 8
 # The listener's wait for the next header: unbounded in effect (an idle producer sends nothing;
@@ -85,6 +89,8 @@ def parse_peer(text: str) -> tuple[str, int]:
 def _header(key: bytes, num_tokens: int, payload: torch.Tensor) -> torch.Tensor:
     if payload.dim() > MAX_DIMS:
         raise ValueError(f"a KV tensor has at most {MAX_DIMS} dimensions, got {payload.dim()}")
+    if payload.dtype not in DTYPES:
+        raise ValueError(f"a KV tensor's dtype is one of {DTYPES}, got {payload.dtype}")
     dims = list(payload.shape) + [0] * (MAX_DIMS - payload.dim())
     fields = [len(key), num_tokens, DTYPES.index(payload.dtype), payload.dim(), *dims]
     return torch.tensor(fields, dtype=torch.int64)
@@ -126,21 +132,38 @@ class P2pGlooChannel(KVChannel):
         self.error: str | None = None  # why the channel is dead
         self.closing = False
         self.sent_bytes = self.received_bytes = self.dropped = 0
+        if self.rank == PRODUCER_RANK:  # a taken port fails the server's start, not later
+            self._store = self._rendezvous()
+        _OPEN.add(self)
         target = self._connect_then_listen if self.rank == CONSUMER_RANK else self._connect
         self._thread = threading.Thread(target=target, name=f"kv-p2p-{role}", daemon=True)
         self._thread.start()
 
     # -- connection ---------------------------------------------------------------------------
 
+    def _rendezvous(self):
+        """The pair's TCPStore: hosted by the producer (ValueError if it cannot listen there),
+        joined by the consumer (which waits for it up to connect_timeout_s)."""
+        host = self.rank == PRODUCER_RANK
+        try:
+            return dist.TCPStore(
+                self.host, self.port, world_size=2, is_master=host, wait_for_workers=False,
+                timeout=timedelta(seconds=self.connect_timeout_s),
+            )  # fmt: skip
+        except Exception as error:  # noqa: BLE001 — torch's own errors, named below
+            if not host:
+                raise
+            raise ValueError(
+                f"the KV producer cannot host the pair's rendezvous at {self.address} "
+                f"(--kv-peer): {error}"
+            ) from None
+
     def _connect(self) -> None:
         """Join the two-rank groups (the producer hosts the rendezvous); on failure the channel
         is dead with the cause."""
         try:
-            timeout = timedelta(seconds=self.connect_timeout_s)
-            self._store = dist.TCPStore(
-                self.host, self.port, world_size=2, is_master=self.rank == PRODUCER_RANK,
-                wait_for_workers=False, timeout=timeout,
-            )  # fmt: skip
+            if self._store is None:
+                self._store = self._rendezvous()
             self._control = dist.ProcessGroupGloo(
                 dist.PrefixStore("kv_control", self._store), self.rank, 2, IDLE_TIMEOUT
             )
@@ -322,7 +345,9 @@ class P2pGlooChannel(KVChannel):
         }
 
     def close(self) -> None:
-        """Fail every waiting recv() and abort the groups (which ends the listener's wait)."""
+        """Fail every waiting recv(), abort the groups and let them go. Runs at interpreter exit
+        for a channel still open: a gloo group still referenced while the interpreter shuts down
+        (the listener waits in it) ends the process with std::terminate (exit code 134)."""
         with self._cond:
             self.closing = True
             self._cond.notify_all()
@@ -331,7 +356,21 @@ class P2pGlooChannel(KVChannel):
                 group.abort()
             except Exception:  # noqa: BLE001 — already broken
                 pass
-        self._store = None
+        listening = self.connected and self.rank == CONSUMER_RANK
+        self._data = self._control = self._store = None  # ends the listener's wait
+        if listening and self._thread is not threading.current_thread():
+            self._thread.join(CLOSE_WAIT_S)
+        _OPEN.discard(self)
+
+
+_OPEN: "weakref.WeakSet[P2pGlooChannel]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_channels() -> None:
+    for channel in list(_OPEN):
+        channel.close()
+    gc.collect()  # the groups' C++ threads end now, not among the interpreter's last rites
 
 
 CHANNEL_SETTINGS = ("connect_timeout_s", "send_timeout_s", "recv_timeout_s", "buffer_bytes")
