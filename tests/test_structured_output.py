@@ -297,3 +297,24 @@ def test_bench_part_reports_the_mask_time_per_step(make_engine):
     assert result["compile"]["cached_ms"] < result["compile"]["cold_ms"]
     text = "\n".join(format_structured_outputs(result))
     assert "structured outputs (llguidance" in text and "json_schema × 4" in text
+
+
+def test_compiled_grammars_are_cached_least_recently_used_first(tiny_model_dir):
+    """A constraint compiles once (the same schema written in another key order too); the cache
+    keeps `cache_size` grammars and drops the least recently used; each request gets its own
+    matcher over the shared compiled grammar."""
+    from engine.structured_output import StructuredOutputManager
+
+    manager = StructuredOutputManager(tiny_model_dir / "tokenizer.json", 2048, 2, cache_size=2)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    first = manager.make_request(S(json=schema))
+    second = manager.make_request(S(json=dict(reversed(list(schema.items())))))
+    assert manager.num_compiled == 1 and first.compiled is second.compiled
+    assert first.matcher is not second.matcher
+    manager.compile(S(regex="a+"))
+    manager.compile(S(json=schema))  # used again: now the most recent
+    manager.compile(S(choice=["x"]))  # evicts the regex, not the schema
+    manager.compile(S(json=schema))
+    assert manager.num_compiled == 3
+    manager.compile(S(regex="a+"))
+    assert manager.num_compiled == 4
