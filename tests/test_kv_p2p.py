@@ -26,6 +26,7 @@ PRODUCER = textwrap.dedent(
     torch.manual_seed(0)
     channel.send("req-a", torch.randn(2, 3, 4, 8), 5)
     channel.send("req-b", torch.randn(4, 16).to(torch.bfloat16), 9)
+    channel.send("req-drop", torch.zeros(8), 1)
     channel.send("req-big", torch.zeros(1024), 1)
     print("sent", flush=True)
     time.sleep(60)
@@ -64,6 +65,9 @@ def test_kv_crosses_processes_and_a_killed_producer_fails_the_wait(producer_port
         assert got_a.dtype == torch.float32 and torch.equal(got_a, kv_a)
         assert got_b.dtype == torch.bfloat16 and torch.equal(got_b, kv_b)
         assert proc.stdout.readline().strip() == "sent"
+        assert consumer.has("req-drop") and consumer.stats()["buffered_bytes"] == 32
+        consumer.discard("req-drop")  # a key the consumer will not load frees its space
+        assert not consumer.has("req-drop") and consumer.stats()["buffered_bytes"] == 0
         with pytest.raises(KVTransferError, match="dropped: 4096 bytes exceed"):
             consumer.recv("req-big", timeout_s=DEADLINE_S)  # over the 2 KiB buffer
         with pytest.raises(KVTransferError, match="did not arrive within 0.2 s"):

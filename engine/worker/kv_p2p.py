@@ -280,15 +280,16 @@ class P2pGlooChannel(KVChannel):
         with self._cond:
             if key in self._received:
                 self._buffered -= self._nbytes(self._received.pop(key)[0])
+            if nbytes > self.buffer_bytes:  # never fits: drop it alone
+                self._drop(key, f"{nbytes} bytes exceed the receive buffer ({self.buffer_bytes})")
+                self._cond.notify_all()
+                return
             while self._received and self._buffered + nbytes > self.buffer_bytes:
                 old, (old_tensor, _) = self._received.popitem(last=False)
                 self._buffered -= self._nbytes(old_tensor)
                 self._drop(old, "the receive buffer was full")
-            if nbytes > self.buffer_bytes:
-                self._drop(key, f"{nbytes} bytes exceed the receive buffer ({self.buffer_bytes})")
-            else:
-                self._received[key] = (tensor, num_tokens)
-                self._buffered += nbytes
+            self._received[key] = (tensor, num_tokens)
+            self._buffered += nbytes
             self._cond.notify_all()
 
     @staticmethod
@@ -324,6 +325,14 @@ class P2pGlooChannel(KVChannel):
             tensor, num_tokens = self._received.pop(key)
             self._buffered -= self._nbytes(tensor)
         return tensor, num_tokens
+
+    def discard(self, key: str) -> None:
+        """The consumer will not load `key` (KVConnectorMetadata.drops): free its buffer space.
+        K/V that arrives after its discard waits in the buffer until the bound pushes it out."""
+        with self._cond:
+            entry = self._received.pop(key, None)
+            if entry is not None:
+                self._buffered -= self._nbytes(entry[0])
 
     def has(self, key: str) -> bool:
         with self._cond:
