@@ -169,17 +169,24 @@ def test_the_proxy_names_an_unreachable_or_wrong_upstream_and_serve_checks_its_k
 
     closed = f"http://127.0.0.1:{free_port()}"
     not_a_producer = start_server_in_thread(_plain_upstream())
+    producer = start_server_in_thread(_plain_upstream({"remote_request_id": "a", "num_tokens": 2}))
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
+    cases = (
+        (closed, closed, "upstream_unreachable"),  # the prefill server is named
+        (not_a_producer.url, not_a_producer.url, "not_a_kv_producer"),
+        (producer.url, closed, "upstream_unreachable"),  # the decode server is named
+    )
     try:
-        for prefill, code in ((closed, "upstream_unreachable"), (not_a_producer.url, "not_a_kv")):
+        for prefill, named, code in cases:
             with start_server_in_thread(build_proxy_app(prefill, closed)) as proxy:
                 reply = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=30)
                 assert reply.status_code == 502
                 error = reply.json()["error"]
-                assert error["code"].startswith(code) and prefill in error["message"]
+                assert error["code"] == code and named in error["message"], error
                 assert httpx.get(f"{proxy.url}/health", timeout=30).status_code == 503
     finally:
         not_a_producer.stop()
+        producer.stop()
     serve = ["serve", "--kv-role", "kv_consumer"]
     with pytest.raises(ValueError, match="--kv-role and --kv-peer go together"):
         engine_config(build_parser().parse_args(serve))
@@ -190,15 +197,17 @@ def test_the_proxy_names_an_unreachable_or_wrong_upstream_and_serve_checks_its_k
     assert engine_config(build_parser().parse_args(["serve"])).kv_transfer_config is None
 
 
-def _plain_upstream():
-    """A server that answers completions without kv_transfer_params (not a kv_producer)."""
+def _plain_upstream(kv_transfer_params: dict | None = None):
+    """A server that answers completions, with these kv_transfer_params (a kv_producer's) or
+    none (not a kv_producer)."""
     from fastapi import FastAPI
 
     app = FastAPI()
 
     @app.post("/v1/completions")
     async def completions() -> dict:
-        return {"choices": [{"text": "x"}]}
+        params = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else {}
+        return {"choices": [{"text": "x"}], **params}
 
     return app
 
