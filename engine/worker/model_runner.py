@@ -258,15 +258,16 @@ class ModelRunner:
         fails."""
         ids, params = [s.request_id for s in producing], [s.sampling_params for s in producing]
         masks = [grammar_bitmask.get(i) for i in ids] if grammar_bitmask else None
+        with_masks = {} if masks is None else {"bitmasks": masks}  # masks only when there are
         try:
-            return dict(zip(ids, self.sampler(logits, ids, params, masks))), {}
+            return dict(zip(ids, self.sampler(logits, ids, params, **with_masks))), {}
         except Exception:  # noqa: BLE001 — find the row that fails, keep the others
             sampled, failed = {}, {}
             for row, (request_id, p) in enumerate(zip(ids, params)):
-                mask = None if masks is None else [masks[row]]
+                mask = {} if masks is None else {"bitmasks": [masks[row]]}
                 try:
                     sampled[request_id] = self.sampler(
-                        logits[row : row + 1], [request_id], [p], mask
+                        logits[row : row + 1], [request_id], [p], **mask
                     )[0]
                 except Exception as error:  # noqa: BLE001
                     logger.exception("request %s: sampling failed", request_id)
