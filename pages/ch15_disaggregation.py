@@ -6,7 +6,7 @@ tier's device hit, tier hit and miss; the simulator's P:D sweep."""
 import streamlit as st
 
 from engine.entrypoints.disagg import DisaggregatedPair
-from ui.experiments.ch15 import LAB_LONG_LEN, lab_workload
+from ui.experiments.ch15 import LAB_LONG_LEN, LONG_ARRIVAL_STEP, lab_workload
 from ui.lab import LabContext, run_workload_button
 from ui.lab import lab as engine_lab
 from ui.labs.ch15 import (
@@ -30,7 +30,8 @@ def lab() -> None:
     workload = lab_workload(long_len)
     note = (
         f"워크로드: 짧은 요청 3개(프롬프트 16토큰, 출력 40토큰씩)가 0 ms에, 긴 프롬프트 "
-        f"{long_len}토큰(출력 8토큰)이 250 ms에 도착합니다 (엔진 시계). 함께 배치는 엔진 하나, "
+        f"{long_len}토큰(출력 8토큰)이 짧은 요청들이 decode하는 동안, 각 엔진의 "
+        f"{LONG_ARRIVAL_STEP}번째 스텝 전에 도착합니다. 함께 배치는 엔진 하나, "
         "분리는 prefill 엔진(kv_producer)과 decode 엔진(kv_consumer)이 한 채널로 이어진 쌍이며, "
         "세 엔진 모두 한 스텝에 프롬프트 하나를 통째로 계산합니다."
     )

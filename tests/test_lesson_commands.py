@@ -140,6 +140,40 @@ PLAN: dict[str, tuple[str, str]] = {
         "the same simulation with its default preset (a minute or more here): the README's "
         "simulate with flags runs here",
     ),
+    # -- the KV connector (docs/kv_connector.md)
+    "python -m engine serve --port 8100 --kv-role kv_producer --kv-peer 127.0.0.1:29600": (
+        PARSED,
+        "one half of a pair (it waits for its consumer): tests/test_kv_p2p.py starts both servers "
+        "and the proxy on free ports and checks one engine's tokens",
+    ),
+    "python -m engine serve --port 8200 --kv-role kv_consumer --kv-peer 127.0.0.1:29600": (
+        PARSED,
+        "the other half: tests/test_kv_p2p.py runs the pair end to end",
+    ),
+    "python -m engine proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 "
+    "--port 8000": (
+        PARSED,
+        "needs the two servers above: tests/test_kv_p2p.py runs the proxy against them",
+    ),
+    "curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' -d "
+    '\'{"prompt": "The KV cache", "max_tokens": 32, "temperature": 0}\'': (
+        NOT_RUN,
+        "a request to the proxy above (tests/test_kv_p2p.py sends it)",
+    ),
+    "python -m engine generate --kv-offload-mb N": (
+        NOT_RUN,
+        "N stands for a size; tests/test_kv_offload.py runs the host tier, and "
+        "tests/test_lesson_commands.py's generate commands run the same CLI",
+    ),
+    # -- structured outputs (docs/structured_outputs.md)
+    "PYTHONPATH=/tmp/so_scratch python docs/scripts/measure_grammar_backends.py llguidance": (
+        RUN,
+        "",
+    ),
+    'python -c "': (
+        NOT_RUN,
+        "a multi-line snippet: the bench's structured-outputs part, which tests/test_bench.py runs",
+    ),
     # -- disaggregated prefill/decode (docs/performance.md): engine/tools/disagg_sim.py
     "python -m engine simulate --list": (RUN, ""),
     "python -m engine simulate --disaggregate 1:2 --trace-file tests/data/mooncake_sample.jsonl": (

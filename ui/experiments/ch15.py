@@ -259,10 +259,40 @@ SIDE_LABELS = {
 }
 
 
+LONG_ARRIVAL_STEP = 6  # the long prompt arrives before each engine's 6th step
+
+
 def lab_workload(long_len: int = LAB_LONG_LEN) -> Workload:
-    """Three short requests decode 40 tokens each; the long prompt arrives at 250 ms (engine
-    clock) while they do (chapter 08's workload)."""
+    """Three short requests decode 40 tokens each; the long prompt arrives while they do, before
+    each engine's LONG_ARRIVAL_STEP-th step (chapter 08's workload, its arrival counted in steps:
+    StepArrivalFeeder)."""
     return long_prompt_workload(long_prompt_len=long_len)
+
+
+def step_due(clock, busy: bool, steps_done: int, arrival_step: int | None) -> float | None:
+    """When a request that arrives before step `arrival_step` is due on an engine's clock: now
+    once `steps_done` steps ran (or the engine is idle), else never yet (inf); None for a request
+    whose arrival is in milliseconds. Counting steps keeps the overlap the lab is about (a long
+    prefill among running decodes) on every machine: on the tiny model a step takes 0.5 ms and
+    a 250 ms arrival came after the short requests had finished."""
+    if arrival_step is None:
+        return None
+    if steps_done >= arrival_step - 1 or not busy:
+        return clock.now()
+    return float("inf")
+
+
+class StepArrivalFeeder(WorkloadFeeder):
+    """The colocated side: WorkloadFeeder with the long prompt's arrival counted in steps."""
+
+    def _due(self, i: int) -> float:
+        arrival_step = LONG_ARRIVAL_STEP if self.names[i] == LONG_NAME else None
+        engine = self.engine
+        due = step_due(
+            engine.clock, engine.has_unfinished_requests(), engine.scheduler.step_index,
+            arrival_step,
+        )  # fmt: skip
+        return super()._due(i) if due is None else due
 
 
 def lab_overrides() -> dict:
@@ -306,13 +336,19 @@ class PairDriver:
         self.rejected: dict[str, str] = {}
         self.start = pair.prefill.clock.now()
         self.transfers: list = []  # PairTransfer, in the order they completed
+        self.steps_done = 0  # lockstep steps of the pair
         self._decode_record = None
         self._prompts = [
             prompt_ids(pair.prefill, s.prompt_len, i) for i, s in enumerate(self.specs)
         ]
 
     def _due(self, i: int) -> float:
-        return self.start + self.specs[i].arrival_ms / 1000
+        arrival_step = LONG_ARRIVAL_STEP if self.names[i] == LONG_NAME else None
+        pair = self.pair
+        due = step_due(
+            pair.prefill.clock, pair.has_unfinished_requests(), self.steps_done, arrival_step
+        )
+        return self.start + self.specs[i].arrival_ms / 1000 if due is None else due
 
     def admit_due(self) -> None:
         from engine.sampling_params import InvalidRequestError, SamplingParams
@@ -340,6 +376,7 @@ class PairDriver:
             self._decode_record = None
             return None
         step = self.pair.step()
+        self.steps_done += 1
         self.transfers += step.transfers
         self._decode_record = step.decode
         return step.prefill
@@ -397,7 +434,7 @@ def side_feeders(colocated, pair, workload: Workload) -> dict:
     """Side name → feeder: the colocated engine's WorkloadFeeder, the pair's two side feeders."""
     driver = PairDriver(pair, workload)
     return {
-        "colocated": WorkloadFeeder(colocated, workload),
+        "colocated": StepArrivalFeeder(colocated, workload),
         "prefill": PairSideFeeder(driver, "prefill"),
         "decode": PairSideFeeder(driver, "decode"),
     }
