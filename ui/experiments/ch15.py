@@ -16,7 +16,13 @@ import plotly.graph_objects as go
 
 from engine.tools.presets import link_preset_names, load_link_preset
 from ui.experiments.ch08 import LONG_NAME, long_prompt_workload
-from ui.experiments.common import RunResult, Workload, WorkloadFeeder, prompt_ids, result_of
+from ui.experiments.common import (
+    RunResult,
+    Workload,
+    WorkloadFeeder,
+    prompt_ids,
+    run_feeders_in_lockstep,
+)
 
 # -- bytes and links -----------------------------------------------------------------------------
 
@@ -442,20 +448,7 @@ def side_feeders(colocated, pair, workload: Workload) -> dict:
 
 def run_lockstep_sides(feeders: dict, max_steps: int = 2000) -> dict[str, RunResult]:
     """Step every side in turn (the lab's lockstep) until none has work; side label → run."""
-    records: dict[str, list] = {side: [] for side in feeders}
-    for _ in range(max_steps):
-        stepped = False
-        for side, feeder in feeders.items():
-            record = feeder.step()
-            if record is not None:
-                records[side].append(record)
-                stepped = True
-        if not stepped:
-            break
-    return {
-        SIDE_LABELS[side]: result_of(feeder, records[side], SIDE_LABELS[side])
-        for side, feeder in feeders.items()
-    }
+    return run_feeders_in_lockstep(feeders, max_steps, SIDE_LABELS)
 
 
 def short_itl_rows(run: RunResult, long_name: str = LONG_NAME) -> pd.DataFrame:

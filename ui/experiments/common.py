@@ -498,14 +498,26 @@ def run_lockstep(
     feeders = {
         label: WorkloadFeeder(factory(make_config(c)), workload) for label, c in configs.items()
     }
-    records: dict[str, list] = {label: [] for label in configs}
+    return run_feeders_in_lockstep(feeders, max_steps)
+
+
+def run_feeders_in_lockstep(
+    feeders: dict, max_steps: int = 2000, labels: dict[str, str] | None = None
+) -> dict[str, RunResult]:
+    """Step every feeder in turn (the lab's lockstep) until none has work; label → run (a key's
+    label is `labels[key]`, else the key)."""
+    records: dict[str, list] = {key: [] for key in feeders}
     for _ in range(max_steps):
         stepped = False
-        for label, feeder in feeders.items():
+        for key, feeder in feeders.items():
             record = feeder.step()
             if record is not None:
-                records[label].append(record)
+                records[key].append(record)
                 stepped = True
         if not stepped:
             break
-    return {label: result_of(feeders[label], records[label], label) for label in configs}
+    labels = labels or {}
+    return {
+        labels.get(key, key): result_of(feeder, records[key], labels.get(key, key))
+        for key, feeder in feeders.items()
+    }
