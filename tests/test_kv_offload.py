@@ -217,3 +217,26 @@ def test_generate_takes_a_tier_size_in_mebibytes(tiny_model_dir, capsys):
     )
     assert args.func(args) == 0
     assert "[kv connector] {'tier_hit_tokens': 0" in capsys.readouterr().err
+
+
+def run_batch(core: EngineCore, prompts: dict[str, list[int]], max_tokens: int) -> dict:
+    for request_id, prompt in prompts.items():
+        core.add_request(
+            prompt_token_ids=prompt, sampling_params=greedy(max_tokens), request_id=request_id
+        )
+    while core.has_unfinished_requests():
+        core.step()
+    return {rid: core.get_request(rid).output_token_ids for rid in prompts}
+
+
+def test_preempted_requests_reload_their_evicted_prefix_with_the_same_tokens(tiny_model_dir):
+    """Four requests on one shared prefix outgrow 8 device blocks: recompute preemptions free
+    their blocks, full blocks are evicted to the tier, and resumed requests load them back (a
+    load on resume, not only on a first admission). Every token equals a roomy engine's."""
+    prompts = {f"r{i}": SHARED + [100 + 9 * i + j for j in range(30)] for i in range(4)}
+    expected = run_batch(engine(tiny_model_dir, None, num_kv_blocks=64), prompts, 40)
+    core = engine(tiny_model_dir, 6)
+    assert run_batch(core, prompts, 40) == expected
+    assert core.scheduler.num_preemptions > 0
+    assert core.kv_connector.stats["loads"] > 0 and core.kv_connector.stats["failed_loads"] == 0
+    assert tier_of(core).used_bytes == core.kv_connector.used_bytes <= 6 * BYTES_PER_BLOCK
