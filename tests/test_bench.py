@@ -50,6 +50,7 @@ def test_quick_bench_runs_and_prints_the_table(bench_run):
     path, rc, printed = bench_run
     assert rc == 0 and path.is_file()
     assert "1. Ceilings" in printed and "5. Latency under load" in printed and str(path) in printed
+    assert "load average (1 min):" in printed  # quiet or BUSY, with the rule
 
 
 def test_progress_labels_count_the_sections_in_order(bench_run):
@@ -83,8 +84,13 @@ def test_results_carry_their_conditions(bench_run, tiny_model_dir):
         "flop_per_token",
         "torch",
         "transformers",
+        "machine",
+        "load_before",
+        "load_after",
+        "busy",
     ):
         assert key in c, key
+    assert isinstance(c["busy"], bool) and "load" in c["busy_rule"]
     assert c["model"] == str(tiny_model_dir) and c["dtype"] == "float32" and c["quick"] is True
     assert c["workload"]["num_requests"] == 5 and c["workload"]["prompt_len"] == [8, 40]
     assert c["engine"]["max_num_seqs"] == 4

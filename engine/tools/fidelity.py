@@ -122,12 +122,21 @@ def replay_on_engine(engine, trace: TraceWorkload) -> Replay:
         "threads": threads,
         "engine": engine_settings(engine),
         "trace": trace.conditions,
+        **load_conditions(load_before, load_after, threads),
+    }
+    return Replay(records, requests, metrics, summarize(metrics, records), conditions)
+
+
+def load_conditions(load_before: float, load_after: float, threads: int) -> dict:
+    """The machine's 1-minute load average around a measured run, and whether it was busy: other
+    programs before it, or more than its own `threads` after it (the run itself loads the
+    machine by about its thread count). The one rule for every measurement that reports it."""
+    return {
         "load_before": load_before,
         "load_after": load_after,
         "busy": load_before > BUSY_LOAD or load_after > BUSY_LOAD + threads,
         "busy_rule": f"1-minute load > {BUSY_LOAD} before, or > {BUSY_LOAD} + threads after",
     }
-    return Replay(records, requests, metrics, summarize(metrics, records), conditions)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -45,6 +45,19 @@ def format_conditions(c: dict) -> list[str]:
         f"{c['engine']['max_num_seqs']}, token budget {c['engine']['max_num_batched_tokens']}",
         f"  kernels: {c.get('kernels', 'torch')}",
         f"  quantization: {c.get('quantization', 'none')}",
+        *format_load(c),
+    ]
+
+
+def format_load(c: dict) -> list[str]:
+    """The load average around the run, and BUSY when other programs shared the machine (then
+    every time below carries their noise)."""
+    if "load_before" not in c:
+        return []
+    verdict = "BUSY: other programs shared the machine" if c["busy"] else "quiet"
+    return [
+        f"  load average (1 min): {c['load_before']:.2f} before, {c['load_after']:.2f} after "
+        f"({c.get('machine') or c['device_name']}): {verdict} [{c['busy_rule']}]"
     ]
 
 

@@ -4,6 +4,7 @@ lines read [k/n], n the sections this run has), record the conditions, and repor
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import time
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from engine.tools.bench.spec_decode import run_spec_decode
 from engine.tools.bench.structured import run_structured_outputs
 from engine.tools.bench.targets import evaluate_targets
 from engine.tools.bench.variants import llama_cpp_peer, measure_variants
+from engine.tools.fidelity import load_conditions
 from engine.tools.workload import WorkItem, make_workload
 
 
@@ -142,6 +144,7 @@ def conditions(run: BenchRun, kernels_line: str, quantization_line: str) -> dict
     config, engine = run.config, run.engine
     return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": platform.processor() or platform.machine(),
         "device": engine.device.type,
         "device_name": device_name(engine.device),
         "threads": torch.get_num_threads(),
@@ -366,7 +369,7 @@ def run_benchmark(
 ) -> dict:
     """Every section of the benchmark, in order; the results with their conditions. With a
     `calibration_path`, section 10 (simulator fidelity) runs too, calibrating into that file."""
-    started = time.perf_counter()
+    started, load_before = time.perf_counter(), os.getloadavg()[0]
     llm, model_dir = open_engine(config)
     engine = llm.engine
     fidelity = calibration_path is not None and config.quantization is None
@@ -384,6 +387,8 @@ def run_benchmark(
     run_optional_sections(run, bandwidth_gb_s)
     run.results["targets"] = evaluate_targets(run.results)
     run.results["conditions"]["bench_seconds"] = time.perf_counter() - started
+    threads = run.results["conditions"]["threads"]
+    run.results["conditions"].update(load_conditions(load_before, os.getloadavg()[0], threads))
     if calibration_path is not None:
         run_fidelity(run, Path(calibration_path))
     return run.results
