@@ -140,6 +140,9 @@ def test_ch04_shows_bench_json_with_its_conditions(app, monkeypatch):
             "dtype": "float32",
             "model_name": "tiny",
             "weight_bytes_per_step": 538_000_000,
+            "load_before": 2.4,
+            "load_after": 3.9,
+            "busy": True,
         },
         "ceilings": {"memory_read_gb_s": 20.0, "matmul_gflop_s": {"float32": 100.0}},
         "rooflines": {"decode_tokens_per_s": 20e9 / 538e6},
@@ -151,6 +154,8 @@ def test_ch04_shows_bench_json_with_its_conditions(app, monkeypatch):
     assert not app.exception, [e.value for e in app.exception]
     text = " ".join(m.value for m in app.markdown)
     assert "20.0 GB/s" in text and "test-cpu" in text and "26.9 ms" in text
+    shown = text + " ".join(c.value for c in app.caption)
+    assert "부하 평균=2.40→3.90 (바쁨" in shown  # a run under load says so beside each number
 
 
 def test_ch07_engines_step_in_lockstep(app):

@@ -124,6 +124,9 @@ def bench_section(runs: list[RunResult]) -> None:
         "모델": c.get("model_name"),
         "날짜": c.get("date"),
     }
+    if "load_before" in c:  # a run under other programs' load carries their noise: say so
+        busy = " (바쁨: 다른 프로그램과 함께 측정)" if c.get("busy") else ""
+        cond["부하 평균"] = f"{c['load_before']:.2f}→{c['load_after']:.2f}{busy}"
     ce, ro, b1 = (
         bench.get("ceilings", {}),
         bench.get("rooflines", {}),
