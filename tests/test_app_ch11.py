@@ -113,7 +113,14 @@ def test_page_shows_the_llama_cpp_comparison_of_the_latest_bench(app, monkeypatc
     import ui.experiments.ch04 as ch04
 
     fake = {
-        "conditions": {"device_name": "test CPU", "threads": 2, "date": "2026-12-01"},
+        "conditions": {
+            "device_name": "test CPU",
+            "threads": 2,
+            "date": "2026-12-01",
+            "load_before": 0.4,
+            "load_after": 2.1,
+            "busy": False,
+        },
         "variants": {
             "rows": [
                 {
@@ -133,3 +140,5 @@ def test_page_shows_the_llama_cpp_comparison_of_the_latest_bench(app, monkeypatc
     assert any("llama.cpp" in s.value for s in app.subheader)
     frames = [d.value for d in app.dataframe if "÷ llama.cpp" in d.value.columns]
     assert frames and list(frames[0]["decode 토큰/s"]) == [96.0, 107.3]
+    shown = " ".join(m.value for m in app.markdown) + " ".join(c.value for c in app.caption)
+    assert "부하 평균=0.40→2.10" in shown and "test CPU" in shown

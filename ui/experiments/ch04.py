@@ -136,6 +136,22 @@ def percentile_table(result: RunResult, percentiles=(50, 90, 99)) -> pd.DataFram
     return pd.DataFrame(rows)
 
 
+def bench_conditions(c: dict) -> dict:
+    """The evidence conditions of a bench result's numbers: the machine, threads, dtype, model,
+    date, and the load average of the run (바쁨 when other programs shared the machine)."""
+    cond = {
+        "장치": c.get("device_name") or c.get("device"),
+        "스레드": c.get("threads"),
+        "dtype": c.get("dtype"),
+        "모델": c.get("model_name"),
+        "날짜": c.get("date"),
+    }
+    if "load_before" in c:  # a run under other programs' load carries their noise: say so
+        busy = " (바쁨: 다른 프로그램과 함께 측정)" if c.get("busy") else ""
+        cond["부하 평균"] = f"{c['load_before']:.2f}→{c['load_after']:.2f}{busy}"
+    return cond
+
+
 def latest_bench() -> dict | None:
     """`engine.tools.bench.results.load_latest_results()` if it found a result; else None."""
     try:

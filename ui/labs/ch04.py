@@ -117,16 +117,7 @@ def bench_section(runs: list[RunResult]) -> None:
         f"{c0.get('device_name') or c0.get('device', '?')} · 스레드 {c0.get('threads', '?')}"
     )
     c = bench.get("conditions", {})
-    cond = {
-        "장치": c.get("device_name") or c.get("device"),
-        "스레드": c.get("threads"),
-        "dtype": c.get("dtype"),
-        "모델": c.get("model_name"),
-        "날짜": c.get("date"),
-    }
-    if "load_before" in c:  # a run under other programs' load carries their noise: say so
-        busy = " (바쁨: 다른 프로그램과 함께 측정)" if c.get("busy") else ""
-        cond["부하 평균"] = f"{c['load_before']:.2f}→{c['load_after']:.2f}{busy}"
+    cond = ch04.bench_conditions(c)
     ce, ro, b1 = (
         bench.get("ceilings", {}),
         bench.get("rooflines", {}),

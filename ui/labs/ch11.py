@@ -6,6 +6,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from engine.tools.quality import TIE_MARGIN
+from ui.experiments.ch04 import bench_conditions
 from ui.experiments.ch11 import (
     VARIANTS,
     agreement_explanation,
@@ -216,8 +217,7 @@ def _bench_table(results: dict | None, title: str, table, missing: str, what: st
         st.info(missing)
         return
     st.dataframe(table, hide_index=True)
-    c = results["conditions"]
-    evidence("측정값", what, 장치=c.get("device_name"), 스레드=c.get("threads"), 날짜=c.get("date"))
+    evidence("측정값", what, **bench_conditions(results["conditions"]))
 
 
 def bench_sections() -> None:
