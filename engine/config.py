@@ -24,6 +24,8 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # (stopped, deadlocked): its requests fail and /health reports the engine unhealthy.
 ENGINE_ITERATION_TIMEOUT_ENV = "LLM_ENGINE_ITERATION_TIMEOUT_S"
 DEFAULT_ENGINE_ITERATION_TIMEOUT_S = 60.0
+# What a float32 CPU engine's linears compute in (engine/kernels/linear_precision.py).
+LINEAR_PRECISIONS = ("float32", "bfloat16", "auto")
 
 
 def engine_iteration_timeout_s(value: float | None = None) -> float:
@@ -41,6 +43,30 @@ def engine_iteration_timeout_s(value: float | None = None) -> float:
     if not value > 0:
         raise ValueError(f"{source} must be a positive number of seconds, got {value!r}")
     return float(value)
+
+
+def check_linear_precision(precision: str, device, dtype, quantization=None) -> None:
+    """Refuse a `linear_precision` no engine runs: bfloat16 linears (or "auto", which may pick
+    them) exist only in a float32 engine on a CPU without weight quantization. `device` and
+    `dtype` as EngineConfig holds them ("auto" and None are fine: resolved later) or resolved."""
+    if precision not in LINEAR_PRECISIONS:
+        raise ValueError(f"linear_precision must be one of {LINEAR_PRECISIONS}, got {precision!r}")
+    if precision == "float32":
+        return
+    dtype_name = str(dtype).removeprefix("torch.")
+    device_type = str(device).split(":")[0]
+    if quantization:
+        why = f"quantization={quantization!r} already sets the linears' weights"
+    elif dtype_name not in ("None", "float32"):
+        why = f"dtype={dtype_name!r} runs every op in that dtype (linear_precision is for float32)"
+    elif device_type not in ("auto", "cpu"):
+        why = f"device={str(device)!r}: bfloat16 linears are a CPU path (a GPU runs dtype=bfloat16)"
+    else:
+        return
+    raise ValueError(
+        f"linear_precision={precision!r} needs a float32 engine on a CPU without quantization: "
+        + why
+    )
 
 
 @dataclass
@@ -70,6 +96,12 @@ class EngineConfig:
     quantization: str | None = None
     quantization_group_size: int = 32
     kernels: str = "auto"  # "auto": our C++ CPU kernels if they build; "torch": never
+    # What a float32 CPU engine's linear layers (lm_head too) compute in: "float32" (default:
+    # greedy outputs equal transformers' float32), "bfloat16" (bfloat16 weights, float32
+    # activations cast for each matmul; everything else stays float32) or "auto" (bfloat16 when
+    # the CPU has AMX / AVX512-BF16 and a load-time timing shows it faster):
+    # engine/kernels/linear_precision.py.
+    linear_precision: str = "float32"
     # vLLM's name: True runs every step eagerly; False lets decode-only steps on CUDA replay
     # captured CUDA graphs (engine/worker/cuda_graphs.py). No effect on a CPU.
     enforce_eager: bool = False
@@ -112,6 +144,7 @@ class EngineConfig:
                 "a KV connector (kv_transfer_config) runs with one worker only; supported: "
                 "tensor_parallel_size=1 and pipeline_parallel_size=1"
             )
+        check_linear_precision(self.linear_precision, self.device, self.dtype, self.quantization)
         if self.quantization and (self.tensor_parallel_size, self.pipeline_parallel_size) != (1, 1):
             raise ValueError(
                 f"quantization {self.quantization!r} runs with one worker only; "
