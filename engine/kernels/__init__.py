@@ -4,7 +4,9 @@ What it holds (engine/kernels/csrc/cpu_kernels.cpp):
 - `paged_attention`: attention that reads K/V blocks where they lie in the paged cache, through
   the block table, instead of first copying every request's context into one tensor;
 - `int8_linear`, `int4_linear`: weight-only quantized matrix × (a few) vectors, the formats being
-  defined in engine/kernels/quant.py next to their pure-torch reference.
+  defined in engine/kernels/quant.py next to their pure-torch reference;
+- `int4_q8_tiled_linear` (csrc/int4_tiles.cpp): a GGUF's Q4_1 blocks repacked at load into tiles
+  of 16 channels, multiplied in integers as llama.cpp's repacked kernels do.
 
 The pure-torch code stays the reference and the fallback. `EngineConfig(kernels="auto")` uses the
 compiled kernels when they build (attention: CPU, float32 or bfloat16; the quantized linears: CPU,
@@ -37,7 +39,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 KERNEL_MODES = ("auto", "torch")
-SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCE = CSRC / "cpu_kernels.cpp"  # holds the module's definition (PYBIND11_MODULE)
+SOURCES = (SOURCE, CSRC / "int4_tiles.cpp")
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -69,7 +73,8 @@ def build_dir() -> Path:
     """~/.cache/llm-inference-lab/kernels/<torch version>-<hash of CPU flags and source>."""
     from engine.artifact import cache_dir
 
-    key = hashlib.sha256((_cpu_flags() + SOURCE.read_text()).encode()).hexdigest()[:12]
+    texts = [p.read_text() for p in sorted(CSRC.iterdir()) if p.suffix in (".cpp", ".h")]
+    key = hashlib.sha256((_cpu_flags() + "".join(texts)).encode()).hexdigest()[:12]
     return cache_dir() / "kernels" / f"torch{torch.__version__.replace('+', '_')}-{key}"
 
 
@@ -93,7 +98,7 @@ def load() -> ModuleType | None:
             flags = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
             _module = cpp_extension.load(
                 name="llm_lab_cpu_kernels",
-                sources=[str(SOURCE)],
+                sources=[str(p) for p in SOURCES],
                 extra_cflags=flags,
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(directory),

@@ -67,7 +67,94 @@ class Int4Weight:
         return (self.packed, self.scales, self.mins)
 
 
-QuantizedWeight = Int8Weight | Int4Weight
+TILE_CHANNELS = 16  # output channels per tile of an Int4TiledWeight
+TILE_RECORD = 320  # bytes per (tile, group): 16 × 16 of nibbles, 16 float16 scales, 16 minimums
+
+
+@dataclass
+class Int4TiledWeight:
+    """The GGUF's Q4_1 weights (an Int4Weight of group 32 with float16 scales and
+    `q8_activations`) repacked at load for the kernel, as llama.cpp repacks them for its AVX-512
+    and AMX kernels: `tiles[t, g]` is one 320-byte record for output channels 16t .. 16t + 15 and
+    input group g, chunk i (64 bytes) holding bytes 4i .. 4i + 3 of each channel's block, then the
+    16 scales, then the 16 minimums. One 512-bit load feeds 16 channels, one lane each, and a
+    thread reads its records front to back (engine/kernels/csrc/int4_tiles.cpp). The same numbers
+    as the Int4Weight it came from, in another order: `to_rows` gives that back, and is what the
+    torch reference multiplies."""
+
+    tiles: torch.Tensor  # [out / 16, in / 32, 320] uint8
+    group_size: int = 32
+    q8_activations: bool = True
+
+    @property
+    def shape(self) -> torch.Size:
+        t, g, _ = self.tiles.shape
+        return torch.Size((t * TILE_CHANNELS, g * self.group_size))
+
+    def nbytes(self) -> int:
+        return self.tiles.numel()
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.tiles,)
+
+    def to_rows(self) -> Int4Weight:
+        """The Int4Weight these tiles were made from (`tile_int4_q8` undone)."""
+        t, g, _ = self.tiles.shape
+        nibbles = self.tiles[..., :256].reshape(t, g, 4, TILE_CHANNELS, 4)
+        packed = nibbles.permute(0, 3, 1, 2, 4).reshape(t * TILE_CHANNELS, g * 16)
+
+        def halves(lo: int) -> torch.Tensor:
+            values = self.tiles[..., lo : lo + 32].contiguous().view(torch.float16)
+            return values.transpose(1, 2).reshape(t * TILE_CHANNELS, g)
+
+        return Int4Weight(
+            packed.contiguous(), halves(256).contiguous(), halves(288).contiguous(), 32, True
+        )
+
+
+def can_tile(qw: "QuantizedWeight") -> bool:
+    """A GGUF-style Int4Weight the tiled kernel takes: groups of 32, float16 scales, activations
+    rounded to 8 bits, and whole tiles of 16 output channels."""
+    return (
+        isinstance(qw, Int4Weight)
+        and qw.q8_activations
+        and qw.group_size == 32
+        and qw.scales.dtype == torch.float16
+        and qw.shape[0] % TILE_CHANNELS == 0
+    )
+
+
+def tile_int4_q8(qw: Int4Weight) -> Int4TiledWeight:
+    """Repack `qw` (see `can_tile`) into 320-byte records of 16 channels × one group."""
+    n, k = qw.shape
+    t, g = n // TILE_CHANNELS, k // 32
+    nibbles = qw.packed.reshape(t, TILE_CHANNELS, g, 4, 4).permute(0, 2, 3, 1, 4)
+
+    def halves(values: torch.Tensor) -> torch.Tensor:
+        return values.reshape(t, TILE_CHANNELS, g).transpose(1, 2).contiguous().view(torch.uint8)
+
+    records = (nibbles.reshape(t, g, 256), halves(qw.scales), halves(qw.mins))
+    return Int4TiledWeight(torch.cat(records, dim=-1).contiguous())
+
+
+QuantizedWeight = Int8Weight | Int4Weight | Int4TiledWeight
+QUANTIZED_TYPES = (Int8Weight, Int4Weight, Int4TiledWeight)
+
+
+def arrange_for_kernels(weights: dict, kernels) -> dict:
+    """The weights as the chosen linear path reads them best, decided once at load: the GGUF's
+    Q4_1 matrices repacked into tiles where the extension (`kernels`) runs the tiled kernel in
+    AVX-512 VNNI; else (another CPU, the torch reference) in rows, their file's order. The
+    numbers are the same either way; a weight that is not a GGUF Q4_1 matrix is left as it is."""
+    tiled = kernels is not None and kernels.int4_tiles_vectorized()
+    out = {}
+    for name, w in weights.items():
+        if tiled and can_tile(w):
+            w = tile_int4_q8(w)
+        elif not tiled and isinstance(w, Int4TiledWeight):
+            w = w.to_rows()
+        out[name] = w
+    return out
 
 
 def quantize_int8(w: torch.Tensor) -> Int8Weight:
@@ -122,6 +209,8 @@ def dequantize_int4(qw: Int4Weight) -> torch.Tensor:
 
 
 def dequantize(qw: QuantizedWeight) -> torch.Tensor:
+    if isinstance(qw, Int4TiledWeight):
+        qw = qw.to_rows()
     return dequantize_int8(qw) if isinstance(qw, Int8Weight) else dequantize_int4(qw)
 
 
@@ -130,6 +219,8 @@ def dequantize_rows(qw: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor:
     table (a tied embedding shares its matrix with the quantized output layer)."""
     if isinstance(qw, Int8Weight):
         return qw.qweight[rows].float() * qw.scales[rows].unsqueeze(-1)
+    if isinstance(qw, Int4TiledWeight):
+        qw = qw.to_rows()
     sub = Int4Weight(qw.packed[rows], qw.scales[rows], qw.mins[rows], qw.group_size)
     return dequantize_int4(sub)
 
@@ -151,7 +242,7 @@ def reference_linear(
 ) -> torch.Tensor:
     """The readable definition: dequantize, then an ordinary float matmul (after rounding the
     activations to 8-bit blocks for a weight that asks for it)."""
-    if isinstance(qw, Int4Weight) and qw.q8_activations:
+    if isinstance(qw, (Int4Weight, Int4TiledWeight)) and qw.q8_activations:
         b = bias.float() if bias is not None else None
         y = torch.nn.functional.linear(round_activations_q8(x), dequantize(qw), b)
         return y.to(x.dtype)
@@ -179,6 +270,8 @@ def quantized_linear(
     b = bias.float().contiguous() if bias is not None else None
     if isinstance(qw, Int8Weight):
         y = kernels.int8_linear(x2, qw.qweight, qw.scales, b)
+    elif isinstance(qw, Int4TiledWeight):
+        y = kernels.int4_q8_tiled_linear(x2, qw.tiles, b)
     elif qw.q8_activations:
         y = kernels.int4_q8_linear(x2, qw.packed, qw.scales, qw.mins, qw.group_size, b)
     else:

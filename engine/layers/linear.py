@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.float32_linear import float32_linear_backend, onednn_linear
-from engine.kernels.quant import Int4Weight, Int8Weight, quantized_linear
+from engine.kernels.quant import QUANTIZED_TYPES, quantized_linear
 from engine.layers.sharding import head_ranges, mlp_range
 from engine.models.config import LlamaConfig
 
@@ -36,7 +36,7 @@ def choose_matmul(weight, kernels=None) -> Matmul:
     goes to our C++ kernel (`kernels`, the compiled extension) or, with None, to the reference
     (dequantize + matmul); a float32 matrix on a CPU to the library timed faster here (MKL or
     oneDNN, once per process); anything else to F.linear."""
-    if isinstance(weight, (Int8Weight, Int4Weight)):
+    if isinstance(weight, QUANTIZED_TYPES):
         return partial(quantized_linear, kernels=kernels)
     on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
     if on_cpu and float32_linear_backend()["backend"] == "onednn":

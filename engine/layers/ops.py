@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.quant import Int4Weight, Int8Weight, dequantize_rows
+from engine.kernels.quant import QUANTIZED_TYPES, dequantize_rows
 from engine.models.config import LlamaConfig
 
 
@@ -142,7 +142,7 @@ class VocabEmbedding:
 
     def __init__(self, weight, dtype: torch.dtype):
         self.weight, self.dtype = weight, dtype
-        self.quantized = isinstance(weight, (Int8Weight, Int4Weight))
+        self.quantized = isinstance(weight, QUANTIZED_TYPES)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self.quantized:

@@ -29,7 +29,7 @@ from safetensors import safe_open
 
 from engine import kernels as kernel_lib
 from engine.kernels.float32_linear import float32_linear_backend
-from engine.kernels.quant import Int4Weight, Int8Weight
+from engine.kernels.quant import QUANTIZED_TYPES, arrange_for_kernels
 from engine.layers.attention import AttentionMetadata, paged_attention
 from engine.layers.linear import (
     MergedColumnParallelLinear,
@@ -159,10 +159,13 @@ class LlamaModel:
         path = kernel_lib.resolve(mode, self.device, self.dtype)
         logger.info("kernels=%r: %s", mode, kernel_lib.describe(path))
         linear_path = "torch"  # float weights: no quantized linear (nothing to build for bf16)
+        w = self.w
         if getattr(self, "quantization", None):  # set by quantization.py quantize_model
             linear_path = kernel_lib.resolve_linear(mode, self.device, self.dtype)
+            w = arrange_for_kernels(w, kernel_lib.load() if linear_path == "cpu" else None)
             logger.info("kernels=%r: quantized linears on %s", mode, linear_path)
         return self.rebuilt(
+            w=w,
             kernel_path=path,
             kernels=kernel_lib.load() if path == "cpu" else None,
             linear_kernel_path=linear_path,
@@ -194,7 +197,7 @@ class LlamaModel:
         one."""
         seen, weights = set(), []
         for t in self.w.values():
-            key = id(t) if isinstance(t, (Int8Weight, Int4Weight)) else t.data_ptr()
+            key = id(t) if isinstance(t, QUANTIZED_TYPES) else t.data_ptr()
             if key not in seen:
                 seen.add(key)
                 weights.append(t)
@@ -207,7 +210,7 @@ class LlamaModel:
         """Bytes the weights occupy on the device (what a decode step reads); a quantized
         matrix counts its packed values, scales and minimums."""
         return sum(
-            t.nbytes() if isinstance(t, (Int8Weight, Int4Weight)) else t.numel() * t.element_size()
+            t.nbytes() if isinstance(t, QUANTIZED_TYPES) else t.numel() * t.element_size()
             for t in self.distinct_weights()
         )
 

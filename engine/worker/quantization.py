@@ -23,7 +23,10 @@ Engine and llama.cpp then multiply by literally the same 4-bit numbers, and in t
 these weights are marked `q8_activations`, so each activation row is rounded to int8 in blocks of
 32 first (llama.cpp's Q8_1) and the kernel's dot products run in integers. "int4" keeps float
 activations (weight-only), the same weights' format otherwise: the two side by side show what the
-rounding of activations costs in quality and buys in speed.
+rounding of activations costs in quality and buys in speed. Where our kernels run with AVX-512
+VNNI, the model's Q4_1 matrices are then repacked once, at load, into tiles of 16 channels
+(engine/kernels/quant.py `Int4TiledWeight`, `arrange_for_kernels`), as llama.cpp repacks them for
+its own CPU kernels: the same bytes in another order.
 
 Where it runs: with EngineConfig(kernels="auto") on a CPU, our C++ kernels (float32 inside;
 bfloat16/float16 activations are widened per call); with kernels="torch", on CUDA, or where the
@@ -43,6 +46,7 @@ import numpy as np
 import torch
 
 from engine.kernels.quant import (
+    QUANTIZED_TYPES,
     Int4Weight,
     Int8Weight,
     QuantizedWeight,
@@ -271,7 +275,7 @@ def read_gguf_linears(gguf_path: str | Path | None, cfg) -> dict[str, Int4Weight
 
 
 def is_quantized(w) -> bool:
-    return isinstance(w, (Int8Weight, Int4Weight))
+    return isinstance(w, QUANTIZED_TYPES)
 
 
 def weight_nbytes(w) -> int:

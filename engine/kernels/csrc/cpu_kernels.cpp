@@ -17,6 +17,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "q8.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -1091,26 +1093,7 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
 // Several rows (a prefill chunk) take int4_linear on the rounded rows: the same numbers.
 
 namespace {
-constexpr int64_t Q8_BLOCK = 32;
-
-// x (k floats, k a multiple of 32) -> xq, d[k / 32], dsum[k / 32] = d * sum(xq) of each block.
-void quantize_row_q8(const float* x, int64_t k, int8_t* xq, float* d, float* dsum) {
-  for (int64_t b = 0; b < k / Q8_BLOCK; ++b) {
-    const float* v = x + b * Q8_BLOCK;
-    float amax = 0.f;
-    for (int64_t i = 0; i < Q8_BLOCK; ++i) amax = std::max(amax, std::fabs(v[i]));
-    const float scale = amax / 127.f;
-    int32_t total = 0;
-    for (int64_t i = 0; i < Q8_BLOCK; ++i) {
-      const float r = scale > 0.f ? std::nearbyint(v[i] / scale) : 0.f;  // to nearest, ties even
-      const int32_t q = static_cast<int32_t>(std::min(127.f, std::max(-127.f, r)));
-      xq[b * Q8_BLOCK + i] = static_cast<int8_t>(q);
-      total += q;
-    }
-    d[b] = scale;
-    dsum[b] = scale * static_cast<float>(total);
-  }
-}
+constexpr int64_t Q8_BLOCK = q8::BLOCK;
 
 #if defined(__AVX2__)
 // Eight sums of four products each, unsigned bytes (the 4-bit weights) times signed bytes (the
@@ -1266,7 +1249,7 @@ torch::Tensor int4_q8_linear(const torch::Tensor& x, const torch::Tensor& packed
   std::vector<float> d(m * groups), dsum(m * groups);
   const float* xp = x.data_ptr<float>();
   for (int64_t r = 0; r < m; ++r)
-    quantize_row_q8(xp + r * k, k, xq.data() + r * k, d.data() + r * groups,
+    q8::quantize_row(xp + r * k, k, xq.data() + r * k, d.data() + r * groups,
                     dsum.data() + r * groups);
   if (m > 1) {  // the rounded rows, x ~ xq * d, through the float kernel
     auto rounded = torch::empty_like(x);
@@ -1432,6 +1415,11 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
   return out;
 }
 
+// engine/kernels/csrc/int4_tiles.cpp
+bool int4_tiles_vectorized();
+torch::Tensor int4_q8_tiled_linear(const torch::Tensor& x, const torch::Tensor& tiles,
+                                   const c10::optional<torch::Tensor>& bias);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "llm-inference-lab CPU kernels: paged attention, int8/int4 linear, norms, RoPE, SwiGLU";
   m.def("paged_attention", &paged_attention,
@@ -1440,6 +1428,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "y = x @ (q * scale + min).T (+ bias), int4 groups");
   m.def("int4_q8_linear", &int4_q8_linear,
         "int4_linear with x first rounded to int8 in blocks of 32 (llama.cpp's Q4_1 x Q8_1)");
+  m.def("int4_q8_tiled_linear", &int4_q8_tiled_linear,
+        "int4_q8_linear on Q4_1 blocks repacked in tiles of 16 channels (Int4TiledWeight)");
+  m.def("int4_tiles_vectorized", &int4_tiles_vectorized,
+        "True where int4_q8_tiled_linear runs its AVX-512 VNNI code (else portable loops)");
   m.def("rms_norm", &rms_norm, "y = x * rsqrt(mean(x^2) + eps) * weight, row by row");
   m.def("add_rms_norm", &add_rms_norm, "(h + delta, rms_norm(h + delta) * weight), row by row");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[..., :n]) * x[..., n:] for x of last size 2n");

@@ -1,0 +1,161 @@
+"""The GGUF's Q4_1 weights repacked into tiles of 16 channels (engine/kernels/quant.py
+`Int4TiledWeight`, engine/kernels/csrc/int4_tiles.cpp):
+
+- repacking loses nothing: `to_rows` gives back the same bytes, scales and minimums, and the
+  reference multiplies the same numbers in either layout;
+- the kernel against the torch reference (activations rounded to int8 blocks as llama.cpp does)
+  and against the row-layout kernel, for every row count of the register blocks and their
+  remainders, with and without a bias;
+- a model's weights are tiled at load only for the kernel that reads tiles, and put back in rows
+  for the reference;
+- the default model's GGUF: tiles as close to float32 as rows are, teacher-forced (slow).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine import kernels
+from engine.kernels.quant import (
+    Int4TiledWeight,
+    Int4Weight,
+    arrange_for_kernels,
+    can_tile,
+    dequantize,
+    quantize_int4,
+    quantize_int8,
+    quantized_linear,
+    reference_linear,
+    tile_int4_q8,
+)
+
+
+def gguf_like(n: int, k: int, seed: int = 0) -> Int4Weight:
+    """A Q4_1-style weight: groups of 32, float16 scales and minimums, 8-bit activations."""
+    torch.manual_seed(seed)
+    qw = quantize_int4(torch.randn(n, k), 32)
+    return Int4Weight(qw.packed, qw.scales.half(), qw.mins.half(), 32, q8_activations=True)
+
+
+@pytest.fixture(scope="module")
+def ext():
+    module = kernels.load()
+    if module is None:
+        pytest.skip(f"C++ kernels unavailable: {kernels.build_error()}")
+    return module
+
+
+@settings(max_examples=25, deadline=None)
+@given(tiles=st.integers(1, 6), groups=st.integers(1, 20), seed=st.integers(0, 10_000))
+def test_tiles_hold_the_same_numbers_as_the_rows(tiles, groups, seed):
+    qw = gguf_like(16 * tiles, 32 * groups, seed)
+    tw = tile_int4_q8(qw)
+    assert tw.tiles.shape == (tiles, groups, 320) and tw.shape == qw.shape
+    assert tw.nbytes() == qw.nbytes()  # 20 bytes per 32 weights, as in the file
+    back = tw.to_rows()
+    assert torch.equal(back.packed, qw.packed)
+    assert torch.equal(back.scales, qw.scales) and torch.equal(back.mins, qw.mins)
+    assert torch.equal(dequantize(tw), dequantize(qw))
+
+
+def test_only_gguf_style_weights_with_whole_tiles_are_tiled():
+    assert can_tile(gguf_like(32, 64))
+    assert not can_tile(gguf_like(24, 64))  # not a whole number of 16-channel tiles
+    assert not can_tile(replace(gguf_like(32, 64), q8_activations=False))  # "int4": float x
+    assert not can_tile(quantize_int4(torch.randn(32, 64), 32))  # float32 scales
+    assert not can_tile(quantize_int8(torch.randn(32, 64)))
+
+
+@pytest.mark.parametrize("n, k", [(16, 32), (96, 576), (64, 1536)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 67])
+def test_tiled_kernel_matches_the_reference_and_the_row_kernel(ext, n, k, rows):
+    qw = gguf_like(n, k, seed=rows)
+    tw = tile_int4_q8(qw)
+    torch.manual_seed(rows + n)
+    x = torch.randn(rows, k) * torch.linspace(0.1, 4.0, k)  # blocks of different ranges
+    bias = torch.randn(n)
+    for b in (None, bias):
+        expected = reference_linear(x, qw, b)
+        tiled = quantized_linear(x, tw, b, kernels=ext)
+        by_rows = quantized_linear(x, qw, b, kernels=ext)
+        tolerance = 2e-6 * expected.abs().max().item() * (k / 32) ** 0.5 + 1e-5
+        assert (tiled - expected).abs().max().item() < tolerance
+        assert (tiled - by_rows).abs().max().item() < tolerance
+    # the reference path takes tiles too (through to_rows), with the same numbers
+    assert torch.equal(quantized_linear(x, tw, bias, kernels=None), reference_linear(x, qw, bias))
+
+
+def test_tiled_kernel_takes_any_leading_shape_and_bfloat16(ext):
+    qw = gguf_like(32, 64)
+    tw = tile_int4_q8(qw)
+    x = torch.randn(2, 3, 64)
+    assert torch.allclose(
+        quantized_linear(x, tw, kernels=ext), reference_linear(x, qw), atol=1e-4, rtol=1e-5
+    )
+    y = quantized_linear(x.bfloat16(), tw, kernels=ext)
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 3, 32)
+
+
+def test_the_kernel_refuses_tiles_that_do_not_fit_x(ext):
+    tw = tile_int4_q8(gguf_like(16, 64))
+    with pytest.raises(RuntimeError, match="groups of 32"):
+        ext.int4_q8_tiled_linear(torch.randn(1, 96), tw.tiles, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        ext.int4_q8_tiled_linear(torch.randn(1, 64), tw.tiles, torch.randn(8))
+
+
+def test_weights_are_tiled_for_the_tiled_kernel_only(ext):
+    weights = {
+        "0.qkv": gguf_like(48, 64),
+        "0.o": gguf_like(24, 64),  # no whole tiles: stays in rows
+        "lm_head": quantize_int8(torch.randn(40, 64)),
+    }
+    arranged = arrange_for_kernels(weights, ext)
+    assert arranged["lm_head"] is weights["lm_head"] and arranged["0.o"] is weights["0.o"]
+    if ext.int4_tiles_vectorized():
+        assert isinstance(arranged["0.qkv"], Int4TiledWeight)
+    else:  # the portable loops are correct but slower than the row kernel: keep rows
+        assert arranged["0.qkv"] is weights["0.qkv"]
+    back = arrange_for_kernels(arranged, None)  # the reference reads rows
+    assert isinstance(back["0.qkv"], Int4Weight)
+    assert torch.equal(back["0.qkv"].packed, weights["0.qkv"].packed)
+
+
+@pytest.mark.slow
+def test_gguf_tiles_are_as_close_to_float32_as_rows(ext, default_model_dir, tokenizer, monkeypatch):
+    """Tiles and rows multiply the same 4-bit numbers by the same 8-bit activations with the same
+    integer dot products; only the float sums over groups run in another order. Rounding each
+    layer's activations to 8 bits turns such last-bit differences into whole rounding steps now
+    and then, so no two orderings give identical logits (the row kernel and its own torch
+    reference differ as much, docs/performance.md). What must hold: the tiled model is as close to
+    float32 as the row layout, and no further from rows than rows is from the reference."""
+    from engine.models import llama
+    from engine.tools import quality
+
+    if not ext.int4_tiles_vectorized():
+        pytest.skip("this CPU has no AVX-512 VNNI: the engine keeps the row layout")
+    ids = quality.text_token_ids(tokenizer, max_tokens=160)
+    gguf = quality.Variant.parse("gguf")
+    reference = quality.teacher_forced_logits(
+        quality.load_variant(default_model_dir, quality.REFERENCE), ids
+    )
+    tiled_model = quality.load_variant(default_model_dir, gguf)
+    assert sum(isinstance(w, Int4TiledWeight) for w in tiled_model.w.values()) == 4 * 30
+    tiles = quality.teacher_forced_logits(tiled_model, ids)
+    monkeypatch.setattr(llama, "arrange_for_kernels", lambda w, kernels: w)  # rows, as loaded
+    rows = quality.teacher_forced_logits(quality.load_variant(default_model_dir, gguf), ids)
+    torch_ref = quality.teacher_forced_logits(
+        quality.load_variant(default_model_dir, gguf, kernels="torch"), ids
+    )
+    tiles_score = quality.compare_logits(reference, tiles, ids)
+    rows_score = quality.compare_logits(reference, rows, ids)
+    assert tiles_score["top1_agreement_outside_ties"] >= 0.99, tiles_score
+    assert tiles_score["perplexity"] < 1.01 * rows_score["perplexity"], (tiles_score, rows_score)
+    assert tiles_score["kl_mean"] < 1.5 * rows_score["kl_mean"], (tiles_score, rows_score)
+    between = (tiles - rows).abs().mean().item()
+    assert between < 1.5 * (rows - torch_ref).abs().mean().item()
