@@ -197,6 +197,7 @@ class EngineCore:
                 self.model_dir, self.model_config, self.device, self.dtype, config.block_size,
                 config.kernels, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                 step_timeout_s=config.engine_iteration_timeout_s,
+                linear_precision=config.linear_precision,
             )  # fmt: skip
         return UniProcExecutor(
             Worker(
@@ -208,6 +209,7 @@ class EngineCore:
                 quantization=config.quantization,
                 quantization_group_size=config.quantization_group_size,
                 kv_transfer_config=config.kv_transfer_config,
+                linear_precision=config.linear_precision,
             )
         )
 

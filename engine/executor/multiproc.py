@@ -101,6 +101,7 @@ from engine.executor.transport import (
 )
 from engine.executor.watchdog import hung_step_message, resume
 from engine.kernels.float32_linear import FLOAT32_LINEAR_ENV, float32_linear_backend
+from engine.kernels.linear_precision import resolve_linear_precision
 from engine.layers.sharding import (
     ParallelContext,
     check_parallel_sizes,
@@ -250,6 +251,7 @@ class RankServer:
             spec["block_size"],
             spec["kernels"],
             parallel=ParallelContext(tp, pp, self.rank, self.comm),
+            linear_precision=spec.get("linear_precision", "float32"),
         )
         self.worker.load_model()
 
@@ -467,11 +469,14 @@ class MultiprocExecutor(Executor):
         master_addr: str | None = None,
         master_port: int | None = None,
         step_timeout_s: float | None = None,
+        linear_precision: str = "float32",
     ):
         """Validates everything it can (sizes, devices, the rendezvous port) and starts nothing:
         the processes start (or the torchrun world is joined) in initialize().
         `step_timeout_s`: the engine iteration timeout (None: engine/config.py's default), past
-        which a step counts as hung: it fails and every worker is stopped."""
+        which a step counts as hung: it fails and every worker is stopped. `linear_precision`
+        is resolved here ("auto" timed once in this process) and every rank gets the result,
+        as they get the float32 library."""
         tp, pp = tensor_parallel_size, pipeline_parallel_size
         self.torchrun = torchrun_rank() is not None
         if self.torchrun:  # torchrun started the ranks: WORLD_SIZE must be tp × pp
@@ -490,6 +495,7 @@ class MultiprocExecutor(Executor):
         self.spec = dict(
             model_dir=str(model_dir), device=device, dtype=dtype, block_size=block_size,
             kernels=kernels,
+            linear_precision=resolve_linear_precision(linear_precision, device, dtype)["precision"],
         )  # fmt: skip
         self.master_addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = master_port or os.environ.get("MASTER_PORT")

@@ -59,11 +59,12 @@ def _best_ms(fn, repeats: int) -> float:
     return 1e3 * best
 
 
-def _time_both(matrices: list[torch.Tensor]) -> dict:
-    """Both libraries over `matrices` at 1 row (decode at batch 1) and at 32 rows, best of a
-    few runs, in milliseconds."""
+def time_linears(matrices: list[torch.Tensor], libraries: dict) -> dict:
+    """Each of `libraries` (name → fn(x, w)) over `matrices` at 1 row (decode at batch 1) and
+    at 32 rows of float32 activations, best of a few runs, in milliseconds: {rows: {name: ms}}.
+    The one timing helper for the float32 library and the linears' precision
+    (engine/kernels/linear_precision.py)."""
     widths = {m.shape[1] for m in matrices}
-    libraries = {"mkl": F.linear, "onednn": onednn_linear}
     ms = {}
     for rows, repeats in ((1, 3), (32, 2)):
         inputs = {k: torch.full((rows, k), 0.01) for k in widths}
@@ -78,7 +79,7 @@ def _choose(matrices: list[torch.Tensor]) -> dict:
     """oneDNN stays (it was the faster where this was first measured) unless MKL is at least
     15 % faster at one row and no more than 10 % slower at 32: one library for every row count,
     so that a request's numbers do not depend on the size of its batch."""
-    ms = _time_both(matrices)
+    ms = time_linears(matrices, {"mkl": F.linear, "onednn": onednn_linear})
     mkl_wins = ms[1]["mkl"] < 0.85 * ms[1]["onednn"] and ms[32]["mkl"] < 1.1 * ms[32]["onednn"]
     size = sum(m.numel() for m in matrices) * 4 / 1e6
     return {

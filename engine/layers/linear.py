@@ -12,7 +12,9 @@ y = x @ Wᵀ (+ bias), with W as checkpoints store it: [out, in].
 Each class cuts its own shard from the full matrix (`shard`), by the ranges of
 engine/layers/sharding.py. How the matmul runs is chosen once per layer (`choose_matmul`): our
 int8/int4 kernel or its reference for a quantized weight (engine/kernels/quant.py), the faster
-float32 library on a CPU (engine/kernels/float32_linear.py), else F.linear.
+float32 library on a CPU (engine/kernels/float32_linear.py), a bfloat16 matrix on a CPU in a
+float32 engine (linear_precision "bfloat16": engine/kernels/linear_precision.py) casts the
+activations to bfloat16 and the result back, else F.linear.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.float32_linear import float32_linear_backend, onednn_linear
+from engine.kernels.linear_precision import bfloat16_matmul
 from engine.kernels.quant import QUANTIZED_TYPES, quantized_linear
 from engine.layers.sharding import head_ranges, mlp_range
 from engine.models.config import LlamaConfig
@@ -35,9 +38,13 @@ def choose_matmul(weight, kernels=None) -> Matmul:
     """How x @ Wᵀ (+ bias) runs for this weight, decided once: a weight-only quantized matrix
     goes to our C++ kernel (`kernels`, the compiled extension) or, with None, to the reference
     (dequantize + matmul); a float32 matrix on a CPU to the library timed faster here (MKL or
-    oneDNN, once per process); anything else to F.linear."""
+    oneDNN, once per process); a bfloat16 matrix on a CPU to the bfloat16 linear (float32
+    activations cast for the matmul, the result cast back; plain F.linear for bfloat16 ones);
+    anything else to F.linear."""
     if isinstance(weight, QUANTIZED_TYPES):
         return partial(quantized_linear, kernels=kernels)
+    if weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
+        return bfloat16_matmul()
     on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
     if on_cpu and float32_linear_backend()["backend"] == "onednn":
         return onednn_linear

@@ -20,12 +20,14 @@ from engine.config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
 )
+from engine.kernels.linear_precision import resolve_linear_precision
 from engine.kv_connector import KVTransferConfig
 from engine.layers.attention import build_attention_metadata
 from engine.layers.sharding import ParallelContext
 from engine.models.llama import LlamaModel
 from engine.scheduler_output import SchedulerOutput
 from engine.utils import cdiv
+from engine.worker.bfloat16_linears import layer_matrices, with_bfloat16_linears
 from engine.worker.kv_connector import make_kv_connector_worker
 from engine.worker.kv_p2p import P2pConnectorWorker  # noqa: F401 — registers P2pGlooConnector
 from engine.worker.model_runner import ModelRunner, ModelRunnerOutput
@@ -40,13 +42,33 @@ _weights_lock = threading.Lock()
 _loaded_models: dict[tuple[str, str, torch.dtype], LlamaModel] = {}
 
 
-def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> LlamaModel:
-    """Weights are read-only during inference, so engines in one process share one copy."""
+def load_model(
+    model_dir: str | Path, device: torch.device, dtype: torch.dtype, linear_precision="float32"
+) -> LlamaModel:
+    """Weights are read-only during inference, so engines in one process share one copy. With
+    bfloat16 linears (`linear_precision`, engine/kernels/linear_precision.py) the float32
+    weights are read for the conversion (and "auto"'s timing) and dropped, unless an engine of
+    this process runs them."""
     key = (str(Path(model_dir).resolve()), str(device), dtype)
     with _weights_lock:
-        if key not in _loaded_models:
-            _loaded_models[key] = LlamaModel.from_pretrained(model_dir, device=device, dtype=dtype)
-        return _loaded_models[key]
+        base = _loaded_models.get(key)
+
+        def float_weights() -> LlamaModel:
+            nonlocal base
+            base = base or LlamaModel.from_pretrained(model_dir, device=device, dtype=dtype)
+            return base
+
+        def matrices() -> list[torch.Tensor]:  # read only when "auto" times them
+            return layer_matrices(float_weights())
+
+        choice = resolve_linear_precision(linear_precision, device, dtype, matrices)
+        if choice["precision"] == "float32":
+            _loaded_models[key] = float_weights()
+            return _loaded_models[key]
+        bf16_key = key + ("bfloat16 linears",)
+        if bf16_key not in _loaded_models:
+            _loaded_models[bf16_key] = with_bfloat16_linears(float_weights(), choice["why"])
+        return _loaded_models[bf16_key]
 
 
 def is_model_loaded(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> bool:
@@ -156,8 +178,10 @@ class Worker:
         quantization_group_size: int = 32,
         parallel: ParallelContext | None = None,
         kv_transfer_config: KVTransferConfig | None = None,
+        linear_precision: str = "float32",
     ):
         self.model_dir = Path(model_dir)
+        self.linear_precision = linear_precision  # float32 / bfloat16 / auto linears (config.py)
         # tensor / pipeline parallel: this worker's rank and its communication (its process
         # holds only its shard; engine/executor/multiproc.py); None: one worker, all weights
         self.parallel = parallel or ParallelContext()
@@ -178,6 +202,9 @@ class Worker:
             model = LlamaModel.from_pretrained(
                 self.model_dir, self.device, self.dtype, parallel=self.parallel
             )
+            choice = resolve_linear_precision(self.linear_precision, self.device, self.dtype)
+            if choice["precision"] == "bfloat16":  # the driver's choice (multiproc.py)
+                model = with_bfloat16_linears(model, choice["why"])
         elif self.quantization:
             model = load_quantized_model(
                 self.model_dir,
@@ -187,7 +214,7 @@ class Worker:
                 self.quantization_group_size,
             )
         else:
-            model = load_model(self.model_dir, self.device, self.dtype)
+            model = load_model(self.model_dir, self.device, self.dtype, self.linear_precision)
         self.model = model.with_kernels(self.kernels)
 
     @property
