@@ -16,6 +16,7 @@ from engine.config import (
     DEFAULT_MAX_NUM_SEQS,
 )
 from engine.entrypoints.disagg_cli import add_kv_transfer_args, add_proxy_parser, kv_transfer_config
+from engine.entrypoints.weights_cli import add_quantization_args
 
 # engine.entrypoints.server.app.API_KEY_ENV, spelled out: importing the server here would load
 # torch for --help.
@@ -252,6 +253,7 @@ def bench_config(args: argparse.Namespace):
         speculative_config=args.speculative_config,
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
+        linear_precision=args.linear_precision,
         compare_variants=DEFAULT_VARIANTS if args.compare_quantization else None,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
@@ -377,25 +379,6 @@ SPEC_HELP = (
     'speculative decoding as JSON, e.g. \'{"method": "ngram", '
     '"num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}\''
 )
-
-
-def add_quantization_args(p: argparse.ArgumentParser) -> None:
-    """--quantization / --quantization-group-size (engine/worker/quantization.py), for
-    generate, serve and bench. The names are spelled out here so that --help does not load torch."""
-    p.add_argument(
-        "--quantization",
-        choices=["int8", "int4", "gguf"],
-        default=None,
-        help="weight-only quantization of the linears and lm_head: int8 (per output channel), "
-        "int4 (group-wise scale + min), gguf (the default artifact's own Q4_1 blocks); "
-        "default: off",
-    )
-    p.add_argument(
-        "--quantization-group-size",
-        type=int,
-        default=32,
-        help="input channels per int4 group (default 32; gguf: 32)",
-    )
 
 
 def add_artifact_parser(sub) -> None:

@@ -1,0 +1,34 @@
+"""The flags that say how the linears' weights are stored and computed, shared by generate,
+serve and bench: weight-only quantization (engine/worker/quantization.py) and the linears'
+precision in a float32 engine (engine/kernels/linear_precision.py). The choices are spelled out
+here so that --help does not load torch."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_quantization_args(p: argparse.ArgumentParser) -> None:
+    """--quantization / --quantization-group-size and --linear-precision."""
+    p.add_argument(
+        "--quantization",
+        choices=["int8", "int4", "gguf"],
+        default=None,
+        help="weight-only quantization of the linears and lm_head: int8 (per output channel), "
+        "int4 (group-wise scale + min), gguf (the default artifact's own Q4_1 blocks); "
+        "default: off",
+    )
+    p.add_argument(
+        "--quantization-group-size",
+        type=int,
+        default=32,
+        help="input channels per int4 group (default 32; gguf: 32)",
+    )
+    p.add_argument(
+        "--linear-precision",
+        choices=["float32", "bfloat16", "auto"],
+        default="float32",
+        help="what a float32 CPU engine's linears (lm_head too) compute in: float32 (default), "
+        "bfloat16 (bfloat16 weights, everything else float32), or auto (bfloat16 where the CPU "
+        "has AMX / AVX512-BF16 and a load-time timing shows it faster)",
+    )
