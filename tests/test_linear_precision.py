@@ -184,3 +184,40 @@ def test_default_model_bfloat16_linears_agree_with_float32_under_the_near_tie_ru
         ours, ref = outputs["bfloat16"][i], outputs["float32"][i]
         verdict = compare_greedy(hf_reference, texts[i], ids, ours, ref, TIE_MARGIN[torch.bfloat16])
         assert verdict.ok, verdict
+
+
+def test_the_bench_runs_the_offline_workload_again_with_auto(
+    tiny_model_dir, fresh_choice, monkeypatch
+):
+    from engine.entrypoints.llm import LLM
+    from engine.tools.bench.bf16_linears import run_bfloat16_linears
+    from engine.tools.bench.config import BenchConfig
+    from engine.tools.bench.offline import run_engine_offline
+    from engine.tools.bench.report import format_offline
+    from engine.tools.bench.run import BenchRun
+    from engine.tools.workload import make_workload
+
+    config = BenchConfig.quick_config(model=str(tiny_model_dir), max_num_seqs=4, kernels="torch")
+    llm = LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=64, max_num_seqs=4, kernels="torch")
+    run = BenchRun(config, llm, tiny_model_dir, log=lambda _: None, sections=[])
+    workload = make_workload(4, (8, 24), (4, 8), 0, 100, [])
+    float32_run = run_engine_offline(llm, workload)
+    monkeypatch.setattr(lp, "bfloat16_isa", lambda flags=None: "avx512_bf16")
+    monkeypatch.setattr(lp, "_choice", lp.choose_precision(None, None))  # timed: float32
+    skipped = run_bfloat16_linears(run, workload, float32_run)
+    assert not skipped["ran"] and "auto chooses float32: this CPU has no bfloat16" in skipped["why"]
+    monkeypatch.setattr(lp, "_choice", None)
+    monkeypatch.setenv(lp.LINEAR_PRECISION_ENV, "bfloat16")  # what "auto" would time to here
+    b = run_bfloat16_linears(run, workload, float32_run)
+    assert b["ran"] and b["amx"] == "not an AMX machine"
+    assert b["engine"]["output_tokens"] == float32_run["output_tokens"]
+    assert b["ratio"] == b["engine"]["output_tokens_per_s"] / float32_run["output_tokens_per_s"]
+    assert b["float32_weight_bytes"] == llm.engine.weight_bytes() != b["weight_bytes"]
+    a = b["agreement"]
+    assert a["requests"] == 4 and a["identical_requests"] + len(a["divergences"]) == 4
+    assert a["near_ties"] + a["not_near_ties"] == len(a["divergences"]) and a["tie_margin"] == 0.5
+    offline = {"engine": {k: v for k, v in float32_run.items() if k != "tokens"}}
+    text = "\n".join(format_offline({**offline, "bfloat16_linears": b}))
+    assert "bf16 linears" in text and "not an AMX machine" in text and "near-tie" in text
+    text = "\n".join(format_offline({**offline, "bfloat16_linears": skipped}))
+    assert "bfloat16 linears (auto): not run: auto chooses float32" in text

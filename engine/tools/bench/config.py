@@ -39,6 +39,9 @@ class BenchConfig:
     # weight-only quantization of the engine under test (engine/worker/quantization.py); None: off
     quantization: str | None = None
     quantization_group_size: int = 32
+    # what the engine under test's linears compute in (EngineConfig.linear_precision); section 2
+    # also runs "auto" when it picks bfloat16 on this CPU
+    linear_precision: str = "float32"
     # section 8 (`--compare-quantization`): these variants side by side, (dtype, quantization)
     compare_variants: tuple[tuple[str, str | None], ...] | None = None
     kernel_section: bool = True  # section 6: our kernels against torch's, and the step both ways

@@ -115,7 +115,27 @@ def format_offline(off: dict) -> list[str]:
             f"  ratio                   {off['ratio']:8.2f}×  (greedy outputs identical for "
             f"{agree['identical_requests']}/{agree['requests']} requests)"
         )
-    return lines
+    return lines + format_bfloat16_linears(off.get("bfloat16_linears"))
+
+
+def format_bfloat16_linears(b: dict | None) -> list[str]:
+    """The report's lines under section 2."""
+    if b is None:
+        return []
+    if not b["ran"]:
+        return [f"  bfloat16 linears (auto): not run: {b['why']}"]
+    e, a = b["engine"], b["agreement"]
+    target = f"target ≥ {b['target_ratio_on_amx']:.0f}× on AMX"
+    target += "; not an AMX machine" if b["amx"] != "AMX" else ""
+    return [
+        f"  engine, bf16 linears    {e['output_tokens_per_s']:8.1f}   {e['seconds']:.1f} s, "
+        f"{b['ratio']:.2f}× the float32 engine ({target}); weights "
+        f"{b['weight_bytes'] / 1e6:.0f} MB vs {b['float32_weight_bytes'] / 1e6:.0f} MB",
+        f"    agreement with float32: {a['identical_requests']}/{a['requests']} identical, "
+        f"{a['near_ties']} near-tie divergences, {a['not_near_ties']} not near ties "
+        f"(margin {a['tie_margin']})",
+        f"    auto chose bfloat16: {b['why']}",
+    ]
 
 
 def format_decode_batch1(d: dict) -> list[str]:

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from engine.tools.bench.bf16_linears import run_bfloat16_linears
 from engine.tools.bench.ceilings import (
     measure_bandwidth,
     measure_ceilings,
@@ -117,6 +118,7 @@ def open_engine(config: BenchConfig):
         kernels=config.kernels,
         quantization=config.quantization,
         quantization_group_size=config.quantization_group_size,
+        linear_precision=config.linear_precision,
     )
     return llm, model_dir
 
@@ -131,9 +133,14 @@ def describe_paths(config: BenchConfig, engine, model) -> tuple[str, str]:
         kernels_line += f"; quantized linears: {kernel_lib.describe(model.linear_kernel_path)}"
     if engine.device.type == "cpu" and engine.dtype == torch.float32:
         from engine.kernels.float32_linear import float32_linear_backend
+        from engine.worker.bfloat16_linears import linear_precision_of
 
         choice = float32_linear_backend()
-        kernels_line += f"; float32 linears: {choice['backend']} ({choice['why']})"
+        precision = linear_precision_of(model)
+        if precision["precision"] == "bfloat16":
+            kernels_line += f"; linears in bfloat16 ({precision['why']})"
+        else:
+            kernels_line += f"; float32 linears: {choice['backend']} ({choice['why']})"
     return kernels_line, quant_lib.describe(model)
 
 
@@ -225,6 +232,10 @@ def run_offline(run: BenchRun) -> dict:
         offline["transformers"] = {k: v for k, v in hf.items() if k != "tokens"}
         offline["ratio"] = engine_run["output_tokens_per_s"] / hf["output_tokens_per_s"]
         offline["greedy_agreement"] = greedy_agreement(engine_run["tokens"], hf["tokens"])
+    if run.engine.device.type == "cpu" and run.engine.dtype == torch.float32:
+        if config.quantization is None:  # the same requests with auto's bfloat16 linears
+            run.log("      offline: the same requests with linear_precision='auto'")
+            offline["bfloat16_linears"] = run_bfloat16_linears(run, workload, engine_run)
     run.results["offline"] = offline
     return engine_run
 
