@@ -174,7 +174,11 @@ def test_default_model_bfloat16_linears_agree_with_float32_under_the_near_tie_ru
     outputs = {}
     for precision in ("float32", "bfloat16"):
         llm = LLM(
-            str(default_model_dir), device="cpu", num_kv_blocks=32, linear_precision=precision
+            str(default_model_dir),
+            device="cpu",
+            num_kv_blocks=32,
+            max_model_len=256,
+            linear_precision=precision,
         )
         tokenizer = llm.get_tokenizer()
         prompt_ids = [tokenizer.encode(t) for t in texts]
