@@ -1,5 +1,5 @@
 """The GGUF's Q4_1 weights repacked into tiles of 16 channels (engine/kernels/quant.py
-`Int4TiledWeight`, engine/kernels/csrc/int4_tiles.cpp):
+`Int4TiledWeight`, engine/kernels/csrc/q8_tiles.cpp):
 
 - repacking loses nothing: `to_rows` gives back the same bytes, scales and minimums, and the
   reference multiplies the same numbers in either layout;
@@ -24,15 +24,25 @@ from engine import kernels
 from engine.kernels.quant import (
     Int4TiledWeight,
     Int4Weight,
+    Int8TiledWeight,
+    Int8Weight,
     arrange_for_kernels,
     can_tile,
     dequantize,
+    dequantize_rows,
     quantize_int4,
     quantize_int8,
     quantized_linear,
     reference_linear,
     tile_int4_q8,
+    tile_int8_q8,
 )
+
+
+def head_like(n: int, k: int, seed: int = 0) -> Int8Weight:
+    """The "gguf" output layer: int8 per channel, multiplied by 8-bit activations."""
+    torch.manual_seed(seed)
+    return replace(quantize_int8(torch.randn(n, k)), q8_activations=True)
 
 
 def gguf_like(n: int, k: int, seed: int = 0) -> Int4Weight:
@@ -63,12 +73,26 @@ def test_tiles_hold_the_same_numbers_as_the_rows(tiles, groups, seed):
     assert torch.equal(dequantize(tw), dequantize(qw))
 
 
+@settings(max_examples=25, deadline=None)
+@given(tiles=st.integers(1, 6), groups=st.integers(1, 20), seed=st.integers(0, 10_000))
+def test_int8_tiles_hold_the_same_numbers_as_the_rows(tiles, groups, seed):
+    qw = head_like(16 * tiles, 32 * groups, seed)
+    qw.qweight[0, :2] = torch.tensor([-128, 127], dtype=torch.int8)  # both ends survive the +128
+    tw = tile_int8_q8(qw)
+    assert tw.tiles.shape == (tiles, groups, 512) and tw.shape == qw.shape
+    assert tw.nbytes() == qw.nbytes()
+    assert torch.equal(tw.to_rows().qweight, qw.qweight)
+    rows = torch.randint(0, 16 * tiles, (7,))
+    assert torch.equal(dequantize_rows(tw, rows), dequantize_rows(qw, rows))  # tied lookups
+
+
 def test_only_gguf_style_weights_with_whole_tiles_are_tiled():
     assert can_tile(gguf_like(32, 64))
     assert not can_tile(gguf_like(24, 64))  # not a whole number of 16-channel tiles
     assert not can_tile(replace(gguf_like(32, 64), q8_activations=False))  # "int4": float x
     assert not can_tile(quantize_int4(torch.randn(32, 64), 32))  # float32 scales
-    assert not can_tile(quantize_int8(torch.randn(32, 64)))
+    assert not can_tile(quantize_int8(torch.randn(32, 64)))  # float activations ("int8")
+    assert can_tile(head_like(32, 64)) and not can_tile(head_like(32, 48))
 
 
 @pytest.mark.parametrize("n, k", [(16, 32), (96, 576), (64, 1536)])
@@ -87,6 +111,23 @@ def test_tiled_kernel_matches_the_reference_and_the_row_kernel(ext, n, k, rows):
         assert (tiled - expected).abs().max().item() < tolerance
         assert (tiled - by_rows).abs().max().item() < tolerance
     # the reference path takes tiles too (through to_rows), with the same numbers
+    assert torch.equal(quantized_linear(x, tw, bias, kernels=None), reference_linear(x, qw, bias))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 67])
+def test_int8_tiled_kernel_matches_the_reference_and_the_row_kernel(ext, rows):
+    qw = head_like(96, 576, seed=rows)
+    tw = tile_int8_q8(qw)
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 576) * torch.linspace(0.1, 4.0, 576)
+    bias = torch.randn(96)
+    for b in (None, bias):
+        expected = reference_linear(x, qw, b)
+        tiled = quantized_linear(x, tw, b, kernels=ext)
+        by_rows = quantized_linear(x, qw, b, kernels=ext)  # rounds x in torch, then int8_linear
+        tolerance = 2e-6 * expected.abs().max().item() * 18**0.5 + 1e-5
+        assert (tiled - expected).abs().max().item() < tolerance
+        assert (by_rows - expected).abs().max().item() < tolerance
     assert torch.equal(quantized_linear(x, tw, bias, kernels=None), reference_linear(x, qw, bias))
 
 
@@ -110,20 +151,27 @@ def test_the_kernel_refuses_tiles_that_do_not_fit_x(ext):
 
 
 def test_weights_are_tiled_for_the_tiled_kernel_only(ext):
+    head = head_like(48, 64)
     weights = {
+        "embed": head,  # tied: one matrix for the lookup and the output layer
         "0.qkv": gguf_like(48, 64),
         "0.o": gguf_like(24, 64),  # no whole tiles: stays in rows
-        "lm_head": quantize_int8(torch.randn(40, 64)),
+        "0.down": quantize_int8(torch.randn(32, 64)),  # "int8": float activations, stays
+        "lm_head": head,
     }
     arranged = arrange_for_kernels(weights, ext)
-    assert arranged["lm_head"] is weights["lm_head"] and arranged["0.o"] is weights["0.o"]
-    if ext.int4_tiles_vectorized():
+    assert arranged["0.down"] is weights["0.down"] and arranged["0.o"] is weights["0.o"]
+    assert arranged["embed"] is arranged["lm_head"]
+    if ext.q8_tiles_vectorized():
         assert isinstance(arranged["0.qkv"], Int4TiledWeight)
-    else:  # the portable loops are correct but slower than the row kernel: keep rows
-        assert arranged["0.qkv"] is weights["0.qkv"]
+        assert isinstance(arranged["lm_head"], Int8TiledWeight)
+    else:  # the portable loops are correct but slower than the row kernels: keep rows
+        assert arranged["0.qkv"] is weights["0.qkv"] and arranged["lm_head"] is head
     back = arrange_for_kernels(arranged, None)  # the reference reads rows
-    assert isinstance(back["0.qkv"], Int4Weight)
+    assert isinstance(back["0.qkv"], Int4Weight) and isinstance(back["lm_head"], Int8Weight)
+    assert back["embed"] is back["lm_head"]
     assert torch.equal(back["0.qkv"].packed, weights["0.qkv"].packed)
+    assert torch.equal(back["lm_head"].qweight, head.qweight)
 
 
 @pytest.mark.slow
@@ -137,7 +185,7 @@ def test_gguf_tiles_are_as_close_to_float32_as_rows(ext, default_model_dir, toke
     from engine.models import llama
     from engine.tools import quality
 
-    if not ext.int4_tiles_vectorized():
+    if not ext.q8_tiles_vectorized():
         pytest.skip("this CPU has no AVX-512 VNNI: the engine keeps the row layout")
     ids = quality.text_token_ids(tokenizer, max_tokens=160)
     gguf = quality.Variant.parse("gguf")
@@ -146,6 +194,8 @@ def test_gguf_tiles_are_as_close_to_float32_as_rows(ext, default_model_dir, toke
     )
     tiled_model = quality.load_variant(default_model_dir, gguf)
     assert sum(isinstance(w, Int4TiledWeight) for w in tiled_model.w.values()) == 4 * 30
+    assert isinstance(tiled_model.w["lm_head"], Int8TiledWeight)
+    assert tiled_model.w["embed"] is tiled_model.w["lm_head"]
     tiles = quality.teacher_forced_logits(tiled_model, ids)
     monkeypatch.setattr(llama, "arrange_for_kernels", lambda w, kernels: w)  # rows, as loaded
     rows = quality.teacher_forced_logits(quality.load_variant(default_model_dir, gguf), ids)
@@ -154,7 +204,8 @@ def test_gguf_tiles_are_as_close_to_float32_as_rows(ext, default_model_dir, toke
     )
     tiles_score = quality.compare_logits(reference, tiles, ids)
     rows_score = quality.compare_logits(reference, rows, ids)
-    assert tiles_score["top1_agreement_outside_ties"] >= 0.99, tiles_score
+    top1 = "top1_agreement_outside_ties"  # 1 or 2 of ~100 positions either way (measured)
+    assert tiles_score[top1] >= max(0.97, rows_score[top1] - 0.02), (tiles_score, rows_score)
     assert tiles_score["perplexity"] < 1.01 * rows_score["perplexity"], (tiles_score, rows_score)
     assert tiles_score["kl_mean"] < 1.5 * rows_score["kl_mean"], (tiles_score, rows_score)
     between = (tiles - rows).abs().mean().item()

@@ -5,7 +5,7 @@ What it holds (engine/kernels/csrc/cpu_kernels.cpp):
   the block table, instead of first copying every request's context into one tensor;
 - `int8_linear`, `int4_linear`: weight-only quantized matrix × (a few) vectors, the formats being
   defined in engine/kernels/quant.py next to their pure-torch reference;
-- `int4_q8_tiled_linear` (csrc/int4_tiles.cpp): a GGUF's Q4_1 blocks repacked at load into tiles
+- `int4_q8_tiled_linear` (csrc/q8_tiles.cpp): a GGUF's Q4_1 blocks repacked at load into tiles
   of 16 channels, multiplied in integers as llama.cpp's repacked kernels do.
 
 The pure-torch code stays the reference and the fallback. `EngineConfig(kernels="auto")` uses the
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 KERNEL_MODES = ("auto", "torch")
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCE = CSRC / "cpu_kernels.cpp"  # holds the module's definition (PYBIND11_MODULE)
-SOURCES = (SOURCE, CSRC / "int4_tiles.cpp")
+SOURCES = (SOURCE, CSRC / "q8_tiles.cpp")
 
 _lock = threading.Lock()
 _module: ModuleType | None = None

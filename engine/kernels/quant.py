@@ -19,7 +19,13 @@ blocks, engine/worker/quantization.py) is multiplied the way llama.cpp multiplie
 activation row is first rounded to int8 in blocks of 32 (`round_activations_q8`, llama.cpp's Q8_1),
 so that the kernel's dot products run in integers (a few instructions per 32 weights instead of
 widening each one). That rounding changes the numbers a little, so the reference rounds the same
-way.
+way. The "gguf" output layer (an Int8Weight) opts in the same way.
+
+Tiles: where our kernels run in AVX-512 VNNI, a weight with `q8_activations` is repacked once, at
+load (`arrange_for_kernels`), into records of 16 output channels × one group of 32 inputs
+(`Int4TiledWeight`, `Int8TiledWeight`), the layout the integer kernels read with one 512-bit load
+for 16 channels (engine/kernels/csrc/q8_tiles.cpp). Same numbers, another order; `to_rows` gives
+the row layout back, and the reference multiplies that.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ import torch
 class Int8Weight:
     qweight: torch.Tensor  # [out, in] int8
     scales: torch.Tensor  # [out] float32
+    # True: multiply by activations rounded to int8 in blocks of 32 (the "gguf" output layer)
+    q8_activations: bool = False
 
     @property
     def shape(self) -> torch.Size:
@@ -78,7 +86,7 @@ class Int4TiledWeight:
     and AMX kernels: `tiles[t, g]` is one 320-byte record for output channels 16t .. 16t + 15 and
     input group g, chunk i (64 bytes) holding bytes 4i .. 4i + 3 of each channel's block, then the
     16 scales, then the 16 minimums. One 512-bit load feeds 16 channels, one lane each, and a
-    thread reads its records front to back (engine/kernels/csrc/int4_tiles.cpp). The same numbers
+    thread reads its records front to back (engine/kernels/csrc/q8_tiles.cpp). The same numbers
     as the Int4Weight it came from, in another order: `to_rows` gives that back, and is what the
     torch reference multiplies."""
 
@@ -113,15 +121,14 @@ class Int4TiledWeight:
 
 
 def can_tile(qw: "QuantizedWeight") -> bool:
-    """A GGUF-style Int4Weight the tiled kernel takes: groups of 32, float16 scales, activations
-    rounded to 8 bits, and whole tiles of 16 output channels."""
-    return (
-        isinstance(qw, Int4Weight)
-        and qw.q8_activations
-        and qw.group_size == 32
-        and qw.scales.dtype == torch.float16
-        and qw.shape[0] % TILE_CHANNELS == 0
-    )
+    """A weight the tiled kernels take: activations rounded to 8 bits, whole tiles of 16 output
+    channels, groups of 32; an Int4Weight with float16 scales (a GGUF's Q4_1), or an
+    Int8Weight (the "gguf" output layer)."""
+    if not getattr(qw, "q8_activations", False) or qw.shape[0] % TILE_CHANNELS:
+        return False
+    if isinstance(qw, Int8Weight):
+        return qw.shape[1] % 32 == 0
+    return isinstance(qw, Int4Weight) and qw.group_size == 32 and qw.scales.dtype == torch.float16
 
 
 def tile_int4_q8(qw: Int4Weight) -> Int4TiledWeight:
@@ -137,8 +144,57 @@ def tile_int4_q8(qw: Int4Weight) -> Int4TiledWeight:
     return Int4TiledWeight(torch.cat(records, dim=-1).contiguous())
 
 
-QuantizedWeight = Int8Weight | Int4Weight | Int4TiledWeight
-QUANTIZED_TYPES = (Int8Weight, Int4Weight, Int4TiledWeight)
+INT8_RECORD = 512  # bytes per (tile, group) of an Int8TiledWeight: 16 channels × 32 weights
+
+
+@dataclass
+class Int8TiledWeight:
+    """A per-channel int8 weight with `q8_activations` (the "gguf" output layer) in tiles of 16
+    channels for the integer kernel: `tiles[t, g]` holds, in 8 chunks of 64 bytes, weights
+    4i .. 4i + 3 of group g of each of the 16 channels, stored as q + 128 (unsigned, as the
+    instruction wants them). The kernel takes the 128 back off (engine/kernels/csrc/q8_tiles.cpp);
+    the numbers are those of `to_rows()`."""
+
+    tiles: torch.Tensor  # [out / 16, in / 32, 512] uint8
+    scales: torch.Tensor  # [out] float32
+    q8_activations: bool = True
+
+    @property
+    def shape(self) -> torch.Size:
+        t, g, _ = self.tiles.shape
+        return torch.Size((t * TILE_CHANNELS, g * 32))
+
+    def nbytes(self) -> int:
+        return self.tiles.numel() + 4 * self.scales.numel()
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.tiles, self.scales)
+
+    def rows_of(self, rows: torch.Tensor) -> torch.Tensor:
+        """The int8 values of output channels `rows` ([len, in] int8), read from their tiles: a
+        tied embedding looks its tokens up here without untiling the whole table."""
+        t, g, _ = self.tiles.shape
+        records = self.tiles[rows // TILE_CHANNELS].view(-1, g, 8, TILE_CHANNELS, 4)
+        picked = records[torch.arange(len(rows)), :, :, rows % TILE_CHANNELS]  # [len, g, 8, 4]
+        return (picked.reshape(len(rows), g * 32).to(torch.int16) - 128).to(torch.int8)
+
+    def to_rows(self) -> Int8Weight:
+        every = torch.arange(self.shape[0])
+        return Int8Weight(self.rows_of(every), self.scales, q8_activations=True)
+
+
+def tile_int8_q8(qw: Int8Weight) -> Int8TiledWeight:
+    """Repack `qw` (see `can_tile`) into 512-byte records of 16 channels × one group."""
+    n, k = qw.shape
+    t, g = n // TILE_CHANNELS, k // 32
+    shifted = (qw.qweight.to(torch.int16) + 128).to(torch.uint8)
+    chunks = shifted.view(t, TILE_CHANNELS, g, 8, 4).permute(0, 2, 3, 1, 4)
+    return Int8TiledWeight(chunks.reshape(t, g, INT8_RECORD).contiguous(), qw.scales)
+
+
+QuantizedWeight = Int8Weight | Int4Weight | Int4TiledWeight | Int8TiledWeight
+QUANTIZED_TYPES = (Int8Weight, Int4Weight, Int4TiledWeight, Int8TiledWeight)
+TILED_TYPES = (Int4TiledWeight, Int8TiledWeight)
 
 
 def arrange_for_kernels(weights: dict, kernels) -> dict:
@@ -146,14 +202,21 @@ def arrange_for_kernels(weights: dict, kernels) -> dict:
     Q4_1 matrices repacked into tiles where the extension (`kernels`) runs the tiled kernel in
     AVX-512 VNNI; else (another CPU, the torch reference) in rows, their file's order. The
     numbers are the same either way; a weight that is not a GGUF Q4_1 matrix is left as it is."""
-    tiled = kernels is not None and kernels.int4_tiles_vectorized()
+    tiled = kernels is not None and kernels.q8_tiles_vectorized()
+    arranged: dict[int, object] = {}  # by id: a tied embedding stays the output layer's object
+
+    def arrange(w):
+        if tiled and can_tile(w):
+            return tile_int8_q8(w) if isinstance(w, Int8Weight) else tile_int4_q8(w)
+        if not tiled and isinstance(w, TILED_TYPES):
+            return w.to_rows()
+        return w
+
     out = {}
     for name, w in weights.items():
-        if tiled and can_tile(w):
-            w = tile_int4_q8(w)
-        elif not tiled and isinstance(w, Int4TiledWeight):
-            w = w.to_rows()
-        out[name] = w
+        if id(w) not in arranged:
+            arranged[id(w)] = arrange(w)
+        out[name] = arranged[id(w)]
     return out
 
 
@@ -209,7 +272,7 @@ def dequantize_int4(qw: Int4Weight) -> torch.Tensor:
 
 
 def dequantize(qw: QuantizedWeight) -> torch.Tensor:
-    if isinstance(qw, Int4TiledWeight):
+    if isinstance(qw, TILED_TYPES):
         qw = qw.to_rows()
     return dequantize_int8(qw) if isinstance(qw, Int8Weight) else dequantize_int4(qw)
 
@@ -219,6 +282,8 @@ def dequantize_rows(qw: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor:
     table (a tied embedding shares its matrix with the quantized output layer)."""
     if isinstance(qw, Int8Weight):
         return qw.qweight[rows].float() * qw.scales[rows].unsqueeze(-1)
+    if isinstance(qw, Int8TiledWeight):
+        return qw.rows_of(rows).float() * qw.scales[rows].unsqueeze(-1)
     if isinstance(qw, Int4TiledWeight):
         qw = qw.to_rows()
     sub = Int4Weight(qw.packed[rows], qw.scales[rows], qw.mins[rows], qw.group_size)
@@ -242,7 +307,7 @@ def reference_linear(
 ) -> torch.Tensor:
     """The readable definition: dequantize, then an ordinary float matmul (after rounding the
     activations to 8-bit blocks for a weight that asks for it)."""
-    if isinstance(qw, (Int4Weight, Int4TiledWeight)) and qw.q8_activations:
+    if qw.q8_activations:
         b = bias.float() if bias is not None else None
         y = torch.nn.functional.linear(round_activations_q8(x), dequantize(qw), b)
         return y.to(x.dtype)
@@ -268,8 +333,11 @@ def quantized_linear(
     flat = x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous()
     x2 = x if flat else x.reshape(-1, x.shape[-1]).float().contiguous()
     b = bias.float().contiguous() if bias is not None else None
-    if isinstance(qw, Int8Weight):
-        y = kernels.int8_linear(x2, qw.qweight, qw.scales, b)
+    if isinstance(qw, Int8TiledWeight):
+        y = kernels.int8_q8_tiled_linear(x2, qw.tiles, qw.scales, b)
+    elif isinstance(qw, Int8Weight):
+        x8 = round_activations_q8(x2) if qw.q8_activations else x2
+        y = kernels.int8_linear(x8, qw.qweight, qw.scales, b)
     elif isinstance(qw, Int4TiledWeight):
         y = kernels.int4_q8_tiled_linear(x2, qw.tiles, b)
     elif qw.q8_activations:

@@ -9,7 +9,9 @@ What gets quantized (the formats are in engine/kernels/quant.py):
   `group_size` input channels);
 - the output layer (lm_head) always as int8 per output channel, also for "int4" and "gguf": it is
   one matrix of vocab × hidden (21 % of the default model) whose rounding errors land directly on
-  the logits, and llama.cpp keeps it at 8 bits too (this GGUF stores it as Q8_0). A tied embedding
+  the logits, and llama.cpp keeps it at 8 bits too (this GGUF stores it as Q8_0). Under "gguf" it
+  is multiplied as llama.cpp multiplies its Q8_0 output layer, by activations rounded to int8
+  blocks (`q8_activations`), so that the dot products run in integers. A tied embedding
   *is* the lm_head matrix, so the lookup reads its int8 rows (engine/models/llama.py `embedding`);
   an untied input embedding stays in the compute dtype (a step reads only one row per token).
 - norms and biases stay in the compute dtype (a few thousand numbers).
@@ -158,6 +160,8 @@ def quantize_model(
     if lm_head != "none":
         head = model.w["lm_head"]
         head_q = quantize_int8(head) if lm_head == "int8" else quantize_int4(head, group_size)
+        if method == "gguf":  # llama.cpp multiplies its 8-bit output layer by 8-bit activations
+            head_q = replace(head_q, q8_activations=True)
         w["lm_head"] = head_q
         if tied:  # one matrix: the lookup reads its quantized rows (llama.cpp does the same)
             w["embed"] = head_q
@@ -177,7 +181,7 @@ def _is_tied(w: dict) -> bool:
 
 def _to_device(qw: QuantizedWeight, device: torch.device) -> QuantizedWeight:
     if isinstance(qw, Int8Weight):
-        return Int8Weight(qw.qweight.to(device), qw.scales.to(device))
+        return replace(qw, qweight=qw.qweight.to(device), scales=qw.scales.to(device))
     return replace(
         qw, packed=qw.packed.to(device), scales=qw.scales.to(device), mins=qw.mins.to(device)
     )

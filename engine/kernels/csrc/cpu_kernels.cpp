@@ -1415,9 +1415,12 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
   return out;
 }
 
-// engine/kernels/csrc/int4_tiles.cpp
-bool int4_tiles_vectorized();
+// engine/kernels/csrc/q8_tiles.cpp
+bool q8_tiles_vectorized();
 torch::Tensor int4_q8_tiled_linear(const torch::Tensor& x, const torch::Tensor& tiles,
+                                   const c10::optional<torch::Tensor>& bias);
+torch::Tensor int8_q8_tiled_linear(const torch::Tensor& x, const torch::Tensor& tiles,
+                                   const torch::Tensor& scales,
                                    const c10::optional<torch::Tensor>& bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1430,7 +1433,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "int4_linear with x first rounded to int8 in blocks of 32 (llama.cpp's Q4_1 x Q8_1)");
   m.def("int4_q8_tiled_linear", &int4_q8_tiled_linear,
         "int4_q8_linear on Q4_1 blocks repacked in tiles of 16 channels (Int4TiledWeight)");
-  m.def("int4_tiles_vectorized", &int4_tiles_vectorized,
+  m.def("int8_q8_tiled_linear", &int8_q8_tiled_linear,
+        "per-channel int8 weights in tiles of 16 channels times x rounded to int8 blocks");
+  m.def("q8_tiles_vectorized", &q8_tiles_vectorized,
         "True where int4_q8_tiled_linear runs its AVX-512 VNNI code (else portable loops)");
   m.def("rms_norm", &rms_norm, "y = x * rsqrt(mean(x^2) + eps) * weight, row by row");
   m.def("add_rms_norm", &add_rms_norm, "(h + delta, rms_norm(h + delta) * weight), row by row");

@@ -1,6 +1,6 @@
 // Activations rounded to int8 in blocks of 32, as llama.cpp's Q8_1 rounds them (the torch
 // reference: engine/kernels/quant.py `round_activations_q8`). Shared by the row-layout kernel
-// (cpu_kernels.cpp int4_q8_linear) and the tiled one (int4_tiles.cpp): both must round alike.
+// (cpu_kernels.cpp int4_q8_linear) and the tiled one (q8_tiles.cpp): both must round alike.
 #pragma once
 
 #include <algorithm>

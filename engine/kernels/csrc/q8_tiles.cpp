@@ -1,0 +1,302 @@
+// Quantized weights repacked at load into tiles of 16 output channels, times activations rounded
+// to int8 in blocks of 32 (llama.cpp's Q8_1), as llama.cpp's repacked CPU kernels read theirs:
+// a GGUF's Q4_1 layers (int4_q8_tiled_linear) and the int8 output layer (int8_q8_tiled_linear).
+// The torch reference and the repacking itself are in engine/kernels/quant.py
+// (`Int4TiledWeight`, `Int8TiledWeight`); tests/test_kernels_tiles.py checks both against each
+// other.
+//
+// Q4_1 layout: tiles[t, g] is one 320-byte record for output channels 16t .. 16t + 15 and input
+// group g (32 weights):
+//   bytes   0..255: four chunks of 64 bytes; chunk i holds, for each channel c in order, the 4
+//                   bytes 4i .. 4i + 3 of that channel's 16-byte Q4_1 block (low nibbles: weights
+//                   4i .. 4i + 3, high nibbles: weights 16 + 4i .. 16 + 4i + 3);
+//   bytes 256..287: the 16 channels' float16 scales d;
+//   bytes 288..319: their float16 minimums m.
+// So a 512-bit load takes one chunk of all 16 channels, and each 32-bit lane of the vector is
+// one channel: VNNI's vpdpbusd multiplies the lane's 4 unsigned nibbles by 4 int8 activations
+// (broadcast to every lane) and adds them into that channel's sum. The lanes never need to be
+// summed across, the scales of 16 channels are one vector, and a thread reads one stream of
+// bytes front to back. The row layout (cpu_kernels.cpp int4_q8_linear) walks 8 separate rows,
+// unpacks one channel per instruction and ends every channel with a sum across 16 lanes.
+//
+//   y[c] = sum_g d_w[c, g] * d_x[g] * (q_c,g . xq_g) + m[c, g] * d_x[g] * sum(xq_g)
+//
+// int8 layout (one scale per output channel): tiles[t, g] is 512 bytes, eight chunks of 64; chunk
+// i holds, for each channel, its weights 4i .. 4i + 3 of group g, each stored as q + 128 (an
+// unsigned byte, as vpdpbusd wants its first operand); the kernel takes 128 * sum(xq_g) off again.
+//   y[c] = scale[c] * sum_g d_x[g] * ((q_c,g + 128) . xq_g - 128 * sum(xq_g))
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <vector>
+
+#include "q8.h"
+
+namespace {
+
+constexpr int64_t CHANNELS = 16;  // output channels per tile
+constexpr int64_t RECORD = 320;   // bytes per (tile, group): 256 of nibbles, 32 of d, 32 of m
+constexpr int64_t RECORD8 = 512;  // int8 tiles: bytes per (tile, group), 16 channels x 32 bytes
+constexpr int64_t ROW_BLOCK = 4;  // activation rows that share one unpacked record
+constexpr int64_t ROWS_PER_ITEM = 64;  // several rows: a work item is a tile x 64 rows
+constexpr int64_t PREFETCH_AHEAD = 8 * RECORD;  // bytes ahead of the record being read
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+constexpr bool VECTOR_KERNEL = true;
+
+inline int32_t four_bytes(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// y[r * ldy + c] (c < 16) for R activation rows against one tile (its records for all groups).
+// xq: R rows of k int8 values, k apart; d, dsum: R rows of `groups` floats, `groups` apart.
+template <int R>
+void tile_rows(const uint8_t* rec, int64_t groups, const int8_t* xq, int64_t k, const float* d,
+               const float* dsum, const float* bias, float* y, int64_t ldy) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[R], acc_min[R];
+  for (int r = 0; r < R; ++r) acc[r] = acc_min[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g, rec += RECORD) {
+    for (int64_t b = 0; b < RECORD; b += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_AHEAD + b), _MM_HINT_T0);
+    __m512i lo[4], hi[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const __m512i w = _mm512_loadu_si512(rec + 64 * i);
+      lo[i] = _mm512_and_si512(w, low4);
+      hi[i] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+    }
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 256)));
+    const __m512 mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 288)));
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = xq + r * k + g * q8::BLOCK;
+      __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        a = _mm512_dpbusd_epi32(a, lo[i], _mm512_set1_epi32(four_bytes(x + 4 * i)));
+        b = _mm512_dpbusd_epi32(b, hi[i], _mm512_set1_epi32(four_bytes(x + 16 + 4 * i)));
+      }
+      const __m512 dots = _mm512_cvtepi32_ps(_mm512_add_epi32(a, b));
+      acc[r] = _mm512_fmadd_ps(dots, _mm512_mul_ps(scale, _mm512_set1_ps(d[r * groups + g])), acc[r]);
+      acc_min[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(dsum[r * groups + g]), acc_min[r]);
+    }
+  }
+  const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r)
+    _mm512_storeu_ps(y + r * ldy, _mm512_add_ps(_mm512_add_ps(acc[r], acc_min[r]), b));
+}
+
+// The same for int8 tiles (the output layer): 8 chunks of 4 bytes per channel, stored as q + 128
+// so that vpdpbusd can take them as unsigned; the 128 * sum(xq) it adds is taken off per block.
+// scales: the 16 channels' one scale each, applied once at the end.
+template <int R>
+void tile_rows_int8(const uint8_t* rec, int64_t groups, const int8_t* xq, int64_t k,
+                    const float* d, const int32_t* qsum, const float* scales, const float* bias,
+                    float* y, int64_t ldy) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g, rec += RECORD8) {
+    for (int64_t b = 0; b < RECORD8; b += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_AHEAD + b), _MM_HINT_T0);
+    __m512i w[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) w[i] = _mm512_loadu_si512(rec + 64 * i);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = xq + r * k + g * q8::BLOCK;
+      __m512i a = _mm512_set1_epi32(-128 * qsum[r * groups + g]), b = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int i = 0; i < 8; i += 2) {
+        a = _mm512_dpbusd_epi32(a, w[i], _mm512_set1_epi32(four_bytes(x + 4 * i)));
+        b = _mm512_dpbusd_epi32(b, w[i + 1], _mm512_set1_epi32(four_bytes(x + 4 * i + 4)));
+      }
+      const __m512 dots = _mm512_cvtepi32_ps(_mm512_add_epi32(a, b));
+      acc[r] = _mm512_fmadd_ps(dots, _mm512_set1_ps(d[r * groups + g]), acc[r]);
+    }
+  }
+  const __m512 s = _mm512_loadu_ps(scales);
+  const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, _mm512_fmadd_ps(acc[r], s, b));
+}
+#else
+constexpr bool VECTOR_KERNEL = false;
+
+inline float half_to_float(const uint8_t* p) {
+  at::Half h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(h);
+}
+
+// The same sums, one channel and one product at a time (any CPU; slower, same integers).
+template <int R>
+void tile_rows(const uint8_t* rec, int64_t groups, const int8_t* xq, int64_t k, const float* d,
+               const float* dsum, const float* bias, float* y, int64_t ldy) {
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < CHANNELS; ++c) {
+      float total = 0.f, min_total = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* p = rec + g * RECORD;
+        const int8_t* x = xq + r * k + g * q8::BLOCK;
+        int32_t sum = 0;
+        for (int i = 0; i < 4; ++i)
+          for (int e = 0; e < 4; ++e) {
+            const uint8_t byte = p[64 * i + 4 * c + e];
+            sum += (byte & 0x0F) * x[4 * i + e] + (byte >> 4) * x[16 + 4 * i + e];
+          }
+        total += half_to_float(p + 256 + 2 * c) * d[r * groups + g] * static_cast<float>(sum);
+        min_total += half_to_float(p + 288 + 2 * c) * dsum[r * groups + g];
+      }
+      y[r * ldy + c] = total + min_total + (bias ? bias[c] : 0.f);
+    }
+}
+
+template <int R>
+void tile_rows_int8(const uint8_t* rec, int64_t groups, const int8_t* xq, int64_t k,
+                    const float* d, const int32_t* qsum, const float* scales, const float* bias,
+                    float* y, int64_t ldy) {
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < CHANNELS; ++c) {
+      float total = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* p = rec + g * RECORD8;
+        const int8_t* x = xq + r * k + g * q8::BLOCK;
+        int32_t sum = -128 * qsum[r * groups + g];
+        for (int i = 0; i < 8; ++i)
+          for (int e = 0; e < 4; ++e) sum += p[64 * i + 4 * c + e] * x[4 * i + e];
+        total += d[r * groups + g] * static_cast<float>(sum);
+      }
+      y[r * ldy + c] = total * scales[c] + (bias ? bias[c] : 0.f);
+    }
+}
+#endif
+
+// The activation rows rounded to int8 blocks, with what each kind of tile needs of them.
+struct RoundedRows {
+  int64_t m, k, groups;
+  std::vector<int8_t> xq;     // [m, k]
+  std::vector<float> d;       // [m, groups] block scales
+  std::vector<float> dsum;    // [m, groups] d * sum(xq) of each block
+  std::vector<int32_t> qsum;  // [m, groups] sum(xq) of each block (the int8 tiles' offset term)
+
+  RoundedRows(const torch::Tensor& x, int64_t groups_)
+      : m(x.size(0)), k(x.size(1)), groups(groups_), xq(m * k), d(m * groups), dsum(m * groups),
+        qsum(m * groups) {
+    const float* xp = x.data_ptr<float>();
+    at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        q8::quantize_row(xp + r * k, k, xq.data() + r * k, d.data() + r * groups,
+                         dsum.data() + r * groups);
+        for (int64_t g = 0; g < groups; ++g) {
+          int32_t total = 0;
+          for (int64_t e = 0; e < q8::BLOCK; ++e) total += xq[r * k + g * q8::BLOCK + e];
+          qsum[r * groups + g] = total;
+        }
+      }
+    });
+  }
+};
+
+// Rows r0 .. r1 of y against tile t, ROW_BLOCK rows at a time: rows<R>(rows of x from r, out)
+// computes R rows of the tile's 16 outputs.
+template <typename Rows>
+void tile_row_range(int64_t r0, int64_t r1, const Rows& rows) {
+  for (int64_t r = r0; r < r1; r += ROW_BLOCK) {
+    switch (std::min(ROW_BLOCK, r1 - r)) {
+      case 4: rows(std::integral_constant<int, 4>{}, r); break;
+      case 3: rows(std::integral_constant<int, 3>{}, r); break;
+      case 2: rows(std::integral_constant<int, 2>{}, r); break;
+      default: rows(std::integral_constant<int, 1>{}, r); break;
+    }
+  }
+}
+
+// Work items: (block of up to 64 rows, tile), blocks outermost, so that the threads share one
+// block of rounded rows in cache while they walk the tiles. One row (a decode step at batch 1):
+// each thread takes one contiguous range of tiles, a single stream of records.
+template <typename Rows>
+void for_each_item(int64_t m, int64_t n_tiles, const Rows& rows) {
+  const int64_t row_items = (m + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
+  at::parallel_for(0, row_items * n_tiles, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r0 = (i / n_tiles) * ROWS_PER_ITEM, t = i % n_tiles;
+      tile_row_range(r0, std::min(m, r0 + ROWS_PER_ITEM),
+                     [&](auto R, int64_t r) { rows(R, t, r); });
+    }
+  });
+}
+
+void check_x(const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), name,
+              ": x must be a contiguous float32 [M, K]");
+}
+
+void check_bias(const c10::optional<torch::Tensor>& bias, int64_t n, const char* name) {
+  TORCH_CHECK(!bias.has_value() || (bias->dtype() == torch::kFloat32 && bias->is_contiguous() &&
+                                    bias->numel() == n),
+              name, ": bias must be contiguous float32 [N]");
+}
+
+}  // namespace
+
+bool q8_tiles_vectorized() { return VECTOR_KERNEL; }
+
+// x [m, k] float32, tiles [n / 16, k / 32, 320] uint8 (the layout above) -> y [m, n] float32.
+torch::Tensor int4_q8_tiled_linear(const torch::Tensor& x, const torch::Tensor& tiles,
+                                   const c10::optional<torch::Tensor>& bias) {
+  const char* name = "int4_q8_tiled_linear";
+  check_x(x, name);
+  TORCH_CHECK(tiles.dtype() == torch::kUInt8 && tiles.dim() == 3 && tiles.is_contiguous() &&
+                  tiles.size(2) == RECORD,
+              name, ": tiles must be contiguous uint8 [N / 16, K / 32, 320]");
+  const int64_t groups = tiles.size(1), n_tiles = tiles.size(0), n = n_tiles * CHANNELS;
+  TORCH_CHECK(x.size(1) == groups * q8::BLOCK, name, ": x has ", x.size(1), " columns, tiles ",
+              groups, " groups of 32");
+  check_bias(bias, n, name);
+  const RoundedRows a(x, groups);
+  auto y = torch::empty({a.m, n}, x.options());
+  const uint8_t* tp = tiles.data_ptr<uint8_t>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  for_each_item(a.m, n_tiles, [&](auto R, int64_t t, int64_t r) {
+    tile_rows<decltype(R)::value>(tp + t * groups * RECORD, groups, a.xq.data() + r * a.k, a.k,
+                                  a.d.data() + r * groups, a.dsum.data() + r * groups,
+                                  bp ? bp + t * CHANNELS : nullptr, yp + r * n + t * CHANNELS, n);
+  });
+  return y;
+}
+
+// x [m, k] float32, tiles [n / 16, k / 32, 512] uint8 (q + 128, chunks of 4 bytes of 16
+// channels), scales [n] float32 -> y [m, n] float32.
+torch::Tensor int8_q8_tiled_linear(const torch::Tensor& x, const torch::Tensor& tiles,
+                                   const torch::Tensor& scales,
+                                   const c10::optional<torch::Tensor>& bias) {
+  const char* name = "int8_q8_tiled_linear";
+  check_x(x, name);
+  TORCH_CHECK(tiles.dtype() == torch::kUInt8 && tiles.dim() == 3 && tiles.is_contiguous() &&
+                  tiles.size(2) == RECORD8,
+              name, ": tiles must be contiguous uint8 [N / 16, K / 32, 512]");
+  const int64_t groups = tiles.size(1), n_tiles = tiles.size(0), n = n_tiles * CHANNELS;
+  TORCH_CHECK(x.size(1) == groups * q8::BLOCK, name, ": x has ", x.size(1), " columns, tiles ",
+              groups, " groups of 32");
+  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == n,
+              name, ": scales must be contiguous float32 [N]");
+  check_bias(bias, n, name);
+  const RoundedRows a(x, groups);
+  auto y = torch::empty({a.m, n}, x.options());
+  const uint8_t* tp = tiles.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  for_each_item(a.m, n_tiles, [&](auto R, int64_t t, int64_t r) {
+    tile_rows_int8<decltype(R)::value>(tp + t * groups * RECORD8, groups, a.xq.data() + r * a.k,
+                                       a.k, a.d.data() + r * groups, a.qsum.data() + r * groups,
+                                       sp + t * CHANNELS, bp ? bp + t * CHANNELS : nullptr,
+                                       yp + r * n + t * CHANNELS, n);
+  });
+  return y;
+}
