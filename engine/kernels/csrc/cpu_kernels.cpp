@@ -1366,12 +1366,25 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
       const float* gate = xp + r * 2 * n;
       const float* up = gate + n;
       float* o = op + r * n;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      // GCC leaves the loop below scalar (5.8 us for a 1536-wide row, 30 rows a decode step)
+      for (; i + 16 <= n; i += 16) {
+        const __m512 g = _mm512_loadu_ps(gate + i);
+        const __m512 e = v_exp_nonpositive(_mm512_min_ps(g, _mm512_sub_ps(_mm512_setzero_ps(), g)));
+        const __mmask16 positive = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
+        const __m512 top = _mm512_mask_blend_ps(positive, e, _mm512_set1_ps(1.f));
+        const __m512 sigmoid = _mm512_div_ps(top, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+        _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), _mm512_loadu_ps(up + i)));
+      }
+#endif
+      const int64_t done = i;
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) {
-        const float g = gate[i];
+      for (int64_t j = done; j < n; ++j) {
+        const float g = gate[j];
         const float e = exp_nonpositive(-std::fabs(g));
         const float sigmoid = (g >= 0.f ? 1.f : e) / (1.f + e);
-        o[i] = g * sigmoid * up[i];
+        o[j] = g * sigmoid * up[j];
       }
     }
   });
