@@ -162,11 +162,9 @@ def test_weights_are_tiled_for_the_tiled_kernel_only(ext):
     arranged = arrange_for_kernels(weights, ext)
     assert arranged["0.down"] is weights["0.down"] and arranged["0.o"] is weights["0.o"]
     assert arranged["embed"] is arranged["lm_head"]
-    if ext.q8_tiles_vectorized():
-        assert isinstance(arranged["0.qkv"], Int4TiledWeight)
-        assert isinstance(arranged["lm_head"], Int8TiledWeight)
-    else:  # the portable loops are correct but slower than the row kernels: keep rows
-        assert arranged["0.qkv"] is weights["0.qkv"] and arranged["lm_head"] is head
+    formats = ext.q8_tile_formats()  # the portable loops are slower than the row kernels
+    assert isinstance(arranged["0.qkv"], Int4TiledWeight if "int4" in formats else Int4Weight)
+    assert isinstance(arranged["lm_head"], Int8TiledWeight if "int8" in formats else Int8Weight)
     back = arrange_for_kernels(arranged, None)  # the reference reads rows
     assert isinstance(back["0.qkv"], Int4Weight) and isinstance(back["lm_head"], Int8Weight)
     assert back["embed"] is back["lm_head"]
@@ -185,8 +183,8 @@ def test_gguf_tiles_are_as_close_to_float32_as_rows(ext, default_model_dir, toke
     from engine.models import llama
     from engine.tools import quality
 
-    if not ext.q8_tiles_vectorized():
-        pytest.skip("this CPU has no AVX-512 VNNI: the engine keeps the row layout")
+    if ext.q8_tile_formats() != ["int4", "int8"]:
+        pytest.skip("this CPU has no AVX-512 VNNI: the engine keeps the output layer in rows")
     ids = quality.text_token_ids(tokenizer, max_tokens=160)
     gguf = quality.Variant.parse("gguf")
     reference = quality.teacher_forced_logits(

@@ -198,18 +198,19 @@ TILED_TYPES = (Int4TiledWeight, Int8TiledWeight)
 
 
 def arrange_for_kernels(weights: dict, kernels) -> dict:
-    """The weights as the chosen linear path reads them best, decided once at load: the GGUF's
-    Q4_1 matrices repacked into tiles where the extension (`kernels`) runs the tiled kernel in
-    AVX-512 VNNI; else (another CPU, the torch reference) in rows, their file's order. The
-    numbers are the same either way; a weight that is not a GGUF Q4_1 matrix is left as it is."""
-    tiled = kernels is not None and kernels.q8_tiles_vectorized()
+    """The weights as the chosen linear path reads them best, decided once at load: the "gguf"
+    matrices (Q4_1 layers, the int8 output layer) repacked into tiles where the extension
+    (`kernels`) runs that tiled format in vector code (`q8_tile_formats`: int4 with AVX2 or
+    AVX-512 VNNI, int8 with AVX-512 VNNI); else (another CPU, the torch reference) in rows, their
+    file's order. The numbers are the same either way; other weights are left as they are."""
+    formats = set(kernels.q8_tile_formats()) if kernels is not None else set()
     arranged: dict[int, object] = {}  # by id: a tied embedding stays the output layer's object
 
     def arrange(w):
-        if tiled and can_tile(w):
+        if isinstance(w, TILED_TYPES):
+            w = w.to_rows()
+        if can_tile(w) and ("int8" if isinstance(w, Int8Weight) else "int4") in formats:
             return tile_int8_q8(w) if isinstance(w, Int8Weight) else tile_int4_q8(w)
-        if not tiled and isinstance(w, TILED_TYPES):
-            return w.to_rows()
         return w
 
     out = {}

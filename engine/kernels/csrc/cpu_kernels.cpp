@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -1429,7 +1430,7 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
 }
 
 // engine/kernels/csrc/q8_tiles.cpp
-bool q8_tiles_vectorized();
+std::vector<std::string> q8_tile_formats();
 torch::Tensor int4_q8_tiled_linear(const torch::Tensor& x, const torch::Tensor& tiles,
                                    const c10::optional<torch::Tensor>& bias);
 torch::Tensor int8_q8_tiled_linear(const torch::Tensor& x, const torch::Tensor& tiles,
@@ -1448,8 +1449,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "int4_q8_linear on Q4_1 blocks repacked in tiles of 16 channels (Int4TiledWeight)");
   m.def("int8_q8_tiled_linear", &int8_q8_tiled_linear,
         "per-channel int8 weights in tiles of 16 channels times x rounded to int8 blocks");
-  m.def("q8_tiles_vectorized", &q8_tiles_vectorized,
-        "True where int4_q8_tiled_linear runs its AVX-512 VNNI code (else portable loops)");
+  m.def("q8_tile_formats", &q8_tile_formats,
+        "the tiled formats (int4, int8) this build runs in vector code (else portable loops)");
   m.def("rms_norm", &rms_norm, "y = x * rsqrt(mean(x^2) + eps) * weight, row by row");
   m.def("add_rms_norm", &add_rms_norm, "(h + delta, rms_norm(h + delta) * weight), row by row");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[..., :n]) * x[..., n:] for x of last size 2n");

@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "q8.h"
@@ -45,14 +46,62 @@ constexpr int64_t ROW_BLOCK = 4;  // activation rows that share one unpacked rec
 constexpr int64_t ROWS_PER_ITEM = 64;  // several rows: a work item is a tile x 64 rows
 constexpr int64_t PREFETCH_AHEAD = 8 * RECORD;  // bytes ahead of the record being read
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
-constexpr bool VECTOR_KERNEL = true;
-
 inline int32_t four_bytes(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return v;
 }
+
+inline float half_to_float(const uint8_t* p) {
+  at::Half h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(h);
+}
+
+// The sums one channel and one product at a time: any CPU (slower; the same integers).
+template <int R>
+void tile_rows_portable(const uint8_t* rec, int64_t groups, const int8_t* xq, int64_t k, const float* d,
+               const float* dsum, const float* bias, float* y, int64_t ldy) {
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < CHANNELS; ++c) {
+      float total = 0.f, min_total = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* p = rec + g * RECORD;
+        const int8_t* x = xq + r * k + g * q8::BLOCK;
+        int32_t sum = 0;
+        for (int i = 0; i < 4; ++i)
+          for (int e = 0; e < 4; ++e) {
+            const uint8_t byte = p[64 * i + 4 * c + e];
+            sum += (byte & 0x0F) * x[4 * i + e] + (byte >> 4) * x[16 + 4 * i + e];
+          }
+        total += half_to_float(p + 256 + 2 * c) * d[r * groups + g] * static_cast<float>(sum);
+        min_total += half_to_float(p + 288 + 2 * c) * dsum[r * groups + g];
+      }
+      y[r * ldy + c] = total + min_total + (bias ? bias[c] : 0.f);
+    }
+}
+
+template <int R>
+void tile_rows_int8_portable(const uint8_t* rec, int64_t groups, const int8_t* xq, int64_t k,
+                    const float* d, const int32_t* qsum, const float* scales, const float* bias,
+                    float* y, int64_t ldy) {
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < CHANNELS; ++c) {
+      float total = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* p = rec + g * RECORD8;
+        const int8_t* x = xq + r * k + g * q8::BLOCK;
+        int32_t sum = -128 * qsum[r * groups + g];
+        for (int i = 0; i < 8; ++i)
+          for (int e = 0; e < 4; ++e) sum += p[64 * i + 4 * c + e] * x[4 * i + e];
+        total += d[r * groups + g] * static_cast<float>(sum);
+      }
+      y[r * ldy + c] = total * scales[c] + (bias ? bias[c] : 0.f);
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+constexpr bool INT4_VECTOR = true, INT8_VECTOR = true;
 
 // y[r * ldy + c] (c < 16) for R activation rows against one tile (its records for all groups).
 // xq: R rows of k int8 values, k apart; d, dsum: R rows of `groups` floats, `groups` apart.
@@ -123,55 +172,83 @@ void tile_rows_int8(const uint8_t* rec, int64_t groups, const int8_t* xq, int64_
   const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, _mm512_fmadd_ps(acc[r], s, b));
 }
-#else
-constexpr bool VECTOR_KERNEL = false;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr bool INT4_VECTOR = true, INT8_VECTOR = false;
 
-inline float half_to_float(const uint8_t* p) {
-  at::Half h;
-  std::memcpy(&h, p, 2);
-  return static_cast<float>(h);
+// Four products of unsigned by signed bytes summed into each 32-bit lane: AVX-VNNI does it in one
+// instruction; plain AVX2 in two (pairs to 16 bits, which cannot saturate for 4-bit weights:
+// 2 * 15 * 127 < 32767, then pairs of those to 32 bits). Not for int8 weights (2 * 255 * 127
+// saturates), so int8 tiles are AVX-512 only.
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
 }
 
-// The same sums, one channel and one product at a time (any CPU; slower, same integers).
+// The int4 tile in 256-bit vectors: each chunk's 64 bytes are two halves of 8 channels. Sixteen
+// registers do not hold four rows' accumulators and the unpacked chunks, so rows go one at a time
+// (the tile's records, 6-15 KB, stay in L1 for the next row).
 template <int R>
-void tile_rows(const uint8_t* rec, int64_t groups, const int8_t* xq, int64_t k, const float* d,
+void tile_rows(const uint8_t* rec0, int64_t groups, const int8_t* xq, int64_t k, const float* d,
                const float* dsum, const float* bias, float* y, int64_t ldy) {
-  for (int r = 0; r < R; ++r)
-    for (int64_t c = 0; c < CHANNELS; ++c) {
-      float total = 0.f, min_total = 0.f;
-      for (int64_t g = 0; g < groups; ++g) {
-        const uint8_t* p = rec + g * RECORD;
-        const int8_t* x = xq + r * k + g * q8::BLOCK;
-        int32_t sum = 0;
-        for (int i = 0; i < 4; ++i)
-          for (int e = 0; e < 4; ++e) {
-            const uint8_t byte = p[64 * i + 4 * c + e];
-            sum += (byte & 0x0F) * x[4 * i + e] + (byte >> 4) * x[16 + 4 * i + e];
-          }
-        total += half_to_float(p + 256 + 2 * c) * d[r * groups + g] * static_cast<float>(sum);
-        min_total += half_to_float(p + 288 + 2 * c) * dsum[r * groups + g];
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int r = 0; r < R; ++r) {
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 acc_min[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    const uint8_t* rec = rec0;
+    for (int64_t g = 0; g < groups; ++g, rec += RECORD) {
+      for (int64_t b = 0; b < RECORD; b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_AHEAD + b), _MM_HINT_T0);
+      const int8_t* x = xq + r * k + g * q8::BLOCK;
+      __m256i a[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const __m256i xl = _mm256_set1_epi32(four_bytes(x + 4 * i));
+        const __m256i xh = _mm256_set1_epi32(four_bytes(x + 16 + 4 * i));
+        for (int h = 0; h < 2; ++h) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * i + 32 * h));
+          a[h] = dot4(a[h], _mm256_and_si256(w, low4), xl);
+          a[h] = dot4(a[h], _mm256_and_si256(_mm256_srli_epi16(w, 4), low4), xh);
+        }
       }
-      y[r * ldy + c] = total + min_total + (bias ? bias[c] : 0.f);
+      const __m256 dg = _mm256_set1_ps(d[r * groups + g]), sg = _mm256_set1_ps(dsum[r * groups + g]);
+      for (int h = 0; h < 2; ++h) {
+        const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 256 + 16 * h)));
+        const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 288 + 16 * h)));
+        acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[h]), _mm256_mul_ps(scale, dg), acc[h]);
+        acc_min[h] = _mm256_fmadd_ps(mins, sg, acc_min[h]);
+      }
     }
+    for (int h = 0; h < 2; ++h) {
+      __m256 out = _mm256_add_ps(acc[h], acc_min[h]);
+      if (bias) out = _mm256_add_ps(out, _mm256_loadu_ps(bias + 8 * h));
+      _mm256_storeu_ps(y + r * ldy + 8 * h, out);
+    }
+  }
 }
 
 template <int R>
 void tile_rows_int8(const uint8_t* rec, int64_t groups, const int8_t* xq, int64_t k,
                     const float* d, const int32_t* qsum, const float* scales, const float* bias,
                     float* y, int64_t ldy) {
-  for (int r = 0; r < R; ++r)
-    for (int64_t c = 0; c < CHANNELS; ++c) {
-      float total = 0.f;
-      for (int64_t g = 0; g < groups; ++g) {
-        const uint8_t* p = rec + g * RECORD8;
-        const int8_t* x = xq + r * k + g * q8::BLOCK;
-        int32_t sum = -128 * qsum[r * groups + g];
-        for (int i = 0; i < 8; ++i)
-          for (int e = 0; e < 4; ++e) sum += p[64 * i + 4 * c + e] * x[4 * i + e];
-        total += d[r * groups + g] * static_cast<float>(sum);
-      }
-      y[r * ldy + c] = total * scales[c] + (bias ? bias[c] : 0.f);
-    }
+  tile_rows_int8_portable<R>(rec, groups, xq, k, d, qsum, scales, bias, y, ldy);
+}
+#else
+constexpr bool INT4_VECTOR = false, INT8_VECTOR = false;
+
+template <int R>
+void tile_rows(const uint8_t* rec, int64_t groups, const int8_t* xq, int64_t k, const float* d,
+               const float* dsum, const float* bias, float* y, int64_t ldy) {
+  tile_rows_portable<R>(rec, groups, xq, k, d, dsum, bias, y, ldy);
+}
+
+template <int R>
+void tile_rows_int8(const uint8_t* rec, int64_t groups, const int8_t* xq, int64_t k,
+                    const float* d, const int32_t* qsum, const float* scales, const float* bias,
+                    float* y, int64_t ldy) {
+  tile_rows_int8_portable<R>(rec, groups, xq, k, d, qsum, scales, bias, y, ldy);
 }
 #endif
 
@@ -243,7 +320,14 @@ void check_bias(const c10::optional<torch::Tensor>& bias, int64_t n, const char*
 
 }  // namespace
 
-bool q8_tiles_vectorized() { return VECTOR_KERNEL; }
+// Which tiled formats run in vector code on this build ("int4", "int8"): the engine tiles only
+// those (engine/kernels/quant.py arrange_for_kernels); the portable loops are for tests.
+std::vector<std::string> q8_tile_formats() {
+  std::vector<std::string> formats;
+  if (INT4_VECTOR) formats.push_back("int4");
+  if (INT8_VECTOR) formats.push_back("int8");
+  return formats;
+}
 
 // x [m, k] float32, tiles [n / 16, k / 32, 320] uint8 (the layout above) -> y [m, n] float32.
 torch::Tensor int4_q8_tiled_linear(const torch::Tensor& x, const torch::Tensor& tiles,
