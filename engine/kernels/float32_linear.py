@@ -49,37 +49,38 @@ def onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
 
 
-def _best_ms(fn, repeats: int) -> float:
-    fn()  # warm up (oneDNN prepares its kernel on the first call)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return 1e3 * best
-
-
-def time_linears(matrices: list[torch.Tensor], libraries: dict) -> dict:
-    """Each of `libraries` (name → fn(x, w)) over `matrices` at 1 row (decode at batch 1) and
-    at 32 rows of float32 activations, best of a few runs, in milliseconds: {rows: {name: ms}}.
-    The one timing helper for the float32 library and the linears' precision
-    (engine/kernels/linear_precision.py)."""
-    widths = {m.shape[1] for m in matrices}
+def time_linears(candidates: dict) -> dict:
+    """Each candidate (name → (fn(x, w), matrices)) over its matrices at 1 row (decode at batch
+    1) and at 32 rows of float32 activations, best of a few runs, in milliseconds:
+    {rows: {name: ms}}. The candidates take turns within each repeat, so a load that comes and
+    goes on a shared machine falls on all of them alike. The one timing helper for the float32
+    library and the linears' precision (engine/kernels/linear_precision.py)."""
     ms = {}
     for rows, repeats in ((1, 3), (32, 2)):
-        inputs = {k: torch.full((rows, k), 0.01) for k in widths}
-        ms[rows] = {
-            name: _best_ms(lambda f=f: [f(inputs[m.shape[1]], m) for m in matrices], repeats)
-            for name, f in libraries.items()
-        }
+        calls = {name: _call_over(fn, mats, rows) for name, (fn, mats) in candidates.items()}
+        for call in calls.values():
+            call()  # warm up (oneDNN prepares its kernel on the first call)
+        best = dict.fromkeys(calls, float("inf"))
+        for _ in range(repeats):
+            for name, call in calls.items():
+                start = time.perf_counter()
+                call()
+                best[name] = min(best[name], time.perf_counter() - start)
+        ms[rows] = {name: 1e3 * seconds for name, seconds in best.items()}
     return ms
+
+
+def _call_over(fn, matrices: list[torch.Tensor], rows: int):
+    """One call of `fn` on each matrix, with `rows` float32 activations of its width."""
+    inputs = {k: torch.full((rows, k), 0.01) for k in {m.shape[1] for m in matrices}}
+    return lambda: [fn(inputs[m.shape[1]], m) for m in matrices]
 
 
 def _choose(matrices: list[torch.Tensor]) -> dict:
     """oneDNN stays (it was the faster where this was first measured) unless MKL is at least
     15 % faster at one row and no more than 10 % slower at 32: one library for every row count,
     so that a request's numbers do not depend on the size of its batch."""
-    ms = time_linears(matrices, {"mkl": F.linear, "onednn": onednn_linear})
+    ms = time_linears({"mkl": (F.linear, matrices), "onednn": (onednn_linear, matrices)})
     mkl_wins = ms[1]["mkl"] < 0.85 * ms[1]["onednn"] and ms[32]["mkl"] < 1.1 * ms[32]["onednn"]
     size = sum(m.numel() for m in matrices) * 4 / 1e6
     return {

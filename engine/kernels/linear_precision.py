@@ -97,9 +97,9 @@ def _time_precisions(matrices: list[torch.Tensor]) -> dict:
     """float32 (through the float32 library chosen for this CPU) and both bfloat16 libraries
     over `matrices` and their bfloat16 copies, side by side under the same load."""
     f32 = F.linear if float32_linear_backend(matrices)["backend"] == "mkl" else onednn_linear
-    ms = time_linears(matrices, {"float32": f32})
-    bf16 = time_linears([m.to(torch.bfloat16) for m in matrices], BFLOAT16_LIBRARIES)
-    return {rows: {**ms[rows], **bf16[rows]} for rows in ms}
+    bf16 = [m.to(torch.bfloat16) for m in matrices]
+    candidates = {name: (fn, bf16) for name, fn in BFLOAT16_LIBRARIES.items()}
+    return time_linears({"float32": (f32, matrices), **candidates})
 
 
 def linear_precision_choice(matrices=None) -> dict:
