@@ -182,6 +182,7 @@ def test_gguf_tiles_are_as_close_to_float32_as_rows(ext, default_model_dir, toke
     float32 as the row layout, and no further from rows than rows is from the reference."""
     from engine.models import llama
     from engine.tools import quality
+    from engine.worker.quantization import describe
 
     if ext.q8_tile_formats() != ["int4", "int8"]:
         pytest.skip("this CPU has no AVX-512 VNNI: the engine keeps the output layer in rows")
@@ -194,6 +195,7 @@ def test_gguf_tiles_are_as_close_to_float32_as_rows(ext, default_model_dir, toke
     assert sum(isinstance(w, Int4TiledWeight) for w in tiled_model.w.values()) == 4 * 30
     assert isinstance(tiled_model.w["lm_head"], Int8TiledWeight)
     assert tiled_model.w["embed"] is tiled_model.w["lm_head"]
+    assert "121 matrices in tiles of 16 channels" in describe(tiled_model)
     tiles = quality.teacher_forced_logits(tiled_model, ids)
     monkeypatch.setattr(llama, "arrange_for_kernels", lambda w, kernels: w)  # rows, as loaded
     rows = quality.teacher_forced_logits(quality.load_variant(default_model_dir, gguf), ids)

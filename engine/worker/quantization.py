@@ -49,6 +49,7 @@ import torch
 
 from engine.kernels.quant import (
     QUANTIZED_TYPES,
+    TILED_TYPES,
     Int4Weight,
     Int8Weight,
     QuantizedWeight,
@@ -306,7 +307,13 @@ def describe(model) -> str:
     if method is None:
         return f"none ({str(model.dtype).removeprefix('torch.')} weights)"
     group = "" if method == "int8" else f", group {model.quantization_group_size}"
+    dtype = str(model.dtype).removeprefix("torch.")
+    if method != "gguf":
+        weight_only = "linears weight-only, lm_head int8 per channel"
+        return f"{method}{group}: {weight_only}, activations {dtype}"
+    tiled = sum(isinstance(w, TILED_TYPES) for w in model.distinct_weights())
+    layout = f"{tiled} matrices in tiles of 16 channels" if tiled else "rows as in the file"
     return (
-        f"{method}{group}: linears weight-only, lm_head int8 per channel, activations "
-        f"{str(model.dtype).removeprefix('torch.')}"
+        f"gguf{group}: the file's Q4_1 linears and an int8 lm_head times activations rounded to "
+        f"int8 blocks (llama.cpp's Q8_1), {layout}"
     )
