@@ -30,6 +30,7 @@ the row layout back, and the reference multiplies that.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -170,17 +171,29 @@ class Int8TiledWeight:
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.tiles, self.scales)
 
-    def rows_of(self, rows: torch.Tensor) -> torch.Tensor:
-        """The int8 values of output channels `rows` ([len, in] int8), read from their tiles: a
-        tied embedding looks its tokens up here without untiling the whole table."""
-        t, g, _ = self.tiles.shape
-        records = self.tiles[rows // TILE_CHANNELS].view(-1, g, 8, TILE_CHANNELS, 4)
-        picked = records[torch.arange(len(rows)), :, :, rows % TILE_CHANNELS]  # [len, g, 8, 4]
-        return (picked.reshape(len(rows), g * 32).to(torch.int16) - 128).to(torch.int8)
+    def shifted_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """q + 128 of output channels `rows` ([len, in] uint8), read from their tiles: a tied
+        embedding looks its tokens up here without untiling the whole table."""
+        groups = self.tiles.shape[1]
+        tile, channel = rows >> 4, rows & 15  # TILE_CHANNELS = 16 (a shift: ~10 us less a step)
+        first = (tile * (groups * INT8_RECORD) + channel * 4).unsqueeze(1)  # [len, 1]
+        return self.tiles.view(-1)[first + _int8_row_offsets(groups)]
+
+    def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return (self.shifted_rows(rows).float() - 128.0) * self.scales[rows].unsqueeze(-1)
 
     def to_rows(self) -> Int8Weight:
-        every = torch.arange(self.shape[0])
-        return Int8Weight(self.rows_of(every), self.scales, q8_activations=True)
+        shifted = self.shifted_rows(torch.arange(self.shape[0]))
+        return Int8Weight((shifted.to(torch.int16) - 128).to(torch.int8), self.scales, True)
+
+
+@functools.cache
+def _int8_row_offsets(groups: int) -> torch.Tensor:
+    """Where a channel's weights 0 .. 32·groups - 1 lie in its tiles, from its first byte: group
+    g at g × 512, weights 4i .. 4i + 3 of the group in chunk i, 64 bytes apart."""
+    weight = torch.arange(groups * 32)
+    group, within = weight // 32, weight % 32
+    return group * INT8_RECORD + (within // 4) * 64 + within % 4
 
 
 def tile_int8_q8(qw: Int8Weight) -> Int8TiledWeight:
@@ -284,7 +297,7 @@ def dequantize_rows(qw: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor:
     if isinstance(qw, Int8Weight):
         return qw.qweight[rows].float() * qw.scales[rows].unsqueeze(-1)
     if isinstance(qw, Int8TiledWeight):
-        return qw.rows_of(rows).float() * qw.scales[rows].unsqueeze(-1)
+        return qw.dequantize_rows(rows)
     if isinstance(qw, Int4TiledWeight):
         qw = qw.to_rows()
     sub = Int4Weight(qw.packed[rows], qw.scales[rows], qw.mins[rows], qw.group_size)
