@@ -190,3 +190,15 @@ def tokenizer(default_model_dir):
     from engine.tokenizer import Tokenizer
 
     return Tokenizer(default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def ext():
+    """Our compiled C++ kernels (engine/kernels), built once per session; a test that needs them
+    skips with the reason when they cannot build."""
+    from engine import kernels
+
+    module = kernels.load()
+    if module is None:
+        pytest.skip(f"C++ kernels unavailable: {kernels.build_error()}")
+    return module

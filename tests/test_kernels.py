@@ -50,14 +50,6 @@ HYPOTHESIS = settings(
 )
 
 
-@pytest.fixture(scope="session")
-def ext():
-    module = kernels.load()
-    if module is None:
-        pytest.skip(f"C++ kernels unavailable: {kernels.build_error()}")
-    return module
-
-
 # -- paged attention ------------------------------------------------------------------------
 
 
@@ -187,7 +179,14 @@ def test_views_of_a_fused_qkv_are_read_in_place(ext, dtype):
     """The model hands over q, k, v as strided views of its qkv projection: no copy needed."""
     requests = [(40, 1), (0, 7), (17, 5), (300, 1)]
     ref, out = run_both(
-        ext, requests, kv_heads=3, group=3, head_dim=64, block_size=16, seed=7, dtype=dtype,
+        ext,
+        requests,
+        kv_heads=3,
+        group=3,
+        head_dim=64,
+        block_size=16,
+        seed=7,
+        dtype=dtype,
         fused=True,
     )
     tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else BF16_TOLERANCE
@@ -207,8 +206,15 @@ BF16_TOLERANCE = dict(atol=1e-2, rtol=1.6e-2)
 def test_bfloat16_cache_is_read_and_written_in_bfloat16(ext, two_threads, requests, head_dim):
     """A bfloat16 engine's cache: K/V stream at half the bytes, results within one rounding."""
     ref, out, exact = run_both(
-        ext, requests, kv_heads=3, group=3, head_dim=head_dim, block_size=16, seed=head_dim,
-        dtype=torch.bfloat16, with_exact=True,
+        ext,
+        requests,
+        kv_heads=3,
+        group=3,
+        head_dim=head_dim,
+        block_size=16,
+        seed=head_dim,
+        dtype=torch.bfloat16,
+        with_exact=True,
     )
     torch.testing.assert_close(out, ref, **BF16_TOLERANCE)
     # against the exact answer: at most one bfloat16 step (2^-7 relative) from float32's own

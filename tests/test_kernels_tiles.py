@@ -20,7 +20,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import kernels
 from engine.kernels.quant import (
     Int4TiledWeight,
     Int4Weight,
@@ -50,14 +49,6 @@ def gguf_like(n: int, k: int, seed: int = 0) -> Int4Weight:
     torch.manual_seed(seed)
     qw = quantize_int4(torch.randn(n, k), 32)
     return Int4Weight(qw.packed, qw.scales.half(), qw.mins.half(), 32, q8_activations=True)
-
-
-@pytest.fixture(scope="module")
-def ext():
-    module = kernels.load()
-    if module is None:
-        pytest.skip(f"C++ kernels unavailable: {kernels.build_error()}")
-    return module
 
 
 @settings(max_examples=25, deadline=None)
