@@ -118,7 +118,8 @@ def test_the_environment_skips_the_timing_and_the_choice_is_kept(fresh_choice, m
 def test_bfloat16_linears_hold_half_the_bytes_and_the_default_is_unchanged(
     make_engine, fresh_choice
 ):
-    from engine.worker.bfloat16_linears import is_linear_matrix, linear_precision_of
+    from engine.models.llama import is_layer_matrix
+    from engine.worker.bfloat16_linears import linear_precision_of
 
     default = make_engine(kernels="torch")
     model = default.executor.worker.model
@@ -131,7 +132,7 @@ def test_bfloat16_linears_hold_half_the_bytes_and_the_default_is_unchanged(
     m = bf16.executor.worker.model
     assert linear_precision_of(m) == {"precision": "bfloat16", "why": "linear_precision='bfloat16'"}
     assert m.w["embed"].dtype == torch.float32 and m.w["lm_head"].dtype == torch.bfloat16
-    matrices = [t for name, t in m.w.items() if is_linear_matrix(name, t)]
+    matrices = [t for name, t in m.w.items() if is_layer_matrix(name, t)]
     assert matrices and all(t.dtype == torch.bfloat16 for t in matrices)
     assert m.w["0.input_norm"].dtype == torch.float32  # norms stay float32
     assert bf16.executor.worker.runner.kv_caches[0][0].dtype == torch.float32  # so does K/V
@@ -144,7 +145,7 @@ def test_bfloat16_linears_hold_half_the_bytes_and_the_default_is_unchanged(
 
 
 def test_tensor_parallel_workers_get_the_drivers_choice(make_engine, fresh_choice, monkeypatch):
-    from engine.worker.bfloat16_linears import is_linear_matrix
+    from engine.models.llama import is_layer_matrix
 
     monkeypatch.setenv(lp.LINEAR_PRECISION_ENV, "bfloat16")  # what "auto" would time to here
     small = dict(num_kv_blocks=8, max_model_len=128, max_num_batched_tokens=24, kernels="torch")
@@ -155,7 +156,7 @@ def test_tensor_parallel_workers_get_the_drivers_choice(make_engine, fresh_choic
         # each rank holds its bfloat16 shards and its own embedding, lm_head and norms: tp 1's
         # bytes twice, less one set of (bfloat16) layer matrices; float32 shards would hold twice
         model = tp1.executor.worker.model
-        matrices = sum(t.numel() * 2 for n, t in model.w.items() if is_linear_matrix(n, t))
+        matrices = sum(t.numel() * 2 for n, t in model.w.items() if is_layer_matrix(n, t))
         assert engine.weight_bytes() == 2 * tp1.weight_bytes() - matrices
     finally:
         engine.shutdown()

@@ -120,7 +120,7 @@ class LlamaModel:
         self.parallel = parallel or ParallelContext()
         self.inv_freq = rope_inverse_frequencies(cfg).to(device)
         if device.type == "cpu" and dtype == torch.float32:  # time MKL and oneDNN on them now
-            float32_linear_backend([t for k, t in weights.items() if _is_layer_matrix(k, t)])
+            float32_linear_backend([t for k, t in weights.items() if is_layer_matrix(k, t)])
         self.kernel_path = "torch"  # which attention runs: "torch" (reference) or "cpu" (C++)
         self.kernels = None  # the compiled extension when kernel_path == "cpu"
         # The same for the weight-only int8/int4 linears (they also take bfloat16 activations).
@@ -267,7 +267,9 @@ class LlamaModel:
         ]
 
 
-def _is_layer_matrix(name: str, t) -> bool:
+def is_layer_matrix(name: str, t) -> bool:
+    """A layer's linear matrix ("{i}.qkv", "{i}.o", "{i}.gate_up", "{i}.down"), not a norm or a
+    bias (nor a quantized matrix)."""
     return name.split(".")[0].isdigit() and isinstance(t, torch.Tensor) and t.dim() == 2
 
 

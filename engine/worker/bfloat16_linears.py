@@ -9,19 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.llama import LlamaModel
-
-
-def is_linear_matrix(name: str, weight) -> bool:
-    """A layer's linear matrix ("{i}.qkv", "{i}.o", "{i}.gate_up", "{i}.down"), not a norm or
-    a bias."""
-    is_tensor = isinstance(weight, torch.Tensor)
-    return name.split(".")[0].isdigit() and is_tensor and weight.dim() == 2
+from engine.models.llama import LlamaModel, is_layer_matrix
 
 
 def layer_matrices(model: LlamaModel) -> list[torch.Tensor]:
     """The matrices a decode step multiplies by (the lm_head aside): what "auto" times."""
-    return [t for name, t in model.w.items() if is_linear_matrix(name, t)]
+    return [t for name, t in model.w.items() if is_layer_matrix(name, t)]
 
 
 def with_bfloat16_linears(model: LlamaModel, why: str) -> LlamaModel:
@@ -30,7 +23,7 @@ def with_bfloat16_linears(model: LlamaModel, why: str) -> LlamaModel:
     `linear_precision` records the choice and `why`."""
     weights = dict(model.w)
     for name, t in model.w.items():
-        if name == "lm_head" or is_linear_matrix(name, t):
+        if name == "lm_head" or is_layer_matrix(name, t):
             weights[name] = t.to(torch.bfloat16)
     choice = {"precision": "bfloat16", "why": why}
     return model.rebuilt(w=weights, linear_precision=choice)
