@@ -133,6 +133,19 @@ def test_tiled_kernel_takes_any_leading_shape_and_bfloat16(ext):
     assert y.dtype == torch.bfloat16 and y.shape == (2, 3, 32)
 
 
+def test_tiles_live_as_long_as_their_row_weight():
+    import gc
+
+    from engine.kernels import quant
+
+    qw = gguf_like(16, 64)
+    assert quant.tiles_of(qw) is quant.tiles_of(qw)
+    key = id(qw)
+    del qw
+    gc.collect()
+    assert key not in quant._tiles
+
+
 def test_the_kernel_refuses_tiles_that_do_not_fit_x(ext):
     tw = tile_int4_q8(gguf_like(16, 64))
     with pytest.raises(RuntimeError, match="groups of 32"):
@@ -156,6 +169,8 @@ def test_weights_are_tiled_for_the_tiled_kernel_only(ext):
     formats = ext.q8_tile_formats()  # the portable loops are slower than the row kernels
     assert isinstance(arranged["0.qkv"], Int4TiledWeight if "int4" in formats else Int4Weight)
     assert isinstance(arranged["lm_head"], Int8TiledWeight if "int8" in formats else Int8Weight)
+    again = arrange_for_kernels(dict(weights), ext)  # another engine on the same model
+    assert all(again[name] is arranged[name] for name in weights)  # shares the tiles
     back = arrange_for_kernels(arranged, None)  # the reference reads rows
     assert isinstance(back["0.qkv"], Int4Weight) and isinstance(back["lm_head"], Int8Weight)
     assert back["embed"] is back["lm_head"]

@@ -31,6 +31,7 @@ the row layout back, and the reference multiplies that.
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -210,6 +211,21 @@ QUANTIZED_TYPES = (Int8Weight, Int4Weight, Int4TiledWeight, Int8TiledWeight)
 TILED_TYPES = (Int4TiledWeight, Int8TiledWeight)
 
 
+_tiles: dict[int, tuple[weakref.ref, object]] = {}  # id(row weight) → (that weight, its tiles)
+
+
+def tiles_of(w: Int4Weight | Int8Weight) -> Int4TiledWeight | Int8TiledWeight:
+    """`w` repacked into tiles, once while `w` lives: the engines of a process share one
+    quantized model (engine/worker/worker.py), and so one copy of its tiles."""
+    entry = _tiles.get(id(w))
+    if entry is not None and entry[0]() is w:
+        return entry[1]
+    tiled = tile_int8_q8(w) if isinstance(w, Int8Weight) else tile_int4_q8(w)
+    key = id(w)
+    _tiles[key] = (weakref.ref(w, lambda _: _tiles.pop(key, None)), tiled)
+    return tiled
+
+
 def arrange_for_kernels(weights: dict, kernels) -> dict:
     """The weights as the chosen linear path reads them best, decided once at load: the "gguf"
     matrices (Q4_1 layers, the int8 output layer) repacked into tiles where the extension
@@ -223,7 +239,7 @@ def arrange_for_kernels(weights: dict, kernels) -> dict:
         if isinstance(w, TILED_TYPES):
             w = w.to_rows()
         if can_tile(w) and ("int8" if isinstance(w, Int8Weight) else "int4") in formats:
-            return tile_int8_q8(w) if isinstance(w, Int8Weight) else tile_int4_q8(w)
+            return tiles_of(w)
         return w
 
     out = {}
