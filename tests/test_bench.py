@@ -255,3 +255,15 @@ def test_best_time_keeps_the_fastest_call_and_stops_at_its_budget():
     calls.clear()
     best_time(slow, torch.device("cpu"), repeats=50, budget_s=0.01)
     assert len(calls) == 3  # warm-up + the two calls it always times
+
+
+def test_kernel_section_measures_attention_and_linears_on_the_tiny_model(tiny_model_dir):
+    """The full bench's kernels section (not in --quick): attention alone on both paths and the
+    linear libraries, on a real model's shapes (it once read a scale the model no longer has)."""
+    from engine.models.llama import LlamaModel
+    from engine.tools.bench.kernels import measure_attention_kernel, measure_linear_kernels
+
+    model = LlamaModel.from_pretrained(tiny_model_dir)
+    attention = measure_attention_kernel(model, 2, (20, 40), 1, 0)
+    assert attention["torch_ms"] > 0 and attention["kv_bytes_read"] > 0
+    assert measure_linear_kernels(model, 1)["kind"] == "measured"

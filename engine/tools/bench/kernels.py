@@ -140,10 +140,11 @@ def measure_attention_kernel(
     k = torch.randn(batch, cfg.num_kv_heads, cfg.head_dim)
     v = torch.randn(batch, cfg.num_kv_heads, cfg.head_dim)
     ext = kernels.load()
+    scale = cfg.head_dim**-0.5  # as LlamaAttention scales its scores
 
     def step(ext_or_none):
         for kc, vc in caches:
-            paged_attention(q, k, v, kc, vc, meta, model.scale, ext_or_none)
+            paged_attention(q, k, v, kc, vc, meta, scale, ext_or_none)
 
     out = {
         "batch": batch,
