@@ -21,11 +21,11 @@ so that the kernel's dot products run in integers (a few instructions per 32 wei
 widening each one). That rounding changes the numbers a little, so the reference rounds the same
 way. The "gguf" output layer (an Int8Weight) opts in the same way.
 
-Tiles: where our kernels run in AVX-512 VNNI, a weight with `q8_activations` is repacked once, at
-load (`arrange_for_kernels`), into records of 16 output channels × one group of 32 inputs
-(`Int4TiledWeight`, `Int8TiledWeight`), the layout the integer kernels read with one 512-bit load
-for 16 channels (engine/kernels/csrc/q8_tiles.cpp). Same numbers, another order; `to_rows` gives
-the row layout back, and the reference multiplies that.
+Tiles: where our kernels have vector code for them (AVX2 or AVX-512 VNNI), the weights with
+`q8_activations` are repacked once, at load (`arrange_for_kernels`), into records of 16 output
+channels × one group of 32 inputs (`Int4TiledWeight`, `Int8TiledWeight`), the layout the integer
+kernels read with one 512-bit load for 16 channels (engine/kernels/csrc/q8_tiles.cpp). Same
+numbers, another order; `to_rows` gives the row layout back, and the reference multiplies that.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class Int4Weight:
         return (self.packed, self.scales, self.mins)
 
 
-TILE_CHANNELS = 16  # output channels per tile of an Int4TiledWeight
+TILE_CHANNELS = 16  # output channels per tile (Int4TiledWeight, Int8TiledWeight)
 TILE_RECORD = 320  # bytes per (tile, group): 16 × 16 of nibbles, 16 float16 scales, 16 minimums
 
 
