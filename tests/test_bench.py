@@ -259,11 +259,17 @@ def test_best_time_keeps_the_fastest_call_and_stops_at_its_budget():
 
 def test_kernel_section_measures_attention_and_linears_on_the_tiny_model(tiny_model_dir):
     """The full bench's kernels section (not in --quick): attention alone on both paths and the
-    linear libraries, on a real model's shapes (it once read a scale the model no longer has)."""
+    linear libraries, on a real model's shapes, and its report lines (the section once read a
+    scale the model no longer has, and its report shadowed `fmt`)."""
     from engine.models.llama import LlamaModel
     from engine.tools.bench.kernels import measure_attention_kernel, measure_linear_kernels
+    from engine.tools.bench.report import format_kernels
 
     model = LlamaModel.from_pretrained(tiny_model_dir)
     attention = measure_attention_kernel(model, 2, (20, 40), 1, 0)
     assert attention["torch_ms"] > 0 and attention["kv_bytes_read"] > 0
-    assert measure_linear_kernels(model, 1)["kind"] == "measured"
+    linear = measure_linear_kernels(model, 1)
+    step = {"batch_1": {"step_ms": 2.0, "tokens_per_s": 500.0}, "full_batch": {}}
+    decode = {"torch": {"path": "torch", **step}, "auto": {"path": "cpu", **step}}
+    text = "\n".join(format_kernels({"linear": linear, "attention": attention, "decode": decode}))
+    assert "6. Kernels" in text and "int4 ours, 1 row / 32 rows" in text

@@ -217,11 +217,11 @@ def format_kernels(k: dict | None) -> list[str]:
         )
     if lin.get("extension"):
         lines.append(f"  our kernels: {lin['extension']}")
-    for fmt in ("int8", "int4"):
-        vs_ref = lin.get("ours_vs_reference", {}).get(fmt, {})
-        vs_f32 = lin.get("ours_vs_float32", {}).get(fmt, {})
+    for kind in ("int8", "int4"):
+        vs_ref = lin.get("ours_vs_reference", {}).get(kind, {})
+        vs_f32 = lin.get("ours_vs_float32", {}).get(kind, {})
         lines.append(
-            f"  {fmt} ours, 1 row / 32 rows: {fmt(vs_ref.get('rows_1'), '.2f')}× / "
+            f"  {kind} ours, 1 row / 32 rows: {fmt(vs_ref.get('rows_1'), '.2f')}× / "
             f"{fmt(vs_ref.get('rows_32'), '.2f')}× its torch reference's speed, "
             f"{fmt(vs_f32.get('rows_1'), '.2f')}× / {fmt(vs_f32.get('rows_32'), '.2f')}× "
             "the best float32's"
