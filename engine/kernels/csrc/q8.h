@@ -15,11 +15,12 @@ namespace q8 {
 
 constexpr int64_t BLOCK = 32;  // activation values per int8 block
 
-// x (k floats, k a multiple of 32) -> xq, d[k / 32], dsum[k / 32] = d * sum(xq) of each block:
-// per block d = max |x| / 127 and xq = round(x / d) to nearest, ties to even (0 where d is 0).
-// The AVX-512 loop computes the same IEEE quotients and rounds them the same way, so both
-// branches give identical bytes.
-inline void quantize_row(const float* x, int64_t k, int8_t* xq, float* d, float* dsum) {
+// x (k floats, k a multiple of 32) -> xq, d[k / 32], dsum[k / 32] = d * sum(xq) of each block,
+// and, where qsum is given, qsum[k / 32] = sum(xq) itself: per block d = max |x| / 127 and
+// xq = round(x / d) to nearest, ties to even (0 where d is 0). The AVX-512 loop computes the
+// same IEEE quotients and rounds them the same way, so both branches give identical bytes.
+inline void quantize_row(const float* x, int64_t k, int8_t* xq, float* d, float* dsum,
+                         int32_t* qsum = nullptr) {
   for (int64_t b = 0; b < k / BLOCK; ++b) {
     const float* v = x + b * BLOCK;
     int8_t* out = xq + b * BLOCK;
@@ -56,6 +57,7 @@ inline void quantize_row(const float* x, int64_t k, int8_t* xq, float* d, float*
 #endif
     d[b] = scale;
     dsum[b] = scale * static_cast<float>(total);
+    if (qsum) qsum[b] = total;
   }
 }
 

@@ -264,15 +264,9 @@ struct RoundedRows {
         qsum(m * groups) {
     const float* xp = x.data_ptr<float>();
     at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t r = r0; r < r1; ++r)
         q8::quantize_row(xp + r * k, k, xq.data() + r * k, d.data() + r * groups,
-                         dsum.data() + r * groups);
-        for (int64_t g = 0; g < groups; ++g) {
-          int32_t total = 0;
-          for (int64_t e = 0; e < q8::BLOCK; ++e) total += xq[r * k + g * q8::BLOCK + e];
-          qsum[r * groups + g] = total;
-        }
-      }
+                         dsum.data() + r * groups, qsum.data() + r * groups);
     });
   }
 };
@@ -311,6 +305,18 @@ void check_x(const torch::Tensor& x, const char* name) {
               ": x must be a contiguous float32 [M, K]");
 }
 
+// tiles [N / 16, K / 32, record] uint8 that fit x [M, K]; returns the number of groups K / 32.
+int64_t check_tiles(const torch::Tensor& x, const torch::Tensor& tiles, int64_t record,
+                    const char* name) {
+  TORCH_CHECK(tiles.dtype() == torch::kUInt8 && tiles.dim() == 3 && tiles.is_contiguous() &&
+                  tiles.size(2) == record,
+              name, ": tiles must be contiguous uint8 [N / 16, K / 32, ", record, "]");
+  const int64_t groups = tiles.size(1);
+  TORCH_CHECK(x.size(1) == groups * q8::BLOCK, name, ": x has ", x.size(1), " columns, tiles ",
+              groups, " groups of 32");
+  return groups;
+}
+
 void check_bias(const c10::optional<torch::Tensor>& bias, int64_t n, const char* name) {
   TORCH_CHECK(!bias.has_value() || (bias->dtype() == torch::kFloat32 && bias->is_contiguous() &&
                                     bias->numel() == n),
@@ -333,12 +339,8 @@ torch::Tensor int4_q8_tiled_linear(const torch::Tensor& x, const torch::Tensor& 
                                    const c10::optional<torch::Tensor>& bias) {
   const char* name = "int4_q8_tiled_linear";
   check_x(x, name);
-  TORCH_CHECK(tiles.dtype() == torch::kUInt8 && tiles.dim() == 3 && tiles.is_contiguous() &&
-                  tiles.size(2) == RECORD,
-              name, ": tiles must be contiguous uint8 [N / 16, K / 32, 320]");
-  const int64_t groups = tiles.size(1), n_tiles = tiles.size(0), n = n_tiles * CHANNELS;
-  TORCH_CHECK(x.size(1) == groups * q8::BLOCK, name, ": x has ", x.size(1), " columns, tiles ",
-              groups, " groups of 32");
+  const int64_t groups = check_tiles(x, tiles, RECORD, name);
+  const int64_t n_tiles = tiles.size(0), n = n_tiles * CHANNELS;
   check_bias(bias, n, name);
   const RoundedRows a(x, groups);
   auto y = torch::empty({a.m, n}, x.options());
@@ -360,12 +362,8 @@ torch::Tensor int8_q8_tiled_linear(const torch::Tensor& x, const torch::Tensor& 
                                    const c10::optional<torch::Tensor>& bias) {
   const char* name = "int8_q8_tiled_linear";
   check_x(x, name);
-  TORCH_CHECK(tiles.dtype() == torch::kUInt8 && tiles.dim() == 3 && tiles.is_contiguous() &&
-                  tiles.size(2) == RECORD8,
-              name, ": tiles must be contiguous uint8 [N / 16, K / 32, 512]");
-  const int64_t groups = tiles.size(1), n_tiles = tiles.size(0), n = n_tiles * CHANNELS;
-  TORCH_CHECK(x.size(1) == groups * q8::BLOCK, name, ": x has ", x.size(1), " columns, tiles ",
-              groups, " groups of 32");
+  const int64_t groups = check_tiles(x, tiles, RECORD8, name);
+  const int64_t n_tiles = tiles.size(0), n = n_tiles * CHANNELS;
   TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == n,
               name, ": scales must be contiguous float32 [N]");
   check_bias(bias, n, name);
