@@ -17,6 +17,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "kernels.h"
 #include "q8.h"
 
 #include <algorithm>
@@ -1429,14 +1430,6 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
   return out;
 }
 
-// engine/kernels/csrc/q8_tiles.cpp
-std::vector<std::string> q8_tile_formats();
-torch::Tensor int4_q8_tiled_linear(const torch::Tensor& x, const torch::Tensor& tiles,
-                                   const c10::optional<torch::Tensor>& bias);
-torch::Tensor int8_q8_tiled_linear(const torch::Tensor& x, const torch::Tensor& tiles,
-                                   const torch::Tensor& scales,
-                                   const c10::optional<torch::Tensor>& bias);
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "llm-inference-lab CPU kernels: paged attention, int8/int4 linear, norms, RoPE, SwiGLU";
   m.def("paged_attention", &paged_attention,
@@ -1455,4 +1448,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(h + delta, rms_norm(h + delta) * weight), row by row");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[..., :n]) * x[..., n:] for x of last size 2n");
   m.def("rope", &rope, "x * cos + rotate_half(x) * sin, heads of [tokens, heads, d]");
+  register_fused_blocks(m);
 }

@@ -1,0 +1,131 @@
+// A layer's two blocks, each one call from Python: the attention block (qkv projection, RoPE on
+// queries and keys, paged attention, output projection) and the MLP block (gate_up projection,
+// SwiGLU, down projection). They call the very kernels the Python path calls, on the same
+// tensors, in the same order (engine/models/llama.py, LlamaAttention.forward_native and
+// LlamaMLP.forward_native), so their numbers are the Python path's, bit for bit; what goes away
+// is the Python between the kernels. At batch 1 a 4-bit decode step's kernels take about 4.5 ms,
+// and the splits, views, empty tensors and calls between them took another 1.3 ms (30 layers x
+// a dozen Python-level operations, each a few microseconds), as a CUDA graph removes the same
+// cost from a GPU step (engine/worker/cuda_graphs.py).
+//
+// QuantLinear is one weight-only quantized matrix with its kernel chosen once (the layouts of
+// engine/kernels/quant.py): "int4_tiles" (tiles), "int8_tiles" (tiles, scales), "int8" (qweight,
+// scales), "int4" (packed, scales, mins), "int4_q8" (packed, scales, mins; activations rounded to
+// int8 blocks). Python builds it with engine/kernels/quant.py `kernel_linear`.
+
+#include <torch/extension.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+enum class Kind { Int4Tiles, Int8Tiles, Int8, Int4, Int4Q8 };
+
+Kind kind_of(const std::string& name, size_t num_tensors) {
+  const std::vector<std::pair<std::string, std::pair<Kind, size_t>>> kinds = {
+      {"int4_tiles", {Kind::Int4Tiles, 1}}, {"int8_tiles", {Kind::Int8Tiles, 2}},
+      {"int8", {Kind::Int8, 2}},            {"int4", {Kind::Int4, 3}},
+      {"int4_q8", {Kind::Int4Q8, 3}},
+  };
+  for (const auto& [known, kind] : kinds) {
+    if (known != name) continue;
+    TORCH_CHECK(num_tensors == kind.second, "QuantLinear: ", name, " takes ", kind.second,
+                " tensors, not ", num_tensors);
+    return kind.first;
+  }
+  TORCH_CHECK(false, "QuantLinear: unknown kind ", name);
+}
+
+struct QuantLinear {
+  Kind kind;
+  std::vector<torch::Tensor> t;  // the weight's tensors, in the order its kernel takes them
+  int64_t group_size;
+  c10::optional<torch::Tensor> bias;  // float32, contiguous
+
+  QuantLinear(const std::string& name, std::vector<torch::Tensor> tensors, int64_t group_size,
+              c10::optional<torch::Tensor> bias)
+      : kind(kind_of(name, tensors.size())), t(std::move(tensors)), group_size(group_size),
+        bias(std::move(bias)) {}
+
+  // y = x @ W^T (+ bias), x: [rows, in] float32, contiguous.
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    switch (kind) {
+      case Kind::Int4Tiles: return int4_q8_tiled_linear(x, t[0], bias);
+      case Kind::Int8Tiles: return int8_q8_tiled_linear(x, t[0], t[1], bias);
+      case Kind::Int8: return int8_linear(x, t[0], t[1], bias);
+      case Kind::Int4: return int4_linear(x, t[0], t[1], t[2], group_size, bias);
+      case Kind::Int4Q8: return int4_q8_linear(x, t[0], t[1], t[2], group_size, bias);
+    }
+    TORCH_CHECK(false, "QuantLinear: bad kind");
+  }
+};
+
+// qkv → RoPE → paged attention (this step's K/V written into the cache first) → o.
+struct AttentionBlock {
+  QuantLinear qkv, o;
+  int64_t num_heads, num_kv_heads, head_dim;
+  double scale;
+
+  // x: [tokens, hidden]; cos, sin: [tokens, 1, head_dim]; the cache and the kernel's work as
+  // paged_attention takes them; first_chunks: [n, 2] int64 (first row, rows) of the prefill
+  // chunks that start a request (nothing cached yet), which attend to their own K/V with SDPA
+  // as engine/layers/attention.py paged_attention_kernel does.
+  torch::Tensor operator()(const torch::Tensor& x, const torch::Tensor& cos,
+                           const torch::Tensor& sin, torch::Tensor& k_cache,
+                           torch::Tensor& v_cache, const torch::Tensor& slots,
+                           const torch::Tensor& block_tables, const torch::Tensor& tiles,
+                           const torch::Tensor& first_chunks) const {
+    const int64_t tokens = x.size(0), heads = num_heads, kv = num_kv_heads, d = head_dim;
+    const torch::Tensor y = qkv(x);
+    const torch::Tensor qk = rope(y.narrow(1, 0, (heads + kv) * d).view({tokens, heads + kv, d}),
+                                  cos, sin);
+    const torch::Tensor q = qk.narrow(1, 0, heads), k = qk.narrow(1, heads, kv);
+    const torch::Tensor v = y.narrow(1, (heads + kv) * d, kv * d).view({tokens, kv, d});
+    torch::Tensor out = torch::empty(q.sizes(), q.options());
+    paged_attention(q, k, v, k_cache, v_cache, slots, block_tables, tiles, scale, out);
+    TORCH_CHECK(first_chunks.dtype() == torch::kInt64 && first_chunks.is_contiguous() &&
+                    first_chunks.dim() == 2 && first_chunks.size(1) == 2,
+                "AttentionBlock: first_chunks is [n, 2] int64");
+    const int64_t* chunk = first_chunks.data_ptr<int64_t>();
+    for (int64_t c = 0; c < first_chunks.size(0); ++c) {
+      const int64_t start = chunk[2 * c], rows = chunk[2 * c + 1];
+      const torch::Tensor o_chunk = at::scaled_dot_product_attention(
+          q.narrow(0, start, rows).transpose(0, 1), k.narrow(0, start, rows).transpose(0, 1),
+          v.narrow(0, start, rows).transpose(0, 1), {}, 0.0, /*is_causal=*/true, scale,
+          /*enable_gqa=*/true);
+      out.narrow(0, start, rows).copy_(o_chunk.transpose(0, 1));
+    }
+    return o(out.view({tokens, heads * d}));
+  }
+};
+
+// down(silu(gate) * up), gate and up from one matmul.
+struct MlpBlock {
+  QuantLinear gate_up, down;
+
+  torch::Tensor operator()(const torch::Tensor& x) const { return down(silu_and_mul(gate_up(x))); }
+};
+
+}  // namespace
+
+void register_fused_blocks(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<QuantLinear>(m, "QuantLinear",
+                          "a weight-only quantized matrix and its kernel, chosen once")
+      .def(py::init<const std::string&, std::vector<torch::Tensor>, int64_t,
+                    c10::optional<torch::Tensor>>(),
+           py::arg("kind"), py::arg("tensors"), py::arg("group_size"), py::arg("bias"))
+      .def("__call__", &QuantLinear::operator(), py::arg("x"));
+  py::class_<AttentionBlock>(m, "AttentionBlock", "qkv, RoPE, paged attention and o in one call")
+      .def(py::init<QuantLinear, QuantLinear, int64_t, int64_t, int64_t, double>(),
+           py::arg("qkv"), py::arg("o"), py::arg("num_heads"), py::arg("num_kv_heads"),
+           py::arg("head_dim"), py::arg("scale"))
+      .def("__call__", &AttentionBlock::operator());
+  py::class_<MlpBlock>(m, "MlpBlock", "gate_up, SwiGLU and down in one call")
+      .def(py::init<QuantLinear, QuantLinear>(), py::arg("gate_up"), py::arg("down"))
+      .def("__call__", &MlpBlock::operator(), py::arg("x"));
+}
