@@ -539,17 +539,18 @@ def test_a_failed_build_falls_back_to_torch(monkeypatch, caplog):
 
 
 @pytest.fixture
-def spy(ext, monkeypatch):
-    """Counts calls of the compiled int8/int4 linears (the model holds this same module)."""
-    calls = {"int8_linear": 0, "int4_linear": 0}
-    for name in calls:
-        real = getattr(ext, name)
+def spy(monkeypatch):
+    """Counts calls of the quantized linears' torch reference (dequantize, then matmul)."""
+    from engine.kernels import quant
 
-        def counting(*args, name=name, real=real):
-            calls[name] += 1
-            return real(*args)
+    calls = {"reference_linear": 0}
+    real = quant.reference_linear
 
-        monkeypatch.setattr(ext, name, counting)
+    def counting(*args, **kwargs):
+        calls["reference_linear"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(quant, "reference_linear", counting)
     return calls
 
 
@@ -569,23 +570,28 @@ PROMPTS = ["모델의 가중치는", "The KV cache holds", "블록 테이블"]
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_kernels_setting_reaches_the_quantized_linears(ext, spy, make_engine, quantization):
     """kernels="torch" and "auto" engines side by side in one process, sharing one quantized
-    model: the torch one never calls the compiled int8/int4 ops, the auto one does, and running
-    the auto engine does not switch the torch one over (no process-wide setting)."""
-    op = "int8_linear" if quantization == "int8" else "int4_linear"
+    model: the torch one runs the reference, the auto one never does (its layers hold our C++
+    kernels, bound once, and run as fused blocks), and running the auto engine does not switch
+    the torch one over (no process-wide setting)."""
     torch_engine = make_engine(quantization=quantization, kernels="torch")
     auto_engine = make_engine(quantization=quantization, kernels="auto")
     torch_model = torch_engine.executor.worker.model
     auto_model = auto_engine.executor.worker.model
     assert torch_model.w["0.qkv"] is auto_model.w["0.qkv"]  # the same packed weights
     assert (torch_model.linear_kernel_path, auto_model.linear_kernel_path) == ("torch", "cpu")
+    for model, ours in ((torch_model, False), (auto_model, True)):
+        attention, mlp = model.layers[0].attention, model.layers[0].mlp
+        linears = (attention.qkv, attention.o, mlp.gate_up, mlp.down, model.lm_head)
+        assert all((linear.kernel is not None) == ours for linear in linears)
+        assert (attention.block is not None, mlp.block is not None) == (ours, ours)
 
     _greedy_batch(torch_engine, PROMPTS, 4)
-    assert spy[op] == 0
+    after_torch = spy["reference_linear"]
+    assert after_torch > 0
     _greedy_batch(auto_engine, PROMPTS, 4)
-    after_auto = spy[op]
-    assert after_auto > 0
+    assert spy["reference_linear"] == after_torch
     _greedy_batch(torch_engine, PROMPTS[:1], 4)
-    assert spy[op] == after_auto
+    assert spy["reference_linear"] > after_torch
 
 
 def test_int8_engine_greedy_tokens_equal_on_both_paths(ext, make_engine):

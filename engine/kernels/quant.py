@@ -344,16 +344,36 @@ def reference_linear(
     return torch.nn.functional.linear(x, dequantize(qw).to(x.dtype), bias)
 
 
+def kernel_linear(qw: QuantizedWeight, kernels):
+    """`qw`'s C++ kernel with its tensors bound, chosen once per layer: `kernels.QuantLinear`
+    (engine/kernels/csrc/fused_blocks.cpp), called as linear(x, bias) on [rows, in] contiguous
+    float32 rows. None for the one weight whose kernel needs torch around it: an int8 matrix in
+    rows with rounded activations (the "gguf" output layer where the tiled int8 kernel has no
+    vector code)."""
+    if isinstance(qw, Int8Weight):
+        return None if qw.q8_activations else kernels.QuantLinear("int8", list(qw.tensors()), 0)
+    if isinstance(qw, TILED_TYPES):
+        kind = "int4_tiles" if isinstance(qw, Int4TiledWeight) else "int8_tiles"
+        return kernels.QuantLinear(kind, list(qw.tensors()), 0)
+    kind = "int4_q8" if qw.q8_activations else "int4"
+    return kernels.QuantLinear(kind, list(qw.tensors()), qw.group_size)
+
+
 def quantized_linear(
-    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None, kernels=None
+    x: torch.Tensor,
+    qw: QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    kernels=None,
+    linear=None,
 ) -> torch.Tensor:
     """y = x @ Wᵀ (+ bias) with a quantized W. x may have any leading dimensions ([..., in]).
     `kernels`: the compiled extension (engine.kernels.load()) to run our C++ kernel, None for the
     reference above; the caller chooses (a model resolves it once per engine, see
-    engine/kernels/__init__.py `resolve_linear`). Off a CPU, or in a dtype the kernel does not
-    take, the reference runs whatever `kernels` is. The kernel computes in float32: bfloat16 or
-    float16 activations are widened on the way in and narrowed on the way out (a few KB per
-    decode step; the weights, the bytes that matter, are read once either way)."""
+    engine/kernels/__init__.py `resolve_linear`), and may pass the kernel already bound
+    (`linear`, from `kernel_linear`: a layer binds it once). Off a CPU, or in a dtype the kernel
+    does not take, the reference runs whatever `kernels` is. The kernel computes in float32:
+    bfloat16 or float16 activations are widened on the way in and narrowed on the way out (a few
+    KB per decode step; the weights, the bytes that matter, are read once either way)."""
     if (
         kernels is None
         or not x.is_cpu
@@ -363,16 +383,11 @@ def quantized_linear(
     flat = x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous()
     x2 = x if flat else x.reshape(-1, x.shape[-1]).float().contiguous()
     b = bias.float().contiguous() if bias is not None else None
-    if isinstance(qw, Int8TiledWeight):
-        y = kernels.int8_q8_tiled_linear(x2, qw.tiles, qw.scales, b)
-    elif isinstance(qw, Int8Weight):
-        x8 = round_activations_q8(x2) if qw.q8_activations else x2
-        y = kernels.int8_linear(x8, qw.qweight, qw.scales, b)
-    elif isinstance(qw, Int4TiledWeight):
-        y = kernels.int4_q8_tiled_linear(x2, qw.tiles, b)
-    elif qw.q8_activations:
-        y = kernels.int4_q8_linear(x2, qw.packed, qw.scales, qw.mins, qw.group_size, b)
-    else:
-        y = kernels.int4_linear(x2, qw.packed, qw.scales, qw.mins, qw.group_size, b)
+    if linear is None:
+        linear = kernel_linear(qw, kernels)
+    if linear is not None:
+        y = linear(x2, b)
+    else:  # int8 rows times rounded activations
+        y = kernels.int8_linear(round_activations_q8(x2), qw.qweight, qw.scales, b)
     # A decode step's [tokens, in] float32 rows need no reshaping (a few us of 121 calls a step).
     return y if flat else y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)

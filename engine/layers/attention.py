@@ -75,6 +75,9 @@ class AttentionMetadata:
     # and of the prefill chunks that have a cached prefix, cut into KERNEL_TILE_ROWS-row tiles.
     kernel_block_tables: torch.Tensor | None = None  # [num_requests, max_blocks] int32
     kernel_tiles: torch.Tensor | None = None  # [num_tiles, 4] int32
+    # (first row, rows) of the prefill chunks with nothing cached before them, which attend to
+    # their own K/V with SDPA (for the fused C++ attention block: engine/models/llama.py)
+    kernel_first_chunks: torch.Tensor | None = None  # [num_chunks, 2] int64
     for_kernel: bool = False  # built without the torch path's decode groups and masks
 
 
@@ -109,9 +112,9 @@ def build_attention_metadata(
         (i for i in range(len(query_lens)) if query_lens[i] == 1 and num_computed[i] > 0),
         key=lambda i: batch.context_lens[i],
     )
-    kernel_tables = kernel_tiles = None
+    kernel_tables = kernel_tiles = first_chunks = None
     if torch.device(device).type == "cpu":
-        kernel_tables, kernel_tiles = _kernel_work(batch)
+        kernel_tables, kernel_tiles, first_chunks = _kernel_work(batch)
     return AttentionMetadata(
         slot_mapping=_slot_mapping(batch, block_tables, device),
         block_size=block_size,
@@ -119,6 +122,7 @@ def build_attention_metadata(
         prefills=_prefill_spans(batch, set(decodes), device, for_kernel),
         kernel_block_tables=kernel_tables,
         kernel_tiles=kernel_tiles,
+        kernel_first_chunks=first_chunks,
         for_kernel=for_kernel,
     )
 
@@ -200,17 +204,23 @@ def _prefill_spans(batch: _Batch, decodes: set[int], device, for_kernel: bool) -
     return spans
 
 
-def _kernel_work(batch: _Batch) -> tuple[torch.Tensor, torch.Tensor]:
+def _kernel_work(batch: _Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For the C++ kernel: every request's block table (int32), and the rows it attends, cut
-    into KERNEL_TILE_ROWS-row tiles (first row, rows, request, position of the first row)."""
-    tiles = []
+    into KERNEL_TILE_ROWS-row tiles (first row, rows, request, position of the first row); and
+    the first chunks that SDPA attends instead (first row, rows)."""
+    tiles, first_chunks = [], []
     for i, q_len in enumerate(batch.query_lens):
         if batch.num_computed[i] == 0:  # a first chunk: SDPA on its own fresh K/V
+            first_chunks.append((batch.token_starts[i], q_len))
             continue
         for a in range(0, q_len, KERNEL_TILE_ROWS):
             rows = min(KERNEL_TILE_ROWS, q_len - a)
             tiles.append((batch.token_starts[i] + a, rows, i, batch.num_computed[i] + a))
-    return batch.tables.to(torch.int32), torch.tensor(tiles, dtype=torch.int32).view(-1, 4)
+    return (
+        batch.tables.to(torch.int32),
+        torch.tensor(tiles, dtype=torch.int32).view(-1, 4),
+        torch.tensor(first_chunks, dtype=torch.long).view(-1, 2),
+    )
 
 
 def _as_rows(rows: list[int], device) -> slice | torch.Tensor:

@@ -27,22 +27,23 @@ import torch.nn.functional as F
 
 from engine.kernels.float32_linear import float32_linear_backend, onednn_linear
 from engine.kernels.linear_precision import bfloat16_matmul
-from engine.kernels.quant import QUANTIZED_TYPES, quantized_linear
+from engine.kernels.quant import QUANTIZED_TYPES, kernel_linear, quantized_linear
 from engine.layers.sharding import head_ranges, mlp_range
 from engine.models.config import LlamaConfig
 
 Matmul = Callable[[torch.Tensor, object, torch.Tensor | None], torch.Tensor]
 
 
-def choose_matmul(weight, kernels=None) -> Matmul:
+def choose_matmul(weight, kernels=None, kernel=None) -> Matmul:
     """How x @ Wᵀ (+ bias) runs for this weight, decided once: a weight-only quantized matrix
-    goes to our C++ kernel (`kernels`, the compiled extension) or, with None, to the reference
+    goes to our C++ kernel (`kernels`, the compiled extension; `kernel`, that kernel already
+    bound to the weight: quant.py `kernel_linear`) or, with None, to the reference
     (dequantize + matmul); a float32 matrix on a CPU to the library timed faster here (MKL or
     oneDNN, once per process); a bfloat16 matrix on a CPU to the bfloat16 linear (float32
     activations cast for the matmul, the result cast back; plain F.linear for bfloat16 ones);
     anything else to F.linear."""
     if isinstance(weight, QUANTIZED_TYPES):
-        return partial(quantized_linear, kernels=kernels)
+        return partial(quantized_linear, kernels=kernels, linear=kernel)
     if weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
         return bfloat16_matmul()
     on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
@@ -63,7 +64,11 @@ class ReplicatedLinear:
 
     def __init__(self, weight, bias: torch.Tensor | None = None, kernels=None):
         self.weight, self.bias = weight, bias
-        self.matmul = choose_matmul(weight, kernels)
+        # A quantized matrix on our kernels: its C++ kernel with the weight bound, once (also
+        # what a fused block calls: engine/models/llama.py); else None.
+        quantized = kernels is not None and isinstance(weight, QUANTIZED_TYPES)
+        self.kernel = kernel_linear(weight, kernels) if quantized else None
+        self.matmul = choose_matmul(weight, kernels, self.kernel)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.weight, self.bias)

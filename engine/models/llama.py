@@ -38,6 +38,7 @@ from engine.layers.linear import (
     RowParallelLinear,
 )
 from engine.layers.ops import (
+    CustomOp,
     RMSNorm,
     RotaryEmbedding,
     SiluAndMul,
@@ -50,21 +51,50 @@ from engine.models.config import LlamaConfig
 logger = logging.getLogger(__name__)
 
 
-class LlamaAttention:
+class LlamaAttention(CustomOp):
     """q/k/v in one matmul, RoPE on queries and keys, paged attention, then the output
-    projection (whose all-reduce, under tensor parallel, makes this rank's partial sum whole)."""
+    projection (whose all-reduce, under tensor parallel, makes this rank's partial sum whole).
+    `forward_cpu`: the same kernels in one C++ call (`block`), where every step has one of ours."""
 
     def __init__(self, model: "LlamaModel", i: int):
         cfg, w, kernels = model.cfg, model.w, model.linear_kernels
         self.qkv = QKVParallelLinear(w[f"{i}.qkv"], w.get(f"{i}.qkv_bias"), kernels)
         self.o = RowParallelLinear(w[f"{i}.o"], None, kernels, model.all_reduce)
-        self.rotary, self.kernels = model.rotary, model.kernels
+        self.rotary = model.rotary
         self.num_heads = cfg.num_heads  # this rank's heads under tensor parallel
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
+        self.block = None
+        if fused_blocks_apply(model, self.qkv, self.o):
+            bias = self.qkv.bias.float().contiguous() if self.qkv.bias is not None else None
+            self.block = model.kernels.AttentionBlock(
+                self.qkv.kernel,
+                self.o.kernel,
+                bias,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.scale,
+            )
+        super().__init__(model.kernels if self.block else None, model.dtype, model.device)
+        self.kernels = model.kernels  # the unfused path's attention kernel, if any
 
-    def __call__(self, x, cos, sin, kv_cache, attn_meta: AttentionMetadata) -> torch.Tensor:
+    def forward_cpu(self, x, cos, sin, kv_cache, attn_meta: AttentionMetadata) -> torch.Tensor:
+        m = attn_meta
+        return self.block(
+            x,
+            cos,
+            sin,
+            kv_cache[0],
+            kv_cache[1],
+            m.slot_mapping,
+            m.kernel_block_tables,
+            m.kernel_tiles,
+            m.kernel_first_chunks,
+        )
+
+    def forward_native(self, x, cos, sin, kv_cache, attn_meta: AttentionMetadata) -> torch.Tensor:
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         qk, v = self.qkv(x).split([(heads + kv_heads) * d, kv_heads * d], dim=-1)
         # Queries and keys are rotated alike, so all their heads are rotated in one call.
@@ -75,17 +105,39 @@ class LlamaAttention:
         return self.o(o.flatten(1))
 
 
-class LlamaMLP:
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up in one matmul."""
+class LlamaMLP(CustomOp):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up in one matmul. `forward_cpu`: the same
+    three kernels in one C++ call (`block`), where each has one of ours."""
 
     def __init__(self, model: "LlamaModel", i: int):
         w, kernels = model.w, model.linear_kernels
         self.gate_up = MergedColumnParallelLinear(w[f"{i}.gate_up"], None, kernels)
         self.act = SiluAndMul(model.kernels, model.dtype, model.device)
         self.down = RowParallelLinear(w[f"{i}.down"], None, kernels, model.all_reduce)
+        self.block = None
+        if fused_blocks_apply(model, self.gate_up, self.down):
+            self.block = model.kernels.MlpBlock(self.gate_up.kernel, self.down.kernel)
+        super().__init__(model.kernels if self.block else None, model.dtype, model.device)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.act(self.gate_up(x)))
+
+
+def fused_blocks_apply(model: "LlamaModel", *linears) -> bool:
+    """A block runs as one C++ call (engine/kernels/csrc/fused_blocks.cpp) when each of its
+    steps has our kernel: a float32 model on the CPU with our attention, norms, RoPE and SwiGLU,
+    its matrices quantized on our linear kernels, and no all-reduce between them (tensor
+    parallel 1). The numbers are the Python path's, bit for bit: the same kernels in the same
+    order; the Python between them (1.3 ms of a 6 ms 4-bit decode step) is what goes."""
+    return (
+        model.kernels is not None
+        and model.dtype == torch.float32
+        and model.all_reduce is None
+        and all(linear.kernel is not None for linear in linears)
+    )
 
 
 class LlamaDecoderLayer:

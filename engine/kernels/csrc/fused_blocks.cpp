@@ -11,7 +11,8 @@
 // QuantLinear is one weight-only quantized matrix with its kernel chosen once (the layouts of
 // engine/kernels/quant.py): "int4_tiles" (tiles), "int8_tiles" (tiles, scales), "int8" (qweight,
 // scales), "int4" (packed, scales, mins), "int4_q8" (packed, scales, mins; activations rounded to
-// int8 blocks). Python builds it with engine/kernels/quant.py `kernel_linear`.
+// int8 blocks). Python builds it with engine/kernels/quant.py `kernel_linear`, and the layers of
+// both paths call it (engine/layers/linear.py), so the choice of a kernel is made in one place.
 
 #include <torch/extension.h>
 
@@ -44,15 +45,12 @@ struct QuantLinear {
   Kind kind;
   std::vector<torch::Tensor> t;  // the weight's tensors, in the order its kernel takes them
   int64_t group_size;
-  c10::optional<torch::Tensor> bias;  // float32, contiguous
 
-  QuantLinear(const std::string& name, std::vector<torch::Tensor> tensors, int64_t group_size,
-              c10::optional<torch::Tensor> bias)
-      : kind(kind_of(name, tensors.size())), t(std::move(tensors)), group_size(group_size),
-        bias(std::move(bias)) {}
+  QuantLinear(const std::string& name, std::vector<torch::Tensor> tensors, int64_t group_size)
+      : kind(kind_of(name, tensors.size())), t(std::move(tensors)), group_size(group_size) {}
 
-  // y = x @ W^T (+ bias), x: [rows, in] float32, contiguous.
-  torch::Tensor operator()(const torch::Tensor& x) const {
+  // y = x @ W^T (+ bias), x: [rows, in] float32, contiguous; bias float32, contiguous.
+  torch::Tensor operator()(const torch::Tensor& x, const c10::optional<torch::Tensor>& bias) const {
     switch (kind) {
       case Kind::Int4Tiles: return int4_q8_tiled_linear(x, t[0], bias);
       case Kind::Int8Tiles: return int8_q8_tiled_linear(x, t[0], t[1], bias);
@@ -67,6 +65,7 @@ struct QuantLinear {
 // qkv → RoPE → paged attention (this step's K/V written into the cache first) → o.
 struct AttentionBlock {
   QuantLinear qkv, o;
+  c10::optional<torch::Tensor> qkv_bias;  // float32 (Qwen2's q/k/v biases), or none
   int64_t num_heads, num_kv_heads, head_dim;
   double scale;
 
@@ -80,7 +79,7 @@ struct AttentionBlock {
                            const torch::Tensor& block_tables, const torch::Tensor& tiles,
                            const torch::Tensor& first_chunks) const {
     const int64_t tokens = x.size(0), heads = num_heads, kv = num_kv_heads, d = head_dim;
-    const torch::Tensor y = qkv(x);
+    const torch::Tensor y = qkv(x, qkv_bias);
     const torch::Tensor qk = rope(y.narrow(1, 0, (heads + kv) * d).view({tokens, heads + kv, d}),
                                   cos, sin);
     const torch::Tensor q = qk.narrow(1, 0, heads), k = qk.narrow(1, heads, kv);
@@ -99,7 +98,7 @@ struct AttentionBlock {
           /*enable_gqa=*/true);
       out.narrow(0, start, rows).copy_(o_chunk.transpose(0, 1));
     }
-    return o(out.view({tokens, heads * d}));
+    return o(out.view({tokens, heads * d}), c10::nullopt);
   }
 };
 
@@ -107,7 +106,9 @@ struct AttentionBlock {
 struct MlpBlock {
   QuantLinear gate_up, down;
 
-  torch::Tensor operator()(const torch::Tensor& x) const { return down(silu_and_mul(gate_up(x))); }
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    return down(silu_and_mul(gate_up(x, c10::nullopt)), c10::nullopt);
+  }
 };
 
 }  // namespace
@@ -116,13 +117,13 @@ void register_fused_blocks(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<QuantLinear>(m, "QuantLinear",
                           "a weight-only quantized matrix and its kernel, chosen once")
-      .def(py::init<const std::string&, std::vector<torch::Tensor>, int64_t,
-                    c10::optional<torch::Tensor>>(),
-           py::arg("kind"), py::arg("tensors"), py::arg("group_size"), py::arg("bias"))
-      .def("__call__", &QuantLinear::operator(), py::arg("x"));
+      .def(py::init<const std::string&, std::vector<torch::Tensor>, int64_t>(), py::arg("kind"),
+           py::arg("tensors"), py::arg("group_size"))
+      .def("__call__", &QuantLinear::operator(), py::arg("x"), py::arg("bias") = py::none());
   py::class_<AttentionBlock>(m, "AttentionBlock", "qkv, RoPE, paged attention and o in one call")
-      .def(py::init<QuantLinear, QuantLinear, int64_t, int64_t, int64_t, double>(),
-           py::arg("qkv"), py::arg("o"), py::arg("num_heads"), py::arg("num_kv_heads"),
+      .def(py::init<QuantLinear, QuantLinear, c10::optional<torch::Tensor>, int64_t, int64_t,
+                    int64_t, double>(),
+           py::arg("qkv"), py::arg("o"), py::arg("qkv_bias"), py::arg("num_heads"), py::arg("num_kv_heads"),
            py::arg("head_dim"), py::arg("scale"))
       .def("__call__", &AttentionBlock::operator());
   py::class_<MlpBlock>(m, "MlpBlock", "gate_up, SwiGLU and down in one call")

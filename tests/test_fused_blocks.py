@@ -1,0 +1,108 @@
+"""The fused C++ blocks (engine/kernels/csrc/fused_blocks.cpp): a layer's attention block and MLP
+block as one call each. They call the same kernels as the Python path, in the same order, so the
+logits and the KV cache must be equal bit for bit, in every kind of step (first prefill chunks,
+chunks after a cached prefix, decodes, all mixed in one batch), for every quantized layout."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from engine.kernels.quant import Int4TiledWeight, Int4Weight
+from engine.layers.attention import build_attention_metadata
+from engine.models import llama
+from engine.models.llama import LlamaModel
+from engine.worker.quantization import quantize_model
+
+BLOCK = 16
+
+
+def gguf_style(model: LlamaModel) -> LlamaModel:
+    """The int4 model with its layers stored as a GGUF's Q4_1 (float16 scales and minimums,
+    activations rounded to 8 bits): what the tiled kernel multiplies."""
+    w = dict(model.w)
+    for name, t in model.w.items():
+        if isinstance(t, Int4Weight):
+            w[name] = replace(t, scales=t.scales.half(), mins=t.mins.half(), q8_activations=True)
+    return model.rebuilt(w=w)
+
+
+def build(model_dir, layout: str, fused: bool, monkeypatch) -> LlamaModel:
+    model = LlamaModel.from_pretrained(model_dir)
+    model = quantize_model(model, "int4" if layout in ("tiles", "int4") else "int8", group_size=32)
+    if layout == "tiles":
+        model = gguf_style(model)
+    if not fused:
+        monkeypatch.setattr(llama, "fused_blocks_apply", lambda *args: False)
+    model = model.with_kernels("auto")
+    monkeypatch.undo()
+    return model
+
+
+def run_steps(model: LlamaModel) -> tuple[list[torch.Tensor], list]:
+    """Three steps over three requests: two first chunks; then a decode, a chunk after a cached
+    prefix and a new first chunk together; then three decodes. Logits of every step, and the
+    cache."""
+    torch.manual_seed(0)
+    vocab = model.cfg.vocab_size
+    caches = model.allocate_kv_cache(16, BLOCK)
+    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    steps = [  # (query_lens, num_computed) per request; 0 new tokens: not in this step
+        ([5, 20, 0], [0, 0, 0]),
+        ([1, 9, 3], [5, 20, 0]),
+        ([1, 1, 1], [6, 29, 3]),
+    ]
+    logits = []
+    for query_lens, computed in steps:
+        live = [i for i, n in enumerate(query_lens) if n]
+        q_lens = [query_lens[i] for i in live]
+        positions = torch.cat(
+            [torch.arange(computed[i], computed[i] + query_lens[i]) for i in live]
+        )
+        meta = build_attention_metadata(
+            q_lens, [computed[i] for i in live], [tables[i] for i in live], BLOCK, for_kernel=True
+        )
+        ids = torch.randint(3, vocab, (sum(q_lens),))
+        last = torch.tensor(q_lens).cumsum(0) - 1
+        logits.append(model.forward(ids, positions, caches, meta, last))
+    return logits, caches
+
+
+@pytest.mark.parametrize("layout", ["tiles", "int4", "int8", "qwen2 int8"])
+def test_fused_blocks_equal_the_python_path_bit_for_bit(ext, request, monkeypatch, layout):
+    """ "qwen2 int8": the tiny Qwen2, whose q/k/v projections have biases."""
+    model_dir = request.getfixturevalue("tiny_qwen2_dir" if "qwen2" in layout else "tiny_model_dir")
+    fused = build(model_dir, layout, True, monkeypatch)
+    python = build(model_dir, layout, False, monkeypatch)
+    attention, mlp = fused.layers[0].attention, fused.layers[0].mlp
+    assert attention.block is not None and mlp.block is not None
+    assert attention.forward == attention.forward_cpu and mlp.forward == mlp.forward_cpu
+    assert python.layers[0].attention.forward == python.layers[0].attention.forward_native
+    if layout == "tiles" and "int4" in ext.q8_tile_formats():
+        assert isinstance(fused.w["0.qkv"], Int4TiledWeight)
+    fused_logits, fused_cache = run_steps(fused)
+    python_logits, python_cache = run_steps(python)
+    for a, b in zip(fused_logits, python_logits):
+        assert torch.equal(a, b)
+    for (k1, v1), (k2, v2) in zip(fused_cache, python_cache):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_blocks_are_used_only_where_every_step_has_our_kernel(ext, tiny_model_dir):
+    """Float weights (the matmul is a library's), the torch path and bfloat16 keep the Python
+    blocks."""
+    plain = LlamaModel.from_pretrained(tiny_model_dir).with_kernels("auto")
+    assert plain.layers[0].attention.block is None and plain.layers[0].mlp.block is None
+    quantized = quantize_model(LlamaModel.from_pretrained(tiny_model_dir), "int8")
+    assert quantized.with_kernels("torch").layers[0].mlp.block is None
+    bf16 = quantize_model(LlamaModel.from_pretrained(tiny_model_dir, dtype=torch.bfloat16), "int8")
+    assert bf16.with_kernels("auto").layers[0].attention.block is None
+
+
+def test_quant_linear_refuses_what_it_cannot_run(ext):
+    with pytest.raises(RuntimeError, match="unknown kind"):
+        ext.QuantLinear("int3", [torch.zeros(1)], 0)
+    with pytest.raises(RuntimeError, match="takes 3 tensors"):
+        ext.QuantLinear("int4", [torch.zeros(1)], 32)
