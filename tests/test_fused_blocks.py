@@ -1,5 +1,5 @@
 """The fused C++ blocks (engine/kernels/csrc/fused_blocks.cpp): a layer's attention block and MLP
-block as one call each. They call the same kernels as the Python path, in the same order, so the
+block as one call each, and all layers with their norms as one call (the layer stack). They call the same kernels as the Python path, in the same order, so the
 logits and the KV cache must be equal bit for bit, in every kind of step (first prefill chunks,
 chunks after a cached prefix, decodes, all mixed in one batch), for every quantized layout."""
 
@@ -80,6 +80,7 @@ def test_fused_blocks_equal_the_python_path_bit_for_bit(ext, request, monkeypatc
     assert attention.block is not None and mlp.block is not None
     assert attention.forward == attention.forward_cpu and mlp.forward == mlp.forward_cpu
     assert python.layers[0].attention.forward == python.layers[0].attention.forward_native
+    assert fused.stack is not None and python.stack is None  # all layers in one call, or none
     if layout == "tiles" and "int4" in ext.q8_tile_formats():
         assert isinstance(fused.w["0.qkv"], Int4TiledWeight)
     fused_logits, fused_cache = run_steps(fused)

@@ -140,6 +140,45 @@ def fused_blocks_apply(model: "LlamaModel", *linears) -> bool:
     )
 
 
+class LayerStack:
+    """All the layers as one C++ call a step (engine/kernels/csrc/fused_blocks.cpp): each
+    layer's fused attention and MLP blocks and the norms between them, in the order of
+    `LlamaModel.run_layers`, with no Python between the kernels (what a CUDA graph does for a
+    GPU step: engine/worker/cuda_graphs.py)."""
+
+    def __init__(self, model: "LlamaModel"):
+        layers = model.layers
+        self.stack = model.kernels.LayerStack(
+            [layer.attention.block for layer in layers],
+            [layer.mlp.block for layer in layers],
+            [layer.input_norm.weight for layer in layers],
+            [layer.post_norm.weight for layer in layers],
+            model.cfg.rms_norm_eps,
+        )
+
+    def run(self, h, cos, sin, kv_caches, m: AttentionMetadata):
+        k_caches, v_caches = [k for k, _ in kv_caches], [v for _, v in kv_caches]
+        return self.stack(
+            h,
+            cos,
+            sin,
+            k_caches,
+            v_caches,
+            m.slot_mapping,
+            m.kernel_block_tables,
+            m.kernel_tiles,
+            m.kernel_first_chunks,
+        )
+
+
+def layer_stack(model: "LlamaModel") -> LayerStack | None:
+    """The stack, when every layer's blocks are fused and its norms are our kernel."""
+    layers = model.layers
+    fused = all(layer.attention.block and layer.mlp.block for layer in layers)
+    norms_ours = all(layer.input_norm.forward == layer.input_norm.forward_cpu for layer in layers)
+    return LayerStack(model) if layers and fused and norms_ours else None
+
+
 class LlamaDecoderLayer:
     """One block: RMSNorm → attention → residual → RMSNorm → MLP → residual (the residual adds
     are fused into the norms that follow them: LlamaModel.forward)."""
@@ -189,6 +228,7 @@ class LlamaModel:
         self.rotary = RotaryEmbedding(self.inv_freq, self.kernels, self.dtype)
         self.embed = VocabEmbedding(w["embed"], self.dtype) if stage.is_first_stage else None
         self.layers = [LlamaDecoderLayer(self, i) for i in range(cfg.num_layers)]
+        self.stack = layer_stack(self)  # every layer as one C++ call, where each block is one
         self.final_norm = self.lm_head = None
         if stage.is_last_stage:
             self.final_norm = RMSNorm(w["final_norm"], cfg.rms_norm_eps, self.kernels, self.dtype)
@@ -283,6 +323,21 @@ class LlamaModel:
         peer of the output rank)."""
         cos, sin = self.rotary.cos_sin(positions)
         h = self.embed(input_ids) if self.embed is not None else self.receive(input_ids.shape[0])
+        if self.stack is not None:  # the loop below in one C++ call: the same kernels, in order
+            h, mlp_out = self.stack.run(h, cos, sin, kv_caches, attn_meta)
+        else:
+            h, mlp_out = self.run_layers(h, cos, sin, kv_caches, attn_meta)
+        if self.final_norm is None:  # an earlier pipeline stage: the next one goes on from here
+            self.parallel.comm.send(h + mlp_out)
+            return None
+        if not self.parallel.is_output_rank:
+            return None
+        _, x = self.final_norm(mlp_out, residual=h)
+        return self.lm_head(x[logits_indices]).float()
+
+    def run_layers(self, h, cos, sin, kv_caches, attn_meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer on the residual stream `h`; returns it with the last MLP's output, not yet
+        added (the final norm adds it)."""
         x = self.layers[0].input_norm(h)  # h: the residual stream; x: its normed copy
         for i, layer in enumerate(self.layers):
             # Each sublayer adds to the residual stream, and the next norm reads the sum (one
@@ -292,13 +347,7 @@ class LlamaModel:
             mlp_out = layer.mlp(x)
             if i + 1 < len(self.layers):
                 h, x = self.layers[i + 1].input_norm(mlp_out, residual=h)
-        if self.final_norm is None:  # an earlier pipeline stage: the next one goes on from here
-            self.parallel.comm.send(h + mlp_out)
-            return None
-        if not self.parallel.is_output_rank:
-            return None
-        _, x = self.final_norm(mlp_out, residual=h)
-        return self.lm_head(x[logits_indices]).float()
+        return h, mlp_out
 
     def receive(self, num_tokens: int) -> torch.Tensor:
         """A later pipeline stage's input: the hidden states the previous stage sent."""

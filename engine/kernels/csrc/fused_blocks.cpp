@@ -1,12 +1,13 @@
-// A layer's two blocks, each one call from Python: the attention block (qkv projection, RoPE on
-// queries and keys, paged attention, output projection) and the MLP block (gate_up projection,
-// SwiGLU, down projection). They call the very kernels the Python path calls, on the same
-// tensors, in the same order (engine/models/llama.py, LlamaAttention.forward_native and
-// LlamaMLP.forward_native), so their numbers are the Python path's, bit for bit; what goes away
-// is the Python between the kernels. At batch 1 a 4-bit decode step's kernels take about 4.5 ms,
-// and the splits, views, empty tensors and calls between them took another 1.3 ms (30 layers x
-// a dozen Python-level operations, each a few microseconds), as a CUDA graph removes the same
-// cost from a GPU step (engine/worker/cuda_graphs.py).
+// A layer's two blocks as one call each: the attention block (qkv projection, RoPE on queries
+// and keys, paged attention, output projection) and the MLP block (gate_up projection, SwiGLU,
+// down projection); and all the layers with their norms as one call a step (LayerStack). They
+// call the very kernels the Python path calls, on the same tensors, in the same order
+// (engine/models/llama.py: LlamaAttention.forward_native, LlamaMLP.forward_native,
+// LlamaModel.forward's loop), so their numbers are the Python path's, bit for bit; what goes
+// away is the Python between the kernels. At batch 1 a 4-bit decode step's kernels take about
+// 4.5 ms, and the splits, views, empty tensors and calls between them took another 1.3 ms (30
+// layers x a dozen Python-level operations of a few microseconds each): the cost a CUDA graph
+// removes from a GPU step (engine/worker/cuda_graphs.py).
 //
 // QuantLinear is one weight-only quantized matrix with its kernel chosen once (the layouts of
 // engine/kernels/quant.py): "int4_tiles" (tiles), "int8_tiles" (tiles, scales), "int8" (qweight,
@@ -17,6 +18,7 @@
 #include <torch/extension.h>
 
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -111,6 +113,37 @@ struct MlpBlock {
   }
 };
 
+// Every layer of the model, one after the other, as LlamaModel.forward's loop runs them: the
+// residual adds fused into the norms that follow them (add_rms_norm). One call a step.
+struct LayerStack {
+  std::vector<AttentionBlock> attention;
+  std::vector<MlpBlock> mlp;
+  std::vector<torch::Tensor> input_norms, post_norms;  // float32 weights, one per layer
+  double eps;
+
+  // h: the residual stream entering layer 0; k_caches[i], v_caches[i]: layer i's cache. Returns
+  // (h, mlp_out) after the last layer: the residual stream and the last MLP's output, not yet
+  // added (the final norm adds them).
+  std::tuple<torch::Tensor, torch::Tensor> operator()(
+      torch::Tensor h, const torch::Tensor& cos, const torch::Tensor& sin,
+      std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
+      const torch::Tensor& slots, const torch::Tensor& block_tables, const torch::Tensor& tiles,
+      const torch::Tensor& first_chunks) const {
+    const size_t layers = attention.size();
+    TORCH_CHECK(layers > 0 && k_caches.size() == layers && v_caches.size() == layers,
+                "LayerStack: one K and one V cache per layer");
+    torch::Tensor x = rms_norm(h, input_norms[0], eps), mlp_out;
+    for (size_t i = 0; i < layers; ++i) {
+      const torch::Tensor attn_out = attention[i](x, cos, sin, k_caches[i], v_caches[i], slots,
+                                                  block_tables, tiles, first_chunks);
+      std::tie(h, x) = add_rms_norm(h, attn_out, post_norms[i], eps);
+      mlp_out = mlp[i](x);
+      if (i + 1 < layers) std::tie(h, x) = add_rms_norm(h, mlp_out, input_norms[i + 1], eps);
+    }
+    return {h, mlp_out};
+  }
+};
+
 }  // namespace
 
 void register_fused_blocks(pybind11::module& m) {
@@ -129,4 +162,10 @@ void register_fused_blocks(pybind11::module& m) {
   py::class_<MlpBlock>(m, "MlpBlock", "gate_up, SwiGLU and down in one call")
       .def(py::init<QuantLinear, QuantLinear>(), py::arg("gate_up"), py::arg("down"))
       .def("__call__", &MlpBlock::operator(), py::arg("x"));
+  py::class_<LayerStack>(m, "LayerStack", "every layer's blocks and norms, one call a step")
+      .def(py::init<std::vector<AttentionBlock>, std::vector<MlpBlock>, std::vector<torch::Tensor>,
+                    std::vector<torch::Tensor>, double>(),
+           py::arg("attention"), py::arg("mlp"), py::arg("input_norms"), py::arg("post_norms"),
+           py::arg("eps"))
+      .def("__call__", &LayerStack::operator());
 }
