@@ -14,7 +14,7 @@ from engine.kernels.quant import Int4TiledWeight, Int4Weight
 from engine.layers.attention import build_attention_metadata
 from engine.models import llama
 from engine.models.llama import LlamaModel
-from engine.worker.quantization import quantize_model
+from engine.worker.quantization import describe, quantize_model
 
 BLOCK = 16
 
@@ -81,6 +81,7 @@ def test_fused_blocks_equal_the_python_path_bit_for_bit(ext, request, monkeypatc
     assert attention.forward == attention.forward_cpu and mlp.forward == mlp.forward_cpu
     assert python.layers[0].attention.forward == python.layers[0].attention.forward_native
     assert fused.stack is not None and python.stack is None  # all layers in one call, or none
+    assert "layers in one C++ call" in describe(fused) and "layers in Python" in describe(python)
     if layout == "tiles" and "int4" in ext.q8_tile_formats():
         assert isinstance(fused.w["0.qkv"], Int4TiledWeight)
     fused_logits, fused_cache = run_steps(fused)

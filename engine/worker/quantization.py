@@ -308,12 +308,15 @@ def describe(model) -> str:
         return f"none ({str(model.dtype).removeprefix('torch.')} weights)"
     group = "" if method == "int8" else f", group {model.quantization_group_size}"
     dtype = str(model.dtype).removeprefix("torch.")
+    # The layers as one C++ call a step (engine/models/llama.py LayerStack), or Python between
+    # the kernels.
+    layers = "layers in one C++ call" if getattr(model, "stack", None) else "layers in Python"
     if method != "gguf":
         weight_only = "linears weight-only, lm_head int8 per channel"
-        return f"{method}{group}: {weight_only}, activations {dtype}"
+        return f"{method}{group}: {weight_only}, activations {dtype}, {layers}"
     tiled = sum(isinstance(w, TILED_TYPES) for w in model.distinct_weights())
     layout = f"{tiled} matrices in tiles of 16 channels" if tiled else "rows as in the file"
     return (
         f"gguf{group}: the file's Q4_1 linears and an int8 lm_head times activations rounded to "
-        f"int8 blocks (llama.cpp's Q8_1), {layout}"
+        f"int8 blocks (llama.cpp's Q8_1), {layout}, {layers}"
     )
