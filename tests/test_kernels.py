@@ -174,6 +174,27 @@ def test_batch_1_long_contexts_are_cut_into_key_ranges_and_merged(ext, two_threa
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kv_heads, group", [(1, 4), (2, 3), (3, 3)])
+def test_batch_1_decode_items_take_every_kv_head_of_their_key_range(
+    ext, two_threads, kv_heads, group
+):
+    """A decode tile's items take all KV heads of a key range (each cache row read in one
+    stretch), one range per thread; their states merge into the same answer. Contexts around the
+    range's minimum length, calls of other shapes in between: the kernel reuses its plan's
+    buffers from call to call."""
+    for cached in (47, 48, 400, 95, 130, 2):
+        ref, out = run_both(
+            ext,
+            [(cached, 1)],
+            kv_heads=kv_heads,
+            group=group,
+            head_dim=64,
+            block_size=16,
+            seed=cached,
+        )
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_views_of_a_fused_qkv_are_read_in_place(ext, dtype):
     """The model hands over q, k, v as strided views of its qkv projection: no copy needed."""

@@ -75,11 +75,12 @@ void parallel_items(int64_t n, const F& fn) {
 // - No copy of the context is made: keys are read where they lie, through the block table. The
 //   new tokens' K/V are written into their slots by the same call (one pass over the tokens).
 // - One work item = one tile x a range of KV heads x a range of keys. With many tiles (a batched
-//   decode step, a long prefill chunk) the range is all the heads and all the keys: a key's row
-//   of the cache, kv_heads x head_dim contiguous values, is read in one stretch. With few tiles
-//   (batch 1) each KV head is its own item, and long contexts are cut into key ranges
-//   ("partitions", as in vLLM's paged_attention_v2 and FlashDecoding), so that both cores have
-//   work: each range leaves its partial softmax state, and the last to finish merges them.
+//   decode step, a long prefill chunk) and for decode tiles, the range is all the heads: a key's
+//   row of the cache, kv_heads x head_dim contiguous values, is read in one stretch. With a few
+//   prefill tiles each KV head is its own item. Tiles too few for the threads (batch 1) are cut
+//   into key ranges ("partitions", as in vLLM's paged_attention_v2 and FlashDecoding), so that
+//   both cores have work: each range leaves its partial softmax state, and the last to finish
+//   merges them.
 //   The query heads that share a KV head (grouped-query attention) use each K and V row together.
 // - Online softmax (as in FlashAttention): each query keeps a running maximum, a running sum of
 //   exponentials and a running weighted sum of values, rescaled when the maximum grows. K and V
@@ -369,7 +370,77 @@ struct MergeJob {
   int64_t tile, head0, parts, partial, stride;
 };
 
-constexpr int64_t MIN_PARTITION_KEYS = 128;  // shorter ranges cost more to merge than they save
+// Shorter ranges cost more to merge than they save (key x KV head pairs per range).
+constexpr int64_t MIN_PARTITION_KEYS = 128;
+
+// The work of one call, and the partial states of the ranges that are merged. Each calling
+// thread keeps its own and reuses it: a batch-1 decode step calls the kernel once per layer, in
+// about 10 us, and needs no allocation per call.
+struct AttentionPlan {
+  int64_t item_heads = 1;
+  std::vector<AttentionItem> items;
+  std::vector<MergeJob> merges;
+  std::vector<float> partials;
+  std::vector<std::atomic<int64_t>> parts_done;
+};
+
+// Cut the tiles into work items. One KV head per item when there are few tiles of several rows
+// (a short prefill: more items for the threads, and a tile's rows fill the item's work). All KV
+// heads per item for decode tiles (one row each) and for many tiles: a key's row of the cache,
+// kv_heads x head_dim values, is then read in one stretch instead of one head's slice of every
+// row, and each row's block-table lookup serves all heads (batch 1, 207 keys, SmolLM2's 3 KV
+// heads: 12.4 -> 11.7 us with 1 thread and 9.0 -> 7.7 us with 2, cache hot). Tiles still too few
+// for the threads are cut into key ranges: one range per thread for decode tiles (each streams
+// its own part of the context), four per thread for prefill tiles.
+void plan_attention(const int32_t* tp, int64_t num_tiles, int64_t kv_heads, int64_t group,
+                    int64_t padded_dim, int64_t threads, AttentionPlan& plan) {
+  int64_t longest = 0, most_rows = 0;
+  for (int64_t t = 0; t < num_tiles; ++t) {
+    longest = std::max<int64_t>(longest, tp[4 * t + 1] + tp[4 * t + 3]);
+    most_rows = std::max<int64_t>(most_rows, tp[4 * t + 1]);
+  }
+  const bool whole_rows = most_rows == 1 || num_tiles >= 4 * threads;
+  const int64_t item_heads = whole_rows ? kv_heads : 1;
+  const int64_t items_per_tile = kv_heads / item_heads;
+  const int64_t base_items = num_tiles * items_per_tile;
+  const int64_t want_items = whole_rows ? threads : 4 * threads;
+  int64_t partition_keys = longest;
+  if (base_items < want_items && threads > 1) {
+    const int64_t want = (want_items + base_items - 1) / base_items;  // ranges per tile
+    const int64_t min_keys = (MIN_PARTITION_KEYS + item_heads - 1) / item_heads;
+    partition_keys = std::max<int64_t>(min_keys, (longest + want - 1) / want);
+    partition_keys = (partition_keys + KEYS - 1) / KEYS * KEYS;  // whole chunks of keys
+  }
+  plan.item_heads = item_heads;
+  plan.items.clear();
+  plan.merges.clear();
+  int64_t partial_floats = 0;
+  for (int64_t t = 0; t < num_tiles; ++t) {
+    const int64_t num_keys = tp[4 * t + 1] + tp[4 * t + 3];
+    const int64_t rows = item_heads * tp[4 * t + 1] * group;  // query vectors of one item
+    const int64_t parts = (num_keys + partition_keys - 1) / partition_keys;
+    for (int64_t h = 0; h < items_per_tile; ++h) {
+      const int64_t head0 = h * item_heads, stride = rows * (padded_dim + 2);
+      if (parts == 1) {
+        plan.items.push_back({t, head0, 0, num_keys, -1, 0});
+        continue;
+      }
+      const int64_t merge = static_cast<int64_t>(plan.merges.size());
+      plan.merges.push_back({t, head0, parts, partial_floats, stride});
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t begin = p * partition_keys;
+        const int64_t end = std::min(num_keys, begin + partition_keys);
+        plan.items.push_back({t, head0, begin, end, merge, partial_floats});
+        partial_floats += stride;
+      }
+    }
+  }
+  if (static_cast<int64_t>(plan.partials.size()) < partial_floats)
+    plan.partials.resize(partial_floats);
+  if (plan.parts_done.size() < plan.merges.size())
+    plan.parts_done = std::vector<std::atomic<int64_t>>(plan.merges.size());
+  for (size_t m = 0; m < plan.merges.size(); ++m) plan.parts_done[m].store(0);
+}
 
 // Copy this step's K or V rows ([tokens, kv_heads, head_dim], heads contiguous) to their slots.
 template <typename T>
@@ -414,49 +485,14 @@ void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& k, const 
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
   const int64_t token_stride = kv_heads * head_dim;  // values between two slots of the cache
-  const int64_t threads = at::get_num_threads();
 
-  // All KV heads per item when there are several tiles per thread, else one head per item; and
-  // with still too few items for the threads, key ranges of at least MIN_PARTITION_KEYS.
-  const int64_t item_heads = num_tiles >= 4 * threads ? kv_heads : 1;
-  const int64_t items_per_tile = kv_heads / item_heads;
-  const int64_t base_items = num_tiles * items_per_tile;
-  int64_t longest = 0;
-  for (int64_t t = 0; t < num_tiles; ++t)
-    longest = std::max<int64_t>(longest, tp[4 * t + 1] + tp[4 * t + 3]);
-  int64_t partition_keys = longest;
-  if (base_items < 4 * threads && threads > 1) {
-    const int64_t want = (4 * threads + base_items - 1) / base_items;  // ranges per tile
-    partition_keys = (longest + want - 1) / want;
-    partition_keys = (partition_keys + KEYS - 1) / KEYS * KEYS;  // whole chunks of keys
-    partition_keys = std::max<int64_t>(MIN_PARTITION_KEYS, partition_keys);
-  }
-  std::vector<AttentionItem> items;
-  std::vector<MergeJob> merges;
-  int64_t partial_floats = 0;
-  for (int64_t t = 0; t < num_tiles; ++t) {
-    const int64_t num_keys = tp[4 * t + 1] + tp[4 * t + 3];
-    const int64_t rows = item_heads * tp[4 * t + 1] * group;  // query vectors of one item
-    const int64_t parts = (num_keys + partition_keys - 1) / partition_keys;
-    for (int64_t h = 0; h < items_per_tile; ++h) {
-      const int64_t head0 = h * item_heads, stride = rows * (padded_dim + 2);
-      if (parts == 1) {
-        items.push_back({t, head0, 0, num_keys, -1, 0});
-        continue;
-      }
-      const int64_t merge = static_cast<int64_t>(merges.size());
-      merges.push_back({t, head0, parts, partial_floats, stride});
-      for (int64_t p = 0; p < parts; ++p) {
-        const int64_t begin = p * partition_keys;
-        const int64_t end = std::min(num_keys, begin + partition_keys);
-        items.push_back({t, head0, begin, end, merge, partial_floats});
-        partial_floats += stride;
-      }
-    }
-  }
-  std::vector<float> partials(partial_floats);
-  std::vector<std::atomic<int64_t>> parts_done(merges.size());
-  for (auto& done : parts_done) done.store(0);
+  thread_local AttentionPlan plan;
+  plan_attention(tp, num_tiles, kv_heads, group, padded_dim, at::get_num_threads(), plan);
+  const int64_t item_heads = plan.item_heads;
+  const std::vector<AttentionItem>& items = plan.items;
+  const std::vector<MergeJob>& merges = plan.merges;
+  std::vector<float>& partials = plan.partials;
+  std::vector<std::atomic<int64_t>>& parts_done = plan.parts_done;
 
   // Query vector r of an item = (KV head head0 + r / per_head, tile row i, head g of its group),
   // with i * group + g = r % per_head: q[row0 + i, (head0 + r / per_head) * group + g, :].
