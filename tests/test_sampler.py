@@ -284,3 +284,26 @@ def test_every_distribution_check_rejects_what_cannot_be_sampled():
     assert is_distribution(torch.tensor([0.2, 0.8]))
     for probs in ([0.0, 0.0], [math.nan, 1.0], [math.inf, 0.0], [-0.1, 1.1]):
         assert not is_distribution(torch.tensor(probs))
+
+
+@pytest.mark.parametrize("n", [1, 5, 16, 17, 31, 49_152, 49_153])
+def test_argmax_kernel_equals_torch_argmax(ext, n):
+    """The greedy choice on our kernel (engine/kernels/csrc/sampling.cpp): the first index of the
+    largest value, a NaN winning over every number, on rows shorter than a vector, a tail after
+    whole vectors, ties, infinities."""
+    from engine.layers.ops import ArgMax
+
+    argmax = ArgMax(ext, torch.float32, "cpu")
+    assert argmax.forward == argmax.forward_cpu
+    torch.manual_seed(n)
+    for trial in range(40):
+        x = torch.randn(3, n)
+        if trial % 4 == 1:  # many ties
+            x = torch.randint(-3, 3, (3, n)).float()
+        elif trial % 4 == 2:  # NaNs, the first of them wins
+            x[0, torch.randint(0, n, (2,))] = float("nan")
+        elif trial % 4 == 3:
+            x[:] = float("-inf")
+            x[1, n // 2] = float("inf")
+        assert torch.equal(argmax(x), x.argmax(dim=-1)), (n, trial)
+    assert torch.equal(argmax(x.t().contiguous().t()), x.argmax(dim=-1))  # a strided view

@@ -86,6 +86,20 @@ class SiluAndMul(CustomOp):
         return self.kernels.silu_and_mul(gate_up)
 
 
+class ArgMax(CustomOp):
+    """Each row's greedy token: the first index of its largest logit (a NaN counts as the
+    largest, as torch.argmax has it). `forward_cpu` reads the row once in vector code: torch's
+    CPU argmax takes about 43 µs for a 49,152-token vocabulary, 1 % of a 4-bit decode step; the
+    kernel about 7."""
+
+    def forward_native(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.argmax(dim=-1)
+
+    def forward_cpu(self, logits: torch.Tensor) -> torch.Tensor:
+        plain = logits.dtype == torch.float32 and logits.dim() == 2 and logits.is_contiguous()
+        return self.kernels.argmax_rows(logits) if plain else self.forward_native(logits)
+
+
 def rope_inverse_frequencies(cfg: LlamaConfig) -> torch.Tensor:
     """One rotation speed per pair of head dimensions, from the config's rope parameters."""
     inv_freq = 1.0 / (

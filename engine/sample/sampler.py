@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.layers.ops import ArgMax
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -31,8 +32,9 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self):
+    def __init__(self, argmax: ArgMax | None = None):
         self.generators: dict[str, torch.Generator] = {}
+        self.argmax = argmax or ArgMax()  # the greedy choice (our kernel on a CPU, if given)
 
     def forget(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
@@ -50,7 +52,7 @@ class Sampler:
         if bitmasks is not None:
             logits = apply_grammar_bitmask(logits, bitmasks)
         results = []
-        greedy_ids = logits.argmax(dim=-1).tolist()
+        greedy_ids = self.argmax(logits).tolist()
         want_logprobs = any(p.logprobs is not None for p in params)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         for row, (request_id, p) in enumerate(zip(request_ids, params)):

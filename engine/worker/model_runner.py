@@ -22,6 +22,7 @@ import torch
 
 from engine.kv_connector import KVConnectorMetadata, KVTransferRecord
 from engine.layers.attention import AttentionMetadata, build_attention_metadata
+from engine.layers.ops import ArgMax
 from engine.models.llama import LlamaModel
 from engine.sample.rejection_sampler import RejectionSampler
 from engine.sample.sampler import Sampler, SampleResult, apply_grammar_bitmask
@@ -69,7 +70,7 @@ class ModelRunner:
         self.swap_caches = swap_caches or []  # per layer (K, V) blocks in host memory
         self.block_size = block_size
         self.device = model.device
-        self.sampler = Sampler()
+        self.sampler = Sampler(ArgMax(model.kernels, torch.float32, model.device))  # float logits
         self.rejection_sampler = RejectionSampler()
         self.cuda_graphs = None  # a CudaGraphRunner once enable_cuda_graphs() is called
         self.kv_connector: KVConnectorWorker | None = None  # set by the worker when configured

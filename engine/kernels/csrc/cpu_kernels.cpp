@@ -1484,5 +1484,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(h + delta, rms_norm(h + delta) * weight), row by row");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[..., :n]) * x[..., n:] for x of last size 2n");
   m.def("rope", &rope, "x * cos + rotate_half(x) * sin, heads of [tokens, heads, d]");
+  m.def("argmax_rows", &argmax_rows, "each row's first index of its largest value (torch.argmax)");
   register_fused_blocks(m);
 }

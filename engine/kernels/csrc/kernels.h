@@ -37,5 +37,8 @@ torch::Tensor int8_q8_tiled_linear(const torch::Tensor& x, const torch::Tensor& 
                                    const torch::Tensor& scales,
                                    const c10::optional<torch::Tensor>& bias);
 
+// sampling.cpp
+torch::Tensor argmax_rows(const torch::Tensor& logits);
+
 // fused_blocks.cpp
 void register_fused_blocks(pybind11::module& m);
