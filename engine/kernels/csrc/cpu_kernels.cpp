@@ -390,25 +390,32 @@ struct AttentionPlan {
 // kv_heads x head_dim values, is then read in one stretch instead of one head's slice of every
 // row, and each row's block-table lookup serves all heads (batch 1, 207 keys, SmolLM2's 3 KV
 // heads: 12.4 -> 11.7 us with 1 thread and 9.0 -> 7.7 us with 2, cache hot). Tiles still too few
-// for the threads are cut into key ranges: one range per thread for decode tiles (each streams
-// its own part of the context), four per thread for prefill tiles.
+// for the threads are cut into key ranges: for decode tiles, ranges of one thread's share of all
+// the tiles' keys (batch 1: one range per thread, each streaming its own part of the context; a
+// long context beside short ones is cut so that it does not keep one thread busy alone), for
+// prefill tiles, four ranges per thread.
 void plan_attention(const int32_t* tp, int64_t num_tiles, int64_t kv_heads, int64_t group,
                     int64_t padded_dim, int64_t threads, AttentionPlan& plan) {
-  int64_t longest = 0, most_rows = 0;
+  int64_t longest = 0, most_rows = 0, all_keys = 0;
   for (int64_t t = 0; t < num_tiles; ++t) {
     longest = std::max<int64_t>(longest, tp[4 * t + 1] + tp[4 * t + 3]);
     most_rows = std::max<int64_t>(most_rows, tp[4 * t + 1]);
+    all_keys += tp[4 * t + 1] + tp[4 * t + 3];
   }
-  const bool whole_rows = most_rows == 1 || num_tiles >= 4 * threads;
+  const bool many_tiles = num_tiles >= 4 * threads;
+  const bool whole_rows = most_rows == 1 || many_tiles;
   const int64_t item_heads = whole_rows ? kv_heads : 1;
   const int64_t items_per_tile = kv_heads / item_heads;
   const int64_t base_items = num_tiles * items_per_tile;
-  const int64_t want_items = whole_rows ? threads : 4 * threads;
   int64_t partition_keys = longest;
-  if (base_items < want_items && threads > 1) {
-    const int64_t want = (want_items + base_items - 1) / base_items;  // ranges per tile
+  if (threads > 1 && !many_tiles && (whole_rows || base_items < 4 * threads)) {
+    // Decode tiles: ranges of about one thread's share of all the keys, so that a long context
+    // next to short ones is cut too. Prefill tiles: each cut into enough ranges for 4 per thread.
+    const int64_t want = (4 * threads + base_items - 1) / base_items;  // ranges per tile
+    const int64_t share =
+        whole_rows ? (all_keys + threads - 1) / threads : (longest + want - 1) / want;
     const int64_t min_keys = (MIN_PARTITION_KEYS + item_heads - 1) / item_heads;
-    partition_keys = std::max<int64_t>(min_keys, (longest + want - 1) / want);
+    partition_keys = std::max<int64_t>(min_keys, share);
     partition_keys = (partition_keys + KEYS - 1) / KEYS * KEYS;  // whole chunks of keys
   }
   plan.item_heads = item_heads;
