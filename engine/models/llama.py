@@ -323,7 +323,7 @@ class LlamaModel:
         peer of the output rank)."""
         cos, sin = self.rotary.cos_sin(positions)
         h = self.embed(input_ids) if self.embed is not None else self.receive(input_ids.shape[0])
-        if self.stack is not None:  # the loop below in one C++ call: the same kernels, in order
+        if self.stack is not None:  # run_layers in one C++ call: the same kernels, in order
             h, mlp_out = self.stack.run(h, cos, sin, kv_caches, attn_meta)
         else:
             h, mlp_out = self.run_layers(h, cos, sin, kv_caches, attn_meta)

@@ -146,26 +146,30 @@ struct LayerStack {
 
 }  // namespace
 
+// The calls run without Python's GIL (they touch no Python object): a whole step's layers take
+// milliseconds, and the server's event loop, streaming to clients, runs meanwhile.
 void register_fused_blocks(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<QuantLinear>(m, "QuantLinear",
                           "a weight-only quantized matrix and its kernel, chosen once")
       .def(py::init<const std::string&, std::vector<torch::Tensor>, int64_t>(), py::arg("kind"),
            py::arg("tensors"), py::arg("group_size"))
-      .def("__call__", &QuantLinear::operator(), py::arg("x"), py::arg("bias") = py::none());
+      .def("__call__", &QuantLinear::operator(), py::arg("x"), py::arg("bias") = py::none(),
+           py::call_guard<py::gil_scoped_release>());
   py::class_<AttentionBlock>(m, "AttentionBlock", "qkv, RoPE, paged attention and o in one call")
       .def(py::init<QuantLinear, QuantLinear, c10::optional<torch::Tensor>, int64_t, int64_t,
                     int64_t, double>(),
            py::arg("qkv"), py::arg("o"), py::arg("qkv_bias"), py::arg("num_heads"), py::arg("num_kv_heads"),
            py::arg("head_dim"), py::arg("scale"))
-      .def("__call__", &AttentionBlock::operator());
+      .def("__call__", &AttentionBlock::operator(), py::call_guard<py::gil_scoped_release>());
   py::class_<MlpBlock>(m, "MlpBlock", "gate_up, SwiGLU and down in one call")
       .def(py::init<QuantLinear, QuantLinear>(), py::arg("gate_up"), py::arg("down"))
-      .def("__call__", &MlpBlock::operator(), py::arg("x"));
+      .def("__call__", &MlpBlock::operator(), py::arg("x"),
+           py::call_guard<py::gil_scoped_release>());
   py::class_<LayerStack>(m, "LayerStack", "every layer's blocks and norms, one call a step")
       .def(py::init<std::vector<AttentionBlock>, std::vector<MlpBlock>, std::vector<torch::Tensor>,
                     std::vector<torch::Tensor>, double>(),
            py::arg("attention"), py::arg("mlp"), py::arg("input_norms"), py::arg("post_norms"),
            py::arg("eps"))
-      .def("__call__", &LayerStack::operator());
+      .def("__call__", &LayerStack::operator(), py::call_guard<py::gil_scoped_release>());
 }
