@@ -1,7 +1,8 @@
 """The fused C++ blocks (engine/kernels/csrc/fused_blocks.cpp): a layer's attention block and MLP
-block as one call each, and all layers with their norms as one call (the layer stack). They call the same kernels as the Python path, in the same order, so the
-logits and the KV cache must be equal bit for bit, in every kind of step (first prefill chunks,
-chunks after a cached prefix, decodes, all mixed in one batch), for every quantized layout."""
+block as one call each, and all layers with their norms as one call (the layer stack). They call
+the same kernels as the Python path, in the same order, so the logits and the KV cache must be
+equal bit for bit, in every kind of step (first prefill chunks, chunks after a cached prefix,
+decodes, all mixed in one batch), for every quantized layout."""
 
 from __future__ import annotations
 
