@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.kernels.quant import Int4TiledWeight, Int4Weight
+from engine.kernels.quant import Int4TiledWeight, Int4Weight, quantize_int8
 from engine.layers.attention import build_attention_metadata
 from engine.models import llama
 from engine.models.llama import LlamaModel
@@ -109,3 +109,36 @@ def test_quant_linear_refuses_what_it_cannot_run(ext):
         ext.QuantLinear("int3", [torch.zeros(1)], 0)
     with pytest.raises(RuntimeError, match="takes 3 tensors"):
         ext.QuantLinear("int4", [torch.zeros(1)], 32)
+
+
+def test_the_blocks_let_other_python_threads_run(ext):
+    """A step's layers run in one C++ call for milliseconds (a long prefill: hundreds); the
+    server's event loop, in another thread, must go on streaming meanwhile, so the calls run
+    without the GIL. A ticker thread counts while one long matmul runs: with the GIL held it
+    could not tick at all during the call."""
+    import threading
+    import time
+
+    torch.manual_seed(0)
+    weight = quantize_int8(torch.randn(4096, 4096))
+    linear = ext.QuantLinear("int8", list(weight.tensors()), 0)
+    x = torch.randn(192, 4096)
+    ticks, stop = [0], threading.Event()
+
+    def ticker():
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=ticker)
+    thread.start()
+    try:
+        time.sleep(0.01)
+        before, start = ticks[0], time.perf_counter()
+        linear(x)
+        during, seconds = ticks[0] - before, time.perf_counter() - start
+    finally:
+        stop.set()
+        thread.join()
+    assert seconds > 0.02  # long enough for a thread that can run to tick several times
+    assert during >= 3, f"{during} ticks in {seconds * 1e3:.0f} ms"
