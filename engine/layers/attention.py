@@ -80,6 +80,16 @@ class AttentionMetadata:
     kernel_first_chunks: torch.Tensor | None = None  # [num_chunks, 2] int64
     for_kernel: bool = False  # built without the torch path's decode groups and masks
 
+    def kernel_work(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the fused C++ attention takes after the cache (engine/models/llama.py): slots,
+        block tables, tiles and first chunks."""
+        return (
+            self.slot_mapping,
+            self.kernel_block_tables,
+            self.kernel_tiles,
+            self.kernel_first_chunks,
+        )
+
 
 @dataclass
 class _Batch:

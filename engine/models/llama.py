@@ -81,18 +81,7 @@ class LlamaAttention(CustomOp):
         self.kernels = model.kernels  # the unfused path's attention kernel, if any
 
     def forward_cpu(self, x, cos, sin, kv_cache, attn_meta: AttentionMetadata) -> torch.Tensor:
-        m = attn_meta
-        return self.block(
-            x,
-            cos,
-            sin,
-            kv_cache[0],
-            kv_cache[1],
-            m.slot_mapping,
-            m.kernel_block_tables,
-            m.kernel_tiles,
-            m.kernel_first_chunks,
-        )
+        return self.block(x, cos, sin, *kv_cache, *attn_meta.kernel_work())
 
     def forward_native(self, x, cos, sin, kv_cache, attn_meta: AttentionMetadata) -> torch.Tensor:
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -156,19 +145,9 @@ class LayerStack:
             model.cfg.rms_norm_eps,
         )
 
-    def run(self, h, cos, sin, kv_caches, m: AttentionMetadata):
+    def run(self, h, cos, sin, kv_caches, attn_meta: AttentionMetadata):
         k_caches, v_caches = [k for k, _ in kv_caches], [v for _, v in kv_caches]
-        return self.stack(
-            h,
-            cos,
-            sin,
-            k_caches,
-            v_caches,
-            m.slot_mapping,
-            m.kernel_block_tables,
-            m.kernel_tiles,
-            m.kernel_first_chunks,
-        )
+        return self.stack(h, cos, sin, k_caches, v_caches, *attn_meta.kernel_work())
 
 
 def layer_stack(model: "LlamaModel") -> LayerStack | None:

@@ -3,7 +3,7 @@
 // down projection); and all the layers with their norms as one call a step (LayerStack). They
 // call the very kernels the Python path calls, on the same tensors, in the same order
 // (engine/models/llama.py: LlamaAttention.forward_native, LlamaMLP.forward_native,
-// LlamaModel.forward's loop), so their numbers are the Python path's, bit for bit; what goes
+// LlamaModel.run_layers), so their numbers are the Python path's, bit for bit; what goes
 // away is the Python between the kernels. At batch 1 a 4-bit decode step's kernels take about
 // 4.5 ms, and the splits, views, empty tensors and calls between them took another 1.3 ms (30
 // layers x a dozen Python-level operations of a few microseconds each): the cost a CUDA graph
@@ -80,6 +80,9 @@ struct AttentionBlock {
                            torch::Tensor& v_cache, const torch::Tensor& slots,
                            const torch::Tensor& block_tables, const torch::Tensor& tiles,
                            const torch::Tensor& first_chunks) const {
+    TORCH_CHECK(first_chunks.dtype() == torch::kInt64 && first_chunks.is_contiguous() &&
+                    first_chunks.dim() == 2 && first_chunks.size(1) == 2,
+                "AttentionBlock: first_chunks is [n, 2] int64");
     const int64_t tokens = x.size(0), heads = num_heads, kv = num_kv_heads, d = head_dim;
     const torch::Tensor y = qkv(x, qkv_bias);
     const torch::Tensor qk = rope(y.narrow(1, 0, (heads + kv) * d).view({tokens, heads + kv, d}),
@@ -88,9 +91,6 @@ struct AttentionBlock {
     const torch::Tensor v = y.narrow(1, (heads + kv) * d, kv * d).view({tokens, kv, d});
     torch::Tensor out = torch::empty(q.sizes(), q.options());
     paged_attention(q, k, v, k_cache, v_cache, slots, block_tables, tiles, scale, out);
-    TORCH_CHECK(first_chunks.dtype() == torch::kInt64 && first_chunks.is_contiguous() &&
-                    first_chunks.dim() == 2 && first_chunks.size(1) == 2,
-                "AttentionBlock: first_chunks is [n, 2] int64");
     const int64_t* chunk = first_chunks.data_ptr<int64_t>();
     for (int64_t c = 0; c < first_chunks.size(0); ++c) {
       const int64_t start = chunk[2 * c], rows = chunk[2 * c + 1];
@@ -113,7 +113,7 @@ struct MlpBlock {
   }
 };
 
-// Every layer of the model, one after the other, as LlamaModel.forward's loop runs them: the
+// Every layer of the model, one after the other, as LlamaModel.run_layers runs them: the
 // residual adds fused into the norms that follow them (add_rms_norm). One call a step.
 struct LayerStack {
   std::vector<AttentionBlock> attention;
@@ -159,8 +159,8 @@ void register_fused_blocks(pybind11::module& m) {
   py::class_<AttentionBlock>(m, "AttentionBlock", "qkv, RoPE, paged attention and o in one call")
       .def(py::init<QuantLinear, QuantLinear, c10::optional<torch::Tensor>, int64_t, int64_t,
                     int64_t, double>(),
-           py::arg("qkv"), py::arg("o"), py::arg("qkv_bias"), py::arg("num_heads"), py::arg("num_kv_heads"),
-           py::arg("head_dim"), py::arg("scale"))
+           py::arg("qkv"), py::arg("o"), py::arg("qkv_bias"), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"))
       .def("__call__", &AttentionBlock::operator(), py::call_guard<py::gil_scoped_release>());
   py::class_<MlpBlock>(m, "MlpBlock", "gate_up, SwiGLU and down in one call")
       .def(py::init<QuantLinear, QuantLinear>(), py::arg("gate_up"), py::arg("down"))
