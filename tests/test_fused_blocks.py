@@ -142,3 +142,21 @@ def test_the_blocks_let_other_python_threads_run(ext):
         thread.join()
     assert seconds > 0.02  # long enough for a thread that can run to tick several times
     assert during >= 3, f"{during} ticks in {seconds * 1e3:.0f} ms"
+
+
+def test_tiles_and_rows_give_the_same_model_bit_for_bit(ext, tiny_model_dir, monkeypatch):
+    """The load-time repack into tiles changes no number: the GGUF-style model with its layers in
+    tiles and in their file's rows gives the same logits and KV cache in every kind of step, since
+    both kernels sum in one order (engine/kernels/csrc/q8.h)."""
+    tiled = build(tiny_model_dir, "tiles", True, monkeypatch)
+    monkeypatch.setattr(llama, "arrange_for_kernels", lambda w, kernels: w)  # rows, as loaded
+    rows = build(tiny_model_dir, "tiles", True, monkeypatch)
+    if "int4" in ext.q8_tile_formats():
+        assert isinstance(tiled.w["0.qkv"], Int4TiledWeight)
+    assert isinstance(rows.w["0.qkv"], Int4Weight)
+    tiled_logits, tiled_cache = run_steps(tiled)
+    rows_logits, rows_cache = run_steps(rows)
+    for a, b in zip(tiled_logits, rows_logits):
+        assert torch.equal(a, b)
+    for (k1, v1), (k2, v2) in zip(tiled_cache, rows_cache):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)

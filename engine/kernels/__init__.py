@@ -41,7 +41,13 @@ logger = logging.getLogger(__name__)
 KERNEL_MODES = ("auto", "torch")
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCE = CSRC / "cpu_kernels.cpp"  # holds the module's definition (PYBIND11_MODULE)
-SOURCES = (SOURCE, CSRC / "q8_tiles.cpp", CSRC / "fused_blocks.cpp", CSRC / "sampling.cpp")
+SOURCES = (
+    SOURCE,
+    CSRC / "q8_rows.cpp",
+    CSRC / "q8_tiles.cpp",
+    CSRC / "fused_blocks.cpp",
+    CSRC / "sampling.cpp",
+)
 
 _lock = threading.Lock()
 _module: ModuleType | None = None

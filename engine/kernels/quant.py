@@ -24,8 +24,9 @@ way. The "gguf" output layer (an Int8Weight) opts in the same way.
 Tiles: where our kernels have vector code for them (AVX2 or AVX-512 VNNI), the weights with
 `q8_activations` are repacked once, at load (`arrange_for_kernels`), into records of 16 output
 channels × one group of 32 inputs (`Int4TiledWeight`, `Int8TiledWeight`), the layout the integer
-kernels read with one 512-bit load for 16 channels (engine/kernels/csrc/q8_tiles.cpp). Same
-numbers, another order; `to_rows` gives the row layout back, and the reference multiplies that.
+kernels read with one 512-bit load for 16 channels (engine/kernels/csrc/q8_tiles.cpp). The kernels
+of both layouts sum in one order (engine/kernels/csrc/q8.h), so tiles give the rows' outputs bit for
+bit; `to_rows` gives the row layout back, and the reference multiplies that.
 """
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ class Int4TiledWeight:
     input group g, chunk i (64 bytes) holding bytes 4i .. 4i + 3 of each channel's block, then the
     16 scales, then the 16 minimums. One 512-bit load feeds 16 channels, one lane each, and a
     thread reads its records front to back (engine/kernels/csrc/q8_tiles.cpp). The same numbers
-    as the Int4Weight it came from, in another order: `to_rows` gives that back, and is what the
-    torch reference multiplies."""
+    as the Int4Weight it came from, in another order, and the same outputs bit for bit: `to_rows`
+    gives that back, and is what the torch reference multiplies."""
 
     tiles: torch.Tensor  # [out / 16, in / 32, 320] uint8
     group_size: int = 32
@@ -231,7 +232,8 @@ def arrange_for_kernels(weights: dict, kernels) -> dict:
     matrices (Q4_1 layers, the int8 output layer) repacked into tiles where the extension
     (`kernels`) runs that tiled format in vector code (`q8_tile_formats`: int4 with AVX2 or
     AVX-512 VNNI, int8 with AVX-512 VNNI); else (another CPU, the torch reference) in rows, their
-    file's order. The numbers are the same either way; other weights are left as they are."""
+    file's order. The outputs are the same bit for bit either way; other weights are left as
+    they are."""
     formats = set(kernels.q8_tile_formats()) if kernels is not None else set()
     arranged: dict[int, object] = {}  # by id: a tied embedding stays the output layer's object
 
@@ -347,11 +349,10 @@ def reference_linear(
 def kernel_linear(qw: QuantizedWeight, kernels):
     """`qw`'s C++ kernel with its tensors bound, chosen once per layer: `kernels.QuantLinear`
     (engine/kernels/csrc/fused_blocks.cpp), called as linear(x, bias) on [rows, in] contiguous
-    float32 rows. None for the one weight whose kernel needs torch around it: an int8 matrix in
-    rows with rounded activations (the "gguf" output layer where the tiled int8 kernel has no
-    vector code)."""
+    float32 rows."""
     if isinstance(qw, Int8Weight):
-        return None if qw.q8_activations else kernels.QuantLinear("int8", list(qw.tensors()), 0)
+        kind = "int8_q8" if qw.q8_activations else "int8"
+        return kernels.QuantLinear(kind, list(qw.tensors()), 0)
     if isinstance(qw, TILED_TYPES):
         kind = "int4_tiles" if isinstance(qw, Int4TiledWeight) else "int8_tiles"
         return kernels.QuantLinear(kind, list(qw.tensors()), 0)
@@ -383,11 +384,6 @@ def quantized_linear(
     flat = x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous()
     x2 = x if flat else x.reshape(-1, x.shape[-1]).float().contiguous()
     b = bias.float().contiguous() if bias is not None else None
-    if linear is None:
-        linear = kernel_linear(qw, kernels)
-    if linear is not None:
-        y = linear(x2, b)
-    else:  # int8 rows times rounded activations
-        y = kernels.int8_linear(round_activations_q8(x2), qw.qweight, qw.scales, b)
+    y = (linear if linear is not None else kernel_linear(qw, kernels))(x2, b)
     # A decode step's [tokens, in] float32 rows need no reshaping (a few us of 121 calls a step).
     return y if flat else y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)

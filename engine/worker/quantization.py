@@ -28,7 +28,7 @@ activations (weight-only), the same weights' format otherwise: the two side by s
 rounding of activations costs in quality and buys in speed. Where our kernels run with AVX-512
 VNNI, the model's Q4_1 matrices are then repacked once, at load, into tiles of 16 channels
 (engine/kernels/quant.py `Int4TiledWeight`, `arrange_for_kernels`), as llama.cpp repacks them for
-its own CPU kernels: the same bytes in another order.
+its own CPU kernels: the same bytes in another order, and the same logits bit for bit.
 
 Where it runs: with EngineConfig(kernels="auto") on a CPU, our C++ kernels (float32 inside;
 bfloat16/float16 activations are widened per call); with kernels="torch", on CUDA, or where the

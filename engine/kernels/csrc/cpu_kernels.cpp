@@ -710,7 +710,7 @@ namespace {
 // An int4 weight's scales and minimums are float32 (engine/kernels/quant.py quantize_int4) or
 // float16 (a GGUF's Q4_1 blocks store them so: 20 bytes per 32 weights instead of 24, and where
 // the weights stream from memory the one-row kernels are limited by the bytes they read).
-// int4_linear is a template over that type; int4_q8_linear widens a tile's float16 values first.
+// int4_linear is a template over that type.
 inline float to_float(float v) { return v; }
 inline float to_float(at::Half v) {
 #if defined(__F16C__)
@@ -816,13 +816,6 @@ inline float dot(const S* a, const float* b, int64_t n) {
   float s = acc.sum();
   for (; i < n; ++i) s += to_float(a[i]) * b[i];
   return s;
-}
-
-// dst[i] = src[i] as a float, i < n
-inline void widen_halves(const at::Half* src, int64_t n, float* dst) {
-  int64_t i = 0;
-  for (; i + Vec::width <= n; i += Vec::width) Vec::load(src + i).store(dst + i);
-  for (; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
 static_assert(ITEM_CHANNELS % TILE_N == 0 && ITEM_CHANNELS % ROW_CHANNELS == 0,
@@ -1025,16 +1018,6 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& qweight,
 // group unpacks with one mask and one shift, no shuffle.
 namespace {
 // scales and mins: both float32 or both float16, contiguous, one per group (checked by the caller)
-void check_int4_scales(const torch::Tensor& scales, const torch::Tensor& mins, int64_t n,
-                       int64_t groups, const char* name) {
-  const bool f32 = scales.dtype() == torch::kFloat32, f16 = scales.dtype() == torch::kFloat16;
-  TORCH_CHECK((f32 || f16) && mins.dtype() == scales.dtype() && scales.is_contiguous() &&
-                  mins.is_contiguous(),
-              name, ": scales and mins must be contiguous, both float32 or both float16");
-  TORCH_CHECK(scales.numel() == n * groups && mins.numel() == n * groups, name,
-              ": one scale and one min per group of every output channel");
-}
-
 template <typename S>
 torch::Tensor int4_linear_impl(const torch::Tensor& x, const torch::Tensor& packed,
                                const torch::Tensor& scales, const torch::Tensor& mins,
@@ -1117,212 +1100,10 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
   const int64_t k = x.size(1), n = packed.size(0);
   TORCH_CHECK(group_size % 2 == 0 && k % group_size == 0 && packed.size(1) * 2 == k,
               "int4_linear: shapes");
-  check_int4_scales(scales, mins, n, k / group_size, "int4_linear");
+  q8::check_int4_scales(scales, mins, n, k / group_size, "int4_linear");
   if (scales.dtype() == torch::kFloat16)
     return int4_linear_impl<at::Half>(x, packed, scales, mins, group_size, bias);
   return int4_linear_impl<float>(x, packed, scales, mins, group_size, bias);
-}
-
-// ---------------------------------------------------------------------------------------------
-// int4 weights times 8-bit activations, the way llama.cpp multiplies a GGUF's Q4_1 blocks: the
-// activation row is first rounded to int8 in blocks of 32 (llama.cpp's Q8_1: d = max |x| / 127
-// per block, xq = round(x / d), x ~ xq * d), then each block's dot product with a group of 32
-// nibbles is done in integers: AVX2's maddubs multiplies 32 unsigned bytes by 32 signed bytes and
-// adds neighbours (16 products of at most 15 * 127 * 2 each, no overflow), madd adds those into
-// 8 int32 sums, and one multiply-add scales them by scale[c, g] * d[g]. About 8 instructions per
-// 32 weights, where widening every nibble to a float (int4_linear) takes about 18.
-//   y[c] = sum_g scale[c, g] * d[g] * (q_c,g . xq_g) + min[c, g] * d[g] * sum(xq_g)
-// The rounding of the activations changes the numbers (by up to half a step of 1/127 of each
-// block's largest value), which is why a weight opts in (engine/kernels/quant.py `Int4Weight.
-// q8_activations`: the GGUF's own blocks) and the torch reference rounds the same way first.
-// Several rows (a prefill chunk) take int4_linear on the rounded rows: the same numbers.
-
-namespace {
-constexpr int64_t Q8_BLOCK = q8::BLOCK;
-
-#if defined(__AVX2__)
-// Eight sums of four products each, unsigned bytes (the 4-bit weights) times signed bytes (the
-// rounded activations). VNNI does it in one instruction; plain AVX2 takes two (pairs of products
-// to 16 bits, which cannot saturate here: 2 * 15 * 127 < 32767, then pairs of those to 32 bits).
-inline __m256i dot_u8_s8(__m256i u, __m256i s, __m256i ones16) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  (void)ones16;
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones16);
-#endif
-}
-#endif
-
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-// Two consecutive floats in the low lanes of a vector (the upper two lanes zero).
-inline __m128 load_two(const float* p) {
-  return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)));
-}
-
-// Two groups per 512-bit instruction: sum[c] = the scaled integer dots of groups 0 .. 2p - 1 of
-// the NC channels (the min terms are added by the caller); returns 2p, the first group left.
-// The 32 bytes of two groups unpack to [g elements 0-15 | g+1 elements 0-15 | g 16-31 | g+1
-// 16-31]; the activations' 64 bytes are put in that order once per pair, for all NC channels.
-template <int NC>
-inline int64_t int4_q8_group_pairs(const int8_t* xq, const float* d, const uint8_t* w,
-                                   int64_t row_bytes, const float* scales, const float* mins,
-                                   int64_t groups, int64_t ahead, float* sum) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  // lanes of (group g, group g + 1) in the dot's 16 sums: 0-3 g, 4-7 g + 1, 8-11 g, 12-15 g + 1
-  const __m512i pair_lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
-  __m512 acc[NC];
-#pragma GCC unroll 8
-  for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
-  int64_t g = 0;
-  for (; g + 2 <= groups; g += 2) {
-    for (int64_t b0 = 0; b0 < NC * 32; b0 += 64)
-      __builtin_prefetch(w + ahead * row_bytes + g * NC * 16 + b0);
-    __builtin_prefetch(scales + ahead * groups + g * NC);
-    __builtin_prefetch(mins + ahead * groups + g * NC);  // read by the caller's dot
-    const __m512i x2 = _mm512_loadu_si512(xq + g * Q8_BLOCK);  // [g 0-15, g 16-31, g+1 ...]
-    const __m512i xv = _mm512_shuffle_i64x2(x2, x2, _MM_SHUFFLE(3, 1, 2, 0));
-    const __m128 d2 = load_two(d + g);
-#pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c) {
-      const __m256i bytes =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * row_bytes + g * 16));
-      const __m256i lo = _mm256_and_si256(bytes, low4);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
-      const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-      const __m512 dots = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv));
-      // scale * d of group g, of group g + 1
-      const __m128 both = _mm_mul_ps(load_two(scales + c * groups + g), d2);
-      const __m512 scale = _mm512_permutexvar_ps(pair_lanes, _mm512_castps128_ps512(both));
-      acc[c] = _mm512_fmadd_ps(dots, scale, acc[c]);
-    }
-  }
-  for (int c = 0; c < NC; ++c) sum[c] = _mm512_reduce_add_ps(acc[c]);
-  return g;
-}
-#endif
-
-// y[c] for the NC consecutive channels whose packed rows start at w (row_bytes apart), groups of
-// 32 weights (16 bytes: element e in the low nibble of byte e, element e + 16 in its high one).
-template <int NC>
-inline void int4_q8_row_tile(const int8_t* xq, const float* d, const float* dsum,
-                             const uint8_t* w, int64_t row_bytes, const float* scales,
-                             const float* mins, int64_t groups, float* y) {
-  const int64_t ahead = ROW_PREFETCH_TILES * NC;  // channels between this tile and the one fetched
-#if defined(__AVX2__)
-  int64_t g = 0;
-  float pairs_sum[NC] = {};
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  g = int4_q8_group_pairs<NC>(xq, d, w, row_bytes, scales, mins, groups, ahead, pairs_sum);
-#endif
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[NC];
-#pragma GCC unroll 8
-  for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
-  for (; g < groups; ++g) {  // the groups one at a time (with AVX-512 VNNI: an odd last one)
-    for (int64_t b0 = 0; b0 < NC * 16; b0 += 64)
-      __builtin_prefetch(w + ahead * row_bytes + g * NC * 16 + b0);
-    __builtin_prefetch(scales + ahead * groups + g * NC);
-    __builtin_prefetch(mins + ahead * groups + g * NC);
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * Q8_BLOCK));
-#pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c) {
-      const __m128i bytes =
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * row_bytes + g * 16));
-      const __m128i lo = _mm_and_si128(bytes, low4);                     // elements 0..15
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);  // elements 16..31
-      const __m256 dots = _mm256_cvtepi32_ps(dot_u8_s8(_mm256_set_m128i(hi, lo), xv, ones));
-      acc[c] = _mm256_fmadd_ps(dots, _mm256_set1_ps(scales[c * groups + g] * d[g]), acc[c]);
-    }
-  }
-  for (int c = 0; c < NC; ++c) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[c]), _mm256_extractf128_ps(acc[c], 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    y[c] = pairs_sum[c] + _mm_cvtss_f32(s) + dot(mins + c * groups, dsum, groups);
-  }
-#else  // portable: the same integer sums, one at a time
-  (void)ahead;
-  for (int c = 0; c < NC; ++c) {
-    float total = 0.f;
-    for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* p = w + c * row_bytes + g * 16;
-      const int8_t* x = xq + g * Q8_BLOCK;
-      int32_t sum = 0;
-      for (int e = 0; e < 16; ++e) sum += (p[e] & 0x0F) * x[e] + (p[e] >> 4) * x[e + 16];
-      total += scales[c * groups + g] * d[g] * static_cast<float>(sum);
-    }
-    y[c] = total + dot(mins + c * groups, dsum, groups);
-  }
-#endif
-}
-
-// The same with float16 scales and minimums (a GGUF's): the tile's NC rows of them are widened
-// into float32 scratch first, one conversion per vector of them, then the float tile runs. Widening
-// each scale where it is used instead added 3 instructions per channel and pair of groups: 15-20 %
-// slower on a Xeon whose L3 holds all the weights (docs/performance.md, 2026-12-02).
-template <int NC>
-inline void int4_q8_row_tile(const int8_t* xq, const float* d, const float* dsum,
-                             const uint8_t* w, int64_t row_bytes, const at::Half* scales,
-                             const at::Half* mins, int64_t groups, float* y) {
-  const int64_t count = NC * groups;  // the tile's rows of scales are contiguous, as are mins
-  const int64_t ahead = ROW_PREFETCH_TILES * count;
-  for (int64_t b = 0; b < count * 2; b += 64) {
-    __builtin_prefetch(reinterpret_cast<const char*>(scales + ahead) + b);
-    __builtin_prefetch(reinterpret_cast<const char*>(mins + ahead) + b);
-  }
-  constexpr int64_t STACK_GROUPS = 128;  // k <= 4096 on the stack (a thread_local costs a call)
-  alignas(64) float on_stack[2 * NC * STACK_GROUPS];
-  std::vector<float> on_heap;
-  float* ws = groups <= STACK_GROUPS ? on_stack : grow_to(on_heap, 2 * count);
-  widen_halves(scales, count, ws);
-  widen_halves(mins, count, ws + count);
-  int4_q8_row_tile<NC>(xq, d, dsum, w, row_bytes, ws, ws + count, groups, y);
-}
-}  // namespace
-
-torch::Tensor int4_q8_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                             const torch::Tensor& scales, const torch::Tensor& mins,
-                             int64_t group_size, const c10::optional<torch::Tensor>& bias) {
-  check_x(x, bias);
-  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
-  TORCH_CHECK(group_size == Q8_BLOCK && k % Q8_BLOCK == 0,
-              "int4_q8_linear: groups of 32 weights (a GGUF's Q4_1 blocks) only");
-  const int64_t groups = k / Q8_BLOCK;
-  std::vector<int8_t> xq(m * k);
-  std::vector<float> d(m * groups), dsum(m * groups);
-  const float* xp = x.data_ptr<float>();
-  for (int64_t r = 0; r < m; ++r)
-    q8::quantize_row(xp + r * k, k, xq.data() + r * k, d.data() + r * groups,
-                    dsum.data() + r * groups);
-  if (m > 1) {  // the rounded rows, x ~ xq * d, through the float kernel
-    auto rounded = torch::empty_like(x);
-    float* rp = rounded.data_ptr<float>();
-    for (int64_t i = 0; i < m * k; ++i) rp[i] = static_cast<float>(xq[i]) * d[i / Q8_BLOCK];
-    return int4_linear(rounded, packed, scales, mins, group_size, bias);
-  }
-  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous() &&
-                  packed.size(1) * 2 == k,
-              "int4_q8_linear: packed");
-  check_int4_scales(scales, mins, n, groups, "int4_q8_linear");
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  auto run = [&](auto scale_type) {
-    using S = decltype(scale_type);
-    const S* scp = scales.data_ptr<S>();
-    const S* mnp = mins.data_ptr<S>();
-    auto row1 = [&](int64_t j0, int64_t j1, float* y) {
-      int64_t j = j0;
-      for (; j + ROW_CHANNELS <= j1; j += ROW_CHANNELS)
-        int4_q8_row_tile<ROW_CHANNELS>(xq.data(), d.data(), dsum.data(), wp + j * (k / 2),
-                                       k / 2, scp + j * groups, mnp + j * groups, groups, y + j);
-      for (; j < j1; ++j)
-        int4_q8_row_tile<1>(xq.data(), d.data(), dsum.data(), wp + j * (k / 2), k / 2,
-                            scp + j * groups, mnp + j * groups, groups, y + j);
-    };
-    return one_row_linear(x, n, bias, row1);
-  };
-  return scales.dtype() == torch::kFloat16 ? run(at::Half{}) : run(float{});
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1481,6 +1262,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "y = x @ (q * scale + min).T (+ bias), int4 groups");
   m.def("int4_q8_linear", &int4_q8_linear,
         "int4_linear with x first rounded to int8 in blocks of 32 (llama.cpp's Q4_1 x Q8_1)");
+  m.def("int8_q8_linear", &int8_q8_linear,
+        "int8_linear with x first rounded to int8 in blocks of 32 (the gguf output layer)");
   m.def("int4_q8_tiled_linear", &int4_q8_tiled_linear,
         "int4_q8_linear on Q4_1 blocks repacked in tiles of 16 channels (Int4TiledWeight)");
   m.def("int8_q8_tiled_linear", &int8_q8_tiled_linear,

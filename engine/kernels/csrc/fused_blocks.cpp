@@ -11,9 +11,10 @@
 //
 // QuantLinear is one weight-only quantized matrix with its kernel chosen once (the layouts of
 // engine/kernels/quant.py): "int4_tiles" (tiles), "int8_tiles" (tiles, scales), "int8" (qweight,
-// scales), "int4" (packed, scales, mins), "int4_q8" (packed, scales, mins; activations rounded to
-// int8 blocks). Python builds it with engine/kernels/quant.py `kernel_linear`, and the layers of
-// both paths call it (engine/layers/linear.py), so the choice of a kernel is made in one place.
+// scales), "int4" (packed, scales, mins), and in rows with activations rounded to int8 blocks
+// "int4_q8" (packed, scales, mins) and "int8_q8" (qweight, scales). Python builds it with
+// engine/kernels/quant.py `kernel_linear`, and the layers of both paths call it
+// (engine/layers/linear.py), so the choice of a kernel is made in one place.
 
 #include <torch/extension.h>
 
@@ -26,13 +27,13 @@
 
 namespace {
 
-enum class Kind { Int4Tiles, Int8Tiles, Int8, Int4, Int4Q8 };
+enum class Kind { Int4Tiles, Int8Tiles, Int8, Int4, Int4Q8, Int8Q8 };
 
 Kind kind_of(const std::string& name, size_t num_tensors) {
   const std::vector<std::pair<std::string, std::pair<Kind, size_t>>> kinds = {
       {"int4_tiles", {Kind::Int4Tiles, 1}}, {"int8_tiles", {Kind::Int8Tiles, 2}},
       {"int8", {Kind::Int8, 2}},            {"int4", {Kind::Int4, 3}},
-      {"int4_q8", {Kind::Int4Q8, 3}},
+      {"int4_q8", {Kind::Int4Q8, 3}},       {"int8_q8", {Kind::Int8Q8, 2}},
   };
   for (const auto& [known, kind] : kinds) {
     if (known != name) continue;
@@ -59,6 +60,7 @@ struct QuantLinear {
       case Kind::Int8: return int8_linear(x, t[0], t[1], bias);
       case Kind::Int4: return int4_linear(x, t[0], t[1], t[2], group_size, bias);
       case Kind::Int4Q8: return int4_q8_linear(x, t[0], t[1], t[2], group_size, bias);
+      case Kind::Int8Q8: return int8_q8_linear(x, t[0], t[1], bias);
     }
     TORCH_CHECK(false, "QuantLinear: bad kind");
   }

@@ -19,15 +19,19 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& qweight,
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
                           const torch::Tensor& scales, const torch::Tensor& mins,
                           int64_t group_size, const c10::optional<torch::Tensor>& bias);
-torch::Tensor int4_q8_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                             const torch::Tensor& scales, const torch::Tensor& mins,
-                             int64_t group_size, const c10::optional<torch::Tensor>& bias);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& h,
                                                       const torch::Tensor& delta,
                                                       const torch::Tensor& weight, double eps);
 torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
 torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+
+// q8_rows.cpp
+torch::Tensor int4_q8_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                             const torch::Tensor& scales, const torch::Tensor& mins,
+                             int64_t group_size, const c10::optional<torch::Tensor>& bias);
+torch::Tensor int8_q8_linear(const torch::Tensor& x, const torch::Tensor& qweight,
+                             const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias);
 
 // q8_tiles.cpp
 std::vector<std::string> q8_tile_formats();

@@ -1,11 +1,17 @@
 // Activations rounded to int8 in blocks of 32, as llama.cpp's Q8_1 rounds them (the torch
-// reference: engine/kernels/quant.py `round_activations_q8`). Shared by the row-layout kernel
-// (cpu_kernels.cpp int4_q8_linear) and the tiled one (q8_tiles.cpp): both must round alike.
+// reference: engine/kernels/quant.py `round_activations_q8`), and the float sums that follow the
+// integer dot products. Shared by the row-layout kernels (q8_rows.cpp) and the tiled ones
+// (q8_tiles.cpp): both round alike and sum alike, so repacking a model into tiles changes no
+// number (tests/test_kernels_tiles.py checks them bit for bit).
 #pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -59,6 +65,75 @@ inline void quantize_row(const float* x, int64_t k, int8_t* xq, float* d, float*
     dsum[b] = scale * static_cast<float>(total);
     if (qsum) qsum[b] = total;
   }
+}
+
+// The activation rows rounded to int8 blocks, with what each kind of kernel needs of them.
+struct RoundedRows {
+  int64_t m, k, groups;
+  std::vector<int8_t> xq;     // [m, k]
+  std::vector<float> d;       // [m, groups] block scales
+  std::vector<float> dsum;    // [m, groups] d * sum(xq) of each block
+  std::vector<int32_t> qsum;  // [m, groups] sum(xq) of each block (the int8 tiles' offset term)
+
+  RoundedRows(const torch::Tensor& x, int64_t groups_)
+      : m(x.size(0)), k(x.size(1)), groups(groups_), xq(m * k), d(m * groups), dsum(m * groups),
+        qsum(m * groups) {
+    const float* xp = x.data_ptr<float>();
+    at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        quantize_row(xp + r * k, k, xq.data() + r * k, d.data() + r * groups,
+                     dsum.data() + r * groups, qsum.data() + r * groups);
+    });
+  }
+};
+
+// One output channel's float sums, in the one order every kernel here keeps: the groups in order,
+// each with one fused multiply-add into a float that starts at zero, dot_g being the exact
+// integer dot product of group g (the weights' integers times xq):
+//   int4 (Q4_1): acc = fma(dot_g, scale_g * d_g, acc), acc_min = fma(min_g, dsum_g, acc_min);
+//                y = acc + acc_min, + bias where there is one
+//   int8:        acc = fma(dot_g, d_g, acc); y = fma(acc, scale, bias or 0)
+// A vector kernel keeps one channel per lane, so its lanes run exactly these operations; the
+// scalar code (a remainder, a CPU without vector code) calls std::fma, one rounding whether or not
+// the compiler would have fused a plain a * b + c.
+struct Int4Sum {
+  float acc = 0.f, acc_min = 0.f;
+  void add(int32_t dot, float scale, float min, float d, float dsum) {
+    acc = std::fma(static_cast<float>(dot), scale * d, acc);
+    acc_min = std::fma(min, dsum, acc_min);
+  }
+  float value(const float* bias) const { return bias ? (acc + acc_min) + *bias : acc + acc_min; }
+};
+
+struct Int8Sum {
+  float acc = 0.f;
+  void add(int32_t dot, float d) { acc = std::fma(static_cast<float>(dot), d, acc); }
+  float value(float scale, const float* bias) const {
+    return std::fma(acc, scale, bias ? *bias : 0.f);
+  }
+};
+
+inline void check_x(const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), name,
+              ": x must be a contiguous float32 [M, K]");
+}
+
+// An int4 weight's scales and minimums, [n, groups]: float32 (engine/kernels/quant.py
+// quantize_int4) or float16 (a GGUF's Q4_1 blocks).
+inline void check_int4_scales(const torch::Tensor& scales, const torch::Tensor& mins, int64_t n,
+                              int64_t groups, const char* name) {
+  const bool f32 = scales.dtype() == torch::kFloat32, f16 = scales.dtype() == torch::kFloat16;
+  TORCH_CHECK((f32 || f16) && mins.dtype() == scales.dtype() && scales.is_contiguous() &&
+                  mins.is_contiguous(),
+              name, ": scales and mins must be contiguous, both float32 or both float16");
+  TORCH_CHECK(scales.numel() == n * groups && mins.numel() == n * groups, name,
+              ": one scale and one min per group of every output channel");
+}
+
+inline void check_bias(const c10::optional<torch::Tensor>& bias, int64_t n, const char* name) {
+  TORCH_CHECK(!bias.has_value() || (bias->dtype() == torch::kFloat32 && bias->is_contiguous() &&
+                                    bias->numel() == n),
+              name, ": bias must be contiguous float32 [N]");
 }
 
 }  // namespace q8

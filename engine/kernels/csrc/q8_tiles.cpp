@@ -16,8 +16,9 @@
 // one channel: VNNI's vpdpbusd multiplies the lane's 4 unsigned nibbles by 4 int8 activations
 // (broadcast to every lane) and adds them into that channel's sum. The lanes never need to be
 // summed across, the scales of 16 channels are one vector, and a thread reads one stream of
-// bytes front to back. The row layout (cpu_kernels.cpp int4_q8_linear) walks 8 separate rows,
-// unpacks one channel per instruction and ends every channel with a sum across 16 lanes.
+// bytes front to back. The row layout (q8_rows.cpp) walks 8 separate rows and folds each
+// channel's partial sums across lanes for every group; both then sum in q8.h's order, so the two
+// layouts give the same numbers bit for bit.
 //
 //   y[c] = sum_g d_w[c, g] * d_x[g] * (q_c,g . xq_g) + m[c, g] * d_x[g] * sum(xq_g)
 //
@@ -63,20 +64,20 @@ void tile_rows_portable(const uint8_t* rec, int64_t groups, const int8_t* xq, in
                const float* dsum, const float* bias, float* y, int64_t ldy) {
   for (int r = 0; r < R; ++r)
     for (int64_t c = 0; c < CHANNELS; ++c) {
-      float total = 0.f, min_total = 0.f;
+      q8::Int4Sum total;
       for (int64_t g = 0; g < groups; ++g) {
         const uint8_t* p = rec + g * RECORD;
         const int8_t* x = xq + r * k + g * q8::BLOCK;
-        int32_t sum = 0;
+        int32_t dot = 0;
         for (int i = 0; i < 4; ++i)
           for (int e = 0; e < 4; ++e) {
             const uint8_t byte = p[64 * i + 4 * c + e];
-            sum += (byte & 0x0F) * x[4 * i + e] + (byte >> 4) * x[16 + 4 * i + e];
+            dot += (byte & 0x0F) * x[4 * i + e] + (byte >> 4) * x[16 + 4 * i + e];
           }
-        total += half_to_float(p + 256 + 2 * c) * d[r * groups + g] * static_cast<float>(sum);
-        min_total += half_to_float(p + 288 + 2 * c) * dsum[r * groups + g];
+        total.add(dot, half_to_float(p + 256 + 2 * c), half_to_float(p + 288 + 2 * c),
+                  d[r * groups + g], dsum[r * groups + g]);
       }
-      y[r * ldy + c] = total + min_total + (bias ? bias[c] : 0.f);
+      y[r * ldy + c] = total.value(bias ? bias + c : nullptr);
     }
 }
 
@@ -86,16 +87,16 @@ void tile_rows_int8_portable(const uint8_t* rec, int64_t groups, const int8_t* x
                     float* y, int64_t ldy) {
   for (int r = 0; r < R; ++r)
     for (int64_t c = 0; c < CHANNELS; ++c) {
-      float total = 0.f;
+      q8::Int8Sum total;
       for (int64_t g = 0; g < groups; ++g) {
         const uint8_t* p = rec + g * RECORD8;
         const int8_t* x = xq + r * k + g * q8::BLOCK;
-        int32_t sum = -128 * qsum[r * groups + g];
+        int32_t dot = -128 * qsum[r * groups + g];
         for (int i = 0; i < 8; ++i)
-          for (int e = 0; e < 4; ++e) sum += p[64 * i + 4 * c + e] * x[4 * i + e];
-        total += d[r * groups + g] * static_cast<float>(sum);
+          for (int e = 0; e < 4; ++e) dot += p[64 * i + 4 * c + e] * x[4 * i + e];
+        total.add(dot, d[r * groups + g]);
       }
-      y[r * ldy + c] = total * scales[c] + (bias ? bias[c] : 0.f);
+      y[r * ldy + c] = total.value(scales[c], bias ? bias + c : nullptr);
     }
 }
 
@@ -135,9 +136,11 @@ void tile_rows(const uint8_t* rec, int64_t groups, const int8_t* xq, int64_t k, 
       acc_min[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(dsum[r * groups + g]), acc_min[r]);
     }
   }
-  const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  for (int r = 0; r < R; ++r)
-    _mm512_storeu_ps(y + r * ldy, _mm512_add_ps(_mm512_add_ps(acc[r], acc_min[r]), b));
+  for (int r = 0; r < R; ++r) {
+    __m512 out = _mm512_add_ps(acc[r], acc_min[r]);  // the order of q8::Int4Sum
+    if (bias) out = _mm512_add_ps(out, _mm512_loadu_ps(bias));
+    _mm512_storeu_ps(y + r * ldy, out);
+  }
 }
 
 // The same for int8 tiles (the output layer): 8 chunks of 4 bytes per channel, stored as q + 128
@@ -251,26 +254,6 @@ void tile_rows_int8(const uint8_t* rec, int64_t groups, const int8_t* xq, int64_
 }
 #endif
 
-// The activation rows rounded to int8 blocks, with what each kind of tile needs of them.
-struct RoundedRows {
-  int64_t m, k, groups;
-  std::vector<int8_t> xq;     // [m, k]
-  std::vector<float> d;       // [m, groups] block scales
-  std::vector<float> dsum;    // [m, groups] d * sum(xq) of each block
-  std::vector<int32_t> qsum;  // [m, groups] sum(xq) of each block (the int8 tiles' offset term)
-
-  RoundedRows(const torch::Tensor& x, int64_t groups_)
-      : m(x.size(0)), k(x.size(1)), groups(groups_), xq(m * k), d(m * groups), dsum(m * groups),
-        qsum(m * groups) {
-    const float* xp = x.data_ptr<float>();
-    at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r)
-        q8::quantize_row(xp + r * k, k, xq.data() + r * k, d.data() + r * groups,
-                         dsum.data() + r * groups, qsum.data() + r * groups);
-    });
-  }
-};
-
 // Rows r0 .. r1 of y against tile t, ROW_BLOCK rows at a time: rows<R>(rows of x from r, out)
 // computes R rows of the tile's 16 outputs.
 template <typename Rows>
@@ -300,11 +283,6 @@ void for_each_item(int64_t m, int64_t n_tiles, const Rows& rows) {
   });
 }
 
-void check_x(const torch::Tensor& x, const char* name) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), name,
-              ": x must be a contiguous float32 [M, K]");
-}
-
 // tiles [N / 16, K / 32, record] uint8 that fit x [M, K]; returns the number of groups K / 32.
 int64_t check_tiles(const torch::Tensor& x, const torch::Tensor& tiles, int64_t record,
                     const char* name) {
@@ -315,12 +293,6 @@ int64_t check_tiles(const torch::Tensor& x, const torch::Tensor& tiles, int64_t 
   TORCH_CHECK(x.size(1) == groups * q8::BLOCK, name, ": x has ", x.size(1), " columns, tiles ",
               groups, " groups of 32");
   return groups;
-}
-
-void check_bias(const c10::optional<torch::Tensor>& bias, int64_t n, const char* name) {
-  TORCH_CHECK(!bias.has_value() || (bias->dtype() == torch::kFloat32 && bias->is_contiguous() &&
-                                    bias->numel() == n),
-              name, ": bias must be contiguous float32 [N]");
 }
 
 }  // namespace
@@ -338,11 +310,11 @@ std::vector<std::string> q8_tile_formats() {
 torch::Tensor int4_q8_tiled_linear(const torch::Tensor& x, const torch::Tensor& tiles,
                                    const c10::optional<torch::Tensor>& bias) {
   const char* name = "int4_q8_tiled_linear";
-  check_x(x, name);
+  q8::check_x(x, name);
   const int64_t groups = check_tiles(x, tiles, RECORD, name);
   const int64_t n_tiles = tiles.size(0), n = n_tiles * CHANNELS;
-  check_bias(bias, n, name);
-  const RoundedRows a(x, groups);
+  q8::check_bias(bias, n, name);
+  const q8::RoundedRows a(x, groups);
   auto y = torch::empty({a.m, n}, x.options());
   const uint8_t* tp = tiles.data_ptr<uint8_t>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
@@ -361,13 +333,13 @@ torch::Tensor int8_q8_tiled_linear(const torch::Tensor& x, const torch::Tensor& 
                                    const torch::Tensor& scales,
                                    const c10::optional<torch::Tensor>& bias) {
   const char* name = "int8_q8_tiled_linear";
-  check_x(x, name);
+  q8::check_x(x, name);
   const int64_t groups = check_tiles(x, tiles, RECORD8, name);
   const int64_t n_tiles = tiles.size(0), n = n_tiles * CHANNELS;
   TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == n,
               name, ": scales must be contiguous float32 [N]");
-  check_bias(bias, n, name);
-  const RoundedRows a(x, groups);
+  q8::check_bias(bias, n, name);
+  const q8::RoundedRows a(x, groups);
   auto y = torch::empty({a.m, n}, x.options());
   const uint8_t* tp = tiles.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
