@@ -146,7 +146,12 @@ def test_ch04_shows_bench_json_with_its_conditions(app, monkeypatch):
         },
         "ceilings": {"memory_read_gb_s": 20.0, "matmul_gflop_s": {"float32": 100.0}},
         "rooflines": {"decode_tokens_per_s": 20e9 / 538e6},
-        "decode_batch1": {"tokens_per_s": 20.0, "fraction_of_roofline": 0.54},
+        "decode_batch1": {
+            "tokens_per_s": 20.0,
+            "fraction_of_roofline": 0.54,
+            "bandwidth_gb_s": 19.9,
+            "fraction_of_best_roofline": 0.52,
+        },
     }
     monkeypatch.setattr(bench, "load_latest_results", lambda path=None: fake)
     app.switch_page(PAGES["04"][0])
@@ -154,6 +159,8 @@ def test_ch04_shows_bench_json_with_its_conditions(app, monkeypatch):
     assert not app.exception, [e.value for e in app.exception]
     text = " ".join(m.value for m in app.markdown)
     assert "20.0 GB/s" in text and "test-cpu" in text and "26.9 ms" in text
+    # the batch-1 fraction names the bandwidth it was divided by, and the run's best beside it
+    assert "루프라인의 54% (바로 앞뒤에서 잰 대역폭 19.9 GB/s 기준" in text and "52%" in text
     shown = text + " ".join(c.value for c in app.caption)
     assert "부하 평균=2.40→3.90 (바쁨" in shown  # a run under load says so beside each number
 

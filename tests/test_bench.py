@@ -104,7 +104,8 @@ def test_ceilings_and_rooflines_are_consistent(bench_run):
     ce, ro, c = results["ceilings"], results["rooflines"], results["conditions"]
     assert ce["kind"] == "measured" and ro["kind"] == "derived"
     assert ce["memory_read_gb_s"] > 0 and ce["matvec_gb_s"] > 0
-    assert len(ce["memory_read_gb_s_samples"]) == 2 and ce["memory_read_gb_s"] == max(
+    # sampled at the start, then just before and just after the batch-1 decode
+    assert len(ce["memory_read_gb_s_samples"]) == 3 and ce["memory_read_gb_s"] == max(
         ce["memory_read_gb_s_samples"]
     )
     assert set(ce["matmul_gflop_s"]) == {"float32", "bfloat16"}
@@ -146,6 +147,15 @@ def test_decode_overhead_and_latency_sections(bench_run):
     results = json.loads(bench_run[0].read_text())
     b1 = results["decode_batch1"]
     assert b1["tokens_per_s"] > 0 and 0 < b1["fraction_of_roofline"]
+    # the roofline of the bandwidth sampled next to the decode; beside it, the run's best
+    samples = results["ceilings"]["memory_read_gb_s_samples"]
+    assert b1["bandwidth_gb_s"] == max(samples[-2:])
+    weight_bytes = results["conditions"]["weight_bytes_per_step"]
+    assert math.isclose(b1["roofline_tokens_per_s"], b1["bandwidth_gb_s"] * 1e9 / weight_bytes)
+    assert math.isclose(
+        b1["fraction_of_best_roofline"],
+        b1["tokens_per_s"] / results["rooflines"]["decode_tokens_per_s"],
+    )
     for key, batch in (("batch_1", 1), ("full_batch", 4)):
         o = results["overhead"][key]
         assert o["batch"] == batch and o["steps"] > 0

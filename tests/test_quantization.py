@@ -355,9 +355,17 @@ def test_bench_with_quantization_and_variants_on_the_tiny_model(tiny_model_dir, 
         i4["weight_bytes_per_step"] < i8["weight_bytes_per_step"] < f32["weight_bytes_per_step"] / 3
     )
     assert c["weight_bytes_per_step"] == i8["weight_bytes_per_step"]
+    best = results["variants"]["bandwidth_gb_s"]
     for r in (f32, i8, i4, rows["bfloat16"]):
-        roof = results["variants"]["bandwidth_gb_s"] * 1e9 / r["weight_bytes_per_step"]
+        # the roofline at the bandwidth sampled just before and after this variant's decode
+        assert len(r["bandwidth_samples_gb_s"]) == 2
+        assert r["bandwidth_gb_s"] == max(r["bandwidth_samples_gb_s"]) <= best
+        roof = r["bandwidth_gb_s"] * 1e9 / r["weight_bytes_per_step"]
         assert math.isclose(r["roofline_tokens_per_s"], roof)
+        assert math.isclose(
+            r["fraction_of_best_roofline"],
+            r["decode_tokens_per_s"] / (best * 1e9 / r["weight_bytes_per_step"]),
+        )
         assert r["decode_tokens_per_s"] > 0 and r["offline_tokens_per_s"] > 0
     assert "8. dtype and quantization side by side" in out.getvalue()
 

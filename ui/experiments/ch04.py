@@ -136,6 +136,19 @@ def percentile_table(result: RunResult, percentiles=(50, 90, 99)) -> pd.DataFram
     return pd.DataFrame(rows)
 
 
+def batch1_line(b1: dict) -> str:
+    """The bench's batch-1 decode against its roofline: the bandwidth sampled just before and
+    after that decode, and (bench runs since 2026-12-05) the run's best sample beside it."""
+    line = f"bench의 배치 1 decode: {b1['tokens_per_s']:.1f} 토큰/s = 루프라인의 "
+    line += f"{100 * (b1.get('fraction_of_roofline') or 0):.0f}%"
+    if b1.get("fraction_of_best_roofline") and b1.get("bandwidth_gb_s"):
+        line += (
+            f" (바로 앞뒤에서 잰 대역폭 {b1['bandwidth_gb_s']:.1f} GB/s 기준; 이 실행의 "
+            f"최고 대역폭 기준으로는 {100 * b1['fraction_of_best_roofline']:.0f}%)"
+        )
+    return line
+
+
 def bench_conditions(c: dict) -> dict:
     """The evidence conditions of a bench result's numbers: the machine, threads, dtype, model,
     date, and the load average of the run (바쁨 when other programs shared the machine)."""

@@ -10,7 +10,7 @@ from plotly.subplots import make_subplots
 from ui import figures
 from ui.bench_runner import run_quick_bench
 from ui.experiments import ch04
-from ui.experiments.ch04 import METRIC_DEFINITIONS, latest_bench, percentile_table
+from ui.experiments.ch04 import METRIC_DEFINITIONS, batch1_line, latest_bench, percentile_table
 from ui.experiments.common import RunResult, Workload, korean_table
 from ui.lab import LabContext, run_results
 from ui.predict import compare
@@ -139,12 +139,7 @@ def bench_section(runs: list[RunResult]) -> None:
             else "가중치 바이트 / 측정 대역폭",
         )
         if b1.get("tokens_per_s"):
-            evidence(
-                "측정값",
-                f"bench의 배치 1 decode: {b1['tokens_per_s']:.1f} 토큰/s = 루프라인의 "
-                f"{100 * (b1.get('fraction_of_roofline') or 0):.0f}%",
-                **cond,
-            )
+            evidence("측정값", batch1_line(b1), **cond)
         if runs:
             tpot = runs[-1].request_table()["tpot_ms"].mean()
             evidence(

@@ -144,7 +144,10 @@ def format_decode_batch1(d: dict) -> list[str]:
         "3. Decode at batch 1",
         f"  {fmt(d['tokens_per_s'])} tokens/s ({fmt(d['step_ms'], '.1f')} ms/step) = "
         f"{fmt(d['fraction_of_roofline'] and 100 * d['fraction_of_roofline'], '.0f')}% of the "
-        f"{d['roofline_tokens_per_s']:.1f} tokens/s roofline ({d['context']})",
+        f"{d['roofline_tokens_per_s']:.1f} tokens/s roofline at "
+        f"{fmt(d.get('bandwidth_gb_s'), '.1f')} GB/s, the bandwidth sampled next to it; "
+        f"{fmt(d.get('fraction_of_best_roofline') and 100 * d['fraction_of_best_roofline'], '.0f')}"
+        f"% of the run's best ({d['context']})",
     ]
 
 
@@ -272,22 +275,23 @@ def format_spec_decode(r: dict) -> list[str]:
 
 def format_variants(v: dict) -> list[str]:
     lines = [
-        "8. dtype and quantization side by side (measured one after the other; "
-        f"roofline at {v['bandwidth_gb_s']:.1f} GB/s)",
+        "8. dtype and quantization side by side (measured one after the other; roofline at the "
+        "read bandwidth sampled next to each decode, 'of best' at the run's best "
+        f"{v['bandwidth_gb_s']:.1f} GB/s)",
         f"  {'variant':<20}{'MB/step':>9}{'matvec GB/s':>13}{'decode tok/s':>14}"
-        f"{'× fp32':>8}{'of roof':>9}{'offline tok/s':>15}{'× fp32':>8}",
+        f"{'× fp32':>8}{'GB/s':>7}{'of roof':>9}{'of best':>9}{'offline tok/s':>15}{'× fp32':>8}",
     ]
     for r in v["rows"]:
         if "skipped" in r:
             lines.append(f"  {r['name']:<20}skipped: {r['skipped']}")
             continue
-        frac = r["fraction_of_roofline"]
+        frac, of_best = r["fraction_of_roofline"], r.get("fraction_of_best_roofline")
         lines.append(
             f"  {r['name']:<20}{r['weight_bytes_per_step'] / 1e6:9.1f}"
             f"{r['matvec']['matvec_gb_s']:13.1f}{fmt(r['decode_tokens_per_s'], '14.1f')}"
-            f"{fmt(r.get('decode_vs_float32'), '8.2f')}"
-            f"{fmt(frac and 100 * frac, '8.0f')}%{r['offline_tokens_per_s']:15.1f}"
-            f"{fmt(r.get('offline_vs_float32'), '8.2f')}"
+            f"{fmt(r.get('decode_vs_float32'), '8.2f')}{fmt(r.get('bandwidth_gb_s'), '7.1f')}"
+            f"{fmt(frac and 100 * frac, '8.0f')}%{fmt(of_best and 100 * of_best, '8.0f')}%"
+            f"{r['offline_tokens_per_s']:15.1f}{fmt(r.get('offline_vs_float32'), '8.2f')}"
         )
     return lines
 
