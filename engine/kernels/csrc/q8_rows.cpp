@@ -23,6 +23,10 @@
 #include <algorithm>
 #include <vector>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include "q8.h"
 
 namespace {
@@ -50,14 +54,15 @@ inline int32_t int8_dot(const int8_t* w, const int8_t* x) {
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr bool VECTOR = true;
 
-// Lane c: the sum of v[c]'s 8 lanes. Two rounds of pairwise sums leave [v0..v3 | v0..v3] and
-// [v4..v7 | v4..v7] as sums of each register's low and high half; the halves are then added.
+// Lane c: the sum of v[c]'s 8 lanes. Two rounds of pairwise sums leave `first` = [v0..v3 | v0..v3]
+// and `second` = [v4..v7 | v4..v7], each the sums of a register's low and high 128-bit half; the
+// halves are then added.
 inline __m256i fold(const __m256i* v) {
   const __m256i a = _mm256_hadd_epi32(v[0], v[1]), b = _mm256_hadd_epi32(v[2], v[3]);
   const __m256i c = _mm256_hadd_epi32(v[4], v[5]), e = _mm256_hadd_epi32(v[6], v[7]);
-  const __m256i low = _mm256_hadd_epi32(a, b), high = _mm256_hadd_epi32(c, e);
-  return _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20),
-                          _mm256_permute2x128_si256(low, high, 0x31));
+  const __m256i first = _mm256_hadd_epi32(a, b), second = _mm256_hadd_epi32(c, e);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(first, second, 0x20),
+                          _mm256_permute2x128_si256(first, second, 0x31));
 }
 
 // 8 partial sums of one group's 32 nibble x int8 products (16 bytes: element e in the low nibble
@@ -97,7 +102,8 @@ void int4_block(const uint8_t* w, int64_t row_bytes, const float* scales, const 
   for (int64_t g = 0; g < groups; ++g) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * q8::BLOCK));
 #pragma GCC unroll 8
-    for (int64_t c = 0; c < LANES; ++c) partial[c] = int4_partials(w + c * row_bytes + g * 16, x);
+    for (int64_t c = 0; c < LANES; ++c)
+      partial[c] = int4_partials(w + c * row_bytes + g * 16, x);
     const __m256 dots = _mm256_cvtepi32_ps(fold(partial));
     const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(scales + g * LANES), _mm256_set1_ps(d[g]));
     acc = _mm256_fmadd_ps(dots, scale, acc);
