@@ -71,6 +71,16 @@ def run_steps(model: LlamaModel) -> tuple[list[torch.Tensor], list]:
     return logits, caches
 
 
+def assert_same_steps(first: LlamaModel, second: LlamaModel) -> None:
+    """`run_steps` on both models: every step's logits and the KV cache equal bit for bit."""
+    first_logits, first_cache = run_steps(first)
+    second_logits, second_cache = run_steps(second)
+    for a, b in zip(first_logits, second_logits, strict=True):
+        assert torch.equal(a, b)
+    for (k1, v1), (k2, v2) in zip(first_cache, second_cache, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
 @pytest.mark.parametrize("layout", ["tiles", "int4", "int8", "qwen2 int8"])
 def test_fused_blocks_equal_the_python_path_bit_for_bit(ext, request, monkeypatch, layout):
     """ "qwen2 int8": the tiny Qwen2, whose q/k/v projections have biases."""
@@ -85,12 +95,7 @@ def test_fused_blocks_equal_the_python_path_bit_for_bit(ext, request, monkeypatc
     assert "layers in one C++ call" in describe(fused) and "layers in Python" in describe(python)
     if layout == "tiles" and "int4" in ext.q8_tile_formats():
         assert isinstance(fused.w["0.qkv"], Int4TiledWeight)
-    fused_logits, fused_cache = run_steps(fused)
-    python_logits, python_cache = run_steps(python)
-    for a, b in zip(fused_logits, python_logits):
-        assert torch.equal(a, b)
-    for (k1, v1), (k2, v2) in zip(fused_cache, python_cache):
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert_same_steps(fused, python)
 
 
 def test_blocks_are_used_only_where_every_step_has_our_kernel(ext, tiny_model_dir):
@@ -154,9 +159,4 @@ def test_tiles_and_rows_give_the_same_model_bit_for_bit(ext, tiny_model_dir, mon
     if "int4" in ext.q8_tile_formats():
         assert isinstance(tiled.w["0.qkv"], Int4TiledWeight)
     assert isinstance(rows.w["0.qkv"], Int4Weight)
-    tiled_logits, tiled_cache = run_steps(tiled)
-    rows_logits, rows_cache = run_steps(rows)
-    for a, b in zip(tiled_logits, rows_logits):
-        assert torch.equal(a, b)
-    for (k1, v1), (k2, v2) in zip(tiled_cache, rows_cache):
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert_same_steps(tiled, rows)
