@@ -34,10 +34,7 @@ def measure_variants(
     minutes (docs/performance.md, 2026-12-05), so a sample taken in another minute says little
     about the ceiling this decode ran under. The fraction of the run's best bandwidth
     (`bandwidth_gb_s`, the best of all samples) is reported beside it."""
-    import gc
-
-    from engine.entrypoints.llm import LLM
-    from engine.worker.quantization import describe, gguf_source
+    from engine.worker.quantization import gguf_source
 
     workload = make_workload(
         config.num_requests, config.prompt_len, config.output_len, config.seed, vocab, specials
@@ -52,58 +49,9 @@ def measure_variants(
                 rows.append({"name": name, "skipped": str(exc)})
                 continue
         log(f"      {name}")
-        llm = LLM(
-            model=str(model_dir),
-            device=config.device,
-            dtype=dtype,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            kernels=config.kernels,
-            quantization=method,
-            quantization_group_size=config.quantization_group_size,
-        )
-        engine = llm.engine
-        model = engine.executor.worker.model
-        numbers = model_numbers(model)
-        near = [measure_bandwidth(engine.device, config.bandwidth_bytes, config.ceiling_repeats)[0]]
-        b1 = step_breakdown(batch1_steps(engine, config, vocab, specials), 1)
-        near.append(
-            measure_bandwidth(engine.device, config.bandwidth_bytes, config.ceiling_repeats)[0]
-        )
-        roof = max(near) * 1e9 / numbers["weight_bytes_per_step"]
-        offline = run_engine_offline(llm, workload)
-        rows.append(
-            {
-                "name": name,
-                "dtype": dtype,
-                "quantization": method,
-                "describe": describe(model),
-                "weight_bytes": engine.weight_bytes(),
-                "weight_bytes_per_step": numbers["weight_bytes_per_step"],
-                "matvec": measure_matvec(model, engine.device, config.ceiling_repeats),
-                "decode_tokens_per_s": b1.get("tokens_per_s"),
-                "decode_step_ms": b1.get("step_ms"),
-                "bandwidth_gb_s": max(near),
-                "bandwidth_samples_gb_s": near,
-                "roofline_tokens_per_s": roof,
-                "fraction_of_roofline": (b1["tokens_per_s"] / roof) if b1.get("steps") else None,
-                "offline_tokens_per_s": offline["output_tokens_per_s"],
-            }
-        )
-        del llm, engine, model
-        gc.collect()
-    measured = [r for r in rows if "skipped" not in r]
-    best = max([bandwidth_gb_s, *(s for r in measured for s in r["bandwidth_samples_gb_s"])])
-    for r in measured:
-        best_roof = best * 1e9 / r["weight_bytes_per_step"]
-        r["fraction_of_best_roofline"] = (
-            r["decode_tokens_per_s"] / best_roof if r["decode_tokens_per_s"] else None
-        )
-    base = next((r for r in rows if r["name"] == "float32" and "skipped" not in r), None)
-    for r in rows:
-        if base and "skipped" not in r:
-            r["decode_vs_float32"] = ratio(r["decode_tokens_per_s"], base["decode_tokens_per_s"])
-            r["offline_vs_float32"] = ratio(r["offline_tokens_per_s"], base["offline_tokens_per_s"])
+        row = measure_variant(model_dir, config, dtype, method, workload, (vocab, specials))
+        rows.append({"name": name, **row})
+    best = compare_rows(rows, bandwidth_gb_s)
     return {
         "bandwidth_gb_s": best,
         "rows": rows,
@@ -117,6 +65,73 @@ def measure_variants(
         ),
         "kind": "measured",
     }
+
+
+def measure_variant(model_dir, config: "BenchConfig", dtype, method, workload, tokens) -> dict:
+    """One engine of `dtype` and quantization `method`: its bytes, its batch-1 decode between two
+    bandwidth samples, its matrix × vector rate and its offline throughput. `tokens`: (vocab size,
+    special token ids) for the probes."""
+    import gc
+
+    from engine.entrypoints.llm import LLM
+    from engine.worker.quantization import describe
+
+    llm = LLM(
+        model=str(model_dir),
+        device=config.device,
+        dtype=dtype,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        kernels=config.kernels,
+        quantization=method,
+        quantization_group_size=config.quantization_group_size,
+    )
+    engine = llm.engine
+    model = engine.executor.worker.model
+    numbers = model_numbers(model)
+
+    def bandwidth(device=engine.device) -> float:
+        return measure_bandwidth(device, config.bandwidth_bytes, config.ceiling_repeats)[0]
+
+    near = [bandwidth()]
+    b1 = step_breakdown(batch1_steps(engine, config, *tokens), 1)
+    near.append(bandwidth())
+    roof = max(near) * 1e9 / numbers["weight_bytes_per_step"]
+    row = {
+        "dtype": dtype,
+        "quantization": method,
+        "describe": describe(model),
+        "weight_bytes": engine.weight_bytes(),
+        "weight_bytes_per_step": numbers["weight_bytes_per_step"],
+        "matvec": measure_matvec(model, engine.device, config.ceiling_repeats),
+        "decode_tokens_per_s": b1.get("tokens_per_s"),
+        "decode_step_ms": b1.get("step_ms"),
+        "bandwidth_gb_s": max(near),
+        "bandwidth_samples_gb_s": near,
+        "roofline_tokens_per_s": roof,
+        "fraction_of_roofline": (b1["tokens_per_s"] / roof) if b1.get("steps") else None,
+        "offline_tokens_per_s": run_engine_offline(llm, workload)["output_tokens_per_s"],
+    }
+    del llm, engine, model
+    gc.collect()
+    return row
+
+
+def compare_rows(rows: list[dict], bandwidth_gb_s: float) -> float:
+    """Adds to each measured row its fraction of the run's best roofline and its ratios to the
+    float32 row; returns that best bandwidth (the run's samples and the variants')."""
+    measured = [r for r in rows if "skipped" not in r]
+    best = max([bandwidth_gb_s, *(s for r in measured for s in r["bandwidth_samples_gb_s"])])
+    base = next((r for r in measured if r["name"] == "float32"), None)
+    for r in measured:
+        best_roof = best * 1e9 / r["weight_bytes_per_step"]
+        r["fraction_of_best_roofline"] = (
+            r["decode_tokens_per_s"] / best_roof if r["decode_tokens_per_s"] else None
+        )
+        if base:
+            r["decode_vs_float32"] = ratio(r["decode_tokens_per_s"], base["decode_tokens_per_s"])
+            r["offline_vs_float32"] = ratio(r["offline_tokens_per_s"], base["offline_tokens_per_s"])
+    return best
 
 
 def llama_cpp_peer(model_dir, config: BenchConfig, vocab: int, specials) -> dict:
