@@ -354,9 +354,13 @@ class P2pGlooChannel(KVChannel):
         }
 
     def close(self) -> None:
-        """Fail every waiting recv(), abort the groups and let them go. Runs at interpreter exit
-        for a channel still open: a gloo group still referenced while the interpreter shuts down
-        (the listener waits in it) ends the process with std::terminate (exit code 134)."""
+        """Fail every waiting recv(), abort the groups, let them go and wait briefly for the
+        listener to leave. Runs at interpreter exit for a channel still open (see
+        `_close_open_channels`)."""
+        self._let_go()
+        self._wait_for_listener()
+
+    def _let_go(self) -> None:
         with self._cond:
             self.closing = True
             self._cond.notify_all()
@@ -365,11 +369,12 @@ class P2pGlooChannel(KVChannel):
                 group.abort()
             except Exception:  # noqa: BLE001 — already broken
                 pass
-        listening = self.connected and self.rank == CONSUMER_RANK
         self._data = self._control = self._store = None  # ends the listener's wait
-        if listening and self._thread is not threading.current_thread():
-            self._thread.join(CLOSE_WAIT_S)
         _OPEN.discard(self)
+
+    def _wait_for_listener(self) -> None:
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(CLOSE_WAIT_S)
 
 
 _OPEN: "weakref.WeakSet[P2pGlooChannel]" = weakref.WeakSet()
@@ -377,9 +382,18 @@ _OPEN: "weakref.WeakSet[P2pGlooChannel]" = weakref.WeakSet()
 
 @atexit.register
 def _close_open_channels() -> None:
-    for channel in list(_OPEN):
-        channel.close()
-    gc.collect()  # the groups' C++ threads end now, not among the interpreter's last rites
+    """A gloo group still referenced while the interpreter shuts down, or a listener that wakes
+    then (its peer's group just went) and drops its pending receive while the interpreter
+    finalizes, ends the process in std::terminate (exit code 134: the receive's destructor
+    cannot take the GIL back). So every channel is let go first, which is what wakes a
+    listener whose peer is in this process; then the listeners are waited for; then the groups
+    are collected, all before the interpreter's last rites."""
+    channels = list(_OPEN)
+    for channel in channels:
+        channel._let_go()
+    for channel in channels:
+        channel._wait_for_listener()
+    gc.collect()
 
 
 CHANNEL_SETTINGS = ("connect_timeout_s", "send_timeout_s", "recv_timeout_s", "buffer_bytes")
