@@ -81,6 +81,25 @@ def batch1_steps(engine, config: BenchConfig, vocab: int, specials) -> list:
     return steps
 
 
+def batch1_under_bandwidth(
+    engine, config: BenchConfig, vocab: int, specials, sample_bandwidth, weight_bytes_per_step
+) -> tuple[dict, dict]:
+    """The batch-1 decode between two read-bandwidth samples (`sample_bandwidth()`, GB/s): its
+    step breakdown, and its roofline at the better sample, the ceiling it ran under (on a shared
+    VM the bandwidth can swing 30 ↔ 66 GB/s within minutes, docs/performance.md 2026-12-05)."""
+    samples = [sample_bandwidth()]
+    b1 = step_breakdown(batch1_steps(engine, config, vocab, specials), 1)
+    samples.append(sample_bandwidth())
+    roof = max(samples) * 1e9 / weight_bytes_per_step
+    tokens_per_s = b1.get("tokens_per_s") if b1.get("steps") else None
+    return b1, {
+        "bandwidth_gb_s": max(samples),
+        "bandwidth_samples_gb_s": samples,
+        "roofline_tokens_per_s": roof,
+        "fraction_of_roofline": tokens_per_s / roof if tokens_per_s else None,
+    }
+
+
 def decode_rate_batch1(engine, workload: list[WorkItem]) -> dict:
     """One request at a time: tokens/s over the steps after its first token (decode only)."""
     tokens, seconds = 0, 0.0

@@ -22,7 +22,12 @@ from engine.tools.bench.ceilings import (
     rooflines,
 )
 from engine.tools.bench.config import BenchConfig
-from engine.tools.bench.decode import batch1_steps, probe_workload, run_steps, step_breakdown
+from engine.tools.bench.decode import (
+    batch1_under_bandwidth,
+    probe_workload,
+    run_steps,
+    step_breakdown,
+)
 from engine.tools.bench.fidelity import simulator_fidelity
 from engine.tools.bench.kernels import (
     measure_attention_kernel,
@@ -270,18 +275,20 @@ def run_decode_batch1(run: BenchRun) -> dict:
     (the better of the two: the ceiling it ran under), and against the run's best sample."""
     config = run.config
     run.section("decode at batch 1")
-    before = resample_bandwidth(run)
-    batch1 = step_breakdown(batch1_steps(run.engine, config, run.vocab, run.specials), 1)
-    near = max(before, resample_bandwidth(run))
-    roof = near * 1e9 / model_numbers(run.model)["weight_bytes_per_step"]
+    batch1, roofline = batch1_under_bandwidth(
+        run.engine,
+        config,
+        run.vocab,
+        run.specials,
+        lambda: resample_bandwidth(run),
+        model_numbers(run.model)["weight_bytes_per_step"],
+    )
     best_roof = run.results["rooflines"]["decode_tokens_per_s"]
     tokens_per_s = batch1.get("tokens_per_s") if batch1.get("steps") else None
     run.results["decode_batch1"] = {
         "tokens_per_s": batch1.get("tokens_per_s"),
         "step_ms": batch1.get("step_ms"),
-        "bandwidth_gb_s": near,
-        "roofline_tokens_per_s": roof,
-        "fraction_of_roofline": tokens_per_s / roof if tokens_per_s else None,
+        **roofline,
         "fraction_of_best_roofline": tokens_per_s / best_roof if tokens_per_s else None,
         "context": f"prompt {config.probe_prompt_len} + up to {config.probe_output_len} tokens; "
         f"median over {batch1.get('steps', 0)} decode steps",
@@ -345,7 +352,7 @@ def run_kernels(run: BenchRun) -> None:
     }
 
 
-def run_optional_sections(run: BenchRun, bandwidth_gb_s: float) -> None:
+def run_optional_sections(run: BenchRun) -> None:
     """Sections 6-9, each only when this run asked for it (see `planned_sections`)."""
     config, sections = run.config, run.sections
     if "kernels" in sections:
@@ -358,7 +365,8 @@ def run_optional_sections(run: BenchRun, bandwidth_gb_s: float) -> None:
     args = (run.model_dir, config, run.vocab, run.specials)
     if "variants" in sections:
         run.section("dtype and quantization side by side: batch-1 decode, offline throughput")
-        run.results["variants"] = measure_variants(*args, bandwidth_gb_s, run.log)
+        best = run.results["ceilings"]["memory_read_gb_s"]  # the run's best sample so far
+        run.results["variants"] = measure_variants(*args, best, run.log)
     if "llama.cpp peer" in sections:
         run.section("llama.cpp peer: the same GGUF file, batch-1 decode")
         run.results["llama_cpp"] = llama_cpp_peer(*args)
@@ -402,7 +410,7 @@ def run_benchmark(
     engine_run = run_offline(run)
     run_overhead(run, run_decode_batch1(run))
     run_latency_section(run, engine_run["requests_per_s"])
-    run_optional_sections(run, run.results["ceilings"]["memory_read_gb_s"])
+    run_optional_sections(run)
     run.results["targets"] = evaluate_targets(run.results)
     run.results["conditions"]["bench_seconds"] = time.perf_counter() - started
     threads = run.results["conditions"]["threads"]

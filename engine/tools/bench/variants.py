@@ -7,7 +7,7 @@ import torch
 
 from engine.tools.bench.ceilings import measure_bandwidth, measure_matvec, model_numbers
 from engine.tools.bench.config import BenchConfig
-from engine.tools.bench.decode import batch1_probes, batch1_steps, step_breakdown
+from engine.tools.bench.decode import batch1_probes, batch1_under_bandwidth
 from engine.tools.bench.offline import run_engine_offline
 from engine.tools.bench.timing import ratio
 from engine.tools.workload import make_workload
@@ -89,14 +89,14 @@ def measure_variant(model_dir, config: "BenchConfig", dtype, method, workload, t
     engine = llm.engine
     model = engine.executor.worker.model
     numbers = model_numbers(model)
-
-    def bandwidth(device=engine.device) -> float:
-        return measure_bandwidth(device, config.bandwidth_bytes, config.ceiling_repeats)[0]
-
-    near = [bandwidth()]
-    b1 = step_breakdown(batch1_steps(engine, config, *tokens), 1)
-    near.append(bandwidth())
-    roof = max(near) * 1e9 / numbers["weight_bytes_per_step"]
+    device = engine.device
+    b1, roofline = batch1_under_bandwidth(
+        engine,
+        config,
+        *tokens,
+        lambda: measure_bandwidth(device, config.bandwidth_bytes, config.ceiling_repeats)[0],
+        numbers["weight_bytes_per_step"],
+    )
     row = {
         "dtype": dtype,
         "quantization": method,
@@ -106,10 +106,7 @@ def measure_variant(model_dir, config: "BenchConfig", dtype, method, workload, t
         "matvec": measure_matvec(model, engine.device, config.ceiling_repeats),
         "decode_tokens_per_s": b1.get("tokens_per_s"),
         "decode_step_ms": b1.get("step_ms"),
-        "bandwidth_gb_s": max(near),
-        "bandwidth_samples_gb_s": near,
-        "roofline_tokens_per_s": roof,
-        "fraction_of_roofline": (b1["tokens_per_s"] / roof) if b1.get("steps") else None,
+        **roofline,
         "offline_tokens_per_s": run_engine_offline(llm, workload)["output_tokens_per_s"],
     }
     del llm, engine, model
