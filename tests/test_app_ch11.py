@@ -107,6 +107,11 @@ def test_peer_rows_put_each_engine_variant_beside_llama_cpp():
     # a variant the run could not measure (no speed) is left out, not a traceback on the page
     results["variants"]["rows"].append({"name": "float32 + int4", "weight_bytes_per_step": 1e8})
     assert len(peer_rows(results)) == 2
+    # where llama.cpp's extra buffers crashed it, the row says which setting it is
+    results["llama_cpp"]["prompt_lengths"] = [1]
+    assert peer_rows(results)["엔진"].iloc[-1].endswith("AMX 등 확장 버퍼, 1토큰 프롬프트")
+    results["llama_cpp"]["extra_buffers"] = False
+    assert peer_rows(results)["엔진"].iloc[-1].endswith("AMX 등 확장 버퍼 없이")
 
 
 def test_page_shows_the_llama_cpp_comparison_of_the_latest_bench(app, monkeypatch):

@@ -91,6 +91,8 @@ def test_results_carry_their_conditions(bench_run, tiny_model_dir):
     ):
         assert key in c, key
     assert isinstance(c["busy"], bool) and "load" in c["busy_rule"]
+    assert "pages (transparent huge pages: " in c["pages"]  # a CPU run says which pages it read
+    assert f"memory: {c['pages']}" in bench_run[2]
     assert c["model"] == str(tiny_model_dir) and c["dtype"] == "float32" and c["quick"] is True
     assert c["workload"]["num_requests"] == 5 and c["workload"]["prompt_len"] == [8, 40]
     assert c["engine"]["max_num_seqs"] == 4
@@ -219,30 +221,43 @@ def test_llama_cpp_peer_is_optional_and_isolated(monkeypatch, tmp_path):
     assert set(row) == {"skipped"} and row["skipped"]
 
 
-def test_llama_cpp_peer_killed_by_a_signal_runs_again_without_extra_buffers(monkeypatch):
-    """llama.cpp's AMX kernels crashed its child on an AMX Xeon VM: a child killed by a signal is
-    run once more with use_extra_bufts off, and the row says so; an ordinary failure is not."""
+def test_llama_cpp_peer_killed_by_a_signal_is_measured_at_its_best_configuration(monkeypatch):
+    """llama.cpp's AMX kernels crashed its child on an AMX Xeon VM with prompts of more than one
+    token: a child killed by a signal is run again with the extra buffers on one-token prompts
+    and without them on the same prompts; the row is the faster and says what the other did. An
+    ordinary failure is not run again."""
     import json
     import subprocess
 
     from engine.tools.peers import llama_cpp as peer
 
     monkeypatch.setattr(peer, "llama_cpp_version", lambda: "test")
-    jobs, codes = [], []
+    jobs, results = [], []
 
     def fake_run(args, input, **kwargs):
         jobs.append(json.loads(input))
-        code = codes.pop(0)
-        out = json.dumps({"decode_tokens_per_s": 100.0, "extra_buffers": False})
+        code, rate = results.pop(0)
+        out = json.dumps({"decode_tokens_per_s": rate})
         return subprocess.CompletedProcess(args, code, stdout=out if code == 0 else "", stderr="")
 
     monkeypatch.setattr(peer.subprocess, "run", fake_run)
-    codes[:] = [-11, 0]
-    row = peer.measure_llama_cpp_isolated("x.gguf", [[1, 2]], 4, 1)
-    assert [j.get("extra_buffers", True) for j in jobs] == [True, False]
-    assert row["decode_tokens_per_s"] == 100.0 and "exit code -11" in row["note"]
+    prompts = [[1, 2, 3], [4, 5]]
+    for repacked, plain in ((230.0, 87.0), (80.0, 87.0)):
+        jobs.clear()
+        results[:] = [(-11, 0), (0, repacked), (0, plain)]
+        row = peer.measure_llama_cpp_isolated("x.gguf", prompts, 4, 1)
+        assert [j.get("extra_buffers", True) for j in jobs] == [True, True, False]
+        assert [j["prompts"] for j in jobs] == [prompts, [[1], [4]], prompts]
+        assert row["decode_tokens_per_s"] == max(repacked, plain)
+        assert "exit code -11" in row["note"]
+        assert f"{min(repacked, plain):.1f} tokens/s" in row["note"]
+        assert ("one-token prompts (this row" in row["note"]) == (repacked > plain)
     jobs.clear()
-    codes[:] = [1]
+    results[:] = [(-11, 0), (-11, 0), (0, 87.0)]  # the one-token run crashes too: the other row
+    row = peer.measure_llama_cpp_isolated("x.gguf", [[1, 2]], 4, 1)
+    assert row["decode_tokens_per_s"] == 87.0 and row["note"].count("exit code -11") == 2
+    jobs.clear()
+    results[:] = [(1, 0)]
     row = peer.measure_llama_cpp_isolated("x.gguf", [[1, 2]], 4, 1)
     assert len(jobs) == 1 and set(row) == {"skipped"}
 

@@ -184,10 +184,11 @@ def test_tiled_kernel_takes_any_leading_shape_and_bfloat16(ext):
 def test_tiles_live_as_long_as_their_row_weight():
     import gc
 
-    from engine.kernels import quant
+    from engine.kernels import huge_pages, quant
 
     qw = gguf_like(16, 64)
-    assert quant.tiles_of(qw) is quant.tiles_of(qw)
+    arena = huge_pages.Arena()
+    assert quant.tiles_of(qw, arena) is quant.tiles_of(qw, arena)
     key = id(qw)
     del qw
     gc.collect()

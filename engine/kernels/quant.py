@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels.huge_pages import Arena
+
 
 @dataclass
 class Int8Weight:
@@ -215,13 +217,13 @@ TILED_TYPES = (Int4TiledWeight, Int8TiledWeight)
 _tiles: dict[int, tuple[weakref.ref, object]] = {}  # id(row weight) → (that weight, its tiles)
 
 
-def tiles_of(w: Int4Weight | Int8Weight) -> Int4TiledWeight | Int8TiledWeight:
-    """`w` repacked into tiles, once while `w` lives: the engines of a process share one
-    quantized model (engine/worker/worker.py), and so one copy of its tiles."""
+def tiles_of(w: Int4Weight | Int8Weight, arena: Arena) -> Int4TiledWeight | Int8TiledWeight:
+    """`w` repacked into tiles (in `arena`'s huge pages), once while `w` lives: the engines of a
+    process share one quantized model (engine/worker/worker.py), and so one copy of its tiles."""
     entry = _tiles.get(id(w))
     if entry is not None and entry[0]() is w:
         return entry[1]
-    tiled = tile_int8_q8(w) if isinstance(w, Int8Weight) else tile_int4_q8(w)
+    tiled = arena.place(tile_int8_q8(w) if isinstance(w, Int8Weight) else tile_int4_q8(w))
     key = id(w)
     _tiles[key] = (weakref.ref(w, lambda _: _tiles.pop(key, None)), tiled)
     return tiled
@@ -236,12 +238,13 @@ def arrange_for_kernels(weights: dict, kernels) -> dict:
     sums in its own order); other weights are left as they are."""
     formats = set(kernels.q8_tile_formats()) if kernels is not None else set()
     arranged: dict[int, object] = {}  # by id: a tied embedding stays the output layer's object
+    arena = Arena()
 
     def arrange(w):
         if isinstance(w, TILED_TYPES):
             w = w.to_rows()
         if can_tile(w) and ("int8" if isinstance(w, Int8Weight) else "int4") in formats:
-            return tiles_of(w)
+            return tiles_of(w, arena)
         return w
 
     out = {}

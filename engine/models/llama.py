@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 
 from engine import kernels as kernel_lib
+from engine.kernels import huge_pages
 from engine.kernels.float32_linear import float32_linear_backend
 from engine.kernels.quant import QUANTIZED_TYPES, arrange_for_kernels
 from engine.layers.attention import AttentionMetadata, paged_attention
@@ -338,6 +339,12 @@ class LlamaModel:
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, K and V block tensors [num_blocks, block_size, kv_heads, head_dim]."""
         shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        if self.device.type == "cpu":  # attention reads blocks scattered over the whole cache
+            arena = huge_pages.Arena()
+            return [
+                (arena.zeros(shape, self.dtype), arena.zeros(shape, self.dtype))
+                for _ in range(self.cfg.num_layers)
+            ]
         return [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -360,26 +367,29 @@ def _read_weights(model_dir: Path, cfg: LlamaConfig, device, dtype) -> dict[str,
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 tensors[name] = f.get_tensor(name)
+    arena = huge_pages.Arena()  # on the CPU, each weight goes to huge pages as it is read
 
-    def take(name: str) -> torch.Tensor:
+    def read(name: str) -> torch.Tensor:
         if name not in tensors:
             raise KeyError(f"weight {name!r} not found in {model_dir}")
         return tensors.pop(name).to(device=device, dtype=dtype).contiguous()
+
+    def take(name: str) -> torch.Tensor:
+        return arena.copy(read(name))
+
+    def fused(*names: str) -> torch.Tensor:
+        return arena.copy(torch.cat([read(name) for name in names]))
 
     weights = {"embed": take("model.embed_tokens.weight")}
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         weights[f"{i}.input_norm"] = take(p + "input_layernorm.weight")
-        weights[f"{i}.qkv"] = torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+        weights[f"{i}.qkv"] = fused(*(p + f"self_attn.{x}_proj.weight" for x in "qkv"))
         if cfg.attention_bias:
-            weights[f"{i}.qkv_bias"] = torch.cat(
-                [take(p + f"self_attn.{x}_proj.bias") for x in "qkv"]
-            )
+            weights[f"{i}.qkv_bias"] = fused(*(p + f"self_attn.{x}_proj.bias" for x in "qkv"))
         weights[f"{i}.o"] = take(p + "self_attn.o_proj.weight")
         weights[f"{i}.post_norm"] = take(p + "post_attention_layernorm.weight")
-        weights[f"{i}.gate_up"] = torch.cat(
-            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
-        )
+        weights[f"{i}.gate_up"] = fused(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
         weights[f"{i}.down"] = take(p + "mlp.down_proj.weight")
     weights["final_norm"] = take("model.norm.weight")
     # tied: the output layer reuses the embedding

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels import huge_pages
 from engine.models.llama import LlamaModel, is_layer_matrix
 
 
@@ -21,10 +22,10 @@ def with_bfloat16_linears(model: LlamaModel, why: str) -> LlamaModel:
     """`model` (float32 weights, untouched) with bfloat16 copies of its linear matrices and
     lm_head, layers rebuilt on them (engine/layers/linear.py casts each activation);
     `linear_precision` records the choice and `why`."""
-    weights = dict(model.w)
+    weights, arena = dict(model.w), huge_pages.Arena()
     for name, t in model.w.items():
         if name == "lm_head" or is_layer_matrix(name, t):
-            weights[name] = t.to(torch.bfloat16)
+            weights[name] = arena.copy(t.to(torch.bfloat16))
     choice = {"precision": "bfloat16", "why": why}
     return model.rebuilt(w=weights, linear_precision=choice)
 

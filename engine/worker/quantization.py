@@ -47,6 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.kernels import huge_pages
 from engine.kernels.quant import (
     QUANTIZED_TYPES,
     TILED_TYPES,
@@ -148,6 +149,7 @@ def quantize_model(
     check_quantization(method, group_size, model.device, model.cfg)
     cfg, w = model.cfg, dict(model.w)
     gguf = read_gguf_linears(gguf_path, cfg) if method == "gguf" else {}
+    arena = huge_pages.Arena()  # on the CPU, the quantized matrices in huge pages
     for i in range(cfg.num_layers):
         for name in LINEAR_NAMES:
             key = f"{i}.{name}"
@@ -157,13 +159,14 @@ def quantize_model(
                 w[key] = quantize_int8(model.w[key])
             else:
                 w[key] = quantize_int4(model.w[key], group_size)
+            w[key] = arena.place(w[key])
     tied = _is_tied(model.w)
     if lm_head != "none":
         head = model.w["lm_head"]
         head_q = quantize_int8(head) if lm_head == "int8" else quantize_int4(head, group_size)
         if method == "gguf":  # llama.cpp multiplies its 8-bit output layer by 8-bit activations
             head_q = replace(head_q, q8_activations=True)
-        w["lm_head"] = head_q
+        w["lm_head"] = head_q = arena.place(head_q)
         if tied:  # one matrix: the lookup reads its quantized rows (llama.cpp does the same)
             w["embed"] = head_q
     return model.rebuilt(

@@ -374,6 +374,16 @@ def kernel_rows(results: dict | None) -> pd.DataFrame | None:
     )
 
 
+def _peer_setting(peer: dict) -> str:
+    """Which llama.cpp ran, when it was not its default (its extra buffers crashed it on
+    prompts longer than one token: engine/tools/peers/llama_cpp.py)."""
+    if peer.get("extra_buffers") is False:
+        return " · AMX 등 확장 버퍼 없이"
+    if peer.get("prompt_lengths") == [1]:
+        return " · AMX 등 확장 버퍼, 1토큰 프롬프트"
+    return ""
+
+
 def peer_rows(results: dict | None) -> pd.DataFrame | None:
     """Batch-1 decode of the bench's section 10 (each dtype / quantization of the engine) next to
     llama.cpp on the same GGUF file, if that run had the peer; else None."""
@@ -395,8 +405,7 @@ def peer_rows(results: dict | None) -> pd.DataFrame | None:
     ]
     rows.append(
         {
-            "엔진": f"llama.cpp {peer.get('version', '')} · Q4_1"
-            + (" · AMX 등 확장 버퍼 없이" if peer.get("extra_buffers") is False else ""),
+            "엔진": f"llama.cpp {peer.get('version', '')} · Q4_1" + _peer_setting(peer),
             "스텝당 MB": None,
             "decode 토큰/s": round(base, 1),
             "스텝 ms": round(peer.get("decode_step_ms", 1e3 / base), 2),

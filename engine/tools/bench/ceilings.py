@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels import huge_pages
 from engine.tools.bench.timing import best_time
 
 
@@ -22,9 +23,16 @@ def _matmul_kernels(device: torch.device, dtype: torch.dtype) -> dict:
 
 def measure_bandwidth(device: torch.device, num_bytes: int, repeats: int) -> tuple[float, float]:
     """(read, copy) GB/s: sum of a large float32 tensor reads every byte once; copy_ reads and
-    writes."""
-    x = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
-    y = torch.empty_like(x)
+    writes. On a CPU the tensors sit in huge pages where the OS gives them, as the engine's
+    weights do (engine/kernels/huge_pages.py): 4 KiB pages read slower (25 against 30 GB/s on
+    the Xeon VM of docs/performance.md, 2026-12-05), and the ceiling is the faster kind."""
+    if device.type == "cpu":
+        arena = huge_pages.Arena()
+        x = arena.zeros((num_bytes // 4,), torch.float32).fill_(1.0)
+        y = arena.zeros((num_bytes // 4,), torch.float32)
+    else:
+        x = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+        y = torch.empty_like(x)
     read_s = best_time(lambda: x.sum(), device, repeats)
     copy_s = best_time(lambda: y.copy_(x), device, repeats)
     return num_bytes / read_s / 1e9, 2 * num_bytes / copy_s / 1e9
@@ -53,7 +61,8 @@ def measure_ceilings(device: torch.device, num_bytes: int, matmul_size: int, rep
         "matmul_gflop_s": matmul,
         "matmul_gflop_s_by_kernel": by_kernel,
         "method": (
-            f"read: sum of a {num_bytes >> 20} MiB float32 tensor (sampled at the start and again "
+            f"read: sum of a {num_bytes >> 20} MiB float32 tensor (in huge pages on a CPU, as the "
+            f"weights are; sampled at the start and again "
             f"before the batch-1 decode, the best kept); copy: copy_ of it (read + write "
             f"counted); matmul: {n}×{n} @ {n}×{n} per dtype (2n³ FLOP), the best kernel; "
             f"best of {repeats} each"

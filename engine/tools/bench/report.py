@@ -45,6 +45,7 @@ def format_conditions(c: dict) -> list[str]:
         f"{c['engine']['max_num_seqs']}, token budget {c['engine']['max_num_batched_tokens']}",
         f"  kernels: {c.get('kernels', 'torch')}",
         f"  quantization: {c.get('quantization', 'none')}",
+        *([f"  memory: {c['pages']}"] if c.get("pages") else []),
         *format_load(c),
     ]
 

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from engine.kernels import huge_pages
 from engine.tools.bench.bf16_linears import run_bfloat16_linears
 from engine.tools.bench.ceilings import (
     measure_bandwidth,
@@ -172,6 +173,7 @@ def conditions(run: BenchRun, kernels_line: str, quantization_line: str) -> dict
         "kernels": kernels_line,
         "quantization": quantization_line,
         "quantization_method": config.quantization,
+        "pages": huge_pages.describe() if engine.device.type == "cpu" else None,
         "engine": {
             "max_num_seqs": config.max_num_seqs,
             "max_num_batched_tokens": config.max_num_batched_tokens,
