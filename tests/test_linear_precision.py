@@ -76,6 +76,49 @@ def test_a_bfloat16_linear_layer_takes_and_returns_float32():
         assert torch.allclose(library(x, w.bfloat16(), bias), exact, rtol=2e-2, atol=2e-2)
 
 
+needs_prepacking = pytest.mark.skipif(
+    not lp.prepacking_works(), reason="this PyTorch cannot prepack weights for oneDNN"
+)
+
+
+@needs_prepacking
+def test_a_prepacked_weight_gives_onednns_numbers_bit_for_bit():
+    """Reordered once at load for oneDNN, the matrix multiplies exactly as the plain one does,
+    at any row count and with a bias."""
+    torch.manual_seed(0)
+    for n, k in ((48, 64), (960, 576), (576, 1536)):
+        w, bias = (torch.randn(n, k) * 0.05).bfloat16(), torch.randn(n)
+        packed = lp.prepacked(w)
+        assert packed.is_mkldnn and packed.shape == w.shape and packed.dtype == torch.bfloat16
+        for rows in (1, 3, 16, 17, 70):
+            x = torch.randn(rows, k)
+            for b in (None, bias):
+                expected = lp.bfloat16_onednn_linear(x, w, b)
+                assert torch.equal(lp.bfloat16_prepacked_linear(x, packed, b), expected)
+
+
+@needs_prepacking
+def test_bfloat16_linears_are_prepacked_and_give_the_plain_weights_tokens(
+    make_engine, fresh_choice, monkeypatch
+):
+    from engine.kernels.quant import storage_key
+    from engine.models.llama import is_layer_matrix
+
+    packed = make_engine(kernels="torch", linear_precision="bfloat16")
+    m = packed.executor.worker.model
+    matrices = [t for name, t in m.w.items() if is_layer_matrix(name, t)] + [m.w["lm_head"]]
+    assert all(t.is_mkldnn for t in matrices)
+    assert len({storage_key(t) for t in matrices}) == len(matrices)
+    assert all(layer.mlp.gate_up.matmul is lp.bfloat16_prepacked_linear for layer in m.layers)
+    monkeypatch.setattr(lp, "_choice", {"precision": "bfloat16", "library": "oneDNN"})
+    from engine.worker import worker
+
+    monkeypatch.setattr(worker, "_loaded_models", {})  # convert again, with plain weights
+    plain = make_engine(kernels="torch", linear_precision="bfloat16")
+    assert not plain.executor.worker.model.w["0.qkv"].is_mkldnn
+    assert tokens_of(packed) == tokens_of(plain)
+
+
 def timings(f32_1, bf_1, f32_32, bf_32, onednn_factor=1.5) -> dict:
     return {
         1: {"float32": f32_1, "F.linear": bf_1, "oneDNN": bf_1 * onednn_factor},
@@ -96,6 +139,11 @@ def test_the_auto_rule_on_timings():
     assert choose(timings(10, 10, 130, 100), "amx_bf16")["precision"] == "bfloat16"  # the edge
     onednn = choose(timings(10, 9, 100, 40, onednn_factor=0.5), "amx_bf16")
     assert onednn["library"] == "oneDNN"  # the faster library over 1 + 32 rows
+    ms = timings(10, 11, 100, 40)  # plain bfloat16 slower at one row, prepacked faster
+    ms[1][lp.PREPACKED], ms[32][lp.PREPACKED] = 8.0, 30.0
+    prepacked = choose(ms, "amx_bf16")
+    assert (prepacked["precision"], prepacked["library"]) == ("bfloat16", lp.PREPACKED)
+    assert f"bfloat16 ({lp.PREPACKED}) 8.0 ms (1.25×)" in prepacked["why"]
     assert lp.bfloat16_isa("fpu avx512f avx512_bf16 amx_tile amx_bf16") == "amx_bf16"
     assert lp.bfloat16_isa("fpu avx512f avx512_bf16") == "avx512_bf16"
     assert lp.bfloat16_isa("fpu avx2 fma") is None

@@ -5,7 +5,9 @@ products) multiplies bfloat16 matrices faster than float32 ones: on our 2-vCPU A
 avx512_bf16) F.linear ran 1.1-1.2× faster at one row, 2.3× at 32 rows and 2.8× on the
 49,152 × 576 lm_head (2026-12-04); issue 37 measured AMX at 2,218 GFLOP/s against float32's 339.
 `EngineConfig.linear_precision` = "bfloat16" keeps the linear layers' weights (lm_head included)
-in bfloat16 and casts each float32 activation to bfloat16 for the matmul and the result back;
+in bfloat16 (reordered once at load into oneDNN's blocked layout where this PyTorch can:
+`prepacked`, the difference between 0.8× and 1.2-1.4× float32's speed at one row on an AMX Xeon)
+and casts each float32 activation to bfloat16 for the matmul and the result back;
 everything else (embedding lookup, attention, norms, KV cache, sampler) stays float32. "auto"
 decides at load, once per process, like the float32 library (engine/kernels/float32_linear.py):
 bfloat16 when the CPU has the instructions and a timing over the model's own layer matrices
@@ -17,6 +19,7 @@ workers get the driver's choice through their spec: engine/executor/multiproc.py
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -59,13 +62,54 @@ def bfloat16_onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor 
     return y if bias is None else y + bias
 
 
-BFLOAT16_LIBRARIES = {"F.linear": bfloat16_linear, "oneDNN": bfloat16_onednn_linear}
+def prepacked(w: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 matrix [out, in] in oneDNN's blocked layout for its linear kernel, reordered
+    once at load: given the plain layout, oneDNN reorders the weight on every call. On a 2-vCPU
+    AMX Xeon (2026-12-05, the default model's 120 layer matrices) one row took 17.0 ms plain and
+    11.4 prepacked (float32: 16.3), 32 rows 19.9 and 14.0-15.5 (float32: 48-53), with the same
+    outputs bit for bit. An opaque tensor: its dtype and shape are the matrix's, it has no
+    storage pointer, and only `bfloat16_prepacked_linear` multiplies by it."""
+    return torch.ops.mkldnn._reorder_linear_weight(w, None)
+
+
+@functools.cache
+def prepacking_works() -> bool:
+    """True if this PyTorch build can prepack a bfloat16 weight for oneDNN (tried once)."""
+    try:
+        w = torch.ones(3, 2, dtype=torch.bfloat16)
+        return bfloat16_prepacked_linear(torch.ones(1, 2), prepacked(w)).shape == (1, 3)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def bfloat16_prepacked_linear(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`bfloat16_linear` with a `prepacked` weight (the same casts)."""
+    y = torch.ops.mkldnn._linear_pointwise(x.to(w.dtype), w, None, "none", [], "").to(x.dtype)
+    return y if bias is None else y + bias
+
+
+BFLOAT16_LIBRARIES = {
+    "F.linear": bfloat16_linear,
+    "oneDNN": bfloat16_onednn_linear,
+    "oneDNN prepacked": bfloat16_prepacked_linear,
+}
+PREPACKED = "oneDNN prepacked"  # the library whose weights are reordered at load
+
+
+def bfloat16_library() -> str:
+    """The bfloat16 library the layers use: the one "auto" timed fastest; without a timing
+    (the precision set, not timed) oneDNN on prepacked weights where it works, else F.linear."""
+    library = (_choice or {}).get("library")
+    return library or (PREPACKED if prepacking_works() else "F.linear")
 
 
 def bfloat16_matmul():
-    """The bfloat16 linear the layers call: the library "auto" timed faster, else F.linear."""
-    library = (_choice or {}).get("library") or "F.linear"
-    return BFLOAT16_LIBRARIES[library]
+    """The bfloat16 linear a layer with a plain bfloat16 weight calls (a prepacked weight always
+    takes `bfloat16_prepacked_linear`)."""
+    library = bfloat16_library()
+    return BFLOAT16_LIBRARIES["oneDNN" if library == PREPACKED else library]
 
 
 def choose_precision(ms: dict | None, isa: str | None) -> dict:
@@ -76,7 +120,8 @@ def choose_precision(ms: dict | None, isa: str | None) -> dict:
     if isa is None:
         why = "this CPU has no bfloat16 instructions (neither amx_bf16 nor avx512_bf16)"
         return {"precision": "float32", "library": None, "why": why, "ms": ms}
-    library = min(BFLOAT16_LIBRARIES, key=lambda name: ms[1][name] + ms[32][name])
+    timed = [name for name in BFLOAT16_LIBRARIES if name in ms[1]]
+    library = min(timed, key=lambda name: ms[1][name] + ms[32][name])
     speedup = {rows: t["float32"] / t[library] for rows, t in ms.items()}
     faster = speedup[32] >= MIN_SPEEDUP_AT_32_ROWS and speedup[1] >= 1.0
     timings = "; ".join(
@@ -99,6 +144,10 @@ def _time_precisions(matrices: list[torch.Tensor]) -> dict:
     f32 = F.linear if float32_linear_backend(matrices)["backend"] == "mkl" else onednn_linear
     bf16 = [m.to(torch.bfloat16) for m in matrices]
     candidates = {name: (fn, bf16) for name, fn in BFLOAT16_LIBRARIES.items()}
+    if prepacking_works():
+        candidates[PREPACKED] = (bfloat16_prepacked_linear, [prepacked(m) for m in bf16])
+    else:
+        del candidates[PREPACKED]
     return time_linears({"float32": (f32, matrices), **candidates})
 
 

@@ -214,6 +214,15 @@ QUANTIZED_TYPES = (Int8Weight, Int4Weight, Int4TiledWeight, Int8TiledWeight)
 TILED_TYPES = (Int4TiledWeight, Int8TiledWeight)
 
 
+def storage_key(weight) -> int:
+    """What identifies a weight's memory, so that a tied or shared one counts once: its storage
+    pointer, or the object itself for a quantized weight or a bfloat16 one prepacked for oneDNN
+    (engine/kernels/linear_precision.py `prepacked`), which have none."""
+    if isinstance(weight, QUANTIZED_TYPES) or weight.is_mkldnn:
+        return id(weight)
+    return weight.data_ptr()
+
+
 _tiles: dict[int, tuple[weakref.ref, object]] = {}  # id(row weight) → (that weight, its tiles)
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.float32_linear import float32_linear_backend, onednn_linear
-from engine.kernels.linear_precision import bfloat16_matmul
+from engine.kernels.linear_precision import bfloat16_matmul, bfloat16_prepacked_linear
 from engine.kernels.quant import QUANTIZED_TYPES, kernel_linear, quantized_linear
 from engine.layers.sharding import head_ranges, mlp_range
 from engine.models.config import LlamaConfig
@@ -40,10 +40,12 @@ def choose_matmul(weight, kernels=None, kernel=None) -> Matmul:
     bound to the weight: quant.py `kernel_linear`) or, with None, to the reference
     (dequantize + matmul); a float32 matrix on a CPU to the library timed faster here (MKL or
     oneDNN, once per process); a bfloat16 matrix on a CPU to the bfloat16 linear (float32
-    activations cast for the matmul, the result cast back; plain F.linear for bfloat16 ones);
-    anything else to F.linear."""
+    activations cast for the matmul, the result cast back; plain F.linear for bfloat16 ones),
+    oneDNN's where the matrix was prepacked for it at load; anything else to F.linear."""
     if isinstance(weight, QUANTIZED_TYPES):
         return partial(quantized_linear, kernels=kernels, linear=kernel)
+    if weight.is_mkldnn:  # a bfloat16 weight reordered for oneDNN at load
+        return bfloat16_prepacked_linear
     if weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
         return bfloat16_matmul()
     on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32

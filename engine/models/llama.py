@@ -30,7 +30,7 @@ from safetensors import safe_open
 from engine import kernels as kernel_lib
 from engine.kernels import huge_pages
 from engine.kernels.float32_linear import float32_linear_backend
-from engine.kernels.quant import QUANTIZED_TYPES, arrange_for_kernels
+from engine.kernels.quant import QUANTIZED_TYPES, arrange_for_kernels, storage_key
 from engine.layers.attention import AttentionMetadata, paged_attention
 from engine.layers.linear import (
     MergedColumnParallelLinear,
@@ -265,11 +265,11 @@ class LlamaModel:
 
     def distinct_weights(self) -> list:
         """Every weight once (a tied lm_head shares the embedding's storage); a weight-only
-        quantized matrix (engine/kernels/quant.py, engine/worker/quantization.py) counts as
-        one."""
+        quantized matrix (engine/kernels/quant.py, engine/worker/quantization.py) or a bfloat16
+        one prepacked for oneDNN (engine/kernels/linear_precision.py) counts as one."""
         seen, weights = set(), []
         for t in self.w.values():
-            key = id(t) if isinstance(t, QUANTIZED_TYPES) else t.data_ptr()
+            key = storage_key(t)
             if key not in seen:
                 seen.add(key)
                 weights.append(t)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels import huge_pages
+from engine.kernels.linear_precision import PREPACKED, bfloat16_library, prepacked
 from engine.models.llama import LlamaModel, is_layer_matrix
 
 
@@ -23,9 +24,11 @@ def with_bfloat16_linears(model: LlamaModel, why: str) -> LlamaModel:
     lm_head, layers rebuilt on them (engine/layers/linear.py casts each activation);
     `linear_precision` records the choice and `why`."""
     weights, arena = dict(model.w), huge_pages.Arena()
+    prepack = bfloat16_library() == PREPACKED  # reordered for oneDNN once, here
     for name, t in model.w.items():
         if name == "lm_head" or is_layer_matrix(name, t):
-            weights[name] = arena.copy(t.to(torch.bfloat16))
+            bf16 = t.to(torch.bfloat16)
+            weights[name] = prepacked(bf16) if prepack else arena.copy(bf16)
     choice = {"precision": "bfloat16", "why": why}
     return model.rebuilt(w=weights, linear_precision=choice)
 
