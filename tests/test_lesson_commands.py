@@ -118,6 +118,11 @@ PLAN: dict[str, tuple[str, str]] = {
         "the full quantization comparison (many minutes): start-up as "
         "`bench --quick --compare-quantization --skip-transformers`, which runs here",
     ),
+    "python -m engine bench --compare-quantization --skip-transformers": (
+        PARSED,
+        "the full quantization comparison without the transformers baseline (many minutes): "
+        "start-up as `bench --quick --compare-quantization --skip-transformers`, which runs here",
+    ),
     "python -m engine bench --json my.json --model /path/to/hf-llama-dir --threads 2": (
         PARSED,
         "/path/to/hf-llama-dir is a placeholder for the reader's model directory",
