@@ -262,6 +262,28 @@ def test_llama_cpp_peer_killed_by_a_signal_is_measured_at_its_best_configuration
     assert len(jobs) == 1 and set(row) == {"skipped"}
 
 
+def test_the_bfloat16_linears_target_is_a_row_where_it_is_set_for():
+    """Issue 37's 2× for bfloat16 linears offline is a goal on AMX machines: a target row there,
+    met or not by the measured ratio; no row where auto kept float32 or the CPU has no AMX."""
+    from engine.tools.bench.targets import TARGETS, evaluate_targets
+
+    def rows(bf16: dict) -> dict:
+        results = {
+            "offline": {"ratio": 3.0, "bfloat16_linears": bf16},
+            "decode_batch1": {"fraction_of_roofline": 0.7},
+            "overhead": {"full_batch": {"overhead_share": 0.02}},
+            "conditions": {},
+        }
+        return {r["name"]: r for r in evaluate_targets(results)}
+
+    name = "offline throughput, bfloat16 linears (auto) ÷ float32's, on AMX"
+    assert TARGETS["bf16_linears_offline_on_amx"] == 2.0
+    assert rows({"ran": True, "amx": "AMX", "ratio": 1.81})[name]["met"] is False
+    assert rows({"ran": True, "amx": "AMX", "ratio": 2.05})[name]["met"] is True
+    assert name not in rows({"ran": True, "amx": "not an AMX machine", "ratio": 1.4})
+    assert name not in rows({"ran": False, "why": "auto chooses float32", "amx": "AMX"})
+
+
 def test_best_time_keeps_the_fastest_call_and_stops_at_its_budget():
     """Best of N, but a very slow call (bfloat16 matmul on a CPU without bfloat16 instructions)
     stops after two timed calls once the budget is spent, instead of running all N."""

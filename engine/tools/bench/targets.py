@@ -11,6 +11,7 @@ TARGETS = {
     "int8_matvec_speedup": 1.8,  # our int8 matrix × vector ÷ the best float32 one, 1 row
     "int8_decode_speedup": 1.8,  # the engine's batch-1 decode, int8 ÷ float32 (section 8)
     "int4_vs_llama_cpp": 1.0,  # the engine's best 4-bit batch-1 decode ÷ llama.cpp Q4_1's
+    "bf16_linears_offline_on_amx": 2.0,  # offline with bfloat16 linears ("auto") ÷ float32's
 }
 
 
@@ -77,6 +78,17 @@ def evaluate_targets(results: dict) -> list[dict]:
                 int8_decode,
                 TARGETS["int8_decode_speedup"],
                 int8_decode >= TARGETS["int8_decode_speedup"],
+            )
+        )
+    bf16 = results["offline"].get("bfloat16_linears") or {}
+    if bf16.get("ran") and bf16.get("amx") == "AMX":  # the goal is set for AMX machines
+        target = TARGETS["bf16_linears_offline_on_amx"]
+        rows.append(
+            (
+                "offline throughput, bfloat16 linears (auto) ÷ float32's, on AMX",
+                bf16["ratio"],
+                target,
+                bf16["ratio"] >= target,
             )
         )
     return [{"name": n, "value": v, "target": t, "met": bool(m)} for n, v, t, m in rows]
