@@ -256,6 +256,7 @@ def test_llama_cpp_peer_killed_by_a_signal_is_measured_at_its_best_configuration
     results[:] = [(-11, 0), (-11, 0), (0, 87.0)]  # the one-token run crashes too: the other row
     row = peer.measure_llama_cpp_isolated("x.gguf", [[1, 2]], 4, 1)
     assert row["decode_tokens_per_s"] == 87.0 and row["note"].count("exit code -11") == 2
+    assert "(this row) and" in row["note"]  # not "the faster": the other did not run
     jobs.clear()
     results[:] = [(1, 0)]
     row = peer.measure_llama_cpp_isolated("x.gguf", [[1, 2]], 4, 1)

@@ -146,9 +146,10 @@ def _after_a_crash(job: dict, crash: str, timeout_s: float) -> dict:
         for other, row in rows.items()
         if other != how
     )
+    which = "this row, the faster" if len(measured) > 1 else "this row"
     best["note"] = (
-        f"{crash} with its extra buffers on the prompts; measured again {how} (this row, the "
-        f"faster) and {others}"
+        f"{crash} with its extra buffers on the prompts; measured again {how} ({which}) and "
+        f"{others}"
     )
     return best
 
