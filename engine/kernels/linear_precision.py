@@ -90,12 +90,12 @@ def bfloat16_prepacked_linear(
     return y if bias is None else y + bias
 
 
+PREPACKED = "oneDNN prepacked"  # the library whose weights are reordered at load
 BFLOAT16_LIBRARIES = {
     "F.linear": bfloat16_linear,
     "oneDNN": bfloat16_onednn_linear,
-    "oneDNN prepacked": bfloat16_prepacked_linear,
+    PREPACKED: bfloat16_prepacked_linear,
 }
-PREPACKED = "oneDNN prepacked"  # the library whose weights are reordered at load
 
 
 def bfloat16_library() -> str:
@@ -139,16 +139,16 @@ def choose_precision(ms: dict | None, isa: str | None) -> dict:
 
 
 def _time_precisions(matrices: list[torch.Tensor]) -> dict:
-    """float32 (through the float32 library chosen for this CPU) and both bfloat16 libraries
-    over `matrices` and their bfloat16 copies, side by side under the same load."""
+    """float32 (through the float32 library chosen for this CPU) and the bfloat16 libraries
+    over `matrices` and their bfloat16 copies (prepacked ones where this PyTorch can), side by
+    side under the same load."""
     f32 = F.linear if float32_linear_backend(matrices)["backend"] == "mkl" else onednn_linear
     bf16 = [m.to(torch.bfloat16) for m in matrices]
-    candidates = {name: (fn, bf16) for name, fn in BFLOAT16_LIBRARIES.items()}
+    candidates = {"float32": (f32, matrices)}
+    candidates |= {name: (BFLOAT16_LIBRARIES[name], bf16) for name in ("F.linear", "oneDNN")}
     if prepacking_works():
         candidates[PREPACKED] = (bfloat16_prepacked_linear, [prepacked(m) for m in bf16])
-    else:
-        del candidates[PREPACKED]
-    return time_linears({"float32": (f32, matrices), **candidates})
+    return time_linears(candidates)
 
 
 def linear_precision_choice(matrices=None) -> dict:
