@@ -26,6 +26,9 @@ ENGINE_ITERATION_TIMEOUT_ENV = "LLM_ENGINE_ITERATION_TIMEOUT_S"
 DEFAULT_ENGINE_ITERATION_TIMEOUT_S = 60.0
 # What a float32 CPU engine's linears compute in (engine/kernels/linear_precision.py).
 LINEAR_PRECISIONS = ("float32", "bfloat16", "auto")
+# What the KV cache holds: "auto" (the model's dtype) or "bfloat16" (under a float32 model: half
+# the bytes per token, rounded as written). vLLM's CacheConfig.cache_dtype, same name and "auto".
+KV_CACHE_DTYPES = ("auto", "bfloat16")
 
 
 def engine_iteration_timeout_s(value: float | None = None) -> float:
@@ -69,6 +72,19 @@ def check_linear_precision(precision: str, device, dtype, quantization=None) -> 
     )
 
 
+def check_kv_cache_dtype(kv_cache_dtype: str, dtype) -> None:
+    """Refuse a `kv_cache_dtype` no engine runs: a bfloat16 cache holds float32 or bfloat16
+    models' K/V (a float16 model's K/V would lose range in it)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    dtype_name = str(dtype).removeprefix("torch.")
+    if kv_cache_dtype == "bfloat16" and dtype_name not in ("None", "auto", "float32", "bfloat16"):
+        raise ValueError(
+            "kv_cache_dtype='bfloat16' holds a float32 or bfloat16 model's K/V, "
+            f"not dtype={dtype!r}"
+        )
+
+
 @dataclass
 class EngineConfig:
     model: str | Path | None = None  # None: the embedded default artifact
@@ -102,6 +118,9 @@ class EngineConfig:
     # the CPU has AMX / AVX512-BF16 and a load-time timing shows it faster):
     # engine/kernels/linear_precision.py.
     linear_precision: str = "float32"
+    # vLLM's name: what the KV cache stores (KV_CACHE_DTYPES). "auto": the model's dtype;
+    # "bfloat16" under a float32 model halves the bytes a decode step reads from the cache.
+    kv_cache_dtype: str = "auto"
     # vLLM's name: True runs every step eagerly; False lets decode-only steps on CUDA replay
     # captured CUDA graphs (engine/worker/cuda_graphs.py). No effect on a CPU.
     enforce_eager: bool = False
@@ -145,6 +164,7 @@ class EngineConfig:
                 "tensor_parallel_size=1 and pipeline_parallel_size=1"
             )
         check_linear_precision(self.linear_precision, self.device, self.dtype, self.quantization)
+        check_kv_cache_dtype(self.kv_cache_dtype, self.dtype)
         if self.quantization and (self.tensor_parallel_size, self.pipeline_parallel_size) != (1, 1):
             raise ValueError(
                 f"quantization {self.quantization!r} runs with one worker only; "

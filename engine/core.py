@@ -37,7 +37,13 @@ from engine.trace import ScheduledRecord, StepRecord
 from engine.utils import cdiv
 from engine.worker.model_runner import ModelRunnerOutput
 from engine.worker.quantization import check_quantization
-from engine.worker.worker import CacheTooSmallError, Worker, resolve_device, resolve_dtype
+from engine.worker.worker import (
+    CacheTooSmallError,
+    Worker,
+    resolve_device,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +144,7 @@ class EngineCore:
         self.tokenizer = tokenizer or Tokenizer(self.model_dir)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.max_model_len = config.resolve_max_model_len(
             self.model_config.max_position_embeddings, self.model_config.sliding_window
         )
@@ -160,7 +167,7 @@ class EngineCore:
         """The KV connector's scheduler side (the worker builds its worker side), or None."""
         if config.kv_transfer_config is None:
             return None
-        element_bytes = self.dtype.itemsize
+        element_bytes = self.kv_cache_dtype.itemsize
         bytes_per_block = self.model_config.kv_elements_per_token * element_bytes
         bytes_per_block *= config.block_size
         return make_kv_connector(config.kv_transfer_config, config.block_size, bytes_per_block)
@@ -197,7 +204,7 @@ class EngineCore:
                 self.model_dir, self.model_config, self.device, self.dtype, config.block_size,
                 config.kernels, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                 step_timeout_s=config.engine_iteration_timeout_s,
-                linear_precision=config.linear_precision,
+                linear_precision=config.linear_precision, kv_cache_dtype=self.kv_cache_dtype,
             )  # fmt: skip
         return UniProcExecutor(
             Worker(
@@ -210,6 +217,7 @@ class EngineCore:
                 quantization_group_size=config.quantization_group_size,
                 kv_transfer_config=config.kv_transfer_config,
                 linear_precision=config.linear_precision,
+                kv_cache_dtype=self.kv_cache_dtype,
             )
         )
 

@@ -64,11 +64,13 @@ def run_both(
     dtype: torch.dtype = torch.float32,
     fused: bool = False,
     with_exact: bool = False,
+    cache_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """requests: (tokens already cached, new tokens) each. Returns (torch output, kernel output),
     and with_exact the torch path in float32 on the same inputs widened (the exact answer).
     fused: q, k, v are views of one [tokens, (heads + 2 kv_heads) * head_dim] tensor, as the
-    model's fused qkv projection gives them (strided between tokens, heads contiguous)."""
+    model's fused qkv projection gives them (strided between tokens, heads contiguous).
+    cache_dtype: what the caches hold (None: `dtype`; bfloat16 under float32: kv_cache_dtype)."""
     g = torch.Generator().manual_seed(seed)
     heads = kv_heads * group
     total_blocks = sum(-(-(c + n) // block_size) for c, n in requests) + 3
@@ -80,8 +82,8 @@ def run_both(
         tables.append([ids.pop() for _ in range(need)])
     shape = (total_blocks, block_size, kv_heads, head_dim)
     # junk everywhere (blocks of finished requests); the cached prefixes are whatever lies there
-    k_cache = (torch.randn(shape, generator=g) * 3).to(dtype)
-    v_cache = (torch.randn(shape, generator=g) * 3).to(dtype)
+    k_cache = (torch.randn(shape, generator=g) * 3).to(cache_dtype or dtype)
+    v_cache = (torch.randn(shape, generator=g) * 3).to(cache_dtype or dtype)
     num_tokens = sum(n for _, n in requests)
     if fused:
         qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
@@ -242,6 +244,37 @@ def test_bfloat16_cache_is_read_and_written_in_bfloat16(ext, two_threads, reques
     torch.testing.assert_close(out.float(), exact, atol=1e-5, rtol=2**-7)
 
 
+@pytest.mark.parametrize(
+    "requests",
+    [
+        [(0, 1)],
+        [(15, 1)],
+        [(300, 1)],
+        [(1000, 1)],
+        [(40, 1), (3, 1), (37, 19)],
+        [(0, 20), (100, 24)],
+    ],
+)
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_bfloat16_cache_under_float32_queries(ext, two_threads, requests, head_dim):
+    """kv_cache_dtype="bfloat16" in a float32 engine: the new K/V are rounded as they are written
+    (the same cache contents on both paths, a first chunk attending to its K/V rounded the same
+    way), the cache read widened, everything else float32: the kernel equals the torch path to
+    float32's rounding."""
+    ref, out = run_both(
+        ext,
+        requests,
+        kv_heads=3,
+        group=3,
+        head_dim=head_dim,
+        block_size=16,
+        seed=head_dim + 1,
+        dtype=torch.float32,
+        cache_dtype=torch.bfloat16,
+    )
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
 @HYPOTHESIS
 @given(
     requests=st.lists(
@@ -257,14 +290,27 @@ def test_bfloat16_cache_is_read_and_written_in_bfloat16(ext, two_threads, reques
     head_dim=st.sampled_from([16, 64]),
     block_size=st.sampled_from([1, 4, 16]),
     seed=st.integers(0, 2**16),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    dtypes=st.sampled_from(
+        [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.bfloat16)]
+    ),
     fused=st.booleans(),
 )
 def test_random_flat_batches(
-    ext, requests, kv_heads, group, head_dim, block_size, seed, dtype, fused
+    ext, requests, kv_heads, group, head_dim, block_size, seed, dtypes, fused
 ):
+    dtype, cache_dtype = dtypes
     ref, out, exact = run_both(
-        ext, requests, kv_heads, group, head_dim, block_size, seed, dtype, fused, with_exact=True
+        ext,
+        requests,
+        kv_heads,
+        group,
+        head_dim,
+        block_size,
+        seed,
+        dtype,
+        fused,
+        with_exact=True,
+        cache_dtype=cache_dtype,
     )
     if dtype == torch.float32:
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)

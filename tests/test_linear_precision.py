@@ -266,11 +266,17 @@ def test_the_bench_runs_the_offline_workload_again_with_auto(
     assert b["engine"]["output_tokens"] == float32_run["output_tokens"]
     assert b["ratio"] == b["engine"]["output_tokens_per_s"] / float32_run["output_tokens_per_s"]
     assert b["float32_weight_bytes"] == llm.engine.weight_bytes() != b["weight_bytes"]
-    a = b["agreement"]
-    assert a["requests"] == 4 and a["identical_requests"] + len(a["divergences"]) == 4
-    assert a["near_ties"] + a["not_near_ties"] == len(a["divergences"]) and a["tie_margin"] == 0.5
+    kv = b["with_bfloat16_kv_cache"]  # the same engine over a bfloat16 KV cache
+    assert b["kv_cache_dtype"] == "float32" and kv["kv_cache_dtype"] == "bfloat16"
+    assert kv["engine"]["output_tokens"] == float32_run["output_tokens"]
+    assert kv["ratio"] == kv["engine"]["output_tokens_per_s"] / float32_run["output_tokens_per_s"]
+    for a in (b["agreement"], kv["agreement"]):
+        assert a["requests"] == 4 and a["identical_requests"] + len(a["divergences"]) == 4
+        assert a["near_ties"] + a["not_near_ties"] == len(a["divergences"])
+        assert a["tie_margin"] == 0.5
     offline = {"engine": {k: v for k, v in float32_run.items() if k != "tokens"}}
     text = "\n".join(format_offline({**offline, "bfloat16_linears": b}))
     assert "bf16 linears" in text and "not an AMX machine" in text and "near-tie" in text
+    assert "+ bf16 KV cache" in text
     text = "\n".join(format_offline({**offline, "bfloat16_linears": skipped}))
     assert "bfloat16 linears (auto): not run: auto chooses float32" in text

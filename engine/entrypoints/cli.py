@@ -254,6 +254,7 @@ def bench_config(args: argparse.Namespace):
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
         linear_precision=args.linear_precision,
+        kv_cache_dtype=args.kv_cache_dtype,
         compare_variants=DEFAULT_VARIANTS if args.compare_quantization else None,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,

@@ -1,7 +1,8 @@
-"""The flags that say how the linears' weights are stored and computed, shared by generate,
-serve and bench: weight-only quantization (engine/worker/quantization.py) and the linears'
-precision in a float32 engine (engine/kernels/linear_precision.py). The choices are spelled out
-here so that --help does not load torch."""
+"""The flags that say what the weights and the KV cache are stored and computed in, shared by
+generate, serve and bench: weight-only quantization (engine/worker/quantization.py), the
+linears' precision in a float32 engine (engine/kernels/linear_precision.py) and the KV cache's
+dtype (engine/config.py KV_CACHE_DTYPES). The choices are spelled out here so that --help does
+not load torch."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import argparse
 
 
 def add_quantization_args(p: argparse.ArgumentParser) -> None:
-    """--quantization / --quantization-group-size and --linear-precision."""
+    """--quantization / --quantization-group-size, --linear-precision and --kv-cache-dtype."""
     p.add_argument(
         "--quantization",
         choices=["int8", "int4", "gguf"],
@@ -31,4 +32,11 @@ def add_quantization_args(p: argparse.ArgumentParser) -> None:
         help="what a float32 CPU engine's linears (lm_head too) compute in: float32 (default), "
         "bfloat16 (bfloat16 weights, everything else float32), or auto (bfloat16 where the CPU "
         "has AMX / AVX512-BF16 and a load-time timing shows it faster)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "bfloat16"],
+        default="auto",
+        help="what the KV cache holds: auto (the model's dtype, default) or bfloat16 (under a "
+        "float32 model: half the bytes per token, K/V rounded as they are written)",
     )

@@ -253,6 +253,7 @@ class RankServer:
             spec["kernels"],
             parallel=ParallelContext(tp, pp, self.rank, self.comm),
             linear_precision=spec.get("linear_precision", "float32"),
+            kv_cache_dtype=spec.get("kv_cache_dtype"),
         )
         self.worker.load_model()
 
@@ -471,6 +472,7 @@ class MultiprocExecutor(Executor):
         master_port: int | None = None,
         step_timeout_s: float | None = None,
         linear_precision: str = "float32",
+        kv_cache_dtype: torch.dtype | None = None,
     ):
         """Validates everything it can (sizes, devices, the rendezvous port) and starts nothing:
         the processes start (or the torchrun world is joined) in initialize().
@@ -497,6 +499,7 @@ class MultiprocExecutor(Executor):
             model_dir=str(model_dir), device=device, dtype=dtype, block_size=block_size,
             kernels=kernels,
             linear_precision=resolve_linear_precision(linear_precision, device, dtype)["precision"],
+            kv_cache_dtype=kv_cache_dtype,
         )  # fmt: skip
         self.master_addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = master_port or os.environ.get("MASTER_PORT")

@@ -22,6 +22,10 @@ Two implementations, the same numbers (tests/test_kernels.py checks it):
   where it lies in its block, through the block table, so the copy of the whole context per
   request, per layer, per step disappears; the same call writes the step's new K/V. A first
   prefill chunk needs no cache read at all: it stays on SDPA.
+
+The cache may be narrower than the model (`kv_cache_dtype="bfloat16"` under a float32 model):
+K/V are rounded as they are written and widened as they are read, so a decode step streams half
+the bytes; a first prefill chunk attends to its K/V rounded the same way (`as_cached`).
 """
 
 from __future__ import annotations
@@ -248,16 +252,27 @@ def write_kv(
     v_cache: torch.Tensor,
     slots: torch.Tensor,
 ):
-    """Store this step's K/V ([num_tokens, kv_heads, head_dim]) into their cache slots."""
+    """Store this step's K/V ([num_tokens, kv_heads, head_dim]) into their cache slots, in the
+    cache's dtype (a bfloat16 KV cache under a float32 model rounds them)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
-def gather_context(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Blocks in table order, as one tensor [len(block_ids), block_size, kv_heads, head_dim].
-    (index_select copies whole blocks at once: several times faster than cache[block_ids].)"""
-    return cache.index_select(0, block_ids)
+def as_cached(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """`x` as the cache gives it back: rounded to the cache's dtype and widened again (a bfloat16
+    KV cache under a float32 model), so that a first prefill chunk, which attends to its fresh
+    K/V, sees the keys and values every later step reads."""
+    return x if x.dtype == cache.dtype else x.to(cache.dtype).to(x.dtype)
+
+
+def gather_context(
+    cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Blocks in table order, as one tensor [len(block_ids), block_size, kv_heads, head_dim] of
+    `dtype` (the queries'). (index_select copies whole blocks at once: several times faster than
+    cache[block_ids].)"""
+    return cache.index_select(0, block_ids).to(dtype)
 
 
 def paged_attention(
@@ -274,6 +289,7 @@ def paged_attention(
     Writes k, v to the cache, then attends every query to its request's cached context.
     `kernels`: the compiled extension (engine.kernels.load()) to use it, None for torch only."""
     kernel_dtype = q.dtype in (torch.float32, torch.bfloat16)
+    kernel_dtype &= k_cache.dtype in (q.dtype, torch.bfloat16)
     if kernels is not None and meta.kernel_tiles is not None and kernel_dtype:
         return paged_attention_kernel(q, k, v, k_cache, v_cache, meta, scale, kernels)
     if meta.for_kernel:  # its decodes have no groups here: they would be left unattended
@@ -286,10 +302,10 @@ def paged_attention(
     for group in meta.decode_groups:
         n = group.num_seqs
         # [n, padded_len, kv_heads, d] → [n, kv_heads, context_len, d]
-        k_ctx = gather_context(k_cache, group.block_ids).view(
+        k_ctx = gather_context(k_cache, group.block_ids, q.dtype).view(
             n, group.padded_len, kv_heads, head_dim
         )
-        v_ctx = gather_context(v_cache, group.block_ids).view(
+        v_ctx = gather_context(v_cache, group.block_ids, q.dtype).view(
             n, group.padded_len, kv_heads, head_dim
         )
         k_ctx = k_ctx[:, : group.context_len].transpose(1, 2)
@@ -307,15 +323,16 @@ def paged_attention(
         if (
             span.num_tokens == span.context_len
         ):  # a first chunk sees only itself: its K/V are at hand
-            k_ctx, v_ctx = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+            k_ctx = as_cached(k[rows], k_cache).transpose(0, 1)
+            v_ctx = as_cached(v[rows], v_cache).transpose(0, 1)
         else:
             k_ctx = (
-                gather_context(k_cache, span.block_ids)
+                gather_context(k_cache, span.block_ids, q.dtype)
                 .flatten(0, 1)[: span.context_len]
                 .transpose(0, 1)
             )
             v_ctx = (
-                gather_context(v_cache, span.block_ids)
+                gather_context(v_cache, span.block_ids, q.dtype)
                 .flatten(0, 1)[: span.context_len]
                 .transpose(0, 1)
             )
@@ -358,8 +375,8 @@ def paged_attention_kernel(
         rows = slice(span.token_start, span.token_start + span.num_tokens)
         o = F.scaled_dot_product_attention(
             q[rows].transpose(0, 1),
-            k[rows].transpose(0, 1),
-            v[rows].transpose(0, 1),
+            as_cached(k[rows], k_cache).transpose(0, 1),
+            as_cached(v[rows], v_cache).transpose(0, 1),
             is_causal=True,
             scale=scale,
             enable_gqa=True,

@@ -335,20 +335,22 @@ class LlamaModel:
         return self.parallel.comm.recv(shape, self.dtype, self.device)
 
     def allocate_kv_cache(
-        self, num_blocks: int, block_size: int
+        self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, K and V block tensors [num_blocks, block_size, kv_heads, head_dim]."""
+        """Per layer, K and V block tensors [num_blocks, block_size, kv_heads, head_dim], of
+        `dtype` (EngineConfig.kv_cache_dtype; None: the model's)."""
         shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        dtype = dtype or self.dtype
         if self.device.type == "cpu":  # attention reads blocks scattered over the whole cache
             arena = huge_pages.Arena()
             return [
-                (arena.zeros(shape, self.dtype), arena.zeros(shape, self.dtype))
+                (arena.zeros(shape, dtype), arena.zeros(shape, dtype))
                 for _ in range(self.cfg.num_layers)
             ]
         return [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=dtype, device=self.device),
+                torch.zeros(shape, dtype=dtype, device=self.device),
             )
             for _ in range(self.cfg.num_layers)
         ]

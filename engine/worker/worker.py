@@ -153,6 +153,11 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return names[dtype]
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """What the KV cache holds (EngineConfig.kv_cache_dtype): the model's dtype for "auto"."""
+    return dtype if kv_cache_dtype == "auto" else resolve_dtype(kv_cache_dtype, torch.device("cpu"))
+
+
 class CacheTooSmallError(ValueError):
     """The KV cache cannot hold one request of max_model_len; the numbers travel with it."""
 
@@ -179,6 +184,7 @@ class Worker:
         parallel: ParallelContext | None = None,
         kv_transfer_config: KVTransferConfig | None = None,
         linear_precision: str = "float32",
+        kv_cache_dtype: torch.dtype | None = None,
     ):
         self.model_dir = Path(model_dir)
         self.linear_precision = linear_precision  # float32 / bfloat16 / auto linears (config.py)
@@ -190,6 +196,7 @@ class Worker:
         self.kernels = kernels  # "auto": our C++ kernels where they build and apply; "torch": never
         self.device = device
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype or dtype  # what the KV cache holds
         self.block_size = block_size
         self.model: LlamaModel | None = None
         self.runner: ModelRunner | None = None
@@ -219,7 +226,7 @@ class Worker:
 
     @property
     def bytes_per_block(self) -> int:
-        element = torch.tensor([], dtype=self.dtype).element_size()
+        element = self.kv_cache_dtype.itemsize
         return self.model.cfg.kv_elements_per_token * element * self.block_size
 
     def determine_num_blocks(
@@ -249,7 +256,7 @@ class Worker:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         blocks = cdiv(num_tokens, self.block_size)
-        scratch = self.model.allocate_kv_cache(blocks, self.block_size)
+        scratch = self.model.allocate_kv_cache(blocks, self.block_size, self.kv_cache_dtype)
         meta = build_attention_metadata(
             [num_tokens], [0], [list(range(blocks))], self.block_size, self.device
         )
@@ -279,7 +286,7 @@ class Worker:
         """The KV cache on the device, and (for swap preemption) a swap space in host memory:
         pinned on CUDA so copies run at full PCIe speed; on a CPU a separate pool of tensors."""
         self.num_blocks = num_blocks
-        kv_caches = self.model.allocate_kv_cache(num_blocks, self.block_size)
+        kv_caches = self.model.allocate_kv_cache(num_blocks, self.block_size, self.kv_cache_dtype)
         swap_caches = []
         if num_swap_blocks > 0:
             pin = self.device.type == "cuda"

@@ -1,9 +1,10 @@
-"""Section 2's second engine (issue 37): where linear_precision="auto" picks bfloat16 linears on
-this CPU, the offline workload runs once more on an engine with them, and the report gives its
-output tokens/s, the ratio to the float32 engine (the target is 2× on a CPU with AMX) and its
-greedy agreement with the float32 engine's outputs: identical requests, and each divergence
-classified by the project's near-tie rule (engine/tools/near_tie.py `compare_greedy`, with the
-bfloat16 margin)."""
+"""Section 2's further engines (issue 37): where linear_precision="auto" picks bfloat16 linears on
+this CPU, the offline workload runs once more on an engine with them, and once more on one whose
+KV cache also holds bfloat16 (kv_cache_dtype="bfloat16": half the bytes each decode step streams
+from the cache). For each the report gives its output tokens/s, the ratio to the float32 engine
+(the target is 2× on a CPU with AMX) and its greedy agreement with the float32 engine's outputs:
+identical requests, and each divergence classified by the project's near-tie rule
+(engine/tools/near_tie.py `compare_greedy`, with the bfloat16 margin)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def near_tie_agreement(model_dir, workload: list[WorkItem], ours, reference) -> 
 
 def run_bfloat16_linears(run, workload: list[WorkItem], float32_run: dict) -> dict:
     """The offline workload on a linear_precision="auto" engine, when auto picks bfloat16 here
-    and the engine under test runs float32 linears; else why not, in one line."""
+    and the engine under test runs float32 linears, then on one whose KV cache also holds
+    bfloat16 (kv_cache_dtype, under "with_bfloat16_kv_cache"); else why not, in one line."""
     from engine.kernels.linear_precision import bfloat16_isa
     from engine.worker.bfloat16_linears import linear_precision_of
 
@@ -64,7 +66,23 @@ def run_bfloat16_linears(run, workload: list[WorkItem], float32_run: dict) -> di
     amx = "not an AMX machine" if isa != "amx_bf16" else "AMX"
     if choice["precision"] != "bfloat16":
         return {"ran": False, "why": f"auto chooses float32: {choice['why']}", "amx": amx}
-    llm = open_auto_engine(run)
+    result = {
+        "ran": True,
+        "why": choice["why"],
+        "amx": amx,
+        "target_ratio_on_amx": TARGETS["bf16_linears_offline_on_amx"],
+        "float32_weight_bytes": run.engine.weight_bytes(),
+        **offline_variant(run, workload, float32_run, "auto"),
+    }
+    if run.engine.kv_cache_dtype != torch.bfloat16:
+        result["with_bfloat16_kv_cache"] = offline_variant(run, workload, float32_run, "bfloat16")
+    return result
+
+
+def offline_variant(run, workload: list[WorkItem], float32_run: dict, kv_cache_dtype: str) -> dict:
+    """The offline workload on an "auto" engine with this KV cache dtype: its run, its ratio to
+    the float32 engine's and its greedy agreement with it."""
+    llm = open_auto_engine(run, kv_cache_dtype)
     try:
         llm.generate(
             prompt_token_ids=[w.prompt_token_ids[:16] for w in workload[:2]],  # warm-up
@@ -73,26 +91,22 @@ def run_bfloat16_linears(run, workload: list[WorkItem], float32_run: dict) -> di
         )
         auto_run = run_engine_offline(llm, workload)
         weight_bytes = llm.engine.weight_bytes()
+        cache_dtype = str(llm.engine.kv_cache_dtype).removeprefix("torch.")
     finally:
         llm.shutdown()
     tokens = auto_run["tokens"], float32_run["tokens"]
-    agreement = near_tie_agreement(run.model_dir, workload, *tokens)
     return {
-        "ran": True,
-        "why": choice["why"],
-        "amx": amx,
         "engine": {k: v for k, v in auto_run.items() if k != "tokens"},
+        "kv_cache_dtype": cache_dtype,
         "ratio": auto_run["output_tokens_per_s"] / float32_run["output_tokens_per_s"],
-        "target_ratio_on_amx": TARGETS["bf16_linears_offline_on_amx"],
         "weight_bytes": weight_bytes,
-        "float32_weight_bytes": run.engine.weight_bytes(),
-        "agreement": agreement,
+        "agreement": near_tie_agreement(run.model_dir, workload, *tokens),
     }
 
 
-def open_auto_engine(run):
+def open_auto_engine(run, kv_cache_dtype: str = "auto"):
     """An engine like the one under test (its batch limits, kernels, KV blocks) with
-    linear_precision="auto"."""
+    linear_precision="auto" and this KV cache dtype."""
     from engine.entrypoints.llm import LLM
 
     config, engine = run.config, run.engine
@@ -106,4 +120,5 @@ def open_auto_engine(run):
         max_num_batched_tokens=config.max_num_batched_tokens,
         kernels=config.kernels,
         linear_precision="auto",
+        kv_cache_dtype=kv_cache_dtype,
     )

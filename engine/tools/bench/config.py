@@ -42,6 +42,7 @@ class BenchConfig:
     # what the engine under test's linears compute in (EngineConfig.linear_precision); section 2
     # also runs "auto" when it picks bfloat16 on this CPU
     linear_precision: str = "float32"
+    kv_cache_dtype: str = "auto"  # what the engine under test's KV cache holds (EngineConfig's)
     # section 8 (`--compare-quantization`): these variants side by side, (dtype, quantization)
     compare_variants: tuple[tuple[str, str | None], ...] | None = None
     kernel_section: bool = True  # section 6: our kernels against torch's, and the step both ways

@@ -125,17 +125,26 @@ def format_bfloat16_linears(b: dict | None) -> list[str]:
         return []
     if not b["ran"]:
         return [f"  bfloat16 linears (auto): not run: {b['why']}"]
-    e, a = b["engine"], b["agreement"]
     target = f"target ≥ {b['target_ratio_on_amx']:.0f}× on AMX"
     target += "; not an AMX machine" if b["amx"] != "AMX" else ""
+    lines = format_bfloat16_engine("engine, bf16 linears   ", b, target)
+    weights = b["weight_bytes"] / 1e6, b["float32_weight_bytes"] / 1e6
+    lines[0] += "; weights {:.0f} MB vs {:.0f} MB".format(*weights)
+    kv = b.get("with_bfloat16_kv_cache")
+    if kv is not None:
+        lines += format_bfloat16_engine("  + bf16 KV cache       ", kv, target)
+    return lines + [f"    auto chose bfloat16: {b['why']}"]
+
+
+def format_bfloat16_engine(label: str, b: dict, target: str) -> list[str]:
+    """One bfloat16 engine's line and its agreement with the float32 engine's outputs."""
+    e, a = b["engine"], b["agreement"]
     return [
-        f"  engine, bf16 linears    {e['output_tokens_per_s']:8.1f}   {e['seconds']:.1f} s, "
-        f"{b['ratio']:.2f}× the float32 engine ({target}); weights "
-        f"{b['weight_bytes'] / 1e6:.0f} MB vs {b['float32_weight_bytes'] / 1e6:.0f} MB",
+        f"  {label} {e['output_tokens_per_s']:8.1f}   {e['seconds']:.1f} s, "
+        f"{b['ratio']:.2f}× the float32 engine ({target})",
         f"    agreement with float32: {a['identical_requests']}/{a['requests']} identical, "
         f"{a['near_ties']} near-tie divergences, {a['not_near_ties']} not near ties "
         f"(margin {a['tie_margin']})",
-        f"    auto chose bfloat16: {b['why']}",
     ]
 
 

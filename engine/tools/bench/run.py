@@ -125,6 +125,7 @@ def open_engine(config: BenchConfig):
         quantization=config.quantization,
         quantization_group_size=config.quantization_group_size,
         linear_precision=config.linear_precision,
+        kv_cache_dtype=config.kv_cache_dtype,
     )
     return llm, model_dir
 
@@ -162,6 +163,7 @@ def conditions(run: BenchRun, kernels_line: str, quantization_line: str) -> dict
         "device_name": device_name(engine.device),
         "threads": torch.get_num_threads(),
         "dtype": str(engine.dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."),
         "model": str(run.model_dir),
         "model_name": run.model_dir.name,
         **model_numbers(run.model),
