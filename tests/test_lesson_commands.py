@@ -73,6 +73,7 @@ PLAN: dict[str, tuple[str, str]] = {
     'python -m engine generate "서울을 소개해 줘"': (STARTS, FIRST_OUTPUT),
     'python -m engine generate "The capital of France is" -tp 3': (STARTS, FIRST_OUTPUT),
     'python -m engine generate "Hello" --linear-precision auto': (STARTS, FIRST_OUTPUT),
+    'python -m engine generate "Hello" --kv-cache-dtype bfloat16': (STARTS, FIRST_OUTPUT),
     'python -m engine generate -tp 3 "Hello"': (
         PARSED,
         "the same tp 3 launch as docs/distributed.md's generate -tp 3, which runs here",

@@ -132,7 +132,7 @@ def format_bfloat16_linears(b: dict | None) -> list[str]:
     lines[0] += "; weights {:.0f} MB vs {:.0f} MB".format(*weights)
     kv = b.get("with_bfloat16_kv_cache")
     if kv is not None:
-        lines += format_bfloat16_engine("  + bf16 KV cache       ", kv, target)
+        lines += format_bfloat16_engine("  + bf16 KV cache      ", kv, target)
     return lines + [f"    auto chose bfloat16: {b['why']}"]
 
 
