@@ -4,7 +4,8 @@
   random flat batches (decodes, first prefill chunks, chunks after a cached prefix), shuffled
   non-contiguous block tables, GQA ratios 1, 3, 4, context lengths 1, block boundary ± 1 and
   several hundred, with junk in every cache slot nobody owns; float32 and bfloat16 (against the
-  torch path and against float32 on the same inputs); q, k, v as strided views of a fused qkv;
+  torch path and against float32 on the same inputs), and float32 queries over a bfloat16 cache
+  (kv_cache_dtype); q, k, v as strided views of a fused qkv;
   one long context cut into key ranges and merged;
 - int8 / int4 weight-only linear against dequantize-then-matmul, every row count 1..40 (the
   fused one-row path and the register tiles with their remainders); int4 with activations
@@ -223,29 +224,6 @@ BF16_TOLERANCE = dict(atol=1e-2, rtol=1.6e-2)
 
 @pytest.mark.parametrize(
     "requests",
-    [[(0, 1)], [(15, 1)], [(300, 1)], [(1000, 1)], [(40, 1), (3, 1), (37, 19)], [(100, 24)]],
-)
-@pytest.mark.parametrize("head_dim", [64, 40])
-def test_bfloat16_cache_is_read_and_written_in_bfloat16(ext, two_threads, requests, head_dim):
-    """A bfloat16 engine's cache: K/V stream at half the bytes, results within one rounding."""
-    ref, out, exact = run_both(
-        ext,
-        requests,
-        kv_heads=3,
-        group=3,
-        head_dim=head_dim,
-        block_size=16,
-        seed=head_dim,
-        dtype=torch.bfloat16,
-        with_exact=True,
-    )
-    torch.testing.assert_close(out, ref, **BF16_TOLERANCE)
-    # against the exact answer: at most one bfloat16 step (2^-7 relative) from float32's own
-    torch.testing.assert_close(out.float(), exact, atol=1e-5, rtol=2**-7)
-
-
-@pytest.mark.parametrize(
-    "requests",
     [
         [(0, 1)],
         [(15, 1)],
@@ -256,23 +234,33 @@ def test_bfloat16_cache_is_read_and_written_in_bfloat16(ext, two_threads, reques
     ],
 )
 @pytest.mark.parametrize("head_dim", [64, 40])
-def test_bfloat16_cache_under_float32_queries(ext, two_threads, requests, head_dim):
-    """kv_cache_dtype="bfloat16" in a float32 engine: the new K/V are rounded as they are written
-    (the same cache contents on both paths, a first chunk attending to its K/V rounded the same
-    way), the cache read widened, everything else float32: the kernel equals the torch path to
-    float32's rounding."""
-    ref, out = run_both(
+@pytest.mark.parametrize("queries", [torch.bfloat16, torch.float32])
+def test_bfloat16_cache_is_read_and_written_in_bfloat16(
+    ext, two_threads, requests, head_dim, queries
+):
+    """A bfloat16 cache: K/V stream at half the bytes. Under a bfloat16 engine's queries, results
+    within one rounding. Under a float32 engine's (kv_cache_dtype="bfloat16"), the new K/V are
+    rounded as they are written (the same cache contents on both paths, a first chunk attending
+    to its K/V rounded the same way) and everything else is float32: the kernel equals the torch
+    path to float32's rounding."""
+    ref, out, exact = run_both(
         ext,
         requests,
         kv_heads=3,
         group=3,
         head_dim=head_dim,
         block_size=16,
-        seed=head_dim + 1,
-        dtype=torch.float32,
+        seed=head_dim,
+        dtype=queries,
+        with_exact=True,
         cache_dtype=torch.bfloat16,
     )
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    if queries == torch.float32:
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+        return
+    torch.testing.assert_close(out, ref, **BF16_TOLERANCE)
+    # against the exact answer: at most one bfloat16 step (2^-7 relative) from float32's own
+    torch.testing.assert_close(out.float(), exact, atol=1e-5, rtol=2**-7)
 
 
 @HYPOTHESIS

@@ -97,8 +97,8 @@ void parallel_items(int64_t n, const F& fn) {
 // - Each head's values are prefetched while its scores are computed, and the next head's keys
 //   while its values are added: blocks lie anywhere in the cache, so the hardware prefetcher
 //   cannot guess where the next rows start. (Batch 32, contexts 300-500, 30 layers, 2 threads:
-//   41 ms a step with one key chunk of 16 per row and a whole chunk prefetched ahead, 29 ms now
-//   in float32; 27 -> 17.5 ms with a bfloat16 cache.)
+//   38.6 ms a step with 16 keys at a time per row and a whole chunk prefetched ahead, 28.9 ms
+//   now in float32; 24.7 -> 16.2 ms in bfloat16: docs/performance.md.)
 // - bfloat16 K/V are half the bytes to stream; widening one to float32 is a 16-bit shift.
 
 namespace {
@@ -228,8 +228,7 @@ constexpr int64_t W = 1, KEYS = 8;  // portable: plain loops, vectorised by the 
 // Keys per chunk of the online softmax: each query row's scores for CHUNK keys are computed
 // (KEYS at a time), then the row is rescaled once, then the value rows are added, each vector of
 // V loaded once for ROW_SET query rows (the heads of a group, or a prefill tile's rows). One
-// rescale per 64 keys instead of per 16; 2 x KEYS measured the same, 8 x KEYS slower (a head's
-// K and V of the chunk no longer fit in L1 beside the scores).
+// rescale per 64 keys instead of per 16; 2 x KEYS measured the same, 8 x KEYS slower.
 constexpr int64_t CHUNK = 4 * KEYS;
 
 // score_chunk(q, keys, d, s):        s[j] = q . keys[j]                                j < KEYS
@@ -268,10 +267,10 @@ inline float softmax_row(float* s, int64_t n, int64_t visible, float* run_max, f
   const float m = std::max(*run_max, v_max_lanes(mx));
   V sum = v_zero();
   for (int64_t c = 0; c < n; c += W) {
-    const V e = v_select(lanes_below(visible - c), v_exp_nonpositive(v_sub(v_load(s + c), v_set1(m))),
-                         v_zero());
-    v_store(s + c, e);
-    sum = v_add(sum, e);
+    const V e = v_exp_nonpositive(v_sub(v_load(s + c), v_set1(m)));
+    const V p = v_select(lanes_below(visible - c), e, v_zero());
+    v_store(s + c, p);
+    sum = v_add(sum, p);
   }
   const float corr = exp_nonpositive(*run_max - m);
   *run_max = m;
@@ -392,8 +391,10 @@ inline void accumulate_rows(int64_t rows, float* acc, int64_t acc_stride, const 
   for (int64_t r = 0; r < rows; ++r) {
     float* a = acc + r * acc_stride;
     for (int64_t i = 0; i < d; ++i) a[i] *= corr[r];
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t i = 0; i < d; ++i) a[i] += p[r * p_stride + j] * static_cast<float>(values[j][i]);
+    for (int64_t j = 0; j < n; ++j) {
+      const float pj = p[r * p_stride + j];
+      for (int64_t i = 0; i < d; ++i) a[i] += pj * static_cast<float>(values[j][i]);
+    }
   }
 }
 #endif
