@@ -17,7 +17,9 @@ One module per section, all run in one process, on one artifact and one dtype, i
    ignore_eos): the engine (`LLM.generate`, continuous batching) against transformers `generate`
    in padded static batches of the same maximum batch size. Both count only useful tokens: each
    request's own output tokens, never the padding or the extra tokens a static batch runs for
-   its longest member.
+   its longest member. With it, bf16_linears.py: where linear_precision="auto" picks bfloat16
+   linears, the same requests on that engine and on one whose KV cache holds bfloat16, each
+   with its ratio to the float32 engine and its greedy agreement with it.
 3. decode.py — decode at batch 1: tokens/s and its fraction of the decode roofline.
 4. decode.py — engine overhead: the share of a step's wall time spent outside the model forward
    (scheduling, input preparation, sampling, output processing, bookkeeping), at batch 1 and at
