@@ -167,10 +167,8 @@ class EngineCore:
         """The KV connector's scheduler side (the worker builds its worker side), or None."""
         if config.kv_transfer_config is None:
             return None
-        element_bytes = self.kv_cache_dtype.itemsize
-        bytes_per_block = self.model_config.kv_elements_per_token * element_bytes
-        bytes_per_block *= config.block_size
-        return make_kv_connector(config.kv_transfer_config, config.block_size, bytes_per_block)
+        block_bytes = self.model_config.kv_bytes_per_block(self.kv_cache_dtype, config.block_size)
+        return make_kv_connector(config.kv_transfer_config, config.block_size, block_bytes)
 
     def _initialize_kv_cache(self, config: EngineConfig) -> int:
         """Size the KV cache (and the swap space) on the executor's workers; the block count."""

@@ -289,8 +289,8 @@ def paged_attention(
     Writes k, v to the cache, then attends every query to its request's cached context.
     `kernels`: the compiled extension (engine.kernels.load()) to use it, None for torch only."""
     kernel_dtype = q.dtype in (torch.float32, torch.bfloat16)
-    kernel_dtype &= k_cache.dtype in (q.dtype, torch.bfloat16)
-    if kernels is not None and meta.kernel_tiles is not None and kernel_dtype:
+    cache_readable = k_cache.dtype in (q.dtype, torch.bfloat16)  # its own dtype, or bfloat16
+    if kernels is not None and meta.kernel_tiles is not None and kernel_dtype and cache_readable:
         return paged_attention_kernel(q, k, v, k_cache, v_cache, meta, scale, kernels)
     if meta.for_kernel:  # its decodes have no groups here: they would be left unattended
         raise ValueError("attention metadata built for_kernel=True reached the torch path")

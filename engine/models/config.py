@@ -60,3 +60,8 @@ class LlamaConfig:
         """K/V values one token stores: 2 (K and V) × layers × kv_heads × head_dim
         (× dtype size = bytes)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_block(self, cache_dtype, block_size: int) -> int:
+        """Bytes of one KV block: `block_size` tokens in a cache of `cache_dtype` (a torch dtype,
+        EngineConfig.kv_cache_dtype resolved)."""
+        return self.kv_elements_per_token * cache_dtype.itemsize * block_size

@@ -226,8 +226,7 @@ class Worker:
 
     @property
     def bytes_per_block(self) -> int:
-        element = self.kv_cache_dtype.itemsize
-        return self.model.cfg.kv_elements_per_token * element * self.block_size
+        return self.model.cfg.kv_bytes_per_block(self.kv_cache_dtype, self.block_size)
 
     def determine_num_blocks(
         self,
