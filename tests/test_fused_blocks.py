@@ -98,6 +98,27 @@ def test_fused_blocks_equal_the_python_path_bit_for_bit(ext, request, monkeypatc
     assert_same_steps(fused, python)
 
 
+def test_bfloat16_tiles_fused_equal_the_python_path_bit_for_bit(ext, tiny_model_dir, monkeypatch):
+    """A float32 model's bfloat16 linears in AMX tiles run on our kernel, so their layers fuse
+    too (engine/kernels/bfloat16_tiles.py)."""
+    import engine.kernels.linear_precision as lp
+    from engine.kernels.bfloat16_tiles import BFloat16TiledWeight
+    from engine.worker.bfloat16_linears import with_bfloat16_linears
+
+    if not ext.bf16_tiles_available():
+        pytest.skip("this CPU (or build) has no AMX bfloat16 tiles")
+    monkeypatch.setattr(lp, "_choice", {"precision": "bfloat16", "library": lp.TILES})
+    tiled = with_bfloat16_linears(LlamaModel.from_pretrained(tiny_model_dir), "test")
+    assert isinstance(tiled.w["0.down"], BFloat16TiledWeight)
+    fused = tiled.with_kernels("auto")
+    with monkeypatch.context() as patch:
+        patch.setattr(llama, "fused_blocks_apply", lambda *args: False)
+        python = tiled.with_kernels("auto")
+    assert fused.stack is not None and python.stack is None
+    assert python.layers[0].mlp.down.kernel is not None  # the same kernel, called from Python
+    assert_same_steps(fused, python)
+
+
 def test_blocks_are_used_only_where_every_step_has_our_kernel(ext, tiny_model_dir):
     """Float weights (the matmul is a library's), the torch path and bfloat16 keep the Python
     blocks."""

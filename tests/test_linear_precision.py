@@ -104,6 +104,7 @@ def test_bfloat16_linears_are_prepacked_and_give_the_plain_weights_tokens(
     from engine.kernels.quant import storage_key
     from engine.models.llama import is_layer_matrix
 
+    monkeypatch.setattr(lp, "_choice", {"precision": "bfloat16", "library": lp.PREPACKED})
     packed = make_engine(kernels="torch", linear_precision="bfloat16")
     m = packed.executor.worker.model
     matrices = [t for name, t in m.w.items() if is_layer_matrix(name, t)] + [m.w["lm_head"]]
@@ -163,10 +164,17 @@ def test_the_environment_skips_the_timing_and_the_choice_is_kept(fresh_choice, m
     assert resolved["precision"] == "bfloat16" and resolved["why"].startswith("auto: ")
 
 
+def layer_matrix_names(model) -> list[str]:
+    """The names of a float32 model's layer matrices (bfloat16 linears may hold them in tiles)."""
+    from engine.models.llama import is_layer_matrix
+
+    return [name for name, t in model.w.items() if is_layer_matrix(name, t)]
+
+
 def test_bfloat16_linears_hold_half_the_bytes_and_the_default_is_unchanged(
     make_engine, fresh_choice
 ):
-    from engine.models.llama import is_layer_matrix
+    from engine.kernels.quant import weight_nbytes
     from engine.worker.bfloat16_linears import linear_precision_of
 
     default = make_engine(kernels="torch")
@@ -178,14 +186,15 @@ def test_bfloat16_linears_hold_half_the_bytes_and_the_default_is_unchanged(
 
     bf16 = make_engine(kernels="torch", linear_precision="bfloat16")
     m = bf16.executor.worker.model
-    assert linear_precision_of(m) == {"precision": "bfloat16", "why": "linear_precision='bfloat16'"}
+    why, library = "linear_precision='bfloat16'", lp.bfloat16_library()
+    assert linear_precision_of(m) == {"precision": "bfloat16", "library": library, "why": why}
     assert m.w["embed"].dtype == torch.float32 and m.w["lm_head"].dtype == torch.bfloat16
-    matrices = [t for name, t in m.w.items() if is_layer_matrix(name, t)]
+    matrices = [m.w[name] for name in layer_matrix_names(model)]
     assert matrices and all(t.dtype == torch.bfloat16 for t in matrices)
     assert m.w["0.input_norm"].dtype == torch.float32  # norms stay float32
     assert bf16.executor.worker.runner.kv_caches[0][0].dtype == torch.float32  # so does K/V
     # every linear matrix at 2 bytes, plus a bfloat16 lm_head beside the tied float32 table
-    saved = 2 * sum(t.numel() for t in matrices) - 2 * m.w["lm_head"].numel()
+    saved = sum(weight_nbytes(t) for t in matrices) - weight_nbytes(m.w["lm_head"])
     assert bf16.weight_bytes() == default.weight_bytes() - saved
     out = tokens_of(bf16)
     assert set(out) == set(PROMPTS) and all(len(t) == GREEDY.max_tokens for t in out.values())
@@ -193,7 +202,7 @@ def test_bfloat16_linears_hold_half_the_bytes_and_the_default_is_unchanged(
 
 
 def test_tensor_parallel_workers_get_the_drivers_choice(make_engine, fresh_choice, monkeypatch):
-    from engine.models.llama import is_layer_matrix
+    from engine.kernels.quant import weight_nbytes
 
     monkeypatch.setenv(lp.LINEAR_PRECISION_ENV, "bfloat16")  # what "auto" would time to here
     small = dict(num_kv_blocks=8, max_model_len=128, max_num_batched_tokens=24, kernels="torch")
@@ -204,8 +213,9 @@ def test_tensor_parallel_workers_get_the_drivers_choice(make_engine, fresh_choic
         # each rank holds its bfloat16 shards and its own embedding, lm_head and norms: tp 1's
         # bytes twice, less one set of (bfloat16) layer matrices; float32 shards would hold twice
         model = tp1.executor.worker.model
-        matrices = sum(t.numel() * 2 for n, t in model.w.items() if is_layer_matrix(n, t))
-        assert engine.weight_bytes() == 2 * tp1.weight_bytes() - matrices
+        names = layer_matrix_names(make_engine(**small).executor.worker.model)
+        matrices = sum(weight_nbytes(model.w[name]) for name in names)
+        assert matrices > 0 and engine.weight_bytes() == 2 * tp1.weight_bytes() - matrices
     finally:
         engine.shutdown()
     assert multiprocessing.active_children() == []

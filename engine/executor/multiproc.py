@@ -102,7 +102,7 @@ from engine.executor.transport import (
 from engine.executor.watchdog import hung_step_message, resume
 from engine.kernels.float32_linear import FLOAT32_LINEAR_ENV, float32_linear_backend
 from engine.kernels.linear_precision import resolve_linear_precision
-from engine.kernels.quant import storage_key
+from engine.kernels.quant import storage_key, weight_nbytes
 from engine.layers.sharding import (
     ParallelContext,
     check_parallel_sizes,
@@ -178,7 +178,7 @@ def _replicated_bytes(model, full: LlamaConfig, tp: int) -> int:
     if tp == 1:
         return 0
     shared = {
-        storage_key(t): t.numel() * t.element_size()
+        storage_key(t): weight_nbytes(t)
         for name, t in model.w.items()
         if name in ("embed", "lm_head") or "norm" in name
     }
@@ -190,7 +190,7 @@ def _replicated_bytes(model, full: LlamaConfig, tp: int) -> int:
             for name in (f"{i}.qkv", f"{i}.qkv_bias"):
                 if name in model.w:
                     t = model.w[name]
-                    total += kv_rows * (t.numel() // t.shape[0]) * t.element_size()
+                    total += kv_rows * weight_nbytes(t) // t.shape[0]
     return total
 
 

@@ -45,6 +45,7 @@ SOURCES = (
     SOURCE,
     CSRC / "q8_rows.cpp",
     CSRC / "q8_tiles.cpp",
+    CSRC / "bf16_tiles.cpp",
     CSRC / "fused_blocks.cpp",
     CSRC / "sampling.cpp",
 )

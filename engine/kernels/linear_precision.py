@@ -5,9 +5,11 @@ products) multiplies bfloat16 matrices faster than float32 ones: on our 2-vCPU A
 avx512_bf16) F.linear ran 1.1-1.2× faster at one row, 2.3× at 32 rows and 2.8× on the
 49,152 × 576 lm_head (2026-12-04); issue 37 measured AMX at 2,218 GFLOP/s against float32's 339.
 `EngineConfig.linear_precision` = "bfloat16" keeps the linear layers' weights (lm_head included)
-in bfloat16 (reordered once at load into oneDNN's blocked layout where this PyTorch can:
-`prepacked`, the difference between 0.8× and 1.2-1.4× float32's speed at one row on an AMX Xeon)
-and casts each float32 activation to bfloat16 for the matmul and the result back;
+in bfloat16: cut once at load into tiles for our AMX kernel where the CPU has amx_bf16
+(engine/kernels/bfloat16_tiles.py, `TILES`: 1.6-1.7× oneDNN's speed at 1 and 32 rows, and it
+rounds the activations itself), else reordered once at load into oneDNN's blocked layout where
+this PyTorch can (`prepacked`, the difference between 0.8× and 1.2-1.4× float32's speed at one
+row on an AMX Xeon), each float32 activation cast to bfloat16 for the matmul and the result back;
 everything else (embedding lookup, attention, norms, KV cache, sampler) stays float32. "auto"
 decides at load, once per process, like the float32 library (engine/kernels/float32_linear.py):
 bfloat16 when the CPU has the instructions and a timing over the model's own layer matrices
@@ -26,8 +28,10 @@ import os
 import torch
 import torch.nn.functional as F
 
+from engine import kernels as kernel_lib
 from engine.config import check_linear_precision
 from engine.kernels import _cpu_flags
+from engine.kernels.bfloat16_tiles import can_tile, tile_bfloat16, tiles_available
 from engine.kernels.float32_linear import float32_linear_backend, onednn_linear, time_linears
 
 logger = logging.getLogger(__name__)
@@ -91,25 +95,33 @@ def bfloat16_prepacked_linear(
 
 
 PREPACKED = "oneDNN prepacked"  # the library whose weights are reordered at load
+TILES = "AMX tiles"  # our kernel, on weights cut into tiles at load (bfloat16_tiles.py)
 BFLOAT16_LIBRARIES = {
     "F.linear": bfloat16_linear,
     "oneDNN": bfloat16_onednn_linear,
     PREPACKED: bfloat16_prepacked_linear,
 }
+LIBRARIES = (*BFLOAT16_LIBRARIES, TILES)
 
 
 def bfloat16_library() -> str:
     """The bfloat16 library the layers use: the one "auto" timed fastest; without a timing
-    (the precision set, not timed) oneDNN on prepacked weights where it works, else F.linear."""
+    (the precision set, not timed) our AMX tiles where this CPU runs them, else oneDNN on
+    prepacked weights where it works, else F.linear."""
     library = (_choice or {}).get("library")
-    return library or (PREPACKED if prepacking_works() else "F.linear")
+    if library:
+        return library
+    if tiles_available(kernel_lib.load()):
+        return TILES
+    return PREPACKED if prepacking_works() else "F.linear"
 
 
 def bfloat16_matmul():
     """The bfloat16 linear a layer with a plain bfloat16 weight calls (a prepacked weight always
-    takes `bfloat16_prepacked_linear`)."""
+    takes `bfloat16_prepacked_linear`, a tiled one our kernel; a matrix the chosen layout does
+    not take stays plain, on oneDNN)."""
     library = bfloat16_library()
-    return BFLOAT16_LIBRARIES["oneDNN" if library == PREPACKED else library]
+    return BFLOAT16_LIBRARIES["oneDNN" if library in (PREPACKED, TILES) else library]
 
 
 def choose_precision(ms: dict | None, isa: str | None) -> dict:
@@ -120,7 +132,7 @@ def choose_precision(ms: dict | None, isa: str | None) -> dict:
     if isa is None:
         why = "this CPU has no bfloat16 instructions (neither amx_bf16 nor avx512_bf16)"
         return {"precision": "float32", "library": None, "why": why, "ms": ms}
-    timed = [name for name in BFLOAT16_LIBRARIES if name in ms[1]]
+    timed = [name for name in LIBRARIES if name in ms[1]]
     library = min(timed, key=lambda name: ms[1][name] + ms[32][name])
     speedup = {rows: t["float32"] / t[library] for rows, t in ms.items()}
     faster = speedup[32] >= MIN_SPEEDUP_AT_32_ROWS and speedup[1] >= 1.0
@@ -148,6 +160,10 @@ def _time_precisions(matrices: list[torch.Tensor]) -> dict:
     candidates |= {name: (BFLOAT16_LIBRARIES[name], bf16) for name in ("F.linear", "oneDNN")}
     if prepacking_works():
         candidates[PREPACKED] = (bfloat16_prepacked_linear, [prepacked(m) for m in bf16])
+    kernels = kernel_lib.load()
+    if tiles_available(kernels) and all(can_tile(m.shape) for m in bf16):
+        tiles = [tile_bfloat16(m) for m in bf16]
+        candidates[TILES] = (lambda x, w: kernels.bf16_tiled_linear(x, w.tiles, None), tiles)
     return time_linears(candidates)
 
 

@@ -216,11 +216,19 @@ TILED_TYPES = (Int4TiledWeight, Int8TiledWeight)
 
 def storage_key(weight) -> int:
     """What identifies a weight's memory, so that a tied or shared one counts once: its storage
-    pointer, or the object itself for a quantized weight or a bfloat16 one prepacked for oneDNN
-    (engine/kernels/linear_precision.py `prepacked`), which have none."""
-    if isinstance(weight, QUANTIZED_TYPES) or weight.is_mkldnn:
+    pointer, or the object itself for a quantized weight, a bfloat16 one prepacked for oneDNN
+    (engine/kernels/linear_precision.py `prepacked`) or one in AMX tiles, which have none."""
+    if not isinstance(weight, torch.Tensor) or weight.is_mkldnn:
         return id(weight)
     return weight.data_ptr()
+
+
+def weight_nbytes(weight) -> int:
+    """Bytes a weight occupies: a tensor's elements, or a quantized or tiled weight's packed
+    values (with its scales and minimums)."""
+    if isinstance(weight, torch.Tensor):
+        return weight.numel() * weight.element_size()
+    return weight.nbytes()
 
 
 _tiles: dict[int, tuple[weakref.ref, object]] = {}  # id(row weight) → (that weight, its tiles)

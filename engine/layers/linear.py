@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.bfloat16_tiles import BFloat16TiledWeight, tiled_kernel, tiled_linear
 from engine.kernels.float32_linear import float32_linear_backend, onednn_linear
 from engine.kernels.linear_precision import bfloat16_matmul, bfloat16_prepacked_linear
 from engine.kernels.quant import QUANTIZED_TYPES, kernel_linear, quantized_linear
@@ -41,9 +42,13 @@ def choose_matmul(weight, kernels=None, kernel=None) -> Matmul:
     (dequantize + matmul); a float32 matrix on a CPU to the library timed faster here (MKL or
     oneDNN, once per process); a bfloat16 matrix on a CPU to the bfloat16 linear (float32
     activations cast for the matmul, the result cast back; plain F.linear for bfloat16 ones),
-    oneDNN's where the matrix was prepacked for it at load; anything else to F.linear."""
+    oneDNN's where the matrix was prepacked for it at load, our AMX kernel where it was cut into
+    tiles (`kernel`: engine/kernels/bfloat16_tiles.py, rounding the activations itself);
+    anything else to F.linear."""
     if isinstance(weight, QUANTIZED_TYPES):
         return partial(quantized_linear, kernels=kernels, linear=kernel)
+    if isinstance(weight, BFloat16TiledWeight):  # a bfloat16 weight cut into AMX tiles at load
+        return partial(tiled_linear, kernel=kernel)
     if weight.is_mkldnn:  # a bfloat16 weight reordered for oneDNN at load
         return bfloat16_prepacked_linear
     if weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
@@ -60,16 +65,27 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, kernels=None) -
     return choose_matmul(w, kernels)(x, w, bias)
 
 
+def bound_kernel(weight, kernels):
+    """`weight`'s C++ kernel with the weight bound, where `kernels` (the compiled extension)
+    has one for it: a weight-only quantized matrix or a bfloat16 one in AMX tiles; else None."""
+    if kernels is None:
+        return None
+    if isinstance(weight, QUANTIZED_TYPES):
+        return kernel_linear(weight, kernels)
+    if isinstance(weight, BFloat16TiledWeight):
+        return tiled_kernel(weight, kernels)
+    return None
+
+
 class ReplicatedLinear:
     """The whole matrix on every rank; the base of the parallel layers below, which hold a
     shard instead."""
 
     def __init__(self, weight, bias: torch.Tensor | None = None, kernels=None):
         self.weight, self.bias = weight, bias
-        # A quantized matrix on our kernels: its C++ kernel with the weight bound, once (also
-        # what a fused block calls: engine/models/llama.py); else None.
-        quantized = kernels is not None and isinstance(weight, QUANTIZED_TYPES)
-        self.kernel = kernel_linear(weight, kernels) if quantized else None
+        # A quantized or tiled matrix on our kernels: its C++ kernel with the weight bound, once
+        # (also what a fused block calls: engine/models/llama.py); else None.
+        self.kernel = bound_kernel(weight, kernels)
         self.matmul = choose_matmul(weight, kernels, self.kernel)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -29,8 +29,9 @@ from safetensors import safe_open
 
 from engine import kernels as kernel_lib
 from engine.kernels import huge_pages
+from engine.kernels.bfloat16_tiles import BFloat16TiledWeight
 from engine.kernels.float32_linear import float32_linear_backend
-from engine.kernels.quant import QUANTIZED_TYPES, arrange_for_kernels, storage_key
+from engine.kernels.quant import arrange_for_kernels, storage_key, weight_nbytes
 from engine.layers.attention import AttentionMetadata, paged_attention
 from engine.layers.linear import (
     MergedColumnParallelLinear,
@@ -236,6 +237,8 @@ class LlamaModel:
             linear_path = kernel_lib.resolve_linear(mode, self.device, self.dtype)
             w = arrange_for_kernels(w, kernel_lib.load() if linear_path == "cpu" else None)
             logger.info("kernels=%r: quantized linears on %s", mode, linear_path)
+        elif any(isinstance(t, BFloat16TiledWeight) for t in w.values()):  # bfloat16 linears
+            linear_path = kernel_lib.resolve_linear(mode, self.device, self.dtype)
         return self.rebuilt(
             w=w,
             kernel_path=path,
@@ -266,7 +269,8 @@ class LlamaModel:
     def distinct_weights(self) -> list:
         """Every weight once (a tied lm_head shares the embedding's storage); a weight-only
         quantized matrix (engine/kernels/quant.py, engine/worker/quantization.py) or a bfloat16
-        one prepacked for oneDNN (engine/kernels/linear_precision.py) counts as one."""
+        one prepacked for oneDNN or cut into AMX tiles (engine/kernels/linear_precision.py)
+        counts as one."""
         seen, weights = set(), []
         for t in self.w.values():
             key = storage_key(t)
@@ -281,10 +285,7 @@ class LlamaModel:
     def weight_bytes(self) -> int:
         """Bytes the weights occupy on the device (what a decode step reads); a quantized
         matrix counts its packed values, scales and minimums."""
-        return sum(
-            t.nbytes() if isinstance(t, QUANTIZED_TYPES) else t.numel() * t.element_size()
-            for t in self.distinct_weights()
-        )
+        return sum(weight_nbytes(t) for t in self.distinct_weights())
 
     # -- forward -----------------------------------------------------------------------------
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from engine.kernels import huge_pages
-from engine.kernels.linear_precision import PREPACKED, bfloat16_library, prepacked
+from engine.kernels.bfloat16_tiles import BFloat16TiledWeight, can_tile, tile_bfloat16
+from engine.kernels.linear_precision import PREPACKED, TILES, bfloat16_library, prepacked
 from engine.models.llama import LlamaModel, is_layer_matrix
 
 
@@ -21,16 +22,25 @@ def layer_matrices(model: LlamaModel) -> list[torch.Tensor]:
 
 def with_bfloat16_linears(model: LlamaModel, why: str) -> LlamaModel:
     """`model` (float32 weights, untouched) with bfloat16 copies of its linear matrices and
-    lm_head, layers rebuilt on them (engine/layers/linear.py casts each activation);
-    `linear_precision` records the choice and `why`."""
-    weights, arena = dict(model.w), huge_pages.Arena()
-    prepack = bfloat16_library() == PREPACKED  # reordered for oneDNN once, here
+    lm_head in the layout of the bfloat16 library (engine/kernels/linear_precision.py), layers
+    rebuilt on them (engine/layers/linear.py); `linear_precision` records the choice, the
+    library and `why`."""
+    weights, arena, library = dict(model.w), huge_pages.Arena(), bfloat16_library()
     for name, t in model.w.items():
         if name == "lm_head" or is_layer_matrix(name, t):
-            bf16 = t.to(torch.bfloat16)
-            weights[name] = prepacked(bf16) if prepack else arena.copy(bf16)
-    choice = {"precision": "bfloat16", "why": why}
+            weights[name] = in_layout(t.to(torch.bfloat16), library, arena)
+    choice = {"precision": "bfloat16", "library": library, "why": why}
     return model.rebuilt(w=weights, linear_precision=choice)
+
+
+def in_layout(bf16: torch.Tensor, library: str, arena: huge_pages.Arena):
+    """A bfloat16 matrix as `library` reads it, once, here: cut into AMX tiles (in `arena`'s
+    huge pages), reordered for oneDNN, or as it is (in the huge pages)."""
+    if library == TILES and can_tile(bf16.shape):
+        return BFloat16TiledWeight(arena.copy(tile_bfloat16(bf16).tiles))
+    if library == PREPACKED:
+        return prepacked(bf16)
+    return arena.copy(bf16)
 
 
 def linear_precision_of(model) -> dict:

@@ -56,6 +56,7 @@ from engine.kernels.quant import (
     QuantizedWeight,
     quantize_int4,
     quantize_int8,
+    weight_nbytes,
 )
 
 QUANTIZATION_METHODS = ("int8", "int4", "gguf")
@@ -284,10 +285,6 @@ def read_gguf_linears(gguf_path: str | Path | None, cfg) -> dict[str, Int4Weight
 
 def is_quantized(w) -> bool:
     return isinstance(w, QUANTIZED_TYPES)
-
-
-def weight_nbytes(w) -> int:
-    return w.nbytes() if is_quantized(w) else w.numel() * w.element_size()
 
 
 def decode_bytes_per_step(model) -> int:

@@ -20,7 +20,7 @@ from engine.config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
 )
-from engine.kernels.linear_precision import resolve_linear_precision
+from engine.kernels.linear_precision import bfloat16_library, resolve_linear_precision
 from engine.kv_connector import KVTransferConfig
 from engine.layers.attention import build_attention_metadata
 from engine.layers.sharding import ParallelContext
@@ -65,7 +65,7 @@ def load_model(
         if choice["precision"] == "float32":
             _loaded_models[key] = float_weights()
             return _loaded_models[key]
-        bf16_key = key + ("bfloat16 linears",)
+        bf16_key = key + ("bfloat16 linears", bfloat16_library())  # the library's layout
         if bf16_key not in _loaded_models:
             _loaded_models[bf16_key] = with_bfloat16_linears(float_weights(), choice["why"])
         return _loaded_models[bf16_key]

@@ -1348,6 +1348,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "per-channel int8 weights in tiles of 16 channels times x rounded to int8 blocks");
   m.def("q8_tile_formats", &q8_tile_formats,
         "the tiled formats (int4, int8) this build runs in vector code (else portable loops)");
+  m.def("bf16_tiles_available", &bf16_tiles_available,
+        "whether this build and CPU run bfloat16 matrices on AMX tiles");
+  m.def("bf16_tiled_linear", &bf16_tiled_linear,
+        "y = x @ W.T (+ bias), W bfloat16 in AMX tiles (BFloat16TiledWeight), x rounded to bf16");
   m.def("rms_norm", &rms_norm, "y = x * rsqrt(mean(x^2) + eps) * weight, row by row");
   m.def("add_rms_norm", &add_rms_norm, "(h + delta, rms_norm(h + delta) * weight), row by row");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[..., :n]) * x[..., n:] for x of last size 2n");

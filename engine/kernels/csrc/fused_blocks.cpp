@@ -12,9 +12,12 @@
 // QuantLinear is one weight-only quantized matrix with its kernel chosen once (the layouts of
 // engine/kernels/quant.py): "int4_tiles" (tiles), "int8_tiles" (tiles, scales), "int8" (qweight,
 // scales), "int4" (packed, scales, mins), and in rows with activations rounded to int8 blocks
-// "int4_q8" (packed, scales, mins) and "int8_q8" (qweight, scales). Python builds it with
-// engine/kernels/quant.py `kernel_linear`, and the layers of both paths call it
-// (engine/layers/linear.py), so the choice of a kernel is made in one place.
+// "int4_q8" (packed, scales, mins) and "int8_q8" (qweight, scales); and, not quantized but
+// rounded the same way once at load, a float32 engine's bfloat16 matrix in AMX tiles,
+// "bf16_tiles" (tiles: bf16_tiles.cpp). Python builds it with engine/kernels/quant.py
+// `kernel_linear` (engine/kernels/bfloat16_tiles.py `tiled_kernel` for the last), and the layers
+// of both paths call it (engine/layers/linear.py), so the choice of a kernel is made in one
+// place.
 
 #include <torch/extension.h>
 
@@ -27,13 +30,14 @@
 
 namespace {
 
-enum class Kind { Int4Tiles, Int8Tiles, Int8, Int4, Int4Q8, Int8Q8 };
+enum class Kind { Int4Tiles, Int8Tiles, Int8, Int4, Int4Q8, Int8Q8, Bf16Tiles };
 
 Kind kind_of(const std::string& name, size_t num_tensors) {
   const std::vector<std::pair<std::string, std::pair<Kind, size_t>>> kinds = {
       {"int4_tiles", {Kind::Int4Tiles, 1}}, {"int8_tiles", {Kind::Int8Tiles, 2}},
       {"int8", {Kind::Int8, 2}},            {"int4", {Kind::Int4, 3}},
       {"int4_q8", {Kind::Int4Q8, 3}},       {"int8_q8", {Kind::Int8Q8, 2}},
+      {"bf16_tiles", {Kind::Bf16Tiles, 1}},
   };
   for (const auto& [known, kind] : kinds) {
     if (known != name) continue;
@@ -61,6 +65,7 @@ struct QuantLinear {
       case Kind::Int4: return int4_linear(x, t[0], t[1], t[2], group_size, bias);
       case Kind::Int4Q8: return int4_q8_linear(x, t[0], t[1], t[2], group_size, bias);
       case Kind::Int8Q8: return int8_q8_linear(x, t[0], t[1], bias);
+      case Kind::Bf16Tiles: return bf16_tiled_linear(x, t[0], bias);
     }
     TORCH_CHECK(false, "QuantLinear: bad kind");
   }

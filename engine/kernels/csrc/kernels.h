@@ -41,6 +41,11 @@ torch::Tensor int8_q8_tiled_linear(const torch::Tensor& x, const torch::Tensor& 
                                    const torch::Tensor& scales,
                                    const c10::optional<torch::Tensor>& bias);
 
+// bf16_tiles.cpp
+bool bf16_tiles_available();
+torch::Tensor bf16_tiled_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                                const c10::optional<torch::Tensor>& bias);
+
 // sampling.cpp
 torch::Tensor argmax_rows(const torch::Tensor& logits);
 

@@ -74,10 +74,11 @@ def measure_ceilings(device: torch.device, num_bytes: int, matmul_size: int, rep
 def measure_matvec(model, device: torch.device, repeats: int) -> dict:
     """The engine's own linear kernel at batch 1 over every weight matrix of the model: how fast
     a decode step's matmuls can stream the weights, with nothing else in the step."""
+    from engine.kernels.quant import weight_nbytes
     from engine.layers.linear import linear
+    from engine.worker.quantization import is_quantized
 
     w = model.w
-    from engine.worker.quantization import is_quantized, weight_nbytes
 
     # the embedding is looked up (a tied one is the lm_head matrix, counted there)
     names = [k for k, t in w.items() if (is_quantized(t) or t.dim() == 2) and k != "embed"]

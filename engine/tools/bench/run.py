@@ -145,7 +145,8 @@ def describe_paths(config: BenchConfig, engine, model) -> tuple[str, str]:
         choice = float32_linear_backend()
         precision = linear_precision_of(model)
         if precision["precision"] == "bfloat16":
-            kernels_line += f"; linears in bfloat16 ({precision['why']})"
+            library, why = precision["library"], precision["why"]
+            kernels_line += f"; linears in bfloat16 on {library} ({why})"
         else:
             kernels_line += f"; float32 linears: {choice['backend']} ({choice['why']})"
     return kernels_line, quant_lib.describe(model)

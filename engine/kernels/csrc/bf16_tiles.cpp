@@ -1,0 +1,186 @@
+// bfloat16 matrices multiplied on AMX tiles (Intel's Advanced Matrix Extensions): a float32
+// engine's linear layers with bfloat16 weights (linear_precision "bfloat16":
+// engine/kernels/linear_precision.py) on a CPU with amx_bf16.
+//
+// An AMX core has eight tile registers of up to 16 rows x 64 bytes. TDPBF16PS multiplies a tile
+// of 16 rows x 32 bfloat16 (A) by one of 16 rows x 16 pairs of bfloat16 (B, "VNNI" order: row r
+// holds, for each output channel n, its weights 2r and 2r + 1) and adds the products into a tile
+// of 16 x 16 float32 (C): 16 x 16 x 32 multiply-adds in one instruction. So the weight [N, K] is
+// repacked once at load (engine/worker/bfloat16_linears.py `tile_bfloat16`) into records of
+// one B tile each: packed[t, g] holds output channels 16t .. 16t + 15 and inputs 32g .. 32g + 31,
+// packed[t, g, r, n, p] = W[16t + n, 32g + 2r + p]. A thread reads the records of its channels
+// front to back, one stream of bytes, as the int4 tiles do (q8_tiles.cpp).
+//
+// Each call rounds the float32 rows of x to bfloat16 once (to nearest even, as torch's
+// .to(torch.bfloat16) does) and writes float32 results straight from the C tiles: no separate
+// cast before the matmul and none after, which a float32 engine otherwise pays around each
+// oneDNN call. Four C tiles hold a block of 32 rows x 32 channels; per 32 inputs, two A tiles
+// (the block's rows) and two B tiles (its channels) give four TDPBF16PS. Each output is a sum
+// over the inputs in the same order whatever the number of rows, so a request's numbers do not
+// depend on its batch.
+//
+// Linux hands a process the tile registers only when it asks (arch_prctl ARCH_REQ_XCOMP_PERM);
+// `bf16_tiles_available` asks once and says whether this build and this CPU can run them.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define BF16_TILES 1
+#else
+#define BF16_TILES 0
+#endif
+
+namespace {
+
+constexpr int64_t CHANNELS = 16;     // output channels per B tile
+constexpr int64_t DEPTH = 32;        // inputs per B tile (16 rows of pairs)
+constexpr int64_t ROWS = 16;         // rows of x per A tile
+constexpr int64_t ROWS_PER_ITEM = 256;  // a work item: two tiles of channels x up to 256 rows
+
+#if BF16_TILES
+
+bool tiles_permitted() {
+  static const bool permitted = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return permitted;
+}
+
+// Tiles 0-3: C (rows of block half h, channel tile c at 2h + c); 4, 5: A (rows 0-15, 16-31 of
+// the block); 6, 7: B (the two channel tiles). `rows0`, `rows1`: the block's rows in each half.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+
+  TileConfig(int rows0, int rows1) {
+    const int a_rows[6] = {rows0, rows0, rows1, rows1, rows0, rows1};
+    for (int t = 0; t < 6; ++t) {
+      rows[t] = static_cast<uint8_t>(a_rows[t]);
+      colsb[t] = a_rows[t] > 0 ? 64 : 0;  // an unused tile: no rows, no columns
+    }
+    for (int t = 6; t < 8; ++t) rows[t] = static_cast<uint8_t>(DEPTH / 2), colsb[t] = 64;
+  }
+};
+
+// count float32 values -> bfloat16, rounded to nearest even.
+void round_values(const float* x, int64_t count, uint16_t* out) {
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), reinterpret_cast<const __m256i&>(h));
+  }
+  if (i < count) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (count - i)) - 1);
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(tail, x + i));
+    _mm256_mask_storeu_epi16(out + i, tail, reinterpret_cast<const __m256i&>(h));
+  }
+}
+
+// One block: rows r .. r + rows0 + rows1 of y (at most 32) x channel tiles t and t + 1 (`two`
+// false: t alone). a: the block's first bfloat16 row; b: tile t's first record.
+void block(const uint16_t* a, int64_t k, const uint16_t* b0, const uint16_t* b1, bool two,
+           bool second_half, float* y, int64_t n) {
+  const int64_t groups = k / DEPTH, stride_a = k * 2, stride_y = n * 4;
+  const int64_t record = CHANNELS * DEPTH;  // bfloat16 values per B tile
+  _tile_zero(0);  // a tile configured with no rows must not be touched at all
+  if (two) _tile_zero(1);
+  if (second_half) _tile_zero(2);
+  if (two && second_half) _tile_zero(3);
+  for (int64_t g = 0; g < groups; ++g) {
+    _tile_loadd(4, a + g * DEPTH, stride_a);
+    _tile_loadd(6, b0 + g * record, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (two) {
+      _tile_loadd(7, b1 + g * record, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (second_half) {
+      _tile_loadd(5, a + ROWS * k + g * DEPTH, stride_a);
+      _tile_dpbf16ps(2, 5, 6);
+      if (two) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, y, stride_y);
+  if (two) _tile_stored(1, y + CHANNELS, stride_y);
+  if (second_half) {
+    _tile_stored(2, y + ROWS * n, stride_y);
+    if (two) _tile_stored(3, y + ROWS * n + CHANNELS, stride_y);
+  }
+}
+
+void tiled_matmul(const uint16_t* a, int64_t m, int64_t k, const uint16_t* packed, int64_t n,
+                  float* y) {
+  const int64_t n_tiles = n / CHANNELS, pairs = (n_tiles + 1) / 2;
+  const int64_t row_items = (m + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
+  const int64_t record = CHANNELS * DEPTH, tile_values = record * (k / DEPTH);
+  at::parallel_for(0, pairs * row_items, 1, [&](int64_t i0, int64_t i1) {
+    int configured = -1;  // the rows in the block the tiles are configured for
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = (i / row_items) * 2, r_end = std::min(m, (i % row_items + 1) * ROWS_PER_ITEM);
+      const bool two = t + 1 < n_tiles;
+      for (int64_t r = (i % row_items) * ROWS_PER_ITEM; r < r_end; r += 2 * ROWS) {
+        const int rows = static_cast<int>(std::min<int64_t>(2 * ROWS, r_end - r));
+        if (rows != configured) {
+          const TileConfig config(std::min<int>(rows, ROWS), std::max<int>(rows - ROWS, 0));
+          _tile_loadconfig(&config);
+          configured = rows;
+        }
+        block(a + r * k, k, packed + t * tile_values, packed + (t + 1) * tile_values, two,
+              rows > ROWS, y + r * n + t * CHANNELS, n);
+      }
+    }
+    if (configured >= 0) _tile_release();
+  });
+}
+
+#endif
+
+}  // namespace
+
+// True where this build has the AMX code and the kernel granted this process the tiles.
+bool bf16_tiles_available() {
+#if BF16_TILES
+  return tiles_permitted();
+#else
+  return false;
+#endif
+}
+
+// x [m, k] float32, packed [n / 16, k / 32, 16, 32] bfloat16 (the layout above) -> y [m, n]
+// float32 (+ bias, float32 [n], added unrounded).
+torch::Tensor bf16_tiled_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                                const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(bf16_tiles_available(), "bf16_tiled_linear: this CPU or build has no AMX tiles");
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
+              "bf16_tiled_linear: x must be contiguous float32 [rows, in]");
+  TORCH_CHECK(packed.dtype() == torch::kBFloat16 && packed.dim() == 4 && packed.is_contiguous() &&
+                  packed.size(2) == CHANNELS && packed.size(3) == DEPTH,
+              "bf16_tiled_linear: packed must be contiguous bfloat16 [N / 16, K / 32, 16, 32]");
+  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * CHANNELS;
+  TORCH_CHECK(packed.size(1) * DEPTH == k, "bf16_tiled_linear: x has ", k, " columns, packed ",
+              packed.size(1) * DEPTH, " inputs");
+  auto y = torch::empty({m, n}, x.options());
+#if BF16_TILES
+  if (m > 0) {
+    std::vector<uint16_t> a(static_cast<size_t>(m * k));
+    const float* xp = x.data_ptr<float>();
+    at::parallel_for(0, m, std::max<int64_t>(1, 32768 / k), [&](int64_t r0, int64_t r1) {
+      round_values(xp + r0 * k, (r1 - r0) * k, a.data() + r0 * k);
+    });
+    tiled_matmul(a.data(), m, k, reinterpret_cast<const uint16_t*>(packed.data_ptr()), n,
+                 y.data_ptr<float>());
+  }
+#endif
+  if (bias.has_value()) y.add_(*bias);
+  return y;
+}
