@@ -103,8 +103,10 @@ def test_the_kernel_refuses_what_it_cannot_run(amx):
     tiles = tile_bfloat16(torch.ones(32, 64).bfloat16()).tiles
     with pytest.raises(RuntimeError, match="x has 32 columns"):
         amx.bf16_tiled_linear(torch.ones(2, 32), tiles, None)
-    with pytest.raises(RuntimeError, match="contiguous float32"):
-        amx.bf16_tiled_linear(torch.ones(2, 64).bfloat16(), tiles, None)
+    with pytest.raises(RuntimeError, match="contiguous float32 or bfloat16"):
+        amx.bf16_tiled_linear(torch.ones(2, 64).half(), tiles, None)
+    with pytest.raises(RuntimeError, match="contiguous float32 or bfloat16"):
+        amx.bf16_tiled_linear(torch.ones(64, 2).t(), tiles, None)
     with pytest.raises(RuntimeError, match="packed must be"):
         amx.bf16_tiled_linear(torch.ones(2, 64), tiles.float(), None)
     with pytest.raises(RuntimeError, match="takes 1 tensors"):
@@ -153,3 +155,48 @@ def test_auto_picks_the_tiles_when_they_are_faster():
     choice = lp.choose_precision(ms, "amx_bf16")
     assert (choice["precision"], choice["library"]) == ("bfloat16", lp.TILES)
     assert f"bfloat16 ({lp.TILES}) 8.0 ms (2.00×)" in choice["why"]
+
+
+def test_bfloat16_rows_are_read_as_they_are_and_the_result_rounded_once(amx):
+    """A bfloat16 engine's rows: the product of the same values given as float32, plus the bias,
+    rounded to bfloat16 once."""
+    torch.manual_seed(0)
+    w, bias = torch.randn(96, 64).bfloat16(), torch.randn(96).bfloat16()
+    tiles = tile_bfloat16(w).tiles
+    for rows in (1, 17, 40):
+        x = torch.randn(rows, 64).bfloat16()
+        y = amx.bf16_tiled_linear(x, tiles, bias)
+        wide = amx.bf16_tiled_linear(x.float(), tiles, None)
+        assert y.dtype == torch.bfloat16 and torch.equal(y, (wide + bias.float()).bfloat16())
+        ref = tiled_linear(x, BFloat16TiledWeight(tiles), bias)  # no kernel: the reference
+        assert ref.dtype == torch.bfloat16
+        assert torch.allclose(ref.float(), y.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_a_tied_table_stays_tied_and_is_looked_up_in_its_tiles():
+    from engine.kernels.bfloat16_tiles import with_tiles
+
+    torch.manual_seed(0)
+    table, layer = torch.randn(64, 32).bfloat16(), torch.randn(48, 32).bfloat16()
+    odd = torch.randn(40, 32).bfloat16()  # 40 channels: not whole tiles, stays as it is
+    weights = {"embed": table, "lm_head": table, "0.qkv": layer, "0.o": odd, "norm": torch.ones(32)}
+    tiled = with_tiles(weights, ["lm_head", "0.qkv", "0.o"])
+    assert isinstance(tiled["lm_head"], BFloat16TiledWeight) and tiled["embed"] is tiled["lm_head"]
+    assert isinstance(tiled["0.qkv"], BFloat16TiledWeight) and tiled["0.o"] is odd
+    assert tiled["norm"] is weights["norm"]
+    assert with_tiles(weights, ["lm_head"])["lm_head"] is tiled["lm_head"]  # once per matrix
+    ids = torch.tensor([0, 5, 17, 63, 5])
+    assert torch.equal(tiled["embed"].rows(ids), table[ids])
+
+
+def test_a_bfloat16_engine_multiplies_on_the_tiles(amx, make_engine):
+    from engine.kernels.quant import weight_nbytes
+
+    engine = make_engine(dtype="bfloat16")
+    model = engine.executor.worker.model
+    assert isinstance(model.w["0.gate_up"], BFloat16TiledWeight)
+    assert model.w["embed"] is model.w["lm_head"]  # still tied: the same bytes as before
+    plain = make_engine(dtype="bfloat16", kernels="torch").executor.worker.model
+    assert isinstance(plain.w["0.gate_up"], torch.Tensor)  # the torch path keeps the matrices
+    assert model.weight_bytes() == plain.weight_bytes()
+    assert weight_nbytes(model.w["lm_head"]) == weight_nbytes(plain.w["lm_head"])

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.huge_pages import Arena
+from engine.kernels.quant import once_per_weight
+
 CHANNELS, DEPTH = 16, 32  # output channels × inputs per tile
 
 
@@ -43,6 +46,13 @@ class BFloat16TiledWeight:
 
     def nbytes(self) -> int:
         return self.tiles.numel() * self.tiles.element_size()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the matrix ([len, in]), read from their tiles: a tied embedding looks its
+        tokens up here (row n: tile n // 16, pair n % 16 of every row of the tile)."""
+        t, g, _, _ = self.tiles.shape
+        pairs = self.tiles.view(t, g, DEPTH // 2, CHANNELS, 2)
+        return pairs[ids // CHANNELS, :, :, ids % CHANNELS].reshape(len(ids), g * DEPTH)
 
     def to_rows(self) -> torch.Tensor:
         """The matrix [out, in] again."""
@@ -66,6 +76,24 @@ def tile_bfloat16(w: torch.Tensor) -> BFloat16TiledWeight:
     return BFloat16TiledWeight(pairs.reshape(n // CHANNELS, k // DEPTH, CHANNELS, DEPTH))
 
 
+def tiled_in(w: torch.Tensor, arena: Arena) -> BFloat16TiledWeight:
+    """`w` [out, in] bfloat16 (`can_tile`) cut into tiles held in `arena`'s huge pages."""
+    return BFloat16TiledWeight(arena.copy(tile_bfloat16(w).tiles))
+
+
+def with_tiles(weights: dict, names: list[str]) -> dict:
+    """`weights` with the bfloat16 matrices `names` cut into tiles (those that `can_tile`; each
+    once while it lives, so the engines of a process share one copy): a bfloat16 engine's linear
+    layers on our kernel where the CPU has AMX. A weight shared with another name (a tied
+    embedding) is replaced there too, so it stays shared (`rows` looks tokens up in the tiles)."""
+    arena, tiled = Arena(), {}
+    for name in names:
+        w = weights[name]
+        if isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and can_tile(w.shape):
+            tiled[id(w)] = once_per_weight(w, lambda matrix: tiled_in(matrix, arena))
+    return {name: tiled.get(id(w), w) for name, w in weights.items()}
+
+
 def tiles_available(kernels) -> bool:
     """Whether `kernels` (the compiled extension, or None) runs the tiles on this CPU."""
     return kernels is not None and kernels.bf16_tiles_available()
@@ -79,15 +107,15 @@ def tiled_kernel(w: BFloat16TiledWeight, kernels):
 
 def reference(x: torch.Tensor, w: BFloat16TiledWeight, bias=None) -> torch.Tensor:
     """The kernel's product in torch: x rounded to bfloat16 times the untiled matrix, the result
-    in float32 (+ bias, unrounded)."""
+    in float32 (+ bias, unrounded), then in x's dtype."""
     y = F.linear(x.to(torch.bfloat16).float(), w.to_rows().float())
     return y.to(x.dtype) if bias is None else (y + bias).to(x.dtype)
 
 
 def tiled_linear(x: torch.Tensor, w: BFloat16TiledWeight, bias=None, kernel=None) -> torch.Tensor:
-    """y = x @ Wᵀ (+ bias) through the bound `kernel` (`tiled_kernel`) on float32 rows of any
-    leading shape, else `reference`."""
-    if kernel is None or x.dtype != torch.float32 or not x.is_cpu:
+    """y = x @ Wᵀ (+ bias) through the bound `kernel` (`tiled_kernel`) on float32 or bfloat16
+    rows of any leading shape (y in x's dtype), else `reference`."""
+    if kernel is None or x.dtype not in (torch.float32, torch.bfloat16) or not x.is_cpu:
         return reference(x, w, bias)
     flat = x.dim() == 2 and x.is_contiguous()
     y = kernel(x if flat else x.reshape(-1, x.shape[-1]).contiguous(), bias)

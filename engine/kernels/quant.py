@@ -234,16 +234,21 @@ def weight_nbytes(weight) -> int:
 _tiles: dict[int, tuple[weakref.ref, object]] = {}  # id(row weight) → (that weight, its tiles)
 
 
-def tiles_of(w: Int4Weight | Int8Weight, arena: Arena) -> Int4TiledWeight | Int8TiledWeight:
-    """`w` repacked into tiles (in `arena`'s huge pages), once while `w` lives: the engines of a
-    process share one quantized model (engine/worker/worker.py), and so one copy of its tiles."""
+def once_per_weight(w, make):
+    """make(w), once while `w` lives: the engines of a process share one model
+    (engine/worker/worker.py), and so one copy of what is made from its weights (tiles)."""
     entry = _tiles.get(id(w))
     if entry is not None and entry[0]() is w:
         return entry[1]
-    tiled = arena.place(tile_int8_q8(w) if isinstance(w, Int8Weight) else tile_int4_q8(w))
-    key = id(w)
-    _tiles[key] = (weakref.ref(w, lambda _: _tiles.pop(key, None)), tiled)
-    return tiled
+    made, key = make(w), id(w)
+    _tiles[key] = (weakref.ref(w, lambda _: _tiles.pop(key, None)), made)
+    return made
+
+
+def tiles_of(w: Int4Weight | Int8Weight, arena: Arena) -> Int4TiledWeight | Int8TiledWeight:
+    """`w` repacked into tiles (in `arena`'s huge pages), once while `w` lives."""
+    tile = tile_int8_q8 if isinstance(w, Int8Weight) else tile_int4_q8
+    return once_per_weight(w, lambda rows: arena.place(tile(rows)))
 
 
 def arrange_for_kernels(weights: dict, kernels) -> dict:

@@ -62,7 +62,7 @@ def choose_matmul(weight, kernels=None, kernel=None) -> Matmul:
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, kernels=None) -> torch.Tensor:
     """One y = x @ Wᵀ (+ bias), the way a layer holding `w` computes it (for measurements and
     tests; the model's layers make the choice once)."""
-    return choose_matmul(w, kernels)(x, w, bias)
+    return choose_matmul(w, kernels, bound_kernel(w, kernels))(x, w, bias)
 
 
 def bound_kernel(weight, kernels):

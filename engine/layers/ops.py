@@ -12,6 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.bfloat16_tiles import BFloat16TiledWeight
 from engine.kernels.quant import QUANTIZED_TYPES, dequantize_rows
 from engine.models.config import LlamaConfig
 
@@ -152,13 +153,17 @@ class RotaryEmbedding(CustomOp):
 class VocabEmbedding:
     """Look up one row of the embedding table per token (replicated on every tensor-parallel
     rank). A quantized table (a tied embedding shares the output layer's int8/int4 matrix)
-    dequantizes just those rows."""
+    dequantizes just those rows; one in AMX tiles (a bfloat16 engine's) reads them from the
+    tiles."""
 
     def __init__(self, weight, dtype: torch.dtype):
         self.weight, self.dtype = weight, dtype
         self.quantized = isinstance(weight, QUANTIZED_TYPES)
+        self.tiled = isinstance(weight, BFloat16TiledWeight)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self.quantized:
             return dequantize_rows(self.weight, ids).to(self.dtype)
+        if self.tiled:  # a bfloat16 engine's tied table, in AMX tiles
+            return self.weight.rows(ids).to(self.dtype)
         return F.embedding(ids, self.weight)

@@ -29,7 +29,7 @@ from safetensors import safe_open
 
 from engine import kernels as kernel_lib
 from engine.kernels import huge_pages
-from engine.kernels.bfloat16_tiles import BFloat16TiledWeight
+from engine.kernels.bfloat16_tiles import BFloat16TiledWeight, tiles_available, with_tiles
 from engine.kernels.float32_linear import float32_linear_backend
 from engine.kernels.quant import arrange_for_kernels, storage_key, weight_nbytes
 from engine.layers.attention import AttentionMetadata, paged_attention
@@ -228,7 +228,9 @@ class LlamaModel:
     def with_kernels(self, mode: str) -> "LlamaModel":
         """This model (same weight tensors, no copy) with its attention, norms, RoPE and SwiGLU
         and its quantized linears on our C++ kernels (mode "auto", when they build and apply:
-        CPU; float32 for the attention) or on the torch reference ("torch")."""
+        CPU; float32 for the attention) or on the torch reference ("torch"); a bfloat16 model's
+        linears on our AMX kernel where this CPU has one (its matrices cut into tiles, once per
+        process)."""
         path = kernel_lib.resolve(mode, self.device, self.dtype)
         logger.info("kernels=%r: %s", mode, kernel_lib.describe(path))
         linear_path = "torch"  # float weights: no quantized linear (nothing to build for bf16)
@@ -239,6 +241,14 @@ class LlamaModel:
             logger.info("kernels=%r: quantized linears on %s", mode, linear_path)
         elif any(isinstance(t, BFloat16TiledWeight) for t in w.values()):  # bfloat16 linears
             linear_path = kernel_lib.resolve_linear(mode, self.device, self.dtype)
+        elif self.dtype == torch.bfloat16:  # its matrices in AMX tiles, where our kernel runs them
+            linear_path = kernel_lib.resolve_linear(mode, self.device, self.dtype)
+            if linear_path == "cpu" and tiles_available(kernel_lib.load()):
+                w = with_tiles(
+                    w, [n for n, t in w.items() if is_layer_matrix(n, t) or n == "lm_head"]
+                )
+            else:
+                linear_path = "torch"
         return self.rebuilt(
             w=w,
             kernel_path=path,

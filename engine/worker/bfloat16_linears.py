@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels import huge_pages
-from engine.kernels.bfloat16_tiles import BFloat16TiledWeight, can_tile, tile_bfloat16
+from engine.kernels.bfloat16_tiles import can_tile, tiled_in
 from engine.kernels.linear_precision import PREPACKED, TILES, bfloat16_library, prepacked
 from engine.models.llama import LlamaModel, is_layer_matrix
 
@@ -37,7 +37,7 @@ def in_layout(bf16: torch.Tensor, library: str, arena: huge_pages.Arena):
     """A bfloat16 matrix as `library` reads it, once, here: cut into AMX tiles (in `arena`'s
     huge pages), reordered for oneDNN, or as it is (in the huge pages)."""
     if library == TILES and can_tile(bf16.shape):
-        return BFloat16TiledWeight(arena.copy(tile_bfloat16(bf16).tiles))
+        return tiled_in(bf16, arena)
     if library == PREPACKED:
         return prepacked(bf16)
     return arena.copy(bf16)

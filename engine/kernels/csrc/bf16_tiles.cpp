@@ -157,30 +157,36 @@ bool bf16_tiles_available() {
 }
 
 // x [m, k] float32, packed [n / 16, k / 32, 16, 32] bfloat16 (the layout above) -> y [m, n]
-// float32 (+ bias, float32 [n], added unrounded).
+// float32 (+ bias [n], added unrounded). A bfloat16 x (a bfloat16 engine's) is read as it is, and
+// y, summed in float32 with the bias, is rounded to bfloat16 once at the end, as torch's bfloat16
+// linear rounds its result.
 torch::Tensor bf16_tiled_linear(const torch::Tensor& x, const torch::Tensor& packed,
                                 const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(bf16_tiles_available(), "bf16_tiled_linear: this CPU or build has no AMX tiles");
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
-              "bf16_tiled_linear: x must be contiguous float32 [rows, in]");
+  const bool rounded = x.dtype() == torch::kBFloat16;  // already bfloat16
+  TORCH_CHECK((rounded || x.dtype() == torch::kFloat32) && x.dim() == 2 && x.is_contiguous(),
+              "bf16_tiled_linear: x must be contiguous float32 or bfloat16 [rows, in]");
   TORCH_CHECK(packed.dtype() == torch::kBFloat16 && packed.dim() == 4 && packed.is_contiguous() &&
                   packed.size(2) == CHANNELS && packed.size(3) == DEPTH,
               "bf16_tiled_linear: packed must be contiguous bfloat16 [N / 16, K / 32, 16, 32]");
   const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * CHANNELS;
   TORCH_CHECK(packed.size(1) * DEPTH == k, "bf16_tiled_linear: x has ", k, " columns, packed ",
               packed.size(1) * DEPTH, " inputs");
-  auto y = torch::empty({m, n}, x.options());
+  auto y = torch::empty({m, n}, x.options().dtype(torch::kFloat32));
 #if BF16_TILES
   if (m > 0) {
-    std::vector<uint16_t> a(static_cast<size_t>(m * k));
-    const float* xp = x.data_ptr<float>();
-    at::parallel_for(0, m, std::max<int64_t>(1, 32768 / k), [&](int64_t r0, int64_t r1) {
-      round_values(xp + r0 * k, (r1 - r0) * k, a.data() + r0 * k);
-    });
-    tiled_matmul(a.data(), m, k, reinterpret_cast<const uint16_t*>(packed.data_ptr()), n,
+    std::vector<uint16_t> a(rounded ? 0 : static_cast<size_t>(m * k));
+    if (!rounded) {
+      const float* xp = x.data_ptr<float>();
+      at::parallel_for(0, m, std::max<int64_t>(1, 32768 / k), [&](int64_t r0, int64_t r1) {
+        round_values(xp + r0 * k, (r1 - r0) * k, a.data() + r0 * k);
+      });
+    }
+    const uint16_t* ap = rounded ? reinterpret_cast<const uint16_t*>(x.data_ptr()) : a.data();
+    tiled_matmul(ap, m, k, reinterpret_cast<const uint16_t*>(packed.data_ptr()), n,
                  y.data_ptr<float>());
   }
 #endif
   if (bias.has_value()) y.add_(*bias);
-  return y;
+  return rounded ? y.to(torch::kBFloat16) : y;
 }

@@ -76,12 +76,12 @@ def measure_matvec(model, device: torch.device, repeats: int) -> dict:
     a decode step's matmuls can stream the weights, with nothing else in the step."""
     from engine.kernels.quant import weight_nbytes
     from engine.layers.linear import linear
-    from engine.worker.quantization import is_quantized
 
     w = model.w
 
     # the embedding is looked up (a tied one is the lm_head matrix, counted there)
-    names = [k for k, t in w.items() if (is_quantized(t) or t.dim() == 2) and k != "embed"]
+    # (a matrix: a 2-D tensor, or a quantized or tiled weight)
+    names = [k for k, t in w.items() if (not torch.is_tensor(t) or t.dim() == 2) and k != "embed"]
     matrices = [w[k] for k in names]
     inputs = {
         m.shape[1]: torch.randn(1, m.shape[1], device=device, dtype=model.dtype) for m in matrices

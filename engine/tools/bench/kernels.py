@@ -79,8 +79,11 @@ def measure_linear_kernels(model, repeats: int) -> dict:
     readable torch reference (dequantize, then F.linear) that kernels="torch" runs. CPU only;
     the "ours" rows are left out when the extension does not build."""
     from engine import kernels as kernel_lib
+    from engine.kernels.bfloat16_tiles import BFloat16TiledWeight
 
-    mats = [t.float() for k, t in model.w.items() if t.dim() == 2 and k.split(".")[0].isdigit()]
+    layer = [t for k, t in model.w.items() if k.split(".")[0].isdigit()]
+    untiled = [t.to_rows() if isinstance(t, BFloat16TiledWeight) else t for t in layer]
+    mats = [t.float() for t in untiled if t.dim() == 2]
     params = sum(m.numel() for m in mats)
     ext = kernel_lib.load()
     rows = time_linear_paths(mats, linear_paths(mats, ext), repeats)
