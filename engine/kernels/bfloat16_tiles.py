@@ -14,6 +14,10 @@ The kernel rounds each float32 activation to bfloat16 itself and writes float32 
 layer pays no cast on either side of its matmul, and it is one of our kernels, so the fused
 blocks run it (engine/kernels/csrc/fused_blocks.cpp: a whole step as one C++ call). `reference`
 is the same product in torch, from the matrix untiled (for the torch path and the tests).
+
+A bfloat16 engine (dtype="bfloat16" on such a CPU) multiplies on the same tiles
+(engine/models/llama.py `with_kernels`, `with_tiles`): its rows are read as they are and each
+result rounded to bfloat16 once, as torch's bfloat16 linear does.
 """
 
 from __future__ import annotations
@@ -101,7 +105,7 @@ def tiles_available(kernels) -> bool:
 
 def tiled_kernel(w: BFloat16TiledWeight, kernels):
     """`w`'s kernel with its tiles bound (what a layer and a fused block call), linear(x, bias)
-    on [rows, in] contiguous float32 rows."""
+    on [rows, in] contiguous float32 or bfloat16 rows."""
     return kernels.QuantLinear("bf16_tiles", [w.tiles], 0)
 
 
