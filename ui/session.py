@@ -305,7 +305,7 @@ def kernel_paths(engine) -> str | None:
     if getattr(model, "quantization", None):
         text += f" · 양자화 선형층 **{name(model.linear_kernel_path)}**"
     elif getattr(model, "linear_precision", None):  # bfloat16 linears in a float32 engine
-        library = model.linear_precision.get("library") or "bfloat16"
+        library = model.linear_precision["library"]
         text += f" · 선형층 **bfloat16** ({library}; 가중치 bfloat16, 나머지 연산은 float32)"
     elif model.device.type == "cpu" and str(model.dtype) == "torch.float32":
         from engine.kernels.float32_linear import float32_linear_backend

@@ -1,12 +1,12 @@
-// bfloat16 matrices multiplied on AMX tiles (Intel's Advanced Matrix Extensions): a float32
-// engine's linear layers with bfloat16 weights (linear_precision "bfloat16":
-// engine/kernels/linear_precision.py) on a CPU with amx_bf16.
+// bfloat16 matrices multiplied on AMX tiles (Intel's Advanced Matrix Extensions) on a CPU with
+// amx_bf16: a float32 engine's linear layers with bfloat16 weights (linear_precision
+// "bfloat16": engine/kernels/linear_precision.py), and a bfloat16 engine's.
 //
 // An AMX core has eight tile registers of up to 16 rows x 64 bytes. TDPBF16PS multiplies a tile
 // of 16 rows x 32 bfloat16 (A) by one of 16 rows x 16 pairs of bfloat16 (B, "VNNI" order: row r
 // holds, for each output channel n, its weights 2r and 2r + 1) and adds the products into a tile
 // of 16 x 16 float32 (C): 16 x 16 x 32 multiply-adds in one instruction. So the weight [N, K] is
-// repacked once at load (engine/worker/bfloat16_linears.py `tile_bfloat16`) into records of
+// repacked once at load (engine/kernels/bfloat16_tiles.py `tile_bfloat16`) into records of
 // one B tile each: packed[t, g] holds output channels 16t .. 16t + 15 and inputs 32g .. 32g + 31,
 // packed[t, g, r, n, p] = W[16t + n, 32g + 2r + p]. A thread reads the records of its channels
 // front to back, one stream of bytes, as the int4 tiles do (q8_tiles.cpp).
@@ -27,7 +27,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
+#include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -126,9 +126,10 @@ void tiled_matmul(const uint16_t* a, int64_t m, int64_t k, const uint16_t* packe
   at::parallel_for(0, pairs * row_items, 1, [&](int64_t i0, int64_t i1) {
     int configured = -1;  // the rows in the block the tiles are configured for
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = (i / row_items) * 2, r_end = std::min(m, (i % row_items + 1) * ROWS_PER_ITEM);
+      const int64_t t = (i / row_items) * 2, r0 = (i % row_items) * ROWS_PER_ITEM;
+      const int64_t r_end = std::min(m, r0 + ROWS_PER_ITEM);
       const bool two = t + 1 < n_tiles;
-      for (int64_t r = (i % row_items) * ROWS_PER_ITEM; r < r_end; r += 2 * ROWS) {
+      for (int64_t r = r0; r < r_end; r += 2 * ROWS) {
         const int rows = static_cast<int>(std::min<int64_t>(2 * ROWS, r_end - r));
         if (rows != configured) {
           const TileConfig config(std::min<int>(rows, ROWS), std::max<int>(rows - ROWS, 0));
