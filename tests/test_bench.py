@@ -181,6 +181,7 @@ def test_decode_overhead_and_latency_sections(bench_run):
     assert set(targets) == {"offline", "batch-1", "overhead"}
     for name, t in targets.items():  # "met" must say what the value and the target say
         lower_is_better = name == "overhead"
+        assert t["value"] is not None
         assert t["met"] == (
             t["value"] < t["target"] if lower_is_better else t["value"] >= t["target"]
         )
@@ -289,6 +290,25 @@ def test_the_bfloat16_linears_target_is_a_row_where_it_is_set_for():
     assert both[kv_name]["value"] == 1.9
     assert name not in rows({"ran": True, "amx": "not an AMX machine", "ratio": 1.4})
     assert name not in rows({"ran": False, "why": "auto chooses float32", "amx": "AMX"})
+
+
+def test_a_target_not_measured_is_neither_met_nor_missed():
+    """`--skip-transformers` measures no offline ratio: its target row says "not run", not
+    "NOT met", so a learner reading the table is not told the engine failed a goal it never ran."""
+    from engine.tools.bench.report import format_targets
+    from engine.tools.bench.targets import evaluate_targets
+
+    results = {
+        "offline": {},  # transformers skipped: no "ratio"
+        "decode_batch1": {"fraction_of_roofline": 0.5},
+        "overhead": {"full_batch": {"overhead_share": 0.02}},
+        "conditions": {},
+    }
+    targets = {t["name"].split(" ")[0]: t for t in evaluate_targets(results)}
+    assert [targets[n]["met"] for n in ("offline", "batch-1", "overhead")] == [None, False, True]
+    lines = format_targets(list(targets.values()))
+    assert "  not run  offline throughput ÷ transformers static batching: not measured" in lines[2]
+    assert lines[3].startswith("  NOT met  batch-1") and lines[4].startswith("  met      overhead")
 
 
 def test_best_time_keeps_the_fastest_call_and_stops_at_its_budget():

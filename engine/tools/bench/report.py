@@ -205,11 +205,10 @@ def format_latency(lat: dict) -> list[str]:
 
 def format_targets(targets: list[dict]) -> list[str]:
     lines = ["", "Targets (CPU, float32)"]
+    verdicts = {True: "met    ", False: "NOT met", None: "not run"}
     for t in targets:
-        lines.append(
-            f"  {'met    ' if t['met'] else 'NOT met'}  {t['name']}: {fmt(t['value'], '.3f')} "
-            f"(target {t['target']})"
-        )
+        value = "not measured" if t["value"] is None else fmt(t["value"], ".3f")
+        lines.append(f"  {verdicts[t['met']]}  {t['name']}: {value} (target {t['target']})")
     return lines
 
 

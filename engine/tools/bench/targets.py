@@ -100,4 +100,8 @@ def evaluate_targets(results: dict) -> list[dict]:
             )
         )
     rows += bf16_rows(results["offline"].get("bfloat16_linears") or {})
-    return [{"name": n, "value": v, "target": t, "met": bool(m)} for n, v, t, m in rows]
+    # "met" is None where the value was not measured (transformers skipped, say): neither verdict
+    return [
+        {"name": n, "value": v, "target": t, "met": None if v is None else bool(m)}
+        for n, v, t, m in rows
+    ]
