@@ -329,6 +329,9 @@ def test_best_time_keeps_the_fastest_call_and_stops_at_its_budget():
     calls.clear()
     best_time(slow, torch.device("cpu"), repeats=50, budget_s=0.01)
     assert len(calls) == 3  # warm-up + the two calls it always times
+    calls.clear()  # back to back (a GPU's short kernels): the mean of `inner` calls per timing
+    t = best_time(slow, torch.device("cpu"), repeats=2, inner=4)
+    assert len(calls) == 1 + 2 * 4 and 0.01 < t < 0.05
 
 
 def test_kernel_section_measures_attention_and_linears_on_the_tiny_model(tiny_model_dir):

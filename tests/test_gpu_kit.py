@@ -29,8 +29,12 @@ def test_kit_splits_the_gguf_in_two_calls_under_the_limit(default_model_dir):
     env = {**os.environ, "GPU_KIT": KIT, "GPU_KIT_WHEELS": "0", "LLM_LAB_CACHE": cache}
     try:
         done = subprocess.run(
-            ["bash", "docs/scripts/gpu_kit.sh"], cwd=ROOT, env=env, capture_output=True,
-            text=True, timeout=120,
+            ["bash", "docs/scripts/gpu_kit.sh"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert done.returncode == 0, done.stderr
         kit = ROOT / KIT

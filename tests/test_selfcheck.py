@@ -157,3 +157,17 @@ def test_equal_and_length_mismatch():
     assert not short.ok and short.diverge_at == 1
     ok, line, _ = selfcheck.summarize([short])
     assert not ok and "MISMATCH" in line
+
+
+def test_each_finished_check_is_reported_as_it_ends(tiny_model_dir):
+    """`after_each` sees the results after every check: `--json` rewrites its file then, so a
+    run stopped by a time limit keeps what it finished."""
+    seen = []
+    check = selfcheck.SelfCheck(
+        selfcheck.SelfCheckConfig(model=str(tiny_model_dir), device="cpu"),
+        log=lambda m: None,
+        after_each=lambda results: seen.append([r.name for r in results]),
+    )
+    check.run_check("x", lambda: ("PASS", "fine", {}))
+    check.run_check("y", lambda: ("SKIP", "not here", {}))
+    assert seen == [["x"], ["x", "y"]]

@@ -654,3 +654,30 @@ def test_fidelity_section_calibrates_and_compares(tiny_model_dir, tmp_path):
     )  # same scheduler, same lengths
     assert "10. Simulator fidelity" in format_fidelity(fidelity)
     json.dumps(fidelity)  # it goes into the benchmark's results file
+
+
+def test_a_failing_fidelity_section_costs_its_row_not_the_benchmark(monkeypatch, tmp_path):
+    """Section 10 runs last, after every measured number: an error there (a second engine that
+    finds no memory on a GPU, say) is recorded and printed, and the results are still returned."""
+    from types import SimpleNamespace
+
+    from engine.tools.bench import run as bench_run
+    from engine.tools.bench.report import format_fidelity
+
+    def fails(*args, **kwargs):
+        raise ValueError("KV cache of 0 blocks")
+
+    monkeypatch.setattr(bench_run, "simulator_fidelity", fails)
+    logged = []
+    run = SimpleNamespace(
+        config=SimpleNamespace(quantization=None),
+        results={},
+        log=logged.append,
+        section=logged.append,
+    )
+    bench_run.run_fidelity(run, tmp_path / "calibration.json")
+    assert run.results["simulator_fidelity"] == {"error": "ValueError: KV cache of 0 blocks"}
+    assert any("simulator fidelity failed" in line for line in logged)
+    assert "not measured, the section failed (ValueError" in format_fidelity(
+        run.results["simulator_fidelity"]
+    )

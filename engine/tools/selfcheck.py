@@ -100,9 +100,15 @@ def hf_greedy(hf_model, ids: list[int], n: int, device: torch.device) -> list[in
 class SelfCheck:
     """Runs the checks in order; one that raises is a FAIL, and the others still run."""
 
-    def __init__(self, config: SelfCheckConfig, log: Callable[[str], None] = print):
+    def __init__(
+        self,
+        config: SelfCheckConfig,
+        log: Callable[[str], None] = print,
+        after_each: Callable[[list[CheckResult]], None] | None = None,
+    ):
         self.config = config
         self.log = log
+        self.after_each = after_each  # called with the results so far after every check
         self.results: list[CheckResult] = []
         self.device: torch.device | None = None
         self.model_dir: Path | None = None
@@ -127,6 +133,8 @@ class SelfCheck:
         result = CheckResult(name, status, detail, time.perf_counter() - start, data)
         self.results.append(result)
         self.log(f"[selfcheck] {name}: {status} {detail}")
+        if self.after_each is not None:
+            self.after_each(self.results)
         return result
 
     def make_llm(self, dtype: str = "float32", **kwargs):
@@ -470,7 +478,8 @@ class SelfCheck:
             + (f" ({off['ratio']:.2f}× transformers)" if "ratio" in off else "")
             + f"; batch-1 decode {fmt(dec['tokens_per_s'])} tokens/s = "
             f"{fmt(fraction and 100 * fraction, '.0f')}% of the roofline; "
-            f"{cond['bench_seconds']:.0f} s (eager: bench builds its own engine)"
+            f"{cond['bench_seconds']:.0f} s (the bench's own engine; CUDA graphs: "
+            f"{cond.get('cuda_graphs', 'off')})"
         )
         ok = off["engine"]["output_tokens_per_s"] > 0
         return ("PASS" if ok else "FAIL"), line, {"bench": r}
@@ -568,16 +577,23 @@ def main(args) -> int:
         model=args.model, device=args.device, quick=args.quick, enforce_eager=args.enforce_eager
     )
     start = time.perf_counter()
-    results = SelfCheck(config, log=lambda msg: print(msg, flush=True)).run()
+
+    def write_json(results: list[CheckResult]) -> None:
+        """The file after every check, not only at the end: a run stopped by a time limit (a
+        lent GPU's minutes, docs/scripts/gpu_check.sh) keeps the checks it finished."""
+        if args.json:
+            path = Path(args.json)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            report = to_json(config, results, time.perf_counter() - start)
+            path.write_text(json.dumps(report, indent=2, ensure_ascii=False, default=str))
+
+    log = lambda msg: print(msg, flush=True)  # noqa: E731
+    results = SelfCheck(config, log=log, after_each=write_json).run()
     seconds = time.perf_counter() - start
     print()
     print(format_table(results))
     print(f"selfcheck took {seconds:.0f} s")
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(
-            json.dumps(to_json(config, results, seconds), indent=2, ensure_ascii=False, default=str)
-        )
-        print(f"results written to {path}")
+        write_json(results)
+        print(f"results written to {args.json}")
     return 1 if any(r.status == "FAIL" for r in results) else 0

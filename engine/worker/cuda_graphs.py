@@ -86,12 +86,13 @@ class GraphStats:
 
 
 def cuda_capture(
-    forward: Callable[[], torch.Tensor], pool=None
+    forward: Callable[[], torch.Tensor], pool=None, stream=None
 ) -> tuple[Callable[[], None], torch.Tensor]:
     """Record `forward` into a CUDA graph. It runs twice first on a side stream (warm-up: lazy
     initialisation and allocator state must not happen during capture), then once under capture,
-    which records the kernels without running them."""
-    stream = torch.cuda.Stream()
+    which records the kernels without running them. One side stream serves every capture of a
+    runner (each new stream that runs a matmul gets a cuBLAS workspace of its own)."""
+    stream = stream or torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):
@@ -139,7 +140,8 @@ class CudaGraphRunner:
         self.pad_slot = pad_slot
         if capture_fn is None:
             pool = torch.cuda.graph_pool_handle()  # all graphs share one memory pool
-            capture_fn = lambda forward: cuda_capture(forward, pool)  # noqa: E731
+            stream = torch.cuda.Stream()  # and one warm-up stream
+            capture_fn = lambda forward: cuda_capture(forward, pool, stream)  # noqa: E731
         self.capture_fn = capture_fn
         self.graphs: dict[tuple[int, int], GraphEntry] = {}
         self.stats = GraphStats()

@@ -108,8 +108,10 @@ class ModelRunner:
                 caches = (device_kv, swap_kv)
                 for k_or_v in (0, 1):
                     src, dst = caches[src_of][k_or_v], caches[dst_of][k_or_v]
+                    # Into host memory the copy must be finished before the assignment reads it
+                    # (a non-blocking GPU → CPU copy returns at once); towards the GPU it queues.
                     dst[dst_ids.to(dst.device)] = src[src_ids.to(src.device)].to(
-                        dst.device, non_blocking=True
+                        dst.device, non_blocking=dst.device.type != "cpu"
                     )
         self._sync()
         return time.perf_counter() - start

@@ -21,20 +21,32 @@ def _matmul_kernels(device: torch.device, dtype: torch.dtype) -> dict:
     return kernels
 
 
+GPU_BANDWIDTH_BYTES = 1 << 30  # a GPU reads 256 MiB in ~0.1 ms: too short to time alone
+GPU_MATMUL_SIZE = 8192  # 2048² takes ~20 µs on an H100, about what launching it costs
+GPU_INNER_CALLS = 10  # calls back to back per timing on a GPU (timing.best_time)
+
+
+def inner_calls(device: torch.device) -> int:
+    return GPU_INNER_CALLS if device.type == "cuda" else 1
+
+
 def measure_bandwidth(device: torch.device, num_bytes: int, repeats: int) -> tuple[float, float]:
     """(read, copy) GB/s: sum of a large float32 tensor reads every byte once; copy_ reads and
     writes. On a CPU the tensors sit in huge pages where the OS gives them, as the engine's
     weights do (engine/kernels/huge_pages.py): 4 KiB pages read slower (25 against 30 GB/s on
-    the Xeon VM of docs/performance.md, 2026-12-05), and the ceiling is the faster kind."""
+    the Xeon VM of docs/performance.md, 2026-12-05), and the ceiling is the faster kind. On a
+    GPU at least 1 GiB, each timing ten calls back to back."""
     if device.type == "cpu":
         arena = huge_pages.Arena()
         x = arena.zeros((num_bytes // 4,), torch.float32).fill_(1.0)
         y = arena.zeros((num_bytes // 4,), torch.float32)
     else:
+        num_bytes = max(num_bytes, GPU_BANDWIDTH_BYTES)
         x = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
         y = torch.empty_like(x)
-    read_s = best_time(lambda: x.sum(), device, repeats)
-    copy_s = best_time(lambda: y.copy_(x), device, repeats)
+    inner = inner_calls(device)
+    read_s = best_time(lambda: x.sum(), device, repeats, inner=inner)
+    copy_s = best_time(lambda: y.copy_(x), device, repeats, inner=inner)
     return num_bytes / read_s / 1e9, 2 * num_bytes / copy_s / 1e9
 
 
@@ -42,16 +54,19 @@ def measure_ceilings(device: torch.device, num_bytes: int, matmul_size: int, rep
     """Memory bandwidth (GB/s) and matmul rate (GFLOP/s per dtype), each the best of `repeats`."""
     read, copy = measure_bandwidth(device, num_bytes, repeats)
     matmul, by_kernel = {}, {}
-    n = matmul_size
+    n = matmul_size if device.type != "cuda" else max(matmul_size, GPU_MATMUL_SIZE)
+    inner = inner_calls(device)
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).removeprefix("torch.")
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
         by_kernel[name] = {
-            kernel: 2 * n**3 / best_time(lambda: fn(a, b), device, repeats) / 1e9
+            kernel: 2 * n**3 / best_time(lambda: fn(a, b), device, repeats, inner=inner) / 1e9
             for kernel, fn in _matmul_kernels(device, dtype).items()
         }
         matmul[name] = max(by_kernel[name].values())
+    if device.type == "cuda":
+        num_bytes = max(num_bytes, GPU_BANDWIDTH_BYTES)
     return {
         "memory_read_gb_s": read,
         "memory_read_gb_s_samples": [
@@ -65,7 +80,7 @@ def measure_ceilings(device: torch.device, num_bytes: int, matmul_size: int, rep
             f"weights are; sampled at the start and again "
             f"before the batch-1 decode, the best kept); copy: copy_ of it (read + write "
             f"counted); matmul: {n}×{n} @ {n}×{n} per dtype (2n³ FLOP), the best kernel; "
-            f"best of {repeats} each"
+            f"best of {repeats} each" + (f", {inner} calls back to back per timing" * (inner > 1))
         ),
         "kind": "measured",
     }

@@ -40,7 +40,12 @@ def simulator_fidelity(
     """Calibrate on one workload, then run the benchmark's offline workload (all requests at
     t = 0) on the real engine and on the simulated one, and compare on the engine clock."""
     from engine.core import EngineCore
-    from engine.tools.calibration import CalibrationWorkload, calibrate, run_real_steps
+    from engine.tools.calibration import (
+        CALIBRATION_KV_CACHE_BYTES,
+        CalibrationWorkload,
+        calibrate,
+        run_real_steps,
+    )
     from engine.tools.presets import model_preset_from_dir
     from engine.tools.simulator import simulate, summarize
 
@@ -56,6 +61,7 @@ def simulator_fidelity(
         dtype=config.dtype,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
+        kv_cache_memory=CALIBRATION_KV_CACHE_BYTES,
     )
     specials = sorted(engine.tokenizer.special_token_ids)
     items = make_workload(

@@ -322,6 +322,8 @@ def format_llama_cpp(peer: dict, r: dict) -> list[str]:
 
 
 def format_fidelity(f: dict) -> str:
+    if "error" in f:
+        return f"\n10. Simulator fidelity: not measured, the section failed ({f['error']})"
     fit = f["calibration"]["fit"]
     lines = [
         "",

@@ -13,19 +13,24 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def best_time(fn, device: torch.device, repeats: int, budget_s: float = 20.0) -> float:
+def best_time(
+    fn, device: torch.device, repeats: int, budget_s: float = 20.0, inner: int = 1
+) -> float:
     """Shortest of `repeats` timed calls (after one warm-up): the machine's best, not its
     average. Past `budget_s` seconds, and after at least 2 calls, it stops early: a CPU without
     bfloat16 instructions takes ~40 s for one 2048² bfloat16 matmul, and ten of them would add
-    minutes to the bench for no better an answer."""
+    minutes to the bench for no better an answer. `inner` calls run back to back per timing
+    (the time is their mean): a GPU kernel of tens of microseconds would otherwise be timed
+    together with the launch and the synchronisation around it."""
     fn()
     sync(device)
     best, began = float("inf"), time.perf_counter()
     for i in range(repeats):
         start = time.perf_counter()
-        fn()
+        for _ in range(inner):
+            fn()
         sync(device)
-        best = min(best, time.perf_counter() - start)
+        best = min(best, (time.perf_counter() - start) / inner)
         if i >= 1 and time.perf_counter() - began > budget_s:
             break
     return best
