@@ -715,3 +715,18 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     kernels._clear_stale_lock(tmp_path)
     assert not lock.exists()
     kernels._clear_stale_lock(tmp_path)  # nothing there: nothing to do
+
+
+def test_kernel_arch_builds_for_another_target_in_a_folder_of_its_own(monkeypatch):
+    """LLM_LAB_KERNEL_ARCH=x86-64-v3 builds the AVX2 kernels on any x86 machine (docs/
+    performance.md measures that class against llama.cpp built alike); its build folder differs
+    from the native one, and the log line says which target it is. Nothing is compiled here."""
+    from engine import kernels
+
+    monkeypatch.delenv(kernels.ARCH_ENV, raising=False)
+    native = kernels.build_dir()
+    assert kernels.kernel_arch() == "native" and "built for" not in kernels.cpu_isa()
+    monkeypatch.setenv(kernels.ARCH_ENV, "x86-64-v3")
+    assert kernels.kernel_arch() == "x86-64-v3"
+    assert kernels.cpu_isa() == "AVX2, built for -march=x86-64-v3"
+    assert kernels.build_dir() != native

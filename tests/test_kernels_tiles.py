@@ -242,7 +242,7 @@ def test_gguf_tiles_give_the_rows_logits_bit_for_bit(
     from engine.worker.quantization import describe
 
     if ext.q8_tile_formats() != ["int4", "int8"]:
-        pytest.skip("this CPU has no AVX-512 VNNI: the engine keeps the output layer in rows")
+        pytest.skip("a build without AVX2: the engine keeps the GGUF's matrices in rows")
     ids = quality.text_token_ids(tokenizer, max_tokens=160)
     gguf = quality.Variant.parse("gguf")
     tiled_model = quality.load_variant(default_model_dir, gguf)
@@ -263,6 +263,9 @@ def test_gguf_tiles_give_the_rows_logits_bit_for_bit(
     )
     tiles_score = quality.compare_logits(reference, tiles, ids)
     torch_score = quality.compare_logits(reference, torch_ref, ids)
-    assert tiles_score["perplexity"] < 1.01 * torch_score["perplexity"], (tiles_score, torch_score)
+    # 2026-12-05, this text: AVX-512 VNNI build 81.60 against the reference's 81.34 (+0.3 %),
+    # AVX2 build (LLM_LAB_KERNEL_ARCH=x86-64-v3) 82.63 (+1.6 %: its attention sums in 8 lanes,
+    # not 16), KL 0.0064 and 0.0066 against 0.0058
+    assert tiles_score["perplexity"] < 1.03 * torch_score["perplexity"], (tiles_score, torch_score)
     assert tiles_score["kl_mean"] < 1.5 * torch_score["kl_mean"], (tiles_score, torch_score)
     assert (tiles - torch_ref).abs().mean().item() < 0.5

@@ -101,6 +101,12 @@ PLAN: dict[str, tuple[str, str]] = {
         "the full benchmark (about 7 minutes; on CUDA the same command): the same start-up as "
         "`bench --quick`, which runs here",
     ),
+    "LLM_LAB_KERNEL_ARCH=x86-64-v3 PYTHONPATH=.:/tmp/llama_avx2 python -m engine bench --quick "
+    "--quantization gguf --skip-transformers": (
+        PARSED,
+        "a second build of the kernels (a minute): tests/test_kernels.py checks the target's "
+        "build folder and name; start-up as `bench --quick`",
+    ),
     "python -m engine bench --kernels torch": (
         PARSED,
         "the full benchmark on the torch path: start-up as `bench --quick`",

@@ -19,7 +19,9 @@ path runs.
 The build uses torch.utils.cpp_extension (g++ and ninja) with -O3 -march=native, in a cache
 directory keyed by the CPU's instruction-set flags and the torch version, so a binary built on an
 AVX-512 machine is never loaded on one without AVX-512. First build: about a minute on 2 cores;
-later processes load the cached .so in well under a second.
+later processes load the cached .so in well under a second. LLM_LAB_KERNEL_ARCH=x86-64-v3 builds
+for another target instead of -march=native (x86-64-v3: AVX2, the class of CPU without AVX-512),
+so a machine can measure the kernels a smaller CPU would run (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -66,8 +68,25 @@ def _cpu_flags() -> str:
     return platform.machine() + platform.processor()
 
 
+ARCH_ENV = "LLM_LAB_KERNEL_ARCH"
+ARCH_ISA = {
+    "x86-64": "baseline",
+    "x86-64-v2": "baseline",
+    "x86-64-v3": "AVX2",
+    "x86-64-v4": "AVX-512",
+}
+
+
+def kernel_arch() -> str:
+    """The -march the extension is built for: "native" (this CPU), or LLM_LAB_KERNEL_ARCH."""
+    return os.environ.get(ARCH_ENV, "").strip() or "native"
+
+
 def cpu_isa() -> str:
     """The widest vector instruction set the compiler will target here (for the log line)."""
+    arch = kernel_arch()
+    if arch != "native":
+        return f"{ARCH_ISA.get(arch, arch)}, built for -march={arch}"
     flags = set(_cpu_flags().split())
     if "avx512f" in flags:  # VNNI: the int4 x Q8 dot in one instruction (cpu_kernels.cpp)
         return "AVX-512 VNNI" if {"avx512_vnni", "avx512vl"} <= flags else "AVX-512"
@@ -77,11 +96,12 @@ def cpu_isa() -> str:
 
 
 def build_dir() -> Path:
-    """~/.cache/llm-inference-lab/kernels/<torch version>-<hash of CPU flags and source>."""
+    """~/.cache/llm-inference-lab/kernels/<torch version>-<hash of target, CPU flags, source>."""
     from engine.artifact import cache_dir
 
     texts = [p.read_text() for p in sorted(CSRC.iterdir()) if p.suffix in (".cpp", ".h")]
-    key = hashlib.sha256((_cpu_flags() + "".join(texts)).encode()).hexdigest()[:12]
+    target = "" if kernel_arch() == "native" else kernel_arch()  # native: the keys as before
+    key = hashlib.sha256((target + _cpu_flags() + "".join(texts)).encode()).hexdigest()[:12]
     return cache_dir() / "kernels" / f"torch{torch.__version__.replace('+', '_')}-{key}"
 
 
@@ -102,7 +122,9 @@ def load() -> ModuleType | None:
             directory = build_dir()
             directory.mkdir(parents=True, exist_ok=True)
             _clear_stale_lock(directory)
-            flags = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+            arch = kernel_arch()
+            tune = [] if arch == "native" else ["-mtune=native"]
+            flags = ["-O3", f"-march={arch}", *tune, "-fopenmp", "-std=c++17"]
             _module = cpp_extension.load(
                 name="llm_lab_cpu_kernels",
                 sources=[str(p) for p in SOURCES],

@@ -255,7 +255,7 @@ def arrange_for_kernels(weights: dict, kernels) -> dict:
     """The weights as the chosen linear path reads them best, decided once at load: the "gguf"
     matrices (Q4_1 layers, the int8 output layer) repacked into tiles where the extension
     (`kernels`) runs that tiled format in vector code (`q8_tile_formats`: int4 with AVX2 or
-    AVX-512 VNNI, int8 with AVX-512 VNNI); else (another CPU, the torch reference) in rows, their
+    AVX-512 VNNI, int8 likewise); else (another CPU, the torch reference) in rows, their
     file's order. Our kernels' outputs are the same bit for bit either way (the torch reference
     sums in its own order); other weights are left as they are."""
     formats = set(kernels.q8_tile_formats()) if kernels is not None else set()

@@ -1,6 +1,7 @@
 // Quantized weights repacked at load into tiles of 16 output channels, times activations rounded
 // to int8 in blocks of 32 (llama.cpp's Q8_1), as llama.cpp's repacked CPU kernels read theirs:
-// a GGUF's Q4_1 layers (int4_q8_tiled_linear) and the int8 output layer (int8_q8_tiled_linear).
+// a GGUF's Q4_1 layers (int4_q8_tiled_linear) and the int8 output layer (int8_q8_tiled_linear),
+// in AVX-512 VNNI or, on a CPU without it, AVX2.
 // The torch reference and the repacking itself are in engine/kernels/quant.py
 // (`Int4TiledWeight`, `Int8TiledWeight`); tests/test_kernels_tiles.py checks both against each
 // other.
@@ -175,12 +176,11 @@ void tile_rows_int8(const uint8_t* rec, int64_t groups, const int8_t* xq, int64_
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, _mm512_fmadd_ps(acc[r], s, b));
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-constexpr bool INT4_VECTOR = true, INT8_VECTOR = false;
+constexpr bool INT4_VECTOR = true, INT8_VECTOR = true;
 
 // Four products of unsigned by signed bytes summed into each 32-bit lane: AVX-VNNI does it in one
 // instruction; plain AVX2 in two (pairs to 16 bits, which cannot saturate for 4-bit weights:
-// 2 * 15 * 127 < 32767, then pairs of those to 32 bits). Not for int8 weights (2 * 255 * 127
-// saturates), so int8 tiles are AVX-512 only.
+// 2 * 15 * 127 < 32767, then pairs of those to 32 bits). Int8 tiles take another way below.
 inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVXVNNI__)
   return _mm256_dpbusd_avx_epi32(acc, u, s);
@@ -231,11 +231,43 @@ void tile_rows(const uint8_t* rec0, int64_t groups, const int8_t* xq, int64_t k,
   }
 }
 
+// The int8 tile in 256-bit vectors, two halves of 8 channels per chunk, rows one at a time as
+// above. A stored byte is q + 128, and (q + 128) * x summed in pairs would saturate 16 bits
+// (2 * 255 * 127), so the byte is turned back into q (xor 0x80) and multiplied as llama.cpp's
+// AVX2 kernels do: |q| (unsigned) by x with q's sign, whose pairs fit (2 * 128 * 127 < 32767).
+// The products are then exact, q . x itself: no 128 * sum(xq) to take off (qsum is unused).
 template <int R>
-void tile_rows_int8(const uint8_t* rec, int64_t groups, const int8_t* xq, int64_t k,
-                    const float* d, const int32_t* qsum, const float* scales, const float* bias,
+void tile_rows_int8(const uint8_t* rec0, int64_t groups, const int8_t* xq, int64_t k,
+                    const float* d, const int32_t*, const float* scales, const float* bias,
                     float* y, int64_t ldy) {
-  tile_rows_int8_portable<R>(rec, groups, xq, k, d, qsum, scales, bias, y, ldy);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r) {
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    const uint8_t* rec = rec0;
+    for (int64_t g = 0; g < groups; ++g, rec += RECORD8) {
+      for (int64_t b = 0; b < RECORD8; b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_AHEAD + b), _MM_HINT_T0);
+      const int8_t* x = xq + r * k + g * q8::BLOCK;
+      __m256i a[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) {
+        const __m256i xi = _mm256_set1_epi32(four_bytes(x + 4 * i));
+        for (int h = 0; h < 2; ++h) {
+          const __m256i q = _mm256_xor_si256(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * i + 32 * h)), flip);
+          const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xi, q));
+          a[h] = _mm256_add_epi32(a[h], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+      const __m256 dg = _mm256_set1_ps(d[r * groups + g]);
+      for (int h = 0; h < 2; ++h) acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[h]), dg, acc[h]);
+    }
+    for (int h = 0; h < 2; ++h) {  // q8::Int8Sum's order: the scale last, with the bias
+      const __m256 b = bias ? _mm256_loadu_ps(bias + 8 * h) : _mm256_setzero_ps();
+      _mm256_storeu_ps(y + r * ldy + 8 * h,
+                       _mm256_fmadd_ps(acc[h], _mm256_loadu_ps(scales + 8 * h), b));
+    }
+  }
 }
 #else
 constexpr bool INT4_VECTOR = false, INT8_VECTOR = false;
