@@ -101,6 +101,14 @@ void tile_rows_int8_portable(const uint8_t* rec, int64_t groups, const int8_t* x
     }
 }
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+// The record PREFETCH_AHEAD bytes past `rec` into L1, one cache line at a time.
+inline void prefetch_ahead(const uint8_t* rec, int64_t record_bytes) {
+  for (int64_t b = 0; b < record_bytes; b += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_AHEAD + b), _MM_HINT_T0);
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 constexpr bool INT4_VECTOR = true, INT8_VECTOR = true;
 
@@ -113,7 +121,7 @@ void tile_rows(const uint8_t* rec, int64_t groups, const int8_t* xq, int64_t k, 
   __m512 acc[R], acc_min[R];
   for (int r = 0; r < R; ++r) acc[r] = acc_min[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g, rec += RECORD) {
-    for (int64_t b = 0; b < RECORD; b += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_AHEAD + b), _MM_HINT_T0);
+    prefetch_ahead(rec, RECORD);
     __m512i lo[4], hi[4];
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
@@ -154,7 +162,7 @@ void tile_rows_int8(const uint8_t* rec, int64_t groups, const int8_t* xq, int64_
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g, rec += RECORD8) {
-    for (int64_t b = 0; b < RECORD8; b += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_AHEAD + b), _MM_HINT_T0);
+    prefetch_ahead(rec, RECORD8);
     __m512i w[8];
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) w[i] = _mm512_loadu_si512(rec + 64 * i);
@@ -201,8 +209,7 @@ void tile_rows(const uint8_t* rec0, int64_t groups, const int8_t* xq, int64_t k,
     __m256 acc_min[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     const uint8_t* rec = rec0;
     for (int64_t g = 0; g < groups; ++g, rec += RECORD) {
-      for (int64_t b = 0; b < RECORD; b += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_AHEAD + b), _MM_HINT_T0);
+      prefetch_ahead(rec, RECORD);
       const int8_t* x = xq + r * k + g * q8::BLOCK;
       __m256i a[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
 #pragma GCC unroll 4
@@ -245,8 +252,7 @@ void tile_rows_int8(const uint8_t* rec0, int64_t groups, const int8_t* xq, int64
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     const uint8_t* rec = rec0;
     for (int64_t g = 0; g < groups; ++g, rec += RECORD8) {
-      for (int64_t b = 0; b < RECORD8; b += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_AHEAD + b), _MM_HINT_T0);
+      prefetch_ahead(rec, RECORD8);
       const int8_t* x = xq + r * k + g * q8::BLOCK;
       __m256i a[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
 #pragma GCC unroll 8
