@@ -30,6 +30,10 @@ def inner_calls(device: torch.device) -> int:
     return GPU_INNER_CALLS if device.type == "cuda" else 1
 
 
+def bandwidth_bytes(device: torch.device, num_bytes: int) -> int:
+    return max(num_bytes, GPU_BANDWIDTH_BYTES) if device.type == "cuda" else num_bytes
+
+
 def measure_bandwidth(device: torch.device, num_bytes: int, repeats: int) -> tuple[float, float]:
     """(read, copy) GB/s: sum of a large float32 tensor reads every byte once; copy_ reads and
     writes. On a CPU the tensors sit in huge pages where the OS gives them, as the engine's
@@ -41,7 +45,7 @@ def measure_bandwidth(device: torch.device, num_bytes: int, repeats: int) -> tup
         x = arena.zeros((num_bytes // 4,), torch.float32).fill_(1.0)
         y = arena.zeros((num_bytes // 4,), torch.float32)
     else:
-        num_bytes = max(num_bytes, GPU_BANDWIDTH_BYTES)
+        num_bytes = bandwidth_bytes(device, num_bytes)
         x = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
         y = torch.empty_like(x)
     inner = inner_calls(device)
@@ -65,8 +69,7 @@ def measure_ceilings(device: torch.device, num_bytes: int, matmul_size: int, rep
             for kernel, fn in _matmul_kernels(device, dtype).items()
         }
         matmul[name] = max(by_kernel[name].values())
-    if device.type == "cuda":
-        num_bytes = max(num_bytes, GPU_BANDWIDTH_BYTES)
+    num_bytes = bandwidth_bytes(device, num_bytes)
     return {
         "memory_read_gb_s": read,
         "memory_read_gb_s_samples": [
