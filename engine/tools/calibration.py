@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.tools.bench.config import SIDE_ENGINE_KV_CACHE_BYTES
 from engine.tools.cost_model import (
     CostModel,
     Efficiency,
@@ -368,13 +369,6 @@ def fit_steps(records, hardware: HardwarePreset, preset) -> tuple[Efficiency, di
     return efficiency, stats
 
 
-# The calibration and fidelity engines' KV cache: a fixed size, not "what the GPU has left".
-# Inside `python -m engine bench` they run beside the bench's own engine, whose cache already
-# holds most of a GPU's memory, so a profiled size would come out at 0 blocks. On a CPU this is
-# the default size anyway (engine/config.py DEFAULT_CPU_KV_CACHE_BYTES).
-CALIBRATION_KV_CACHE_BYTES = 1 << 30
-
-
 def calibrate(
     model: str | None = None,
     device: str = "auto",
@@ -396,7 +390,7 @@ def calibrate(
         dtype=dtype,
         max_num_seqs=w.max_num_seqs,
         max_num_batched_tokens=w.max_num_batched_tokens,
-        kv_cache_memory=CALIBRATION_KV_CACHE_BYTES,
+        kv_cache_memory=SIDE_ENGINE_KV_CACHE_BYTES,
     )
     log(
         f"calibration: measuring this machine's ceilings ({engine.device.type}, "

@@ -7,6 +7,12 @@ from dataclasses import dataclass
 
 from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 
+# An engine the bench builds beside its own (the calibration and fidelity engines, the
+# quantization variants, the speculative one) takes a KV cache of this fixed size. Sized by
+# profiling a GPU it would find the bench engine's cache holding most of the memory, and get 0
+# blocks. On a CPU this is the default size anyway (engine/config.py DEFAULT_CPU_KV_CACHE_BYTES).
+SIDE_ENGINE_KV_CACHE_BYTES = 1 << 30
+
 
 @dataclass
 class BenchConfig:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.tools.bench.config import BenchConfig
+from engine.tools.bench.config import SIDE_ENGINE_KV_CACHE_BYTES, BenchConfig
 from engine.tools.workload import SimRequest, make_workload
 
 FIDELITY_TARGET = 0.10  # the issue's goal: each figure within 10 % of the real engine's
@@ -40,12 +40,7 @@ def simulator_fidelity(
     """Calibrate on one workload, then run the benchmark's offline workload (all requests at
     t = 0) on the real engine and on the simulated one, and compare on the engine clock."""
     from engine.core import EngineCore
-    from engine.tools.calibration import (
-        CALIBRATION_KV_CACHE_BYTES,
-        CalibrationWorkload,
-        calibrate,
-        run_real_steps,
-    )
+    from engine.tools.calibration import CalibrationWorkload, calibrate, run_real_steps
     from engine.tools.presets import model_preset_from_dir
     from engine.tools.simulator import simulate, summarize
 
@@ -61,7 +56,7 @@ def simulator_fidelity(
         dtype=config.dtype,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
-        kv_cache_memory=CALIBRATION_KV_CACHE_BYTES,
+        kv_cache_memory=SIDE_ENGINE_KV_CACHE_BYTES,
     )
     specials = sorted(engine.tokenizer.special_token_ids)
     items = make_workload(
