@@ -704,17 +704,29 @@ def test_engine_greedy_tokens_equal_with_and_without_kernels(ext, default_model_
     assert outputs["auto"] == outputs["torch"]
 
 
-def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
-    """A killed build leaves torch's lock file; later processes would wait on it forever."""
+def test_a_build_lock_is_waited_for_until_it_goes_or_grows_stale(tmp_path, monkeypatch):
+    """A killed process leaves torch's lock file, and cpp_extension.load would wait on it with
+    no limit: we wait while a build could still be running, then remove it. (A process killed
+    while loading once left one that hung the app server of a whole test run.)"""
+    import threading
+
     lock = tmp_path / "lock"
+    kernels._wait_out_lock(tmp_path)  # nothing there: nothing to wait for
     lock.touch()
-    kernels._clear_stale_lock(tmp_path)
-    assert lock.exists()  # a build may be running now
+    threading.Timer(0.3, lock.unlink).start()  # a live build that finishes
+    start = time.monotonic()
+    kernels._wait_out_lock(tmp_path, poll_s=0.05)
+    assert not lock.exists() and 0.25 < time.monotonic() - start < 5
+    lock.touch()  # a dead one: kept while it is young, removed once it is stale
+    monkeypatch.setattr(kernels, "STALE_LOCK_S", 0.4)
+    start = time.monotonic()
+    kernels._wait_out_lock(tmp_path, poll_s=0.05)
+    assert not lock.exists() and 0.35 < time.monotonic() - start < 5
     old = time.time() - kernels.STALE_LOCK_S - 5
+    lock.touch()
     os.utime(lock, (old, old))
-    kernels._clear_stale_lock(tmp_path)
+    kernels._wait_out_lock(tmp_path)  # already stale: removed at once
     assert not lock.exists()
-    kernels._clear_stale_lock(tmp_path)  # nothing there: nothing to do
 
 
 def test_kernel_arch_builds_for_another_target_in_a_folder_of_its_own(monkeypatch):

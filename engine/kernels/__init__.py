@@ -121,7 +121,7 @@ def load() -> ModuleType | None:
             _put_venv_tools_on_path()
             directory = build_dir()
             directory.mkdir(parents=True, exist_ok=True)
-            _clear_stale_lock(directory)
+            _wait_out_lock(directory)
             arch = kernel_arch()
             tune = [] if arch == "native" else ["-mtune=native"]
             flags = ["-O3", f"-march={arch}", *tune, "-fopenmp", "-std=c++17"]
@@ -146,18 +146,30 @@ def load() -> ModuleType | None:
 STALE_LOCK_S = 600  # a build takes about a minute on 2 cores; a lock this old has no builder
 
 
-def _clear_stale_lock(directory: Path) -> None:
-    """torch's build lock is a file that a build removes when done. A build that was killed
-    (Ctrl-C, a test timeout) leaves it, and every later process then waits on it forever. Remove
-    one older than any build takes."""
-    lock = directory / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        logger.warning("kernels: removing a build lock left %.0f s ago by a killed build", age)
-        lock.unlink(missing_ok=True)
+def _wait_out_lock(directory: Path, poll_s: float = 0.5) -> None:
+    """torch's build lock is a file that the process holding it removes when done: every load
+    holds it for a moment, a build for a minute. A process killed meanwhile (Ctrl-C, a timeout)
+    leaves it, and cpp_extension.load then waits on it with no limit. So wait here instead, while
+    the lock is younger than any build takes, and remove it once it is older."""
+    lock, said = directory / "lock", False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > STALE_LOCK_S:
+            logger.warning("kernels: removing a build lock left %.0f s ago by a killed build", age)
+            lock.unlink(missing_ok=True)
+            return
+        if not said:
+            logger.warning(
+                "kernels: another process holds the build lock (%.0f s old); waiting for it, "
+                "at most until it is %.0f s old",
+                age,
+                STALE_LOCK_S,
+            )
+            said = True
+        time.sleep(poll_s)
 
 
 def _put_venv_tools_on_path() -> None:
