@@ -100,7 +100,8 @@ def build_dir() -> Path:
     from engine.artifact import cache_dir
 
     texts = [p.read_text() for p in sorted(CSRC.iterdir()) if p.suffix in (".cpp", ".h")]
-    target = "" if kernel_arch() == "native" else kernel_arch()  # native: the keys as before
+    arch = kernel_arch()
+    target = "" if arch == "native" else arch  # native: the keys as before
     key = hashlib.sha256((target + _cpu_flags() + "".join(texts)).encode()).hexdigest()[:12]
     return cache_dir() / "kernels" / f"torch{torch.__version__.replace('+', '_')}-{key}"
 

@@ -593,7 +593,6 @@ def main(args) -> int:
     print()
     print(format_table(results))
     print(f"selfcheck took {seconds:.0f} s")
-    if args.json:
-        write_json(results)
+    if args.json:  # written after the last check already
         print(f"results written to {args.json}")
     return 1 if any(r.status == "FAIL" for r in results) else 0
