@@ -98,6 +98,65 @@ def test_fused_blocks_equal_the_python_path_bit_for_bit(ext, request, monkeypatc
     assert_same_steps(fused, python)
 
 
+def run_decodes(model: LlamaModel, kv_dtype: torch.dtype) -> tuple[list[torch.Tensor], list]:
+    """Two requests prefilled (150 and 20 tokens), then decode steps: the long one alone, then
+    both together. Logits of every step, and the cache."""
+    torch.manual_seed(1)
+    vocab = model.cfg.vocab_size
+    caches = model.allocate_kv_cache(16, BLOCK, kv_dtype)
+    tables = [list(range(11)), [11, 12]]
+    computed, logits = [0, 0], []
+    steps = [[150, 20]] + [[1, 0]] * 3 + [[1, 1]] * 4
+    for query_lens in steps:
+        live = [i for i, n in enumerate(query_lens) if n]
+        q_lens = [query_lens[i] for i in live]
+        positions = torch.cat(
+            [torch.arange(computed[i], computed[i] + query_lens[i]) for i in live]
+        )
+        meta = build_attention_metadata(
+            q_lens, [computed[i] for i in live], [tables[i] for i in live], BLOCK, for_kernel=True
+        )
+        ids = torch.randint(3, vocab, (sum(q_lens),))
+        last = torch.tensor(q_lens).cumsum(0) - 1
+        logits.append(model.forward(ids, positions, caches, meta, last))
+        computed = [c + n for c, n in zip(computed, query_lens, strict=True)]
+    return logits, caches
+
+
+@pytest.mark.parametrize(
+    "model, threads, kv_dtype",
+    [("llama", t, kv) for t in (1, 2, 3) for kv in ("float32", "bfloat16")]
+    + [("qwen2", 2, "float32")],
+)
+def test_decode_steps_run_as_one_team_bit_for_bit(
+    ext, request, monkeypatch, model, threads, kv_dtype
+):
+    """A decode step of a model in tiles runs as one team of threads, one parallel region for
+    all the layers (fused_blocks.cpp: LayerStack::run_team), with the long context's keys cut into
+    ranges that the team merges. Its logits and cache equal the Python path's bit for bit, at
+    any number of threads, with a bfloat16 cache too (whose first chunks, before this test,
+    attended to unrounded keys in the fused block) and with Qwen2's q/k/v biases; the prefill
+    keeps the kernels' loops."""
+    if "int4" not in ext.q8_tile_formats():
+        pytest.skip("this build has no vector code for int4 tiles, so the model is not tiled")
+    model_dir = request.getfixturevalue("tiny_qwen2_dir" if model == "qwen2" else "tiny_model_dir")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fused = build(model_dir, "tiles", True, monkeypatch)
+        python = build(model_dir, "tiles", False, monkeypatch)
+        fused_logits, fused_cache = run_decodes(fused, getattr(torch, kv_dtype))
+        python_logits, python_cache = run_decodes(python, getattr(torch, kv_dtype))
+    finally:
+        torch.set_num_threads(before)
+    assert fused.stack.stack.team_steps == 7  # every decode step, not the prefill
+    assert "decode steps as one team of threads" in describe(fused)
+    for a, b in zip(fused_logits, python_logits, strict=True):
+        assert torch.equal(a, b)
+    for (k1, v1), (k2, v2) in zip(fused_cache, python_cache, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
 def test_bfloat16_tiles_fused_equal_the_python_path_bit_for_bit(ext, tiny_model_dir, monkeypatch):
     """A float32 model's bfloat16 linears in AMX tiles run on our kernel, so their layers fuse
     too (engine/kernels/bfloat16_tiles.py)."""

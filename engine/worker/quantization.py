@@ -310,7 +310,10 @@ def describe(model) -> str:
     dtype = str(model.dtype).removeprefix("torch.")
     # The layers as one C++ call a step (engine/models/llama.py LayerStack), or Python between
     # the kernels.
-    layers = "layers in one C++ call" if getattr(model, "stack", None) else "layers in Python"
+    stack = getattr(model, "stack", None)
+    layers = "layers in one C++ call" if stack else "layers in Python"
+    if stack and stack.stack.tiled:
+        layers += ", decode steps as one team of threads"
     if method != "gguf":
         weight_only = "linears weight-only, lm_head int8 per channel"
         return f"{method}{group}: {weight_only}, activations {dtype}, {layers}"

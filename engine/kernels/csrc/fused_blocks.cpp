@@ -21,6 +21,12 @@
 
 #include <torch/extension.h>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include <algorithm>
+#include <atomic>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -69,7 +75,29 @@ struct QuantLinear {
     }
     TORCH_CHECK(false, "QuantLinear: bad kind");
   }
+
+  // In tiles of 16 output channels (a GGUF's layers and output layer): a team can share them.
+  bool tiled() const { return kind == Kind::Int4Tiles || kind == Kind::Int8Tiles; }
+  int64_t num_tiles() const { return t[0].size(0); }
+  int64_t out_features() const { return t[0].size(0) * q8::TILE_CHANNELS; }
+  int64_t in_features() const { return t[0].size(1) * q8::BLOCK; }
+
+  // A tiled matrix's tiles t0 .. t1 of y [rows, out_features] for the rows rounded in `a`.
+  void tiles_part(const q8::RoundedView& a, const float* bias, float* y, int64_t t0,
+                  int64_t t1) const {
+    if (kind == Kind::Int4Tiles)
+      int4_tiles_part(t[0], a, bias, y, t0, t1);
+    else
+      int8_tiles_part(t[0], t[1], a, bias, y, t0, t1);
+  }
 };
+
+// x as the cache gives it back: rounded to the cache's dtype and widened again (a bfloat16 KV
+// cache under a float32 model), as engine/layers/attention.py as_cached does for the first chunks.
+torch::Tensor as_cached(const torch::Tensor& x, const torch::Tensor& cache) {
+  if (x.scalar_type() == cache.scalar_type()) return x;
+  return x.to(cache.scalar_type()).to(x.scalar_type());
+}
 
 // qkv → RoPE → paged attention (this step's K/V written into the cache first) → o.
 struct AttentionBlock {
@@ -102,9 +130,10 @@ struct AttentionBlock {
     for (int64_t c = 0; c < first_chunks.size(0); ++c) {
       const int64_t start = chunk[2 * c], rows = chunk[2 * c + 1];
       const torch::Tensor o_chunk = at::scaled_dot_product_attention(
-          q.narrow(0, start, rows).transpose(0, 1), k.narrow(0, start, rows).transpose(0, 1),
-          v.narrow(0, start, rows).transpose(0, 1), {}, 0.0, /*is_causal=*/true, scale,
-          /*enable_gqa=*/true);
+          q.narrow(0, start, rows).transpose(0, 1),
+          as_cached(k.narrow(0, start, rows), k_cache).transpose(0, 1),
+          as_cached(v.narrow(0, start, rows), v_cache).transpose(0, 1), {}, 0.0,
+          /*is_causal=*/true, scale, /*enable_gqa=*/true);
       out.narrow(0, start, rows).copy_(o_chunk.transpose(0, 1));
     }
     return o(out.view({tokens, heads * d}), c10::nullopt);
@@ -120,13 +149,81 @@ struct MlpBlock {
   }
 };
 
+// A member of the team of threads that runs a whole decode step in one parallel region: its rank,
+// the team's size, and the barrier where the team waits until every member is done with a phase.
+struct TeamMember {
+  int64_t rank, size;
+
+  void barrier() const {
+#pragma omp barrier
+  }
+};
+
+// Decode steps of up to this many tokens run as a team (below); a longer step (a prefill chunk)
+// keeps the kernels' own parallel loops, which split its rows too.
+constexpr int64_t TEAM_MAX_ROWS = 8;
+
+// A member's own rows, kept from step to step (the buffers only grow): the residual stream, the
+// norm's output, SwiGLU's output, and the activations rounded for the next matrix.
+struct MemberRows {
+  std::vector<float> residual, normed, act;
+  q8::RoundingBuffer rounding;
+};
+
+inline float* grow(std::vector<float>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
+}
+
+// What the members of a team share in one step: the inputs, and one buffer per phase's output.
+struct TeamStep {
+  int64_t m, hidden, heads, kv, d, qkv_n, inter;
+  const float* h;      // [m, hidden] the residual stream entering layer 0
+  const float* cos;    // [m, d]
+  const float* sin;    // [m, d]
+  torch::Tensor qkv;   // [m, qkv_n]
+  torch::Tensor qk;    // [m, heads + kv, d] queries and keys after RoPE
+  torch::Tensor attn;  // [m, heads, d]
+  torch::Tensor o, gate_up, down, h_out;  // [m, hidden], [m, 2 * inter], [m, hidden], [m, hidden]
+  torch::Tensor q_view, k_view, v_view;   // the heads of qk and qkv that attention reads
+  std::vector<torch::Tensor> k_caches, v_caches;
+  torch::Tensor slots, block_tables, tiles;
+  int64_t plan_threads;
+  TeamAttention attention;
+  std::atomic<int64_t> next_item{0};
+  std::vector<std::atomic<int64_t>> tiles_taken;  // per layer: qkv's, o's, gate_up's, down's
+};
+
 // Every layer of the model, one after the other, as LlamaModel.run_layers runs them: the
 // residual adds fused into the norms that follow them (add_rms_norm). One call a step.
+//
+// A decode step whose matrices are all in tiles runs as a team instead: one parallel region for
+// the whole step, each thread running every layer's loop, splitting each matrix's tiles and the
+// attention's items with the other threads and waiting at a barrier where a phase needs every
+// thread's output (6 a layer). Each thread rounds the activations it multiplies and keeps the
+// residual stream and the norms' outputs itself (a few KB, the same numbers in each). A gguf
+// decode step at batch 1 otherwise starts ~150 parallel loops and makes ~400 tensor operations
+// (views, empty outputs) between them, while the other thread waits (docs/performance.md,
+// twelfth session); the team does neither. The numbers are the loop's, bit for bit: the same
+// row functions and tile kernels on the same rows, the same attention items.
 struct LayerStack {
   std::vector<AttentionBlock> attention;
   std::vector<MlpBlock> mlp;
   std::vector<torch::Tensor> input_norms, post_norms;  // float32 weights, one per layer
   double eps;
+  bool tiled;  // every matrix in tiles: decode steps can run as a team
+  int64_t team_steps = 0;  // steps run as a team (tests and describe() read it)
+
+  LayerStack(std::vector<AttentionBlock> attention_, std::vector<MlpBlock> mlp_,
+             std::vector<torch::Tensor> input_norms_, std::vector<torch::Tensor> post_norms_,
+             double eps_)
+      : attention(std::move(attention_)), mlp(std::move(mlp_)),
+        input_norms(std::move(input_norms_)), post_norms(std::move(post_norms_)), eps(eps_),
+        tiled(true) {
+    for (size_t i = 0; i < attention.size(); ++i)
+      tiled = tiled && attention[i].qkv.tiled() && attention[i].o.tiled() &&
+              mlp[i].gate_up.tiled() && mlp[i].down.tiled();
+  }
 
   // h: the residual stream entering layer 0; k_caches[i], v_caches[i]: layer i's cache. Returns
   // (h, mlp_out) after the last layer: the residual stream and the last MLP's output, not yet
@@ -135,10 +232,16 @@ struct LayerStack {
       torch::Tensor h, const torch::Tensor& cos, const torch::Tensor& sin,
       std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
       const torch::Tensor& slots, const torch::Tensor& block_tables, const torch::Tensor& tiles,
-      const torch::Tensor& first_chunks) const {
+      const torch::Tensor& first_chunks) {
     const size_t layers = attention.size();
     TORCH_CHECK(layers > 0 && k_caches.size() == layers && v_caches.size() == layers,
                 "LayerStack: one K and one V cache per layer");
+    if (tiled && first_chunks.size(0) == 0 && h.size(0) <= TEAM_MAX_ROWS &&
+        h.scalar_type() == torch::kFloat32) {
+      ++team_steps;
+      return run_team(h.contiguous(), cos.contiguous(), sin.contiguous(), std::move(k_caches),
+                      std::move(v_caches), slots, block_tables, tiles);
+    }
     torch::Tensor x = rms_norm(h, input_norms[0], eps), mlp_out;
     for (size_t i = 0; i < layers; ++i) {
       const torch::Tensor attn_out = attention[i](x, cos, sin, k_caches[i], v_caches[i], slots,
@@ -148,6 +251,155 @@ struct LayerStack {
       if (i + 1 < layers) std::tie(h, x) = add_rms_norm(h, mlp_out, input_norms[i + 1], eps);
     }
     return {h, mlp_out};
+  }
+
+  std::tuple<torch::Tensor, torch::Tensor> run_team(
+      const torch::Tensor& h, const torch::Tensor& cos, const torch::Tensor& sin,
+      std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
+      const torch::Tensor& slots, const torch::Tensor& block_tables,
+      const torch::Tensor& tiles) const {
+    TeamStep step;
+    prepare_team(step, h, cos, sin, std::move(k_caches), std::move(v_caches), slots,
+                 block_tables, tiles);
+#pragma omp parallel num_threads(step.plan_threads)
+    {
+#ifdef _OPENMP
+      const TeamMember me{omp_get_thread_num(), omp_get_num_threads()};
+#else
+      const TeamMember me{0, 1};
+#endif
+      run_member(me, step);
+    }
+    return {step.h_out, step.down};
+  }
+
+  // Everything that can fail is checked here, before the parallel region (an exception cannot
+  // leave one), and every buffer is allocated here.
+  void prepare_team(TeamStep& s, const torch::Tensor& h, const torch::Tensor& cos,
+                    const torch::Tensor& sin, std::vector<torch::Tensor> k_caches,
+                    std::vector<torch::Tensor> v_caches, const torch::Tensor& slots,
+                    const torch::Tensor& block_tables, const torch::Tensor& tiles) const {
+    const AttentionBlock& a0 = attention[0];
+    s.m = h.size(0), s.hidden = h.size(1), s.heads = a0.num_heads, s.kv = a0.num_kv_heads;
+    s.d = a0.head_dim, s.qkv_n = a0.qkv.out_features(), s.inter = mlp[0].down.in_features();
+    TORCH_CHECK(h.dim() == 2 && cos.numel() == s.m * s.d && sin.numel() == s.m * s.d &&
+                    cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32,
+                "LayerStack: h [tokens, hidden], cos and sin [tokens, head_dim] float32");
+    TORCH_CHECK(s.qkv_n == (s.heads + 2 * s.kv) * s.d &&
+                    mlp[0].gate_up.out_features() == 2 * s.inter &&
+                    a0.o.out_features() == s.hidden && mlp[0].down.out_features() == s.hidden,
+                "LayerStack: the matrices' shapes do not fit the heads");
+    auto opts = h.options();
+    s.h = h.data_ptr<float>(), s.cos = cos.data_ptr<float>(), s.sin = sin.data_ptr<float>();
+    s.qkv = torch::empty({s.m, s.qkv_n}, opts);
+    s.qk = torch::empty({s.m, s.heads + s.kv, s.d}, opts);
+    s.attn = torch::empty({s.m, s.heads, s.d}, opts);
+    s.o = torch::empty({s.m, s.hidden}, opts);
+    s.gate_up = torch::empty({s.m, 2 * s.inter}, opts);
+    s.down = torch::empty({s.m, s.hidden}, opts);
+    s.h_out = torch::empty({s.m, s.hidden}, opts);
+    s.q_view = s.qk.narrow(1, 0, s.heads);
+    s.k_view = s.qk.narrow(1, s.heads, s.kv);
+    s.v_view = s.qkv.narrow(1, (s.heads + s.kv) * s.d, s.kv * s.d).view({s.m, s.kv, s.d});
+    for (size_t i = 0; i < attention.size(); ++i)
+      check_paged_attention(s.q_view, s.k_view, s.v_view, k_caches[i], v_caches[i], slots,
+                            block_tables, tiles, s.attn);
+    s.k_caches = std::move(k_caches), s.v_caches = std::move(v_caches);
+    s.slots = slots, s.block_tables = block_tables, s.tiles = tiles;
+    s.plan_threads = at::get_num_threads();  // as paged_attention plans: the same items
+    s.attention.plan(s.q_view, s.k_caches[0], s.v_caches[0], block_tables, tiles, s.attn,
+                     s.plan_threads);
+    s.tiles_taken = std::vector<std::atomic<int64_t>>(4 * attention.size());
+    for (auto& taken : s.tiles_taken) taken.store(0);
+  }
+
+  // One member's part of the step: every layer, phase by phase.
+  void run_member(const TeamMember& me, TeamStep& s) const {
+    thread_local MemberRows own;
+    const int64_t m = s.m, hidden = s.hidden;
+    const float feps = static_cast<float>(eps);
+    float* res = grow(own.residual, m * hidden);
+    float* x = grow(own.normed, m * hidden);
+    std::copy(s.h, s.h + m * hidden, res);
+    for (int64_t r = 0; r < m; ++r)
+      rms_norm_row(res + r * hidden, input_norms[0].data_ptr<float>(), hidden, feps,
+                   x + r * hidden);
+    for (size_t i = 0; i < attention.size(); ++i) {
+      attention_phases(me, s, i, x, own.rounding);
+      add_norm_rows(res, s.o.data_ptr<float>(), post_norms[i], feps, m, hidden, x);
+      mlp_phases(me, s, i, x, own);
+      if (i + 1 < attention.size())
+        add_norm_rows(res, s.down.data_ptr<float>(), input_norms[i + 1], feps, m, hidden, x);
+    }
+    if (me.rank == 0) std::copy(res, res + m * hidden, s.h_out.data_ptr<float>());
+  }
+
+  // qkv, RoPE and the new K/V into the cache, attention, o: four barriers.
+  void attention_phases(const TeamMember& me, TeamStep& s, size_t i, const float* x,
+                        q8::RoundingBuffer& rounding) const {
+    const AttentionBlock& block = attention[i];
+    const float* bias = block.qkv_bias ? block.qkv_bias->data_ptr<float>() : nullptr;
+    share_tiles(me, block.qkv, rounding.round(x, s.m, s.hidden), bias, s.qkv,
+                s.tiles_taken[4 * i]);
+    if (me.rank == 0) {
+      const float* qkv = s.qkv.data_ptr<float>();
+      float* qk = s.qk.data_ptr<float>();
+      const int64_t rope_heads = s.heads + s.kv;
+      for (int64_t r = 0; r < s.m; ++r)
+        rope_row(qkv + r * s.qkv_n, rope_heads, s.d, s.cos + r * s.d, s.sin + r * s.d,
+                 qk + r * rope_heads * s.d);
+      s.attention.prepare(s.q_view, s.k_view, s.v_view, s.k_caches[i], s.v_caches[i], s.slots,
+                          s.block_tables, s.tiles, block.scale, s.attn);
+      s.next_item.store(0);
+    }
+    me.barrier();
+    s.attention.run_items(s.next_item);
+    me.barrier();
+    share_tiles(me, block.o, rounding.round(s.attn.data_ptr<float>(), s.m, s.heads * s.d),
+                nullptr, s.o, s.tiles_taken[4 * i + 1]);
+  }
+
+  // gate_up, SwiGLU, down: two barriers.
+  void mlp_phases(const TeamMember& me, TeamStep& s, size_t i, const float* x,
+                  MemberRows& own) const {
+    share_tiles(me, mlp[i].gate_up, own.rounding.round(x, s.m, s.hidden), nullptr, s.gate_up,
+                s.tiles_taken[4 * i + 2]);
+    float* act = grow(own.act, s.m * s.inter);
+    const float* gate_up = s.gate_up.data_ptr<float>();
+    for (int64_t r = 0; r < s.m; ++r)
+      silu_and_mul_row(gate_up + r * 2 * s.inter, s.inter, act + r * s.inter);
+    share_tiles(me, mlp[i].down, own.rounding.round(act, s.m, s.inter), nullptr, s.down,
+                s.tiles_taken[4 * i + 3]);
+  }
+
+  // A matrix's tiles into y, taken by the members as they come for more (`taken`: tiles handed
+  // out so far), in runs that shrink as the tiles run out (OpenMP's guided schedule): a member
+  // that streams faster takes more, and all finish within about one tile of each other. (With
+  // halves fixed in advance, the members waited ~15 % of the step at the barriers, the one or
+  // the other: two threads streaming side by side do not get the memory equally.) Then the
+  // barrier after which all of y is there for everyone.
+  static void share_tiles(const TeamMember& me, const QuantLinear& linear,
+                          const q8::RoundedView& a, const float* bias, torch::Tensor& y,
+                          std::atomic<int64_t>& taken) {
+    const int64_t n = linear.num_tiles();
+    float* out = y.data_ptr<float>();
+    int64_t t0 = taken.load(std::memory_order_relaxed);
+    while (t0 < n) {
+      const int64_t run = std::max<int64_t>(1, (n - t0) / (2 * me.size));
+      if (!taken.compare_exchange_weak(t0, t0 + run, std::memory_order_relaxed)) continue;
+      linear.tiles_part(a, bias, out, t0, std::min(n, t0 + run));
+      t0 = taken.load(std::memory_order_relaxed);
+    }
+    me.barrier();
+  }
+
+  // The residual stream `res` += delta, and x = its norm, row by row.
+  static void add_norm_rows(float* res, const float* delta, const torch::Tensor& weight,
+                            float eps, int64_t m, int64_t hidden, float* x) {
+    const float* w = weight.data_ptr<float>();
+    for (int64_t r = 0; r < m; ++r)
+      add_rms_norm_row(res + r * hidden, delta + r * hidden, w, hidden, eps, res + r * hidden,
+                       x + r * hidden);
   }
 };
 
@@ -178,5 +430,9 @@ void register_fused_blocks(pybind11::module& m) {
                     std::vector<torch::Tensor>, double>(),
            py::arg("attention"), py::arg("mlp"), py::arg("input_norms"), py::arg("post_norms"),
            py::arg("eps"))
-      .def("__call__", &LayerStack::operator(), py::call_guard<py::gil_scoped_release>());
+      .def("__call__", &LayerStack::operator(), py::call_guard<py::gil_scoped_release>())
+      .def_readonly("tiled", &LayerStack::tiled,
+                    "every matrix in tiles: decode steps run as one team of threads")
+      .def_readonly("team_steps", &LayerStack::team_steps,
+                    "how many steps ran as one team of threads");
 }

@@ -5,11 +5,20 @@
 
 #include <torch/extension.h>
 
+#include <atomic>
+#include <functional>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
 
+#include "q8.h"
+
 // cpu_kernels.cpp
+void check_paged_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                           const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                           const torch::Tensor& slots, const torch::Tensor& block_tables,
+                           const torch::Tensor& tiles, const torch::Tensor& out);
 void paged_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                      torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots,
                      const torch::Tensor& block_tables, const torch::Tensor& tiles, double scale,
@@ -25,6 +34,39 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& h,
                                                       const torch::Tensor& weight, double eps);
 torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
 torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+// What the four above do to one row (one token for rope), for a thread that runs its own rows.
+void rms_norm_row(const float* x, const float* weight, int64_t d, float eps, float* out);
+void add_rms_norm_row(const float* h, const float* delta, const float* weight, int64_t d,
+                      float eps, float* sum, float* out);
+void silu_and_mul_row(const float* gate_up, int64_t n, float* out);
+void rope_row(const float* x, int64_t heads, int64_t d, const float* cos, const float* sin,
+              float* out);
+
+// paged_attention (float32 q, k, v and out) for a team of threads inside one parallel region
+// (fused_blocks.cpp's LayerStack). `plan` once a step, before the region: the work cut into items
+// as paged_attention cuts it for `threads` (every layer has the same tiles). Then for each layer
+// one member calls `prepare` (this layer's new K/V into its cache) and every member `run_items`,
+// taking the next item from `next` until none is left. The same items and the same code as
+// paged_attention, so the same numbers. Arguments checked by check_paged_attention.
+struct AttentionPlan;
+class TeamAttention {
+ public:
+  TeamAttention();
+  ~TeamAttention();
+  void plan(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+            const torch::Tensor& block_tables, const torch::Tensor& tiles, torch::Tensor& out,
+            int64_t threads);
+  void prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+               torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots,
+               const torch::Tensor& block_tables, const torch::Tensor& tiles, double scale,
+               torch::Tensor& out);
+  void run_items(std::atomic<int64_t>& next) const;
+
+ private:
+  std::unique_ptr<AttentionPlan> plan_;
+  std::function<void(int64_t)> item_;
+  int64_t items_ = 0;
+};
 
 // q8_rows.cpp
 torch::Tensor int4_q8_linear(const torch::Tensor& x, const torch::Tensor& packed,
@@ -40,6 +82,12 @@ torch::Tensor int4_q8_tiled_linear(const torch::Tensor& x, const torch::Tensor& 
 torch::Tensor int8_q8_tiled_linear(const torch::Tensor& x, const torch::Tensor& tiles,
                                    const torch::Tensor& scales,
                                    const c10::optional<torch::Tensor>& bias);
+// Tiles t0 .. t1 of the two above's y ([m, n] float32, written there) for rows already rounded.
+void int4_tiles_part(const torch::Tensor& tiles, const q8::RoundedView& a, const float* bias,
+                     float* y, int64_t t0, int64_t t1);
+void int8_tiles_part(const torch::Tensor& tiles, const torch::Tensor& scales,
+                     const q8::RoundedView& a, const float* bias, float* y, int64_t t0,
+                     int64_t t1);
 
 // bf16_tiles.cpp
 bool bf16_tiles_available();

@@ -19,7 +19,8 @@
 
 namespace q8 {
 
-constexpr int64_t BLOCK = 32;  // activation values per int8 block
+constexpr int64_t BLOCK = 32;          // activation values per int8 block
+constexpr int64_t TILE_CHANNELS = 16;  // output channels per tile (q8_tiles.cpp)
 
 // x (k floats, k a multiple of 32) -> xq, d[k / 32], dsum[k / 32] = d * sum(xq) of each block,
 // and, where qsum is given, qsum[k / 32] = sum(xq) itself: per block d = max |x| / 127 and
@@ -67,6 +68,16 @@ inline void quantize_row(const float* x, int64_t k, int8_t* xq, float* d, float*
   }
 }
 
+// Rounded rows as the kernels read them: m rows of k int8 values, `groups` = k / 32 block scales
+// (d), d * sum(xq) (dsum) and sum(xq) (qsum) per row.
+struct RoundedView {
+  int64_t m, k, groups;
+  const int8_t* xq;
+  const float* d;
+  const float* dsum;
+  const int32_t* qsum;
+};
+
 // The activation rows rounded to int8 blocks, with what each kind of kernel needs of them.
 struct RoundedRows {
   int64_t m, k, groups;
@@ -84,6 +95,31 @@ struct RoundedRows {
         quantize_row(xp + r * k, k, xq.data() + r * k, d.data() + r * groups,
                      dsum.data() + r * groups, qsum.data() + r * groups);
     });
+  }
+
+  RoundedView view() const { return {m, k, groups, xq.data(), d.data(), dsum.data(), qsum.data()}; }
+};
+
+// The same rounding into buffers one thread keeps from call to call (a member of the layer
+// stack's team, fused_blocks.cpp, rounds the rows it multiplies itself: no allocation, no other
+// thread). The buffers only grow.
+struct RoundingBuffer {
+  std::vector<int8_t> xq;
+  std::vector<float> d, dsum;
+  std::vector<int32_t> qsum;
+
+  RoundedView round(const float* x, int64_t m, int64_t k) {
+    const int64_t groups = k / BLOCK;
+    if (static_cast<int64_t>(xq.size()) < m * k) xq.resize(m * k);
+    if (static_cast<int64_t>(d.size()) < m * groups) {
+      d.resize(m * groups);
+      dsum.resize(m * groups);
+      qsum.resize(m * groups);
+    }
+    for (int64_t r = 0; r < m; ++r)
+      quantize_row(x + r * k, k, xq.data() + r * k, d.data() + r * groups,
+                   dsum.data() + r * groups, qsum.data() + r * groups);
+    return {m, k, groups, xq.data(), d.data(), dsum.data(), qsum.data()};
   }
 };
 

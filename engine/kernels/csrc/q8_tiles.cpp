@@ -40,7 +40,7 @@
 
 namespace {
 
-constexpr int64_t CHANNELS = 16;  // output channels per tile
+constexpr int64_t CHANNELS = q8::TILE_CHANNELS;
 constexpr int64_t RECORD = 320;   // bytes per (tile, group): 256 of nibbles, 32 of d, 32 of m
 constexpr int64_t RECORD8 = 512;  // int8 tiles: bytes per (tile, group), 16 channels x 32 bytes
 constexpr int64_t ROW_BLOCK = 4;  // activation rows that share one unpacked record
@@ -309,15 +309,40 @@ void tile_row_range(int64_t r0, int64_t r1, const Rows& rows) {
 // Work items: (block of up to 64 rows, tile), blocks outermost, so that the threads share one
 // block of rounded rows in cache while they walk the tiles. One row (a decode step at batch 1):
 // each thread takes one contiguous range of tiles, a single stream of records.
-template <typename Rows>
-void for_each_item(int64_t m, int64_t n_tiles, const Rows& rows) {
+// item(t, r0, r1): rows r0 .. r1 of tile t.
+template <typename Item>
+void for_each_item(int64_t m, int64_t n_tiles, const Item& item) {
   const int64_t row_items = (m + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
   at::parallel_for(0, row_items * n_tiles, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t r0 = (i / n_tiles) * ROWS_PER_ITEM, t = i % n_tiles;
-      tile_row_range(r0, std::min(m, r0 + ROWS_PER_ITEM),
-                     [&](auto R, int64_t r) { rows(R, t, r); });
+      item(t, r0, std::min(m, r0 + ROWS_PER_ITEM));
     }
+  });
+}
+
+// Rows r0 .. r1 of y's 16 columns of tile t: y [m, n_tiles * 16] = x [m, k] @ W^T (+ bias), x
+// rounded in `a`; tiles: the int4 layout above, [n_tiles, groups, 320] bytes.
+void int4_tile(const uint8_t* tiles, int64_t n_tiles, const q8::RoundedView& a, const float* bias,
+               float* y, int64_t t, int64_t r0, int64_t r1) {
+  const int64_t groups = a.groups, n = n_tiles * CHANNELS;
+  tile_row_range(r0, r1, [&](auto R, int64_t r) {
+    tile_rows<decltype(R)::value>(tiles + t * groups * RECORD, groups, a.xq + r * a.k, a.k,
+                                  a.d + r * groups, a.dsum + r * groups,
+                                  bias ? bias + t * CHANNELS : nullptr, y + r * n + t * CHANNELS, n);
+  });
+}
+
+// The same for the int8 layout, [n_tiles, groups, 512] bytes, and its scales [n_tiles * 16].
+void int8_tile(const uint8_t* tiles, const float* scales, int64_t n_tiles,
+               const q8::RoundedView& a, const float* bias, float* y, int64_t t, int64_t r0,
+               int64_t r1) {
+  const int64_t groups = a.groups, n = n_tiles * CHANNELS;
+  tile_row_range(r0, r1, [&](auto R, int64_t r) {
+    tile_rows_int8<decltype(R)::value>(tiles + t * groups * RECORD8, groups, a.xq + r * a.k, a.k,
+                                       a.d + r * groups, a.qsum + r * groups,
+                                       scales + t * CHANNELS, bias ? bias + t * CHANNELS : nullptr,
+                                       y + r * n + t * CHANNELS, n);
   });
 }
 
@@ -352,15 +377,14 @@ torch::Tensor int4_q8_tiled_linear(const torch::Tensor& x, const torch::Tensor& 
   const int64_t groups = check_tiles(x, tiles, RECORD, name);
   const int64_t n_tiles = tiles.size(0), n = n_tiles * CHANNELS;
   q8::check_bias(bias, n, name);
-  const q8::RoundedRows a(x, groups);
+  const q8::RoundedRows rounded(x, groups);
+  const q8::RoundedView a = rounded.view();
   auto y = torch::empty({a.m, n}, x.options());
   const uint8_t* tp = tiles.data_ptr<uint8_t>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  for_each_item(a.m, n_tiles, [&](auto R, int64_t t, int64_t r) {
-    tile_rows<decltype(R)::value>(tp + t * groups * RECORD, groups, a.xq.data() + r * a.k, a.k,
-                                  a.d.data() + r * groups, a.dsum.data() + r * groups,
-                                  bp ? bp + t * CHANNELS : nullptr, yp + r * n + t * CHANNELS, n);
+  for_each_item(a.m, n_tiles, [&](int64_t t, int64_t r0, int64_t r1) {
+    int4_tile(tp, n_tiles, a, bp, yp, t, r0, r1);
   });
   return y;
 }
@@ -377,17 +401,29 @@ torch::Tensor int8_q8_tiled_linear(const torch::Tensor& x, const torch::Tensor& 
   TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == n,
               name, ": scales must be contiguous float32 [N]");
   q8::check_bias(bias, n, name);
-  const q8::RoundedRows a(x, groups);
+  const q8::RoundedRows rounded(x, groups);
+  const q8::RoundedView a = rounded.view();
   auto y = torch::empty({a.m, n}, x.options());
   const uint8_t* tp = tiles.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  for_each_item(a.m, n_tiles, [&](auto R, int64_t t, int64_t r) {
-    tile_rows_int8<decltype(R)::value>(tp + t * groups * RECORD8, groups, a.xq.data() + r * a.k,
-                                       a.k, a.d.data() + r * groups, a.qsum.data() + r * groups,
-                                       sp + t * CHANNELS, bp ? bp + t * CHANNELS : nullptr,
-                                       yp + r * n + t * CHANNELS, n);
+  for_each_item(a.m, n_tiles, [&](int64_t t, int64_t r0, int64_t r1) {
+    int8_tile(tp, sp, n_tiles, a, bp, yp, t, r0, r1);
   });
   return y;
+}
+
+void int4_tiles_part(const torch::Tensor& tiles, const q8::RoundedView& a, const float* bias,
+                     float* y, int64_t t0, int64_t t1) {
+  const uint8_t* tp = tiles.data_ptr<uint8_t>();
+  for (int64_t t = t0; t < t1; ++t) int4_tile(tp, tiles.size(0), a, bias, y, t, 0, a.m);
+}
+
+void int8_tiles_part(const torch::Tensor& tiles, const torch::Tensor& scales,
+                     const q8::RoundedView& a, const float* bias, float* y, int64_t t0,
+                     int64_t t1) {
+  const uint8_t* tp = tiles.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  for (int64_t t = t0; t < t1; ++t) int8_tile(tp, sp, tiles.size(0), a, bias, y, t, 0, a.m);
 }
