@@ -42,12 +42,25 @@ def build(model_dir, layout: str, fused: bool, monkeypatch) -> LlamaModel:
     return model
 
 
+def step(model: LlamaModel, caches, tables, query_lens, computed) -> torch.Tensor:
+    """One forward of the requests with new tokens (query_lens[i] of them, computed[i] already
+    in the cache; 0 new tokens: not in this step), random token ids; the logits."""
+    live = [i for i, n in enumerate(query_lens) if n]
+    q_lens = [query_lens[i] for i in live]
+    positions = torch.cat([torch.arange(computed[i], computed[i] + query_lens[i]) for i in live])
+    meta = build_attention_metadata(
+        q_lens, [computed[i] for i in live], [tables[i] for i in live], BLOCK, for_kernel=True
+    )
+    ids = torch.randint(3, model.cfg.vocab_size, (sum(q_lens),))
+    last = torch.tensor(q_lens).cumsum(0) - 1
+    return model.forward(ids, positions, caches, meta, last)
+
+
 def run_steps(model: LlamaModel) -> tuple[list[torch.Tensor], list]:
     """Three steps over three requests: two first chunks; then a decode, a chunk after a cached
     prefix and a new first chunk together; then three decodes. Logits of every step, and the
     cache."""
     torch.manual_seed(0)
-    vocab = model.cfg.vocab_size
     caches = model.allocate_kv_cache(16, BLOCK)
     tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
     steps = [  # (query_lens, num_computed) per request; 0 new tokens: not in this step
@@ -55,19 +68,7 @@ def run_steps(model: LlamaModel) -> tuple[list[torch.Tensor], list]:
         ([1, 9, 3], [5, 20, 0]),
         ([1, 1, 1], [6, 29, 3]),
     ]
-    logits = []
-    for query_lens, computed in steps:
-        live = [i for i, n in enumerate(query_lens) if n]
-        q_lens = [query_lens[i] for i in live]
-        positions = torch.cat(
-            [torch.arange(computed[i], computed[i] + query_lens[i]) for i in live]
-        )
-        meta = build_attention_metadata(
-            q_lens, [computed[i] for i in live], [tables[i] for i in live], BLOCK, for_kernel=True
-        )
-        ids = torch.randint(3, vocab, (sum(q_lens),))
-        last = torch.tensor(q_lens).cumsum(0) - 1
-        logits.append(model.forward(ids, positions, caches, meta, last))
+    logits = [step(model, caches, tables, query_lens, computed) for query_lens, computed in steps]
     return logits, caches
 
 
@@ -102,23 +103,11 @@ def run_decodes(model: LlamaModel, kv_dtype: torch.dtype) -> tuple[list[torch.Te
     """Two requests prefilled (150 and 20 tokens), then decode steps: the long one alone, then
     both together. Logits of every step, and the cache."""
     torch.manual_seed(1)
-    vocab = model.cfg.vocab_size
     caches = model.allocate_kv_cache(16, BLOCK, kv_dtype)
     tables = [list(range(11)), [11, 12]]
     computed, logits = [0, 0], []
-    steps = [[150, 20]] + [[1, 0]] * 3 + [[1, 1]] * 4
-    for query_lens in steps:
-        live = [i for i, n in enumerate(query_lens) if n]
-        q_lens = [query_lens[i] for i in live]
-        positions = torch.cat(
-            [torch.arange(computed[i], computed[i] + query_lens[i]) for i in live]
-        )
-        meta = build_attention_metadata(
-            q_lens, [computed[i] for i in live], [tables[i] for i in live], BLOCK, for_kernel=True
-        )
-        ids = torch.randint(3, vocab, (sum(q_lens),))
-        last = torch.tensor(q_lens).cumsum(0) - 1
-        logits.append(model.forward(ids, positions, caches, meta, last))
+    for query_lens in [[150, 20]] + [[1, 0]] * 3 + [[1, 1]] * 4:
+        logits.append(step(model, caches, tables, query_lens, computed))
         computed = [c + n for c, n in zip(computed, query_lens, strict=True)]
     return logits, caches
 

@@ -6,7 +6,9 @@ What it holds (engine/kernels/csrc/cpu_kernels.cpp):
 - `int8_linear`, `int4_linear`: weight-only quantized matrix × (a few) vectors, the formats being
   defined in engine/kernels/quant.py next to their pure-torch reference;
 - `int4_q8_tiled_linear` (csrc/q8_tiles.cpp): a GGUF's Q4_1 blocks repacked at load into tiles
-  of 16 channels, multiplied in integers as llama.cpp's repacked kernels do.
+  of 16 channels, multiplied in integers as llama.cpp's repacked kernels do;
+- `LayerStack` (csrc/fused_blocks.cpp): all the layers as one call a step; a decode step of a
+  tiled model as one team of threads in one parallel region.
 
 The pure-torch code stays the reference and the fallback. `EngineConfig(kernels="auto")` uses the
 compiled kernels when they build (attention: CPU, float32 or bfloat16; the quantized linears: CPU,
