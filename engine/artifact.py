@@ -218,12 +218,25 @@ def build_default_artifact(dest: Path | None = None, log=print) -> Path:
             "(Q4_1 dequantized to float32).\n"
         )
         validate_model_dir(tmp)
-        os.replace(tmp, dest)
+        publish(tmp, dest, log)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     log(f"artifact ready: {dest}")
     return dest
+
+
+def publish(tmp: Path, dest: Path, log=print) -> None:
+    """Rename the finished build into place. Two processes may build at once (the app and the
+    tests started together); the one that renames second finds the other's artifact there and
+    keeps it, as long as it is valid."""
+    try:
+        os.replace(tmp, dest)
+    except OSError:
+        if not dest.is_dir():
+            raise
+        validate_model_dir(dest)
+        log(f"another process built {dest} meanwhile; keeping it")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -423,6 +423,25 @@ def test_interrupted_build_leaves_nothing_behind(fake_conversion, tmp_path):
     assert leftovers(dest) == []
 
 
+def test_two_builds_at_once_keep_the_first(fake_conversion, tmp_path, tiny_model_dir, monkeypatch):
+    """The app and the tests started together both build; the second rename finds the first's
+    artifact in place (os.replace cannot replace a non-empty directory) and keeps it."""
+    dest = tmp_path / "cache" / "Tiny"
+    real_validate = artifact.validate_model_dir
+
+    def other_process_finishes_first(path):
+        if not dest.exists():
+            shutil.copytree(tiny_model_dir, dest)
+        return real_validate(path)
+
+    monkeypatch.setattr(artifact, "validate_model_dir", other_process_finishes_first)
+    logs: list[str] = []
+    assert build_default_artifact(dest, log=logs.append) == dest
+    assert any("another process built" in line for line in logs)
+    assert leftovers(dest) == []
+    real_validate(dest)
+
+
 def test_build_replaces_an_invalid_artifact(fake_conversion, tmp_path, tiny_model_dir):
     dest = tmp_path / "cache" / "Tiny"
     shutil.copytree(tiny_model_dir, dest)
