@@ -222,6 +222,28 @@ def test_llama_cpp_peer_is_optional_and_isolated(monkeypatch, tmp_path):
     assert set(row) == {"skipped"} and row["skipped"]
 
 
+def test_llama_cpp_peer_says_what_its_import_misses(monkeypatch):
+    """Installed without its dependencies (pip install --no-deps), llama_cpp fails to import on
+    one of them: the row names it instead of saying llama-cpp-python is not installed."""
+    import importlib.abc
+    import sys
+
+    from engine.tools.peers import llama_cpp as peer
+
+    class MissingDependency(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "llama_cpp":
+                raise ModuleNotFoundError("No module named 'diskcache'", name="diskcache")
+
+    monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [MissingDependency(), *sys.meta_path])
+    assert peer.llama_cpp_version() is None
+    assert "cannot be imported" in peer.unavailable()["skipped"]
+    assert "diskcache" in peer.unavailable()["skipped"]
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import halts: not installed
+    assert peer.unavailable()["skipped"] == peer.NOT_INSTALLED
+
+
 def test_llama_cpp_peer_killed_by_a_signal_is_measured_at_its_best_configuration(monkeypatch):
     """llama.cpp's AMX kernels crashed its child on an AMX Xeon VM with prompts of more than one
     token: a child killed by a signal is run again with the extra buffers on one-token prompts

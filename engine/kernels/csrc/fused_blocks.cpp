@@ -163,6 +163,11 @@ struct TeamMember {
 // keeps the kernels' own parallel loops, which split its rows too.
 constexpr int64_t TEAM_MAX_ROWS = 8;
 
+// Of a matrix's tiles, each member of a team first runs a fixed share (together, these quarters
+// of them), then takes the rest at least MIN_RUN tiles at a time (share_tiles, below).
+constexpr int64_t FIXED_QUARTERS = 3;
+constexpr int64_t MIN_RUN = 2;
+
 // A member's own rows, kept from step to step (the buffers only grow): the residual stream, the
 // norm's output, SwiGLU's output, and the activations rounded for the next matrix.
 struct MemberRows {
@@ -191,7 +196,8 @@ struct TeamStep {
   int64_t plan_threads;
   TeamAttention attention;
   std::atomic<int64_t> next_item{0};
-  std::vector<std::atomic<int64_t>> tiles_taken;  // per layer: qkv's, o's, gate_up's, down's
+  // per layer, the tiles handed out past the fixed shares: qkv's, o's, gate_up's, down's
+  std::vector<std::atomic<int64_t>> tiles_taken;
 };
 
 // Every layer of the model, one after the other, as LlamaModel.run_layers runs them: the
@@ -372,23 +378,29 @@ struct LayerStack {
                 s.tiles_taken[4 * i + 3]);
   }
 
-  // A matrix's tiles into y, taken by the members as they come for more (`taken`: tiles handed
-  // out so far), in runs that shrink as the tiles run out (OpenMP's guided schedule): a member
-  // that streams faster takes more, and all finish within about one tile of each other. (With
-  // halves fixed in advance, the members waited ~15 % of the step at the barriers, the one or
-  // the other: two threads streaming side by side do not get the memory equally.) Then the
-  // barrier after which all of y is there for everyone.
+  // A matrix's tiles into y. Each member first runs its own fixed share, a quarter of them with
+  // two members (FIXED_QUARTERS), then takes the rest as it comes for more, in runs that shrink as
+  // the tiles run out (OpenMP's guided schedule), so that a member that streams faster takes more
+  // and all finish within about a run of each other. Then the barrier after which all of y is
+  // there for everyone. Why both: with fixed halves the members waited ~15 % of the step at the
+  // barriers, the one or the other (two threads streaming side by side do not get the memory
+  // equally); with every tile claimed from the shared counter, each of a matrix's ~15 claims
+  // moved the counter's cache line from one core to the other, and 5 % of the step's samples
+  // sat on those reads (docs/performance.md, twelfth session).
   static void share_tiles(const TeamMember& me, const QuantLinear& linear,
                           const q8::RoundedView& a, const float* bias, torch::Tensor& y,
                           std::atomic<int64_t>& taken) {
     const int64_t n = linear.num_tiles();
     float* out = y.data_ptr<float>();
-    int64_t t0 = taken.load(std::memory_order_relaxed);
-    while (t0 < n) {
-      const int64_t run = std::max<int64_t>(1, (n - t0) / (2 * me.size));
-      if (!taken.compare_exchange_weak(t0, t0 + run, std::memory_order_relaxed)) continue;
-      linear.tiles_part(a, bias, out, t0, std::min(n, t0 + run));
-      t0 = taken.load(std::memory_order_relaxed);
+    const int64_t own = n * FIXED_QUARTERS / (4 * me.size);
+    linear.tiles_part(a, bias, out, me.rank * own, (me.rank + 1) * own);
+    const int64_t shared = own * me.size;  // the first tile handed out by `taken`
+    for (int64_t next = shared;;) {
+      const int64_t run = std::max<int64_t>(MIN_RUN, (n - next) / (2 * me.size));
+      next = shared + taken.fetch_add(run, std::memory_order_relaxed);
+      if (next >= n) break;
+      linear.tiles_part(a, bias, out, next, std::min(n, next + run));
+      next += run;
     }
     me.barrier();
   }

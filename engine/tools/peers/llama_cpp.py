@@ -32,14 +32,27 @@ import sys
 import time
 from pathlib import Path
 
+NOT_INSTALLED = "llama-cpp-python is not installed (pip install llama-cpp-python)"
+
 
 def llama_cpp_version() -> str | None:
-    """The installed llama-cpp-python's version, or None when it is not installed."""
+    """The installed llama-cpp-python's version, or None when it cannot be imported."""
     try:
         import llama_cpp
     except ImportError:
         return None
     return getattr(llama_cpp, "__version__", "unknown")
+
+
+def unavailable() -> dict:
+    """The peer's row when llama_cpp cannot be imported: not installed, or installed without
+    what it imports (a `pip install --no-deps` leaves out diskcache, for one)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError as error:
+        if error.name not in (None, "llama_cpp"):
+            return {"skipped": f"llama-cpp-python cannot be imported: {error}"}
+    return {"skipped": NOT_INSTALLED}
 
 
 def measure_llama_cpp(
@@ -54,7 +67,7 @@ def measure_llama_cpp(
     first token). Every run starts from an empty cache (`reset=True`), so nothing is reused."""
     version = llama_cpp_version()
     if version is None:
-        return {"skipped": "llama-cpp-python is not installed (pip install llama-cpp-python)"}
+        return unavailable()
     import llama_cpp.llama_cpp as bindings
     from llama_cpp import Llama
 
@@ -118,7 +131,7 @@ def measure_llama_cpp_isolated(
     """measure_llama_cpp in a child process; a crash or a hang there is a "skipped" row here.
     A child killed by a signal is measured again as the module docstring says."""
     if llama_cpp_version() is None:
-        return {"skipped": "llama-cpp-python is not installed (pip install llama-cpp-python)"}
+        return unavailable()
     job = {"gguf": str(gguf_path), "prompts": prompts, "output_len": output_len, "threads": threads}
     row = _run_child(job, timeout_s)
     if row.pop("signal", False):
