@@ -163,8 +163,8 @@ struct TeamMember {
 // keeps the kernels' own parallel loops, which split its rows too.
 constexpr int64_t TEAM_MAX_ROWS = 8;
 
-// Of a matrix's tiles, each member of a team first runs a fixed share (together, these quarters
-// of them), then takes the rest at least MIN_RUN tiles at a time (share_tiles, below).
+// Of a matrix's tiles, each member of a team first runs a fixed share (together, this many
+// quarters of them), then takes the rest at least MIN_RUN tiles at a time (share_tiles, below).
 constexpr int64_t FIXED_QUARTERS = 3;
 constexpr int64_t MIN_RUN = 2;
 
@@ -378,15 +378,16 @@ struct LayerStack {
                 s.tiles_taken[4 * i + 3]);
   }
 
-  // A matrix's tiles into y. Each member first runs its own fixed share, a quarter of them with
-  // two members (FIXED_QUARTERS), then takes the rest as it comes for more, in runs that shrink as
-  // the tiles run out (OpenMP's guided schedule), so that a member that streams faster takes more
-  // and all finish within about a run of each other. Then the barrier after which all of y is
-  // there for everyone. Why both: with fixed halves the members waited ~15 % of the step at the
-  // barriers, the one or the other (two threads streaming side by side do not get the memory
-  // equally); with every tile claimed from the shared counter, each of a matrix's ~15 claims
-  // moved the counter's cache line from one core to the other, and 5 % of the step's samples
-  // sat on those reads (docs/performance.md, twelfth session).
+  // A matrix's tiles into y. Each member first runs its own fixed share (the members together
+  // FIXED_QUARTERS quarters of the tiles: three eighths each with two), then takes the rest as it
+  // comes for more, in runs that shrink as the tiles run out (OpenMP's guided schedule), so that
+  // a member that streams faster takes more and all finish within about a run of each other.
+  // Then the barrier after which all of y is there for everyone. Why both: with fixed halves the
+  // members waited ~15 % of the step at the barriers, the one or the other (two threads
+  // streaming side by side do not get the memory equally); with every tile claimed from the
+  // shared counter, each of a matrix's ~15 claims moved the counter's cache line from one core
+  // to the other, and those reads took most of the 5 % of samples spent in the team's own code
+  // (docs/performance.md, twelfth session).
   static void share_tiles(const TeamMember& me, const QuantLinear& linear,
                           const q8::RoundedView& a, const float* bias, torch::Tensor& y,
                           std::atomic<int64_t>& taken) {
