@@ -78,6 +78,25 @@ def test_int8_tiles_hold_the_same_numbers_as_the_rows(tiles, groups, seed):
     assert torch.equal(dequantize_rows(tw, rows), dequantize_rows(qw, rows))  # tied lookups
 
 
+def test_a_tied_embedding_reads_int8_tiles_with_the_kernel_bit_for_bit(ext):
+    """VocabEmbedding over an int8 tiled table (a GGUF's tied output layer) looks its tokens up
+    with the kernel's int8_tiled_rows: the numbers of the torch gather, bit for bit."""
+    from engine.layers.ops import VocabEmbedding
+
+    qw = head_like(96, 576, seed=3)
+    qw.qweight[5, :2] = torch.tensor([-128, 127], dtype=torch.int8)
+    tw = tile_int8_q8(qw)
+    ids = torch.tensor([5, 0, 95, 17, 5, 64])
+    for dtype in (torch.float32, torch.bfloat16):
+        embed = VocabEmbedding(tw, dtype, ext)
+        assert embed.int8_tiles is ext
+        expected = VocabEmbedding(tw, dtype)(ids)
+        assert torch.equal(embed(ids), expected) and expected.dtype == dtype
+    assert torch.equal(embed(ids[:0]), expected[:0])
+    with pytest.raises(RuntimeError, match="out of range"):
+        embed(torch.tensor([96]))
+
+
 def test_only_gguf_style_weights_with_whole_tiles_are_tiled():
     assert can_tile(gguf_like(32, 64))
     assert not can_tile(gguf_like(24, 64))  # not a whole number of 16-channel tiles

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.bfloat16_tiles import BFloat16TiledWeight
-from engine.kernels.quant import QUANTIZED_TYPES, dequantize_rows
+from engine.kernels.quant import QUANTIZED_TYPES, Int8TiledWeight, dequantize_rows
 from engine.models.config import LlamaConfig
 
 
@@ -154,14 +154,19 @@ class VocabEmbedding:
     """Look up one row of the embedding table per token (replicated on every tensor-parallel
     rank). A quantized table (a tied embedding shares the output layer's int8/int4 matrix)
     dequantizes just those rows; one in AMX tiles (a bfloat16 engine's) reads them from the
-    tiles."""
+    tiles. `kernels` (the model's linear kernels, if any) read an int8 table in tiles (a GGUF's
+    tied output layer) in one call instead of ten tensor operations."""
 
-    def __init__(self, weight, dtype: torch.dtype):
+    def __init__(self, weight, dtype: torch.dtype, kernels=None):
         self.weight, self.dtype = weight, dtype
         self.quantized = isinstance(weight, QUANTIZED_TYPES)
         self.tiled = isinstance(weight, BFloat16TiledWeight)
+        self.int8_tiles = kernels if isinstance(weight, Int8TiledWeight) else None
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.int8_tiles is not None and ids.is_cpu:
+            rows = self.int8_tiles.int8_tiled_rows(self.weight.tiles, self.weight.scales, ids)
+            return rows.to(self.dtype)
         if self.quantized:
             return dequantize_rows(self.weight, ids).to(self.dtype)
         if self.tiled:  # a bfloat16 engine's tied table, in AMX tiles

@@ -209,7 +209,9 @@ class LlamaModel:
         comm = stage.comm if stage.tp > 1 else None
         self.all_reduce = comm.all_reduce if comm is not None else None
         self.rotary = RotaryEmbedding(self.inv_freq, self.kernels, self.dtype)
-        self.embed = VocabEmbedding(w["embed"], self.dtype) if stage.is_first_stage else None
+        self.embed = None
+        if stage.is_first_stage:
+            self.embed = VocabEmbedding(w["embed"], self.dtype, self.linear_kernels)
         self.layers = [LlamaDecoderLayer(self, i) for i in range(cfg.num_layers)]
         self.stack = layer_stack(self)  # every layer as one C++ call, where each block is one
         self.final_norm = self.lm_head = None

@@ -1443,6 +1443,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "int4_q8_linear on Q4_1 blocks repacked in tiles of 16 channels (Int4TiledWeight)");
   m.def("int8_q8_tiled_linear", &int8_q8_tiled_linear,
         "per-channel int8 weights in tiles of 16 channels times x rounded to int8 blocks");
+  m.def("int8_tiled_rows", &int8_tiled_rows,
+        "rows ids of int8 tiles as float32, (q + 128 - 128) * scale: a tied embedding's lookup");
   m.def("q8_tile_formats", &q8_tile_formats,
         "the tiled formats (int4, int8) this build runs in vector code (else portable loops)");
   m.def("bf16_tiles_available", &bf16_tiles_available,

@@ -88,6 +88,9 @@ void int4_tiles_part(const torch::Tensor& tiles, const q8::RoundedView& a, const
 void int8_tiles_part(const torch::Tensor& tiles, const torch::Tensor& scales,
                      const q8::RoundedView& a, const float* bias, float* y, int64_t t0,
                      int64_t t1);
+// Rows of an int8 tiled matrix as float32 (a tied embedding's lookup).
+torch::Tensor int8_tiled_rows(const torch::Tensor& tiles, const torch::Tensor& scales,
+                              const torch::Tensor& ids);
 
 // bf16_tiles.cpp
 bool bf16_tiles_available();
