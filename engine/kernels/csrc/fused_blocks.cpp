@@ -387,7 +387,7 @@ struct LayerStack {
   // streaming side by side do not get the memory equally); with every tile claimed from the
   // shared counter, each of a matrix's ~15 claims moved the counter's cache line from one core
   // to the other, and those reads took most of the 5 % of samples spent in the team's own code
-  // (docs/performance.md, twelfth session).
+  // (docs/performance.md, thirteenth session).
   static void share_tiles(const TeamMember& me, const QuantLinear& linear,
                           const q8::RoundedView& a, const float* bias, torch::Tensor& y,
                           std::atomic<int64_t>& taken) {
