@@ -399,16 +399,12 @@ inline void accumulate_rows(int64_t rows, float* acc, int64_t acc_stride, const 
 }
 #endif
 
-// Scratch of one thread, reused from item to item. Buffers only grow (grow_to): resizing a vector
-// down and up again would fill it with zeros each time.
+// Scratch of one thread, reused from item to item. Buffers only grow (q8.h grow_to).
 struct AttentionScratch {
   std::vector<float> queries, acc, max, sum, scores, corr;
 };
 
-inline float* grow_to(std::vector<float>& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
-  return v.data();
-}
+using q8::grow_to;
 
 }  // namespace
 

@@ -175,11 +175,6 @@ struct MemberRows {
   q8::RoundingBuffer rounding;
 };
 
-inline float* grow(std::vector<float>& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
-  return v.data();
-}
-
 // What the members of a team share in one step: the inputs, and one buffer per phase's output.
 struct TeamStep {
   int64_t m, hidden, heads, kv, d, qkv_n, inter;
@@ -324,8 +319,8 @@ struct LayerStack {
     thread_local MemberRows own;
     const int64_t m = s.m, hidden = s.hidden;
     const float feps = static_cast<float>(eps);
-    float* res = grow(own.residual, m * hidden);
-    float* x = grow(own.normed, m * hidden);
+    float* res = q8::grow_to(own.residual, m * hidden);
+    float* x = q8::grow_to(own.normed, m * hidden);
     std::copy(s.h, s.h + m * hidden, res);
     for (int64_t r = 0; r < m; ++r)
       rms_norm_row(res + r * hidden, input_norms[0].data_ptr<float>(), hidden, feps,
@@ -370,7 +365,7 @@ struct LayerStack {
                   MemberRows& own) const {
     share_tiles(me, mlp[i].gate_up, own.rounding.round(x, s.m, s.hidden), nullptr, s.gate_up,
                 s.tiles_taken[4 * i + 2]);
-    float* act = grow(own.act, s.m * s.inter);
+    float* act = q8::grow_to(own.act, s.m * s.inter);
     const float* gate_up = s.gate_up.data_ptr<float>();
     for (int64_t r = 0; r < s.m; ++r)
       silu_and_mul_row(gate_up + r * 2 * s.inter, s.inter, act + r * s.inter);

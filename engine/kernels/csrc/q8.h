@@ -22,6 +22,14 @@ namespace q8 {
 constexpr int64_t BLOCK = 32;          // activation values per int8 block
 constexpr int64_t TILE_CHANNELS = 16;  // output channels per tile (q8_tiles.cpp)
 
+// v's storage, at least n long: a thread's scratch kept from call to call only grows (resizing a
+// vector down and up again would fill it with zeros each time).
+template <typename T>
+inline T* grow_to(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
+}
+
 // x (k floats, k a multiple of 32) -> xq, d[k / 32], dsum[k / 32] = d * sum(xq) of each block,
 // and, where qsum is given, qsum[k / 32] = sum(xq) itself: per block d = max |x| / 127 and
 // xq = round(x / d) to nearest, ties to even (0 where d is 0). The AVX-512 loop computes the
@@ -110,16 +118,14 @@ struct RoundingBuffer {
 
   RoundedView round(const float* x, int64_t m, int64_t k) {
     const int64_t groups = k / BLOCK;
-    if (static_cast<int64_t>(xq.size()) < m * k) xq.resize(m * k);
-    if (static_cast<int64_t>(d.size()) < m * groups) {
-      d.resize(m * groups);
-      dsum.resize(m * groups);
-      qsum.resize(m * groups);
-    }
+    int8_t* q = grow_to(xq, m * k);
+    float* scale = grow_to(d, m * groups);
+    float* scale_sum = grow_to(dsum, m * groups);
+    int32_t* sum = grow_to(qsum, m * groups);
     for (int64_t r = 0; r < m; ++r)
-      quantize_row(x + r * k, k, xq.data() + r * k, d.data() + r * groups,
-                   dsum.data() + r * groups, qsum.data() + r * groups);
-    return {m, k, groups, xq.data(), d.data(), dsum.data(), qsum.data()};
+      quantize_row(x + r * k, k, q + r * k, scale + r * groups, scale_sum + r * groups,
+                   sum + r * groups);
+    return {m, k, groups, q, scale, scale_sum, sum};
   }
 };
 
