@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.kernels.quant import Int4TiledWeight, Int4Weight, quantize_int8
+from engine.kernels.quant import Int4TiledWeight, Int4Weight, Int8Weight, quantize_int8
 from engine.layers.attention import build_attention_metadata
 from engine.models import llama
 from engine.models.llama import LlamaModel
@@ -20,21 +20,32 @@ from engine.worker.quantization import describe, quantize_model
 BLOCK = 16
 
 
-def gguf_style(model: LlamaModel) -> LlamaModel:
+def gguf_style(model: LlamaModel, head_q8: bool = True) -> LlamaModel:
     """The int4 model with its layers stored as a GGUF's Q4_1 (float16 scales and minimums,
-    activations rounded to 8 bits): what the tiled kernel multiplies."""
-    w = dict(model.w)
+    activations rounded to 8 bits): what the tiled kernel multiplies; with `head_q8`, its int8
+    output layer (a tied one also the embedding) times rounded activations too, as a GGUF's."""
+    w, styled = dict(model.w), {}
     for name, t in model.w.items():
-        if isinstance(t, Int4Weight):
-            w[name] = replace(t, scales=t.scales.half(), mins=t.mins.half(), q8_activations=True)
+        if id(t) not in styled:
+            styled[id(t)] = t
+            if isinstance(t, Int4Weight):
+                styled[id(t)] = replace(
+                    t, scales=t.scales.half(), mins=t.mins.half(), q8_activations=True
+                )
+            elif isinstance(t, Int8Weight) and head_q8:
+                styled[id(t)] = replace(t, q8_activations=True)
+        w[name] = styled[id(t)]
     return model.rebuilt(w=w)
 
 
 def build(model_dir, layout: str, fused: bool, monkeypatch) -> LlamaModel:
+    """layout: "tiles" (a GGUF's; "tiles, head in rows": its output layer not rounding the
+    activations, so not in tiles), "int4" or "int8"."""
     model = LlamaModel.from_pretrained(model_dir)
-    model = quantize_model(model, "int4" if layout in ("tiles", "int4") else "int8", group_size=32)
-    if layout == "tiles":
-        model = gguf_style(model)
+    int4 = layout.startswith("tiles") or layout == "int4"
+    model = quantize_model(model, "int4" if int4 else "int8", group_size=32)
+    if layout.startswith("tiles"):
+        model = gguf_style(model, head_q8=layout == "tiles")
     if not fused:
         monkeypatch.setattr(llama, "fused_blocks_apply", lambda *args: False)
     model = model.with_kernels("auto")
@@ -113,27 +124,30 @@ def run_decodes(model: LlamaModel, kv_dtype: torch.dtype) -> tuple[list[torch.Te
 
 
 @pytest.mark.parametrize(
-    "model, threads, kv_dtype",
-    [("llama", t, kv) for t in (1, 2, 3) for kv in ("float32", "bfloat16")]
-    + [("qwen2", 2, "float32")],
+    "model, threads, kv_dtype, layout",
+    [("llama", t, kv, "tiles") for t in (1, 2, 3) for kv in ("float32", "bfloat16")]
+    + [("qwen2", 2, "float32", "tiles"), ("llama", 2, "float32", "tiles, head in rows")],
 )
 def test_decode_steps_run_as_one_team_bit_for_bit(
-    ext, request, monkeypatch, model, threads, kv_dtype
+    ext, request, monkeypatch, model, threads, kv_dtype, layout
 ):
     """A decode step of a model in tiles runs as one team of threads, one parallel region for
     all the layers (fused_blocks.cpp: LayerStack::run_team), with the long context's keys cut into
-    ranges that the team merges. Its logits and cache equal the Python path's bit for bit, at
-    any number of threads, with a bfloat16 cache too (whose first chunks, before this test,
-    attended to unrounded keys in the fused block) and with Qwen2's q/k/v biases; the prefill
-    keeps the kernels' loops."""
-    if "int4" not in ext.q8_tile_formats():
-        pytest.skip("this build has no vector code for int4 tiles, so the model is not tiled")
+    ranges that the team merges, and, with its output layer in tiles too, the final norm and the
+    output layer for the rows that sample. Its logits and cache equal the Python path's bit for
+    bit, at any number of threads, with a bfloat16 cache too (whose first chunks, before this
+    test, attended to unrounded keys in the fused block), with Qwen2's q/k/v biases (and its
+    untied output layer), and with the output layer in rows (the team stops after the layers);
+    the prefill keeps the kernels' loops."""
+    if not {"int4", "int8"} <= set(ext.q8_tile_formats()):
+        pytest.skip("this build has no vector code for int4 and int8 tiles, so nothing is tiled")
     model_dir = request.getfixturevalue("tiny_qwen2_dir" if model == "qwen2" else "tiny_model_dir")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        fused = build(model_dir, "tiles", True, monkeypatch)
-        python = build(model_dir, "tiles", False, monkeypatch)
+        fused = build(model_dir, layout, True, monkeypatch)
+        python = build(model_dir, layout, False, monkeypatch)
+        assert fused.stack.runs_head == (layout == "tiles")
         fused_logits, fused_cache = run_decodes(fused, getattr(torch, kv_dtype))
         python_logits, python_cache = run_decodes(python, getattr(torch, kv_dtype))
     finally:
@@ -144,6 +158,49 @@ def test_decode_steps_run_as_one_team_bit_for_bit(
         assert torch.equal(a, b)
     for (k1, v1), (k2, v2) in zip(fused_cache, python_cache, strict=True):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_team_barriers_that_sleep_keep_the_numbers(ext, tiny_model_dir, monkeypatch):
+    """The team's barriers spin, then sleep until the last member wakes them (fused_blocks.cpp
+    SpinBarrier). With no spin at all before each step every wait sleeps: the logits and the
+    cache are still the Python path's bit for bit, and the spin grew from zero only because
+    waits slept (a wait that ends while spinning doubles it, and 2 x 0 is 0)."""
+    if not {"int4", "int8"} <= set(ext.q8_tile_formats()):
+        pytest.skip("this build has no vector code for int4 and int8 tiles, so nothing is tiled")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        fused = build(tiny_model_dir, "tiles", True, monkeypatch)
+        python = build(tiny_model_dir, "tiles", False, monkeypatch)
+        stack, run = fused.stack.stack, fused.stack.run
+
+        def run_without_spin(*args):
+            stack.barrier_spin = 0
+            return run(*args)
+
+        monkeypatch.setattr(fused.stack, "run", run_without_spin)
+        fused_logits, fused_cache = run_decodes(fused, torch.float32)
+        python_logits, python_cache = run_decodes(python, torch.float32)
+    finally:
+        torch.set_num_threads(before)
+    assert stack.team_steps == 7 and stack.barrier_spin > 0
+    for a, b in zip(fused_logits, python_logits, strict=True):
+        assert torch.equal(a, b)
+    for (k1, v1), (k2, v2) in zip(fused_cache, python_cache, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_a_team_refuses_logits_rows_outside_its_step(ext, tiny_model_dir, monkeypatch):
+    """The rows whose logits the team computes are checked before its parallel region starts:
+    a row past the step's tokens is a clear error, not a read past the buffer."""
+    if not {"int4", "int8"} <= set(ext.q8_tile_formats()):
+        pytest.skip("this build has no vector code for int4 and int8 tiles, so nothing is tiled")
+    model = build(tiny_model_dir, "tiles", True, monkeypatch)
+    caches = model.allocate_kv_cache(4, BLOCK)
+    step(model, caches, [[0]], [3], [0])  # a prefill, then one decode row
+    meta = build_attention_metadata([1], [3], [[0]], BLOCK, for_kernel=True)
+    with pytest.raises(RuntimeError, match="logits row 1 is not a row of this step"):
+        model.forward(torch.tensor([5]), torch.tensor([3]), caches, meta, torch.tensor([1]))
 
 
 def test_bfloat16_tiles_fused_equal_the_python_path_bit_for_bit(ext, tiny_model_dir, monkeypatch):

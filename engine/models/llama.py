@@ -31,7 +31,7 @@ from engine import kernels as kernel_lib
 from engine.kernels import huge_pages
 from engine.kernels.bfloat16_tiles import BFloat16TiledWeight, tiles_available, with_tiles
 from engine.kernels.float32_linear import float32_linear_backend
-from engine.kernels.quant import arrange_for_kernels, storage_key, weight_nbytes
+from engine.kernels.quant import TILED_TYPES, arrange_for_kernels, storage_key, weight_nbytes
 from engine.layers.attention import AttentionMetadata, paged_attention
 from engine.layers.linear import (
     MergedColumnParallelLinear,
@@ -137,7 +137,10 @@ class LayerStack:
     `LlamaModel.run_layers`, with no Python between the kernels (what a CUDA graph does for a
     GPU step: engine/worker/cuda_graphs.py). When every matrix is in tiles (a GGUF's), a decode
     step of up to 8 tokens runs as one team of threads in one parallel region, sharing each
-    matrix's tiles and waiting at barriers, instead of starting ~150 parallel loops a step."""
+    matrix's tiles and waiting at barriers, instead of starting ~150 parallel loops a step; and
+    when the output layer is in tiles too, that team runs the final norm and the output layer
+    for the rows that sample (`runs_head`): the step's largest matrix is shared the same way,
+    and the logits come out of the same parallel region."""
 
     def __init__(self, model: "LlamaModel"):
         layers = model.layers
@@ -148,10 +151,27 @@ class LayerStack:
             [layer.post_norm.weight for layer in layers],
             model.cfg.rms_norm_eps,
         )
+        self.runs_head = self.stack.tiled and head_in_tiles(model)
+        if self.runs_head:
+            self.stack.set_head(model.final_norm.weight, model.lm_head.kernel)
 
-    def run(self, h, cos, sin, kv_caches, attn_meta: AttentionMetadata):
+    def run(self, h, cos, sin, kv_caches, attn_meta: AttentionMetadata, logits_indices):
+        """(h, mlp_out, logits): the logits where a team step ran the head, else None."""
         k_caches, v_caches = [k for k, _ in kv_caches], [v for _, v in kv_caches]
-        return self.stack(h, cos, sin, k_caches, v_caches, *attn_meta.kernel_work())
+        rows = logits_indices if self.runs_head else None
+        return self.stack(h, cos, sin, k_caches, v_caches, *attn_meta.kernel_work(), rows)
+
+
+def head_in_tiles(model: "LlamaModel") -> bool:
+    """The final norm on our kernel and the output layer a tiled matrix on it (a GGUF's)."""
+    norm, head = model.final_norm, model.lm_head
+    return (
+        norm is not None
+        and norm.forward == norm.forward_cpu
+        and head is not None
+        and isinstance(head.weight, TILED_TYPES)
+        and head.kernel is not None
+    )
 
 
 def layer_stack(model: "LlamaModel") -> LayerStack | None:
@@ -213,11 +233,11 @@ class LlamaModel:
         if stage.is_first_stage:
             self.embed = VocabEmbedding(w["embed"], self.dtype, self.linear_kernels)
         self.layers = [LlamaDecoderLayer(self, i) for i in range(cfg.num_layers)]
-        self.stack = layer_stack(self)  # every layer as one C++ call, where each block is one
         self.final_norm = self.lm_head = None
         if stage.is_last_stage:
             self.final_norm = RMSNorm(w["final_norm"], cfg.rms_norm_eps, self.kernels, self.dtype)
             self.lm_head = ReplicatedLinear(w["lm_head"], None, self.linear_kernels)
+        self.stack = layer_stack(self)  # every layer as one C++ call, where each block is one
 
     def rebuilt(self, **changes) -> "LlamaModel":
         """A copy (the same weight tensors unless `changes` replaces them) with `changes` set and
@@ -319,7 +339,9 @@ class LlamaModel:
         cos, sin = self.rotary.cos_sin(positions)
         h = self.embed(input_ids) if self.embed is not None else self.receive(input_ids.shape[0])
         if self.stack is not None:  # run_layers in one C++ call: the same kernels, in order
-            h, mlp_out = self.stack.run(h, cos, sin, kv_caches, attn_meta)
+            h, mlp_out, logits = self.stack.run(h, cos, sin, kv_caches, attn_meta, logits_indices)
+            if logits is not None:  # a team step ran the final norm and the output layer too
+                return logits
         else:
             h, mlp_out = self.run_layers(h, cos, sin, kv_caches, attn_meta)
         if self.final_norm is None:  # an earlier pipeline stage: the next one goes on from here

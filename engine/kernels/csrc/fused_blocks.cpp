@@ -25,9 +25,17 @@
 #include <omp.h>
 #endif
 
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -149,14 +157,79 @@ struct MlpBlock {
   }
 };
 
+// A pause in a spin loop: the core runs its sibling thread (if any) and saves power meanwhile.
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Where a team waits until every member is done with a phase. A waiter first spins (a phase's
+// members finish microseconds apart), then sleeps until the last one to arrive wakes it (Linux's
+// futex; elsewhere it yields the core at each look). How long it spins adapts: a wait that ended
+// while spinning doubles the spin for the next ones, a wait that ended in sleep quarters it. With
+// a core each, members seldom sleep; with more threads than cores (several engines on one
+// machine) the member waited for is often off its core, and spinning for it only delays it, so
+// the spin shrinks to almost nothing. OpenMP's own barrier follows OMP_WAIT_POLICY
+// instead, and under PASSIVE (the app's setting: idle threads between steps must not spin) every
+// waiter slept at once, each wake costing a virtual CPU's exit from idle: a 4-bit step's 181
+// barriers took the layers from 2.0 to 4.3 ms (docs/performance.md, fourteenth session).
+struct SpinBarrier {
+  static constexpr int64_t MIN_SPIN = 16, MAX_SPIN = 1 << 12;  // pauses before sleeping
+  std::atomic<int64_t> arrived{0};
+  std::atomic<int32_t> generation{0}, sleepers{0};
+  std::atomic<int64_t>* spin;  // the spin, kept from step to step (LayerStack::barrier_spin)
+
+  // `size` members call it; each returns once all have arrived, seeing what every one wrote.
+  void wait(int64_t size) {
+    const int32_t gen = generation.load(std::memory_order_acquire);
+    if (arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == size) {
+      arrived.store(0, std::memory_order_relaxed);
+      generation.store(gen + 1);  // sequentially consistent, as is the read of sleepers below
+      if (sleepers.load() > 0) wake_all();
+      return;
+    }
+    const int64_t limit = spin->load(std::memory_order_relaxed);
+    for (int64_t spins = 0; spins < limit; ++spins) {
+      if (generation.load(std::memory_order_acquire) != gen) {
+        spin->store(std::min(MAX_SPIN, 2 * limit), std::memory_order_relaxed);
+        return;
+      }
+      cpu_relax();
+    }
+    spin->store(std::max(MIN_SPIN, limit / 4), std::memory_order_relaxed);
+    sleepers.fetch_add(1);
+    while (generation.load() == gen) sleep_while(gen);
+    sleepers.fetch_sub(1);
+  }
+
+ private:
+  int* word() { return reinterpret_cast<int*>(&generation); }
+  // Sleep unless the generation has moved on from `gen` (checked by the kernel, atomically).
+  void sleep_while(int32_t gen) {
+#ifdef __linux__
+    syscall(SYS_futex, word(), FUTEX_WAIT_PRIVATE, gen, nullptr, nullptr, 0);
+#else
+    (void)gen;
+    std::this_thread::yield();
+#endif
+  }
+  void wake_all() {
+#ifdef __linux__
+    syscall(SYS_futex, word(), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
+#endif
+  }
+};
+
 // A member of the team of threads that runs a whole decode step in one parallel region: its rank,
 // the team's size, and the barrier where the team waits until every member is done with a phase.
 struct TeamMember {
   int64_t rank, size;
+  SpinBarrier* team_barrier;
 
-  void barrier() const {
-#pragma omp barrier
-  }
+  void barrier() const { team_barrier->wait(size); }
 };
 
 // Decode steps of up to this many tokens run as a team (below); a longer step (a prefill chunk)
@@ -169,7 +242,8 @@ constexpr int64_t FIXED_QUARTERS = 3;
 constexpr int64_t MIN_RUN = 2;
 
 // A member's own rows, kept from step to step (the buffers only grow): the residual stream, the
-// norm's output, SwiGLU's output, and the activations rounded for the next matrix.
+// norm's output, SwiGLU's output (and the rows the output layer reads), and the activations
+// rounded for the next matrix.
 struct MemberRows {
   std::vector<float> residual, normed, act;
   q8::RoundingBuffer rounding;
@@ -188,10 +262,16 @@ struct TeamStep {
   torch::Tensor q_view, k_view, v_view;   // the heads of qk and qkv that attention reads
   std::vector<torch::Tensor> k_caches, v_caches;
   torch::Tensor slots, block_tables, tiles;
+  // the output layer's rows (logits_rows), their logits [rows, vocab]; none: no head this step
+  const int64_t* head_rows = nullptr;
+  int64_t num_head_rows = 0;
+  torch::Tensor logits;
   int64_t plan_threads;
   TeamAttention attention;
   std::atomic<int64_t> next_item{0};
-  // per layer, the tiles handed out past the fixed shares: qkv's, o's, gate_up's, down's
+  SpinBarrier barrier;
+  // per layer, the tiles handed out past the fixed shares: qkv's, o's, gate_up's, down's; then
+  // the output layer's
   std::vector<std::atomic<int64_t>> tiles_taken;
 };
 
@@ -201,11 +281,12 @@ struct TeamStep {
 // A decode step whose matrices are all in tiles runs as a team instead: one parallel region for
 // the whole step, each thread running every layer's loop, splitting each matrix's tiles and the
 // attention's items with the other threads and waiting at a barrier where a phase needs every
-// thread's output (6 a layer). Each thread rounds the activations it multiplies and keeps the
-// residual stream and the norms' outputs itself (a few KB, the same numbers in each). A gguf
-// decode step at batch 1 otherwise starts ~150 parallel loops and makes ~400 tensor operations
-// (views, empty outputs) between them, while the other thread waits (docs/performance.md,
-// twelfth session); the team does neither. The numbers are the loop's, bit for bit: the same
+// thread's output (6 a layer); with a head (set_head) and the rows that sample, the final norm
+// and the output layer too (28 of the 95 MB a 4-bit SmolLM2 step reads). Each thread rounds the
+// activations it multiplies and keeps the residual stream and the norms' outputs itself (a few
+// KB, the same numbers in each). A gguf decode step at batch 1 otherwise starts ~150 parallel
+// loops and makes ~400 tensor operations (views, empty outputs) between them, while the other
+// thread waits (docs/performance.md, twelfth session); the team does neither. The numbers are the loop's, bit for bit: the same
 // row functions and tile kernels on the same rows, the same attention items.
 struct LayerStack {
   std::vector<AttentionBlock> attention;
@@ -214,6 +295,11 @@ struct LayerStack {
   double eps;
   bool tiled;  // every matrix in tiles: decode steps can run as a team
   int64_t team_steps = 0;  // steps run as a team (tests and describe() read it)
+  // how long the team's barriers spin before they sleep, adapted as they wait (SpinBarrier)
+  mutable std::atomic<int64_t> barrier_spin{SpinBarrier::MAX_SPIN};
+  // The final norm's weight and the output layer, when a team step runs them too (set_head).
+  c10::optional<torch::Tensor> final_norm;
+  c10::optional<QuantLinear> lm_head;
 
   LayerStack(std::vector<AttentionBlock> attention_, std::vector<MlpBlock> mlp_,
              std::vector<torch::Tensor> input_norms_, std::vector<torch::Tensor> post_norms_,
@@ -226,22 +312,37 @@ struct LayerStack {
               mlp[i].gate_up.tiled() && mlp[i].down.tiled();
   }
 
-  // h: the residual stream entering layer 0; k_caches[i], v_caches[i]: layer i's cache. Returns
-  // (h, mlp_out) after the last layer: the residual stream and the last MLP's output, not yet
-  // added (the final norm adds them).
-  std::tuple<torch::Tensor, torch::Tensor> operator()(
+  // The final norm (its float32 weight) and the output layer (in tiles), for team steps to run
+  // after the last layer: the model's final RMSNorm and lm_head, the same kernels on the rows.
+  void set_head(const torch::Tensor& norm_weight, const QuantLinear& head) {
+    TORCH_CHECK(head.tiled() && head.in_features() == input_norms[0].numel() &&
+                    norm_weight.scalar_type() == torch::kFloat32 && norm_weight.is_contiguous() &&
+                    norm_weight.numel() == input_norms[0].numel(),
+                "LayerStack.set_head: a float32 norm weight and a tiled output layer of the "
+                "model's width");
+    final_norm = norm_weight, lm_head = head;
+  }
+
+  // h: the residual stream entering layer 0; k_caches[i], v_caches[i]: layer i's cache;
+  // logits_rows: the rows whose logits are wanted. Returns (h, mlp_out, logits): the residual
+  // stream and the last MLP's output after the last layer, not yet added (the final norm adds
+  // them), and the logits [len(logits_rows), vocab] where a team ran the head (set_head), else
+  // None (the caller runs the final norm and the output layer).
+  std::tuple<torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>> operator()(
       torch::Tensor h, const torch::Tensor& cos, const torch::Tensor& sin,
       std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
       const torch::Tensor& slots, const torch::Tensor& block_tables, const torch::Tensor& tiles,
-      const torch::Tensor& first_chunks) {
+      const torch::Tensor& first_chunks, const c10::optional<torch::Tensor>& logits_rows) {
     const size_t layers = attention.size();
     TORCH_CHECK(layers > 0 && k_caches.size() == layers && v_caches.size() == layers,
                 "LayerStack: one K and one V cache per layer");
     if (tiled && first_chunks.size(0) == 0 && h.size(0) <= TEAM_MAX_ROWS &&
         h.scalar_type() == torch::kFloat32) {
       ++team_steps;
+      const bool with_head = lm_head.has_value() && logits_rows.has_value();
       return run_team(h.contiguous(), cos.contiguous(), sin.contiguous(), std::move(k_caches),
-                      std::move(v_caches), slots, block_tables, tiles);
+                      std::move(v_caches), slots, block_tables, tiles,
+                      with_head ? logits_rows : c10::nullopt);
     }
     torch::Tensor x = rms_norm(h, input_norms[0], eps), mlp_out;
     for (size_t i = 0; i < layers; ++i) {
@@ -251,27 +352,40 @@ struct LayerStack {
       mlp_out = mlp[i](x);
       if (i + 1 < layers) std::tie(h, x) = add_rms_norm(h, mlp_out, input_norms[i + 1], eps);
     }
-    return {h, mlp_out};
+    return {h, mlp_out, c10::nullopt};
   }
 
-  std::tuple<torch::Tensor, torch::Tensor> run_team(
+  std::tuple<torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>> run_team(
       const torch::Tensor& h, const torch::Tensor& cos, const torch::Tensor& sin,
       std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
-      const torch::Tensor& slots, const torch::Tensor& block_tables,
-      const torch::Tensor& tiles) const {
+      const torch::Tensor& slots, const torch::Tensor& block_tables, const torch::Tensor& tiles,
+      const c10::optional<torch::Tensor>& logits_rows) const {
     TeamStep step;
     prepare_team(step, h, cos, sin, std::move(k_caches), std::move(v_caches), slots,
                  block_tables, tiles);
+    if (logits_rows) prepare_head(step, *logits_rows);
 #pragma omp parallel num_threads(step.plan_threads)
     {
 #ifdef _OPENMP
-      const TeamMember me{omp_get_thread_num(), omp_get_num_threads()};
+      const TeamMember me{omp_get_thread_num(), omp_get_num_threads(), &step.barrier};
 #else
-      const TeamMember me{0, 1};
+      const TeamMember me{0, 1, &step.barrier};
 #endif
       run_member(me, step);
     }
-    return {step.h_out, step.down};
+    if (logits_rows) return {step.h_out, step.down, step.logits};
+    return {step.h_out, step.down, c10::nullopt};
+  }
+
+  // The rows the output layer reads (each a row of this step) and the logits' buffer.
+  void prepare_head(TeamStep& s, const torch::Tensor& rows) const {
+    TORCH_CHECK(rows.scalar_type() == torch::kInt64 && rows.dim() == 1 && rows.is_contiguous(),
+                "LayerStack: logits_rows is a 1-D int64 tensor");
+    s.head_rows = rows.data_ptr<int64_t>(), s.num_head_rows = rows.numel();
+    for (int64_t j = 0; j < s.num_head_rows; ++j)
+      TORCH_CHECK(s.head_rows[j] >= 0 && s.head_rows[j] < s.m, "LayerStack: logits row ",
+                  s.head_rows[j], " is not a row of this step (", s.m, " rows)");
+    s.logits = torch::empty({s.num_head_rows, lm_head->out_features()}, torch::kFloat32);
   }
 
   // Everything that can fail is checked here, before the parallel region (an exception cannot
@@ -310,7 +424,8 @@ struct LayerStack {
     s.plan_threads = at::get_num_threads();  // as paged_attention plans: the same items
     s.attention.plan(s.q_view, s.k_caches[0], s.v_caches[0], block_tables, tiles, s.attn,
                      s.plan_threads);
-    s.tiles_taken = std::vector<std::atomic<int64_t>>(4 * attention.size());
+    s.tiles_taken = std::vector<std::atomic<int64_t>>(4 * attention.size() + 1);
+    s.barrier.spin = &barrier_spin;
     for (auto& taken : s.tiles_taken) taken.store(0);
   }
 
@@ -333,6 +448,22 @@ struct LayerStack {
         add_norm_rows(res, s.down.data_ptr<float>(), input_norms[i + 1], feps, m, hidden, x);
     }
     if (me.rank == 0) std::copy(res, res + m * hidden, s.h_out.data_ptr<float>());
+    if (s.num_head_rows > 0) head_phase(me, s, res, x, own);
+  }
+
+  // The final norm of the rows that sample, then the output layer's tiles: one barrier.
+  void head_phase(const TeamMember& me, TeamStep& s, float* res, float* x,
+                  MemberRows& own) const {
+    const int64_t hidden = s.hidden;
+    float* rows = q8::grow_to(own.act, s.num_head_rows * hidden);
+    for (int64_t j = 0; j < s.num_head_rows; ++j) {
+      const int64_t r = s.head_rows[j];
+      add_rms_norm_row(res + r * hidden, s.down.data_ptr<float>() + r * hidden,
+                       final_norm->data_ptr<float>(), hidden, static_cast<float>(eps),
+                       x + r * hidden, rows + j * hidden);
+    }
+    share_tiles(me, *lm_head, own.rounding.round(rows, s.num_head_rows, hidden), nullptr,
+                s.logits, s.tiles_taken.back());
   }
 
   // qkv, RoPE and the new K/V into the cache, attention, o: four barriers.
@@ -438,9 +569,17 @@ void register_fused_blocks(pybind11::module& m) {
                     std::vector<torch::Tensor>, double>(),
            py::arg("attention"), py::arg("mlp"), py::arg("input_norms"), py::arg("post_norms"),
            py::arg("eps"))
-      .def("__call__", &LayerStack::operator(), py::call_guard<py::gil_scoped_release>())
+      .def("__call__", &LayerStack::operator(), py::arg("h"), py::arg("cos"), py::arg("sin"),
+           py::arg("k_caches"), py::arg("v_caches"), py::arg("slots"), py::arg("block_tables"),
+           py::arg("tiles"), py::arg("first_chunks"), py::arg("logits_rows") = py::none(),
+           py::call_guard<py::gil_scoped_release>())
+      .def("set_head", &LayerStack::set_head, py::arg("final_norm"), py::arg("lm_head"))
       .def_readonly("tiled", &LayerStack::tiled,
                     "every matrix in tiles: decode steps run as one team of threads")
       .def_readonly("team_steps", &LayerStack::team_steps,
-                    "how many steps ran as one team of threads");
+                    "how many steps ran as one team of threads")
+      .def_property(
+          "barrier_spin", [](const LayerStack& s) { return s.barrier_spin.load(); },
+          [](LayerStack& s, int64_t pauses) { s.barrier_spin.store(pauses); },
+          "pauses the team's barriers spin before they sleep (adapted as they wait)");
 }
