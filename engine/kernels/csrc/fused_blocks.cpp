@@ -172,10 +172,12 @@ inline void cpu_relax() {
 // while spinning doubles the spin for the next ones, a wait that ended in sleep quarters it. With
 // a core each, members seldom sleep; with more threads than cores (several engines on one
 // machine) the member waited for is often off its core, and spinning for it only delays it, so
-// the spin shrinks to almost nothing. OpenMP's own barrier follows OMP_WAIT_POLICY
-// instead, and under PASSIVE (the app's setting: idle threads between steps must not spin) every
-// waiter slept at once, each wake costing a virtual CPU's exit from idle: a 4-bit step's 181
-// barriers took the layers from 2.0 to 4.3 ms (docs/performance.md, fourteenth session).
+// the spin shrinks to almost nothing. The spin is written only when it changes: every member
+// reads it at every barrier, and a write each time would move its cache line between the cores.
+// OpenMP's own barrier follows OMP_WAIT_POLICY instead, and under PASSIVE (the app's setting:
+// idle threads between steps must not spin) every waiter slept at once and had to be woken (on
+// a VM, presumably a virtual CPU's exit from idle each time): a 4-bit step's 181 barriers took
+// the layers from 2.0 to 4.3 ms (docs/performance.md, fourteenth session).
 struct SpinBarrier {
   static constexpr int64_t MIN_SPIN = 16, MAX_SPIN = 1 << 12;  // pauses before sleeping
   std::atomic<int64_t> arrived{0};
@@ -194,18 +196,21 @@ struct SpinBarrier {
     const int64_t limit = spin->load(std::memory_order_relaxed);
     for (int64_t spins = 0; spins < limit; ++spins) {
       if (generation.load(std::memory_order_acquire) != gen) {
-        spin->store(std::min(MAX_SPIN, 2 * limit), std::memory_order_relaxed);
+        adapt(limit, std::min(MAX_SPIN, 2 * limit));
         return;
       }
       cpu_relax();
     }
-    spin->store(std::max(MIN_SPIN, limit / 4), std::memory_order_relaxed);
+    adapt(limit, std::max(MIN_SPIN, limit / 4));
     sleepers.fetch_add(1);
     while (generation.load() == gen) sleep_while(gen);
     sleepers.fetch_sub(1);
   }
 
  private:
+  void adapt(int64_t limit, int64_t next) {
+    if (next != limit) spin->store(next, std::memory_order_relaxed);
+  }
   int* word() { return reinterpret_cast<int*>(&generation); }
   // Sleep unless the generation has moved on from `gen` (checked by the kernel, atomically).
   void sleep_while(int32_t gen) {
@@ -286,8 +291,9 @@ struct TeamStep {
 // activations it multiplies and keeps the residual stream and the norms' outputs itself (a few
 // KB, the same numbers in each). A gguf decode step at batch 1 otherwise starts ~150 parallel
 // loops and makes ~400 tensor operations (views, empty outputs) between them, while the other
-// thread waits (docs/performance.md, twelfth session); the team does neither. The numbers are the loop's, bit for bit: the same
-// row functions and tile kernels on the same rows, the same attention items.
+// thread waits (docs/performance.md, twelfth session); the team does neither. The numbers are
+// the loop's, bit for bit: the same row functions and tile kernels on the same rows, the same
+// attention items.
 struct LayerStack {
   std::vector<AttentionBlock> attention;
   std::vector<MlpBlock> mlp;
