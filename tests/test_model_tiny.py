@@ -184,6 +184,34 @@ def test_shuffled_block_tables_and_stale_blocks_give_same_logits(tiny_model, seq
         torch.testing.assert_close(shuffled[name], contiguous[name], rtol=1e-6, atol=1e-6)
 
 
+def test_rope_table_gives_the_angles_computed_for_each_step(tiny_model):
+    """On a CPU the model looks cos and sin up in a table (vLLM's cos_sin_cache): the same bits
+    as computing them, at positions inside the first table, past it (the table grows, twice
+    over here), in any order, in bfloat16 too; a negative position is a clear error."""
+    from engine.layers.ops import RotaryEmbedding
+
+    rotary = tiny_model.rotary
+    assert rotary.cos_sin == rotary.looked_up
+    g = torch.Generator().manual_seed(3)
+    for positions in (
+        torch.tensor([0]),
+        torch.randint(0, 256, (40,), generator=g),
+        torch.tensor([300, 2, 299]),
+        torch.randint(0, 5000, (300,), generator=g),
+        torch.arange(6000),
+    ):
+        (cos, sin), (want_cos, want_sin) = rotary.cos_sin(positions), rotary.computed(positions)
+        assert cos.shape == want_cos.shape == (len(positions), 1, tiny_model.cfg.head_dim)
+        assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    assert len(rotary.cos_table) >= 6000
+    bf16 = RotaryEmbedding(rotary.inv_freq, dtype=torch.bfloat16)
+    positions = torch.randint(0, 1000, (50,), generator=g)
+    assert torch.equal(bf16.cos_sin(positions)[0], bf16.computed(positions)[0])
+    with pytest.raises(ValueError, match="negative"):
+        rotary.cos_sin(torch.tensor([4, -1]))
+    assert RotaryEmbedding(torch.ones(4, device="meta")).cos_sin.__name__ == "computed"
+
+
 def test_slot_mapping_writes_only_own_slots(tiny_model, sequences):
     """After a step, cache slots outside the requests' tokens keep their old contents."""
     runner = PagedRunner(tiny_model, 8, BLOCK, shuffle_seed=5)

@@ -104,7 +104,7 @@ class _Batch:
     context_lens: list[int]  # tokens in the cache after this step
     num_blocks: list[int]  # blocks each request's context spans
     token_starts: list[int]  # first row of each request in the flat batch
-    tables: torch.Tensor  # [num_requests, max_blocks] block tables padded with 0
+    tables: list[list[int]]  # each request's block table padded with 0 to the longest
     block_size: int
 
 
@@ -145,10 +145,9 @@ def _describe_batch(query_lens, num_computed, block_tables, block_size: int) -> 
     context_lens = [start + q_len for start, q_len in zip(num_computed, query_lens)]
     num_blocks = [cdiv(n, block_size) for n in context_lens]
     max_blocks = max(num_blocks, default=0)
-    # One padded block table for the whole batch: row i = request i's blocks, then zeros.
-    tables = torch.tensor(
-        [t[:n] + [0] * (max_blocks - n) for t, n in zip(block_tables, num_blocks)], dtype=torch.long
-    ).view(len(query_lens), max_blocks)
+    # One padded block table for the whole batch: row i = request i's blocks, then zeros. (Made
+    # a tensor only where a path reads it: each small tensor operation costs microseconds.)
+    tables = [t[:n] + [0] * (max_blocks - n) for t, n in zip(block_tables, num_blocks)]
     token_starts = [0]
     for q_len in query_lens:
         token_starts.append(token_starts[-1] + q_len)
@@ -176,7 +175,7 @@ def _decode_groups(batch: _Batch, decodes: list[int], device) -> list[DecodeGrou
     if not decodes:
         return []
     context_lens, num_blocks = batch.context_lens, batch.num_blocks
-    decode_tables = batch.tables[decodes].to(device)  # [num_decodes, max_blocks]
+    decode_tables = torch.tensor([batch.tables[i] for i in decodes], device=device)
     decode_lens = torch.tensor([context_lens[i] for i in decodes], device=device)
     longest = context_lens[decodes[-1]]
     # [num_decodes, longest]: True where a request has a key
@@ -211,7 +210,7 @@ def _prefill_spans(batch: _Batch, decodes: set[int], device, for_kernel: bool) -
         if start > 0 and not for_kernel:  # chunk i-th query (position start+i) sees keys 0..start+i
             q_pos = torch.arange(start, context_len, device=device).unsqueeze(1)
             mask = torch.arange(context_len, device=device).unsqueeze(0) <= q_pos
-        block_ids = batch.tables[i, : batch.num_blocks[i]].to(device)
+        block_ids = torch.tensor(batch.tables[i][: batch.num_blocks[i]], device=device)
         spans.append(
             PrefillSpan(batch.token_starts[i], batch.query_lens[i], context_len, block_ids, mask)
         )
@@ -231,10 +230,17 @@ def _kernel_work(batch: _Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
             rows = min(KERNEL_TILE_ROWS, q_len - a)
             tiles.append((batch.token_starts[i] + a, rows, i, batch.num_computed[i] + a))
     return (
-        batch.tables.to(torch.int32),
-        torch.tensor(tiles, dtype=torch.int32).view(-1, 4),
-        torch.tensor(first_chunks, dtype=torch.long).view(-1, 2),
+        torch.tensor(batch.tables, dtype=torch.int32) if batch.tables else _NO_TABLES,
+        torch.tensor(tiles, dtype=torch.int32) if tiles else _NO_TILES,
+        torch.tensor(first_chunks, dtype=torch.long) if first_chunks else _NO_FIRST_CHUNKS,
     )
+
+
+# What _kernel_work gives when there is none of it (a decode step has no first chunks): shared,
+# never written (a tensor of no elements has nothing to write).
+_NO_TABLES = torch.zeros(0, 0, dtype=torch.int32)
+_NO_TILES = torch.zeros(0, 4, dtype=torch.int32)
+_NO_FIRST_CHUNKS = torch.zeros(0, 2, dtype=torch.long)
 
 
 def _as_rows(rows: list[int], device) -> slice | torch.Tensor:

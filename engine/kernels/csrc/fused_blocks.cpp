@@ -89,6 +89,12 @@ struct QuantLinear {
   int64_t num_tiles() const { return t[0].size(0); }
   int64_t out_features() const { return t[0].size(0) * q8::TILE_CHANNELS; }
   int64_t in_features() const { return t[0].size(1) * q8::BLOCK; }
+  // Where tiles t0 .. t1 of a tiled matrix lie (its records are stored tile after tile).
+  std::pair<const char*, const char*> tile_bytes(int64_t t0, int64_t t1) const {
+    const char* base = static_cast<const char*>(t[0].data_ptr());
+    const int64_t per_tile = t[0].size(1) * t[0].size(2);
+    return {base + t0 * per_tile, base + t1 * per_tile};
+  }
 
   // A tiled matrix's tiles t0 .. t1 of y [rows, out_features] for the rows rounded in `a`.
   void tiles_part(const q8::RoundedView& a, const float* bias, float* y, int64_t t0,
@@ -166,6 +172,27 @@ inline void cpu_relax() {
 #endif
 }
 
+// What a member fetches into its cache while it waits at a barrier (SpinBarrier::wait): the
+// start of its own share of the matrix it reads next. The other members are still streaming
+// their part of this phase, and one thread alone uses about half the memory's bandwidth, so
+// the wait can fetch what the next phase would otherwise start by waiting for. Batch-1 gguf
+// layers 2-3 % faster on the Zen 5 VM (docs/performance.md, fifteenth session).
+struct FetchAhead {
+  static constexpr int64_t MAX_BYTES = 256 << 10;  // of a share (the output layer's is 10 MB)
+  static constexpr int64_t LINES_PER_LOOK = 4;     // cache lines asked for between two looks
+  const char* at = nullptr;
+  const char* end = nullptr;
+
+  void set(std::pair<const char*, const char*> bytes) {
+    at = bytes.first, end = std::min(bytes.second, bytes.first + MAX_BYTES);
+  }
+  bool pending() const { return at < end; }
+  void some() {
+    for (int64_t i = 0; i < LINES_PER_LOOK && at < end; ++i, at += 64)
+      __builtin_prefetch(at, /*rw=*/0, /*locality: L2=*/2);
+  }
+};
+
 // Where a team waits until every member is done with a phase. A waiter first spins (a phase's
 // members finish microseconds apart), then sleeps until the last one to arrive wakes it (Linux's
 // futex; elsewhere it yields the core at each look). How long it spins adapts: a wait that ended
@@ -185,7 +212,8 @@ struct SpinBarrier {
   std::atomic<int64_t>* spin;  // the spin, kept from step to step (LayerStack::barrier_spin)
 
   // `size` members call it; each returns once all have arrived, seeing what every one wrote.
-  void wait(int64_t size) {
+  // While it spins it fetches `ahead`; those looks do not count as pauses of the spin.
+  void wait(int64_t size, FetchAhead& ahead) {
     const int32_t gen = generation.load(std::memory_order_acquire);
     if (arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == size) {
       arrived.store(0, std::memory_order_relaxed);
@@ -194,12 +222,17 @@ struct SpinBarrier {
       return;
     }
     const int64_t limit = spin->load(std::memory_order_relaxed);
-    for (int64_t spins = 0; spins < limit; ++spins) {
+    for (int64_t spins = 0; spins < limit;) {
       if (generation.load(std::memory_order_acquire) != gen) {
         adapt(limit, std::min(MAX_SPIN, 2 * limit));
         return;
       }
-      cpu_relax();
+      if (ahead.pending()) {
+        ahead.some();
+      } else {
+        cpu_relax();
+        ++spins;
+      }
     }
     adapt(limit, std::max(MIN_SPIN, limit / 4));
     sleepers.fetch_add(1);
@@ -233,8 +266,9 @@ struct SpinBarrier {
 struct TeamMember {
   int64_t rank, size;
   SpinBarrier* team_barrier;
+  mutable FetchAhead ahead;  // the member's own: set before a barrier, fetched while it waits
 
-  void barrier() const { team_barrier->wait(size); }
+  void barrier() const { team_barrier->wait(size, ahead); }
 };
 
 // Decode steps of up to this many tokens run as a team (below); a longer step (a prefill chunk)
@@ -469,7 +503,7 @@ struct LayerStack {
                        x + r * hidden, rows + j * hidden);
     }
     share_tiles(me, *lm_head, own.rounding.round(rows, s.num_head_rows, hidden), nullptr,
-                s.logits, s.tiles_taken.back());
+                s.logits, s.tiles_taken.back(), nullptr);
   }
 
   // qkv, RoPE and the new K/V into the cache, attention, o: four barriers.
@@ -478,7 +512,7 @@ struct LayerStack {
     const AttentionBlock& block = attention[i];
     const float* bias = block.qkv_bias ? block.qkv_bias->data_ptr<float>() : nullptr;
     share_tiles(me, block.qkv, rounding.round(x, s.m, s.hidden), bias, s.qkv,
-                s.tiles_taken[4 * i]);
+                s.tiles_taken[4 * i], &block.o);
     if (me.rank == 0) {
       const float* qkv = s.qkv.data_ptr<float>();
       float* qk = s.qk.data_ptr<float>();
@@ -494,48 +528,62 @@ struct LayerStack {
     s.attention.run_items(s.next_item);
     me.barrier();
     share_tiles(me, block.o, rounding.round(s.attn.data_ptr<float>(), s.m, s.heads * s.d),
-                nullptr, s.o, s.tiles_taken[4 * i + 1]);
+                nullptr, s.o, s.tiles_taken[4 * i + 1], &mlp[i].gate_up);
   }
 
   // gate_up, SwiGLU, down: two barriers.
   void mlp_phases(const TeamMember& me, TeamStep& s, size_t i, const float* x,
                   MemberRows& own) const {
     share_tiles(me, mlp[i].gate_up, own.rounding.round(x, s.m, s.hidden), nullptr, s.gate_up,
-                s.tiles_taken[4 * i + 2]);
+                s.tiles_taken[4 * i + 2], &mlp[i].down);
     float* act = q8::grow_to(own.act, s.m * s.inter);
     const float* gate_up = s.gate_up.data_ptr<float>();
     for (int64_t r = 0; r < s.m; ++r)
       silu_and_mul_row(gate_up + r * 2 * s.inter, s.inter, act + r * s.inter);
+    const QuantLinear* next = i + 1 < attention.size() ? &attention[i + 1].qkv
+                              : s.num_head_rows > 0         ? &*lm_head
+                                                            : nullptr;
     share_tiles(me, mlp[i].down, own.rounding.round(act, s.m, s.inter), nullptr, s.down,
-                s.tiles_taken[4 * i + 3]);
+                s.tiles_taken[4 * i + 3], next);
   }
 
   // A matrix's tiles into y. Each member first runs its own fixed share (the members together
   // FIXED_QUARTERS quarters of the tiles: three eighths each with two), then takes the rest as it
   // comes for more, in runs that shrink as the tiles run out (OpenMP's guided schedule), so that
   // a member that streams faster takes more and all finish within about a run of each other.
-  // Then the barrier after which all of y is there for everyone. Why both: with fixed halves the
-  // members waited ~15 % of the step at the barriers, the one or the other (two threads
-  // streaming side by side do not get the memory equally); with every tile claimed from the
-  // shared counter, each of a matrix's ~15 claims moved the counter's cache line from one core
-  // to the other, and those reads took most of the 5 % of samples spent in the team's own code
-  // (docs/performance.md, thirteenth session).
+  // Then the barrier after which all of y is there for everyone, where a member that waits
+  // fetches the start of its own share of `next` (the matrix the team reads next, if any). Why
+  // both a fixed share and runs: with fixed halves the members waited ~15 % of the step at the
+  // barriers, the one or the other (two threads streaming side by side do not get the memory
+  // equally); with every tile claimed from the shared counter, each of a matrix's ~15 claims
+  // moved the counter's cache line from one core to the other, and those reads took most of the
+  // 5 % of samples spent in the team's own code (docs/performance.md, thirteenth session).
   static void share_tiles(const TeamMember& me, const QuantLinear& linear,
                           const q8::RoundedView& a, const float* bias, torch::Tensor& y,
-                          std::atomic<int64_t>& taken) {
+                          std::atomic<int64_t>& taken, const QuantLinear* next) {
     const int64_t n = linear.num_tiles();
     float* out = y.data_ptr<float>();
-    const int64_t own = n * FIXED_QUARTERS / (4 * me.size);
+    const int64_t own = own_share(n, me);
     linear.tiles_part(a, bias, out, me.rank * own, (me.rank + 1) * own);
     const int64_t shared = own * me.size;  // the first tile handed out by `taken`
-    for (int64_t next = shared;;) {
-      const int64_t run = std::max<int64_t>(MIN_RUN, (n - next) / (2 * me.size));
-      next = shared + taken.fetch_add(run, std::memory_order_relaxed);
-      if (next >= n) break;
-      linear.tiles_part(a, bias, out, next, std::min(n, next + run));
-      next += run;
+    for (int64_t start = shared;;) {
+      const int64_t run = std::max<int64_t>(MIN_RUN, (n - start) / (2 * me.size));
+      start = shared + taken.fetch_add(run, std::memory_order_relaxed);
+      if (start >= n) break;
+      linear.tiles_part(a, bias, out, start, std::min(n, start + run));
+      start += run;
+    }
+    me.ahead = FetchAhead{};
+    if (next != nullptr) {
+      const int64_t next_own = own_share(next->num_tiles(), me);
+      me.ahead.set(next->tile_bytes(me.rank * next_own, (me.rank + 1) * next_own));
     }
     me.barrier();
+  }
+
+  // The tiles of a matrix of n that each member runs first, its fixed share (share_tiles).
+  static int64_t own_share(int64_t n, const TeamMember& me) {
+    return n * FIXED_QUARTERS / (4 * me.size);
   }
 
   // The residual stream `res` += delta, and x = its norm, row by row.
