@@ -174,9 +174,9 @@ inline void cpu_relax() {
 
 // What a member fetches into its cache while it waits at a barrier (SpinBarrier::wait): the
 // start of its own share of the matrix it reads next. The other members are still streaming
-// their part of this phase, and one thread alone uses about half the memory's bandwidth, so
-// the wait can fetch what the next phase would otherwise start by waiting for. Batch-1 gguf
-// layers 2-3 % faster on the Zen 5 VM (docs/performance.md, fifteenth session).
+// their part of this phase, and one thread alone reads slower than two (35-39 against 44-48
+// GB/s on the Zen 5 VM), so the memory has room for what the next phase would otherwise start
+// by waiting for. The layers about 2 % faster (docs/performance.md, fifteenth session).
 struct FetchAhead {
   static constexpr int64_t MAX_BYTES = 256 << 10;  // of a share (the output layer's is 10 MB)
   static constexpr int64_t LINES_PER_LOOK = 4;     // cache lines asked for between two looks
