@@ -186,8 +186,9 @@ def test_shuffled_block_tables_and_stale_blocks_give_same_logits(tiny_model, seq
 
 def test_rope_table_gives_the_angles_computed_for_each_step(tiny_model):
     """On a CPU the model looks cos and sin up in a table (vLLM's cos_sin_cache): the same bits
-    as computing them, at positions inside the first table, past it (the table grows, twice
-    over here), in any order, in bfloat16 too; a negative position is a clear error."""
+    as computing them, at positions inside the first table, past it (the table grows three
+    times here: to 512, to about 5,000, then to twice that), in any order, in bfloat16 too; a
+    negative position is a clear error."""
     from engine.layers.ops import RotaryEmbedding
 
     rotary = tiny_model.rotary
