@@ -380,8 +380,8 @@ def test_a_negative_prediction_is_set_to_zero_in_the_box(app):
 
 
 def test_a_comparison_draws_both_journeys_on_one_x_range(tiny_model_dir):
-    """Two engines of one lab, one slower to finish (one running slot): after the workload ran,
-    both journey charts carry the same engine-clock x range, the slower side's end."""
+    """Two engines of one lab, one with a single running slot: its requests take turns (by the
+    steps each journey names), and both journey charts carry one x range, the later end."""
     from _apptest import charts
     from streamlit.testing.v1 import AppTest
 
@@ -407,9 +407,28 @@ lab("cmp", sides, presets=None, workload=Workload.uniform(3, 8, 6), show_code_pa
     many = next(s for i, s in specs.items() if "cmp_many_journey" in i)
     from ui.lab import journey_end_ms
 
-    assert journey_end_ms(one) > journey_end_ms(many) > 0  # one slot: the requests take turns
+    one_steps, many_steps = _steps_by_lane(one), _steps_by_lane(many)
+    turns = sorted(one_steps.values(), key=min)
+    assert len(turns) == 3 and all(max(a) < min(b) for a, b in zip(turns, turns[1:]))
+    assert max(map(max, one_steps.values())) > max(map(max, many_steps.values()))
+    assert set.intersection(*many_steps.values())  # many slots: the requests share steps
+    end = max(journey_end_ms(one), journey_end_ms(many))
+    assert end > 0
     assert one["layout"]["xaxis"]["range"] == many["layout"]["xaxis"]["range"]
-    assert one["layout"]["xaxis"]["range"][1] == pytest.approx(journey_end_ms(one) * 1.03)
+    assert one["layout"]["xaxis"]["range"] == pytest.approx([0, end * 1.03])
+
+
+def _steps_by_lane(spec: dict) -> dict[str, set[int]]:
+    """The engine steps each request's bars name (customdata[2]), by swimlane: the engine's own
+    record of who ran when, where wall-clock ends would only compare noise."""
+    steps: dict[str, set[int]] = {}
+    for trace in spec["data"]:
+        if trace.get("type") != "bar":
+            continue
+        for lane, row in zip(trace["y"], trace["customdata"]):
+            if isinstance(row[2], int):
+                steps.setdefault(lane, set()).add(row[2])
+    return steps
 
 
 def test_a_slice_is_twice_the_redraw_between_slices_within_bounds(monkeypatch):
