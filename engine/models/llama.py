@@ -210,6 +210,8 @@ class LlamaModel:
         self.cfg = cfg  # this rank's part: its layers, heads and MLP width
         self.device = device
         self.dtype = dtype
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in weights.values()):
+            raise ValueError("inference weights must not require gradients (forward records none)")
         self.w = weights
         self.parallel = parallel or ParallelContext()
         self.inv_freq = rope_inverse_frequencies(cfg).to(device)
@@ -323,7 +325,6 @@ class LlamaModel:
 
     # -- forward -----------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens] all scheduled tokens of the step, flattened
@@ -335,7 +336,10 @@ class LlamaModel:
     ) -> torch.Tensor | None:
         """Return logits [len(logits_indices), vocab]: the output layer runs only on those rows.
         None on a rank that computes no logits (an earlier pipeline stage, or a tensor-parallel
-        peer of the output rank)."""
+        peer of the output rank). No `torch.inference_mode()` around it: no weight requires a
+        gradient (checked at construction), so autograd records nothing anyway, and entering
+        the mode cost ~15 µs a step in the cold cache a decode step runs in
+        (docs/performance.md)."""
         cos, sin = self.rotary.cos_sin(positions)
         h = self.embed(input_ids) if self.embed is not None else self.receive(input_ids.shape[0])
         if self.stack is not None:  # run_layers in one C++ call: the same kernels, in order

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.kv_connector import KVConnectorMetadata, KVTransferRecord
-from engine.layers.attention import AttentionMetadata, build_attention_metadata
+from engine.layers.attention import AttentionMetadata, build_attention_metadata, int_tensor
 from engine.layers.ops import ArgMax
 from engine.models.llama import LlamaModel
 from engine.sample.rejection_sampler import RejectionSampler
@@ -281,7 +281,7 @@ class ModelRunner:
         """A step input on the device. On CUDA it goes through pinned (page-locked) host memory
         with a non-blocking copy: the copy is queued behind the work already on the GPU instead
         of making the CPU wait for it. (PyTorch caches pinned blocks, so pinning is cheap.)"""
-        host = torch.tensor(values, dtype=torch.long)
+        host = int_tensor(values)
         if self.device.type == "cpu":
             return host
         if self.device.type == "cuda":
