@@ -506,22 +506,35 @@ void plan_attention(const int32_t* tp, int64_t num_tiles, int64_t kv_heads, int6
 
 // Copy this step's K or V rows ([tokens, kv_heads, head_dim], heads contiguous) to their slots,
 // rounded to the cache's dtype when it is narrower (bfloat16 KV cache of a float32 model: round
-// to nearest even, as torch's .to(torch.bfloat16) does).
+// to nearest even, as torch's .to(torch.bfloat16) does). The tensors are read when it is made,
+// the rows copied when it is called (a team reads every layer's tensors once a step, before its
+// threads start: fused_blocks.cpp's LayerStack).
 template <typename T, typename C>
-void write_new_rows(const torch::Tensor& src, torch::Tensor& cache, const torch::Tensor& slots) {
-  const int64_t tokens = src.size(0), row = src.size(1) * src.size(2);
-  const int64_t stride = src.stride(0);
-  const T* sp = src.data_ptr<T>();
-  C* cp = cache.data_ptr<C>();
-  const int64_t* slot = slots.data_ptr<int64_t>();  // in range: check_paged_attention
-  for (int64_t t = 0; t < tokens; ++t) {
-    if constexpr (std::is_same_v<T, C>) {
-      std::memcpy(cp + slot[t] * row, sp + t * stride, row * sizeof(T));
-    } else {
-      for (int64_t i = 0; i < row; ++i)
-        cp[slot[t] * row + i] = static_cast<C>(static_cast<float>(sp[t * stride + i]));
+struct NewRows {
+  const T* sp;
+  int64_t tokens, row, stride;
+  C* cp;
+  const int64_t* slot;  // in range: check_paged_attention
+
+  NewRows(const torch::Tensor& src, torch::Tensor& cache, const torch::Tensor& slots)
+      : sp(src.data_ptr<T>()), tokens(src.size(0)), row(src.size(1) * src.size(2)),
+        stride(src.stride(0)), cp(cache.data_ptr<C>()), slot(slots.data_ptr<int64_t>()) {}
+
+  void operator()() const {
+    for (int64_t t = 0; t < tokens; ++t) {
+      if constexpr (std::is_same_v<T, C>) {
+        std::memcpy(cp + slot[t] * row, sp + t * stride, row * sizeof(T));
+      } else {
+        for (int64_t i = 0; i < row; ++i)
+          cp[slot[t] * row + i] = static_cast<C>(static_cast<float>(sp[t * stride + i]));
+      }
     }
   }
+};
+
+template <typename T, typename C>
+void write_new_rows(const torch::Tensor& src, torch::Tensor& cache, const torch::Tensor& slots) {
+  NewRows<T, C>(src, cache, slots)();
 }
 
 bool heads_contiguous(const torch::Tensor& x) {
@@ -814,23 +827,31 @@ void TeamAttention::plan(const torch::Tensor& q, const torch::Tensor& k_cache,
 }
 
 void TeamAttention::prepare(const torch::Tensor& q, const torch::Tensor& k,
-                            const torch::Tensor& v, torch::Tensor& k_cache,
-                            torch::Tensor& v_cache, const torch::Tensor& slots,
+                            const torch::Tensor& v, std::vector<torch::Tensor>& k_caches,
+                            std::vector<torch::Tensor>& v_caches, const torch::Tensor& slots,
                             const torch::Tensor& block_tables, const torch::Tensor& tiles,
-                            double scale, torch::Tensor& out) {
-  with_float_run(q, k_cache, v_cache, block_tables, tiles, scale, out, *plan_,
-                 [&](const auto& run) {
-                   using Cache = std::remove_cv_t<std::remove_pointer_t<decltype(run.kp)>>;
-                   write_new_rows<float, Cache>(k, k_cache, slots);
-                   write_new_rows<float, Cache>(v, v_cache, slots);
-                   run.reset_merges();
-                   item_ = [run](int64_t index) { run.item(index); };
-                   items_ = run.num_items();
-                 });
+                            const std::vector<double>& scales, torch::Tensor& out) {
+  layers_.clear();
+  for (size_t i = 0; i < k_caches.size(); ++i)
+    with_float_run(q, k_caches[i], v_caches[i], block_tables, tiles, scales[i], out, *plan_,
+                   [&](const auto& run) {
+                     using Cache = std::remove_cv_t<std::remove_pointer_t<decltype(run.kp)>>;
+                     const NewRows<float, Cache> new_k(k, k_caches[i], slots);
+                     const NewRows<float, Cache> new_v(v, v_caches[i], slots);
+                     layers_.push_back({[run, new_k, new_v] {
+                                          new_k(), new_v();
+                                          run.reset_merges();
+                                        },
+                                        [run](int64_t index) { run.item(index); }});
+                   });
+  items_ = static_cast<int64_t>(plan_->items.size());
 }
 
-void TeamAttention::run_items(std::atomic<int64_t>& next) const {
-  for (int64_t i = next.fetch_add(1); i < items_; i = next.fetch_add(1)) item_(i);
+void TeamAttention::start_layer(size_t layer) const { layers_[layer].start(); }
+
+void TeamAttention::run_items(size_t layer, std::atomic<int64_t>& next) const {
+  const auto& item = layers_[layer].item;
+  for (int64_t i = next.fetch_add(1); i < items_; i = next.fetch_add(1)) item(i);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -66,9 +66,27 @@ struct QuantLinear {
   Kind kind;
   std::vector<torch::Tensor> t;  // the weight's tensors, in the order its kernel takes them
   int64_t group_size;
+  // A tiled matrix's tiles (and scales) and their number, read from the tensors once: a team
+  // member asking the tensors at each run of tiles read their metadata ~1,000 times a step, each
+  // time from memory (the stream had evicted it).
+  const uint8_t* tiles_at = nullptr;
+  const float* scales_at = nullptr;
+  int64_t tiles_count = 0, tile_record_bytes = 0;
 
   QuantLinear(const std::string& name, std::vector<torch::Tensor> tensors, int64_t group_size)
-      : kind(kind_of(name, tensors.size())), t(std::move(tensors)), group_size(group_size) {}
+      : kind(kind_of(name, tensors.size())), t(std::move(tensors)), group_size(group_size) {
+    if (!tiled()) return;
+    TORCH_CHECK(t[0].scalar_type() == torch::kUInt8 && t[0].dim() == 3 && t[0].is_contiguous(),
+                "QuantLinear: tiles are a contiguous uint8 [tiles, groups, record]");
+    tiles_at = t[0].data_ptr<uint8_t>();
+    tiles_count = t[0].size(0), tile_record_bytes = t[0].size(1) * t[0].size(2);
+    if (kind == Kind::Int8Tiles) {
+      TORCH_CHECK(t[1].scalar_type() == torch::kFloat32 && t[1].is_contiguous() &&
+                      t[1].numel() == tiles_count * q8::TILE_CHANNELS,
+                  "QuantLinear: int8 tiles' scales are contiguous float32 [out_features]");
+      scales_at = t[1].data_ptr<float>();
+    }
+  }
 
   // y = x @ W^T (+ bias), x: [rows, in] float32, contiguous; bias float32, contiguous.
   torch::Tensor operator()(const torch::Tensor& x, const c10::optional<torch::Tensor>& bias) const {
@@ -86,23 +104,22 @@ struct QuantLinear {
 
   // In tiles of 16 output channels (a GGUF's layers and output layer): a team can share them.
   bool tiled() const { return kind == Kind::Int4Tiles || kind == Kind::Int8Tiles; }
-  int64_t num_tiles() const { return t[0].size(0); }
+  int64_t num_tiles() const { return tiles_count; }
   int64_t out_features() const { return t[0].size(0) * q8::TILE_CHANNELS; }
   int64_t in_features() const { return t[0].size(1) * q8::BLOCK; }
   // Where tiles t0 .. t1 of a tiled matrix lie (its records are stored tile after tile).
   std::pair<const char*, const char*> tile_bytes(int64_t t0, int64_t t1) const {
-    const char* base = static_cast<const char*>(t[0].data_ptr());
-    const int64_t per_tile = t[0].size(1) * t[0].size(2);
-    return {base + t0 * per_tile, base + t1 * per_tile};
+    const char* base = reinterpret_cast<const char*>(tiles_at);
+    return {base + t0 * tile_record_bytes, base + t1 * tile_record_bytes};
   }
 
   // A tiled matrix's tiles t0 .. t1 of y [rows, out_features] for the rows rounded in `a`.
   void tiles_part(const q8::RoundedView& a, const float* bias, float* y, int64_t t0,
                   int64_t t1) const {
     if (kind == Kind::Int4Tiles)
-      int4_tiles_part(t[0], a, bias, y, t0, t1);
+      int4_tiles_part(tiles_at, tiles_count, a, bias, y, t0, t1);
     else
-      int8_tiles_part(t[0], t[1], a, bias, y, t0, t1);
+      int8_tiles_part(tiles_at, scales_at, tiles_count, a, bias, y, t0, t1);
   }
 };
 
@@ -298,6 +315,8 @@ struct TeamStep {
   torch::Tensor qk;    // [m, heads + kv, d] queries and keys after RoPE
   torch::Tensor attn;  // [m, heads, d]
   torch::Tensor o, gate_up, down, h_out;  // [m, hidden], [m, 2 * inter], [m, hidden], [m, hidden]
+  // where the buffers above lie, read once before the team starts (as QuantLinear's tiles)
+  float *qkv_at, *qk_at, *attn_at, *o_at, *gate_up_at, *down_at;
   torch::Tensor q_view, k_view, v_view;   // the heads of qk and qkv that attention reads
   std::vector<torch::Tensor> k_caches, v_caches;
   torch::Tensor slots, block_tables, tiles;
@@ -305,6 +324,7 @@ struct TeamStep {
   const int64_t* head_rows = nullptr;
   int64_t num_head_rows = 0;
   torch::Tensor logits;
+  float* logits_at = nullptr;
   int64_t plan_threads;
   TeamAttention attention;
   std::atomic<int64_t> next_item{0};
@@ -327,11 +347,17 @@ struct TeamStep {
 // loops and makes ~400 tensor operations (views, empty outputs) between them, while the other
 // thread waits (docs/performance.md, twelfth session); the team does neither. The numbers are
 // the loop's, bit for bit: the same row functions and tile kernels on the same rows, the same
-// attention items.
+// attention items. Inside the region the members read no tensor's metadata: where each matrix,
+// buffer and norm lies, and each layer's attention work, are read before it starts (~1,000 such
+// reads a step, each from memory after the stream had evicted it, made the layers ~3 % slower:
+// docs/performance.md, sixteenth session).
 struct LayerStack {
   std::vector<AttentionBlock> attention;
   std::vector<MlpBlock> mlp;
   std::vector<torch::Tensor> input_norms, post_norms;  // float32 weights, one per layer
+  std::vector<const float*> input_norm_at, post_norm_at;  // where they lie (read once)
+  std::vector<const float*> qkv_bias_at;  // each layer's q/k/v bias, or nullptr
+  std::vector<double> scales;              // each layer's attention scale
   double eps;
   bool tiled;  // every matrix in tiles: decode steps can run as a team
   int64_t team_steps = 0;  // steps run as a team (tests and describe() read it)
@@ -339,6 +365,7 @@ struct LayerStack {
   mutable std::atomic<int64_t> barrier_spin{SpinBarrier::MAX_SPIN};
   // The final norm's weight and the output layer, when a team step runs them too (set_head).
   c10::optional<torch::Tensor> final_norm;
+  const float* final_norm_at = nullptr;
   c10::optional<QuantLinear> lm_head;
 
   LayerStack(std::vector<AttentionBlock> attention_, std::vector<MlpBlock> mlp_,
@@ -350,6 +377,16 @@ struct LayerStack {
     for (size_t i = 0; i < attention.size(); ++i)
       tiled = tiled && attention[i].qkv.tiled() && attention[i].o.tiled() &&
               mlp[i].gate_up.tiled() && mlp[i].down.tiled();
+    for (const auto* norms : {&input_norms, &post_norms})
+      for (const torch::Tensor& w : *norms)
+        TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous(),
+                    "LayerStack: the norms' weights are contiguous float32");
+    for (const torch::Tensor& w : input_norms) input_norm_at.push_back(w.data_ptr<float>());
+    for (const torch::Tensor& w : post_norms) post_norm_at.push_back(w.data_ptr<float>());
+    for (const AttentionBlock& a : attention) {
+      qkv_bias_at.push_back(a.qkv_bias ? a.qkv_bias->data_ptr<float>() : nullptr);
+      scales.push_back(a.scale);
+    }
   }
 
   // The final norm (its float32 weight) and the output layer (in tiles), for team steps to run
@@ -361,6 +398,7 @@ struct LayerStack {
                 "LayerStack.set_head: a float32 norm weight and a tiled output layer of the "
                 "model's width");
     final_norm = norm_weight, lm_head = head;
+    final_norm_at = norm_weight.data_ptr<float>();
   }
 
   // h: the residual stream entering layer 0; k_caches[i], v_caches[i]: layer i's cache;
@@ -426,6 +464,7 @@ struct LayerStack {
       TORCH_CHECK(s.head_rows[j] >= 0 && s.head_rows[j] < s.m, "LayerStack: logits row ",
                   s.head_rows[j], " is not a row of this step (", s.m, " rows)");
     s.logits = torch::empty({s.num_head_rows, lm_head->out_features()}, torch::kFloat32);
+    s.logits_at = s.logits.data_ptr<float>();
   }
 
   // Everything that can fail is checked here, before the parallel region (an exception cannot
@@ -453,6 +492,9 @@ struct LayerStack {
     s.gate_up = torch::empty({s.m, 2 * s.inter}, opts);
     s.down = torch::empty({s.m, s.hidden}, opts);
     s.h_out = torch::empty({s.m, s.hidden}, opts);
+    s.qkv_at = s.qkv.data_ptr<float>(), s.qk_at = s.qk.data_ptr<float>();
+    s.attn_at = s.attn.data_ptr<float>(), s.o_at = s.o.data_ptr<float>();
+    s.gate_up_at = s.gate_up.data_ptr<float>(), s.down_at = s.down.data_ptr<float>();
     s.q_view = s.qk.narrow(1, 0, s.heads);
     s.k_view = s.qk.narrow(1, s.heads, s.kv);
     s.v_view = s.qkv.narrow(1, (s.heads + s.kv) * s.d, s.kv * s.d).view({s.m, s.kv, s.d});
@@ -464,6 +506,8 @@ struct LayerStack {
     s.plan_threads = at::get_num_threads();  // as paged_attention plans: the same items
     s.attention.plan(s.q_view, s.k_caches[0], s.v_caches[0], block_tables, tiles, s.attn,
                      s.plan_threads);
+    s.attention.prepare(s.q_view, s.k_view, s.v_view, s.k_caches, s.v_caches, slots,
+                        block_tables, tiles, scales, s.attn);
     s.tiles_taken = std::vector<std::atomic<int64_t>>(4 * attention.size() + 1);
     s.barrier.spin = &barrier_spin;
     for (auto& taken : s.tiles_taken) taken.store(0);
@@ -478,14 +522,13 @@ struct LayerStack {
     float* x = q8::grow_to(own.normed, m * hidden);
     std::copy(s.h, s.h + m * hidden, res);
     for (int64_t r = 0; r < m; ++r)
-      rms_norm_row(res + r * hidden, input_norms[0].data_ptr<float>(), hidden, feps,
-                   x + r * hidden);
+      rms_norm_row(res + r * hidden, input_norm_at[0], hidden, feps, x + r * hidden);
     for (size_t i = 0; i < attention.size(); ++i) {
       attention_phases(me, s, i, x, own.rounding);
-      add_norm_rows(res, s.o.data_ptr<float>(), post_norms[i], feps, m, hidden, x);
+      add_norm_rows(res, s.o_at, post_norm_at[i], feps, m, hidden, x);
       mlp_phases(me, s, i, x, own);
       if (i + 1 < attention.size())
-        add_norm_rows(res, s.down.data_ptr<float>(), input_norms[i + 1], feps, m, hidden, x);
+        add_norm_rows(res, s.down_at, input_norm_at[i + 1], feps, m, hidden, x);
     }
     if (me.rank == 0) std::copy(res, res + m * hidden, s.h_out.data_ptr<float>());
     if (s.num_head_rows > 0) head_phase(me, s, res, x, own);
@@ -498,60 +541,57 @@ struct LayerStack {
     float* rows = q8::grow_to(own.act, s.num_head_rows * hidden);
     for (int64_t j = 0; j < s.num_head_rows; ++j) {
       const int64_t r = s.head_rows[j];
-      add_rms_norm_row(res + r * hidden, s.down.data_ptr<float>() + r * hidden,
-                       final_norm->data_ptr<float>(), hidden, static_cast<float>(eps),
-                       x + r * hidden, rows + j * hidden);
+      add_rms_norm_row(res + r * hidden, s.down_at + r * hidden, final_norm_at, hidden,
+                       static_cast<float>(eps), x + r * hidden, rows + j * hidden);
     }
     share_tiles(me, *lm_head, own.rounding.round(rows, s.num_head_rows, hidden), nullptr,
-                s.logits, s.tiles_taken.back(), nullptr);
+                s.logits_at, s.tiles_taken.back(), nullptr);
   }
 
   // qkv, RoPE and the new K/V into the cache, attention, o: four barriers.
   void attention_phases(const TeamMember& me, TeamStep& s, size_t i, const float* x,
                         q8::RoundingBuffer& rounding) const {
     const AttentionBlock& block = attention[i];
-    const float* bias = block.qkv_bias ? block.qkv_bias->data_ptr<float>() : nullptr;
-    share_tiles(me, block.qkv, rounding.round(x, s.m, s.hidden), bias, s.qkv,
+    share_tiles(me, block.qkv, rounding.round(x, s.m, s.hidden), qkv_bias_at[i], s.qkv_at,
                 s.tiles_taken[4 * i], &block.o);
     if (me.rank == 0) {
-      const float* qkv = s.qkv.data_ptr<float>();
-      float* qk = s.qk.data_ptr<float>();
+      const float* qkv = s.qkv_at;
+      float* qk = s.qk_at;
       const int64_t rope_heads = s.heads + s.kv;
       for (int64_t r = 0; r < s.m; ++r)
         rope_row(qkv + r * s.qkv_n, rope_heads, s.d, s.cos + r * s.d, s.sin + r * s.d,
                  qk + r * rope_heads * s.d);
-      s.attention.prepare(s.q_view, s.k_view, s.v_view, s.k_caches[i], s.v_caches[i], s.slots,
-                          s.block_tables, s.tiles, block.scale, s.attn);
+      s.attention.start_layer(i);
       s.next_item.store(0);
     }
     me.barrier();
-    s.attention.run_items(s.next_item);
+    s.attention.run_items(i, s.next_item);
     me.barrier();
-    share_tiles(me, block.o, rounding.round(s.attn.data_ptr<float>(), s.m, s.heads * s.d),
-                nullptr, s.o, s.tiles_taken[4 * i + 1], &mlp[i].gate_up);
+    share_tiles(me, block.o, rounding.round(s.attn_at, s.m, s.heads * s.d), nullptr, s.o_at,
+                s.tiles_taken[4 * i + 1], &mlp[i].gate_up);
   }
 
   // gate_up, SwiGLU, down: two barriers.
   void mlp_phases(const TeamMember& me, TeamStep& s, size_t i, const float* x,
                   MemberRows& own) const {
-    share_tiles(me, mlp[i].gate_up, own.rounding.round(x, s.m, s.hidden), nullptr, s.gate_up,
-                s.tiles_taken[4 * i + 2], &mlp[i].down);
+    share_tiles(me, mlp[i].gate_up, own.rounding.round(x, s.m, s.hidden), nullptr,
+                s.gate_up_at, s.tiles_taken[4 * i + 2], &mlp[i].down);
     float* act = q8::grow_to(own.act, s.m * s.inter);
-    const float* gate_up = s.gate_up.data_ptr<float>();
+    const float* gate_up = s.gate_up_at;
     for (int64_t r = 0; r < s.m; ++r)
       silu_and_mul_row(gate_up + r * 2 * s.inter, s.inter, act + r * s.inter);
     const QuantLinear* next = i + 1 < attention.size() ? &attention[i + 1].qkv
                               : s.num_head_rows > 0         ? &*lm_head
                                                             : nullptr;
-    share_tiles(me, mlp[i].down, own.rounding.round(act, s.m, s.inter), nullptr, s.down,
+    share_tiles(me, mlp[i].down, own.rounding.round(act, s.m, s.inter), nullptr, s.down_at,
                 s.tiles_taken[4 * i + 3], next);
   }
 
-  // A matrix's tiles into y. Each member first runs its own fixed share (the members together
+  // A matrix's tiles into `out`. Each member first runs its own fixed share (the members together
   // FIXED_QUARTERS quarters of the tiles: three eighths each with two), then takes the rest as it
   // comes for more, in runs that shrink as the tiles run out (OpenMP's guided schedule), so that
   // a member that streams faster takes more and all finish within about a run of each other.
-  // Then the barrier after which all of y is there for everyone, where a member that waits
+  // Then the barrier after which all of `out` is there for everyone, where a member that waits
   // fetches the start of its own share of `next` (the matrix the team reads next, if any). Why
   // both a fixed share and runs: with fixed halves the members waited ~15 % of the step at the
   // barriers, the one or the other (two threads streaming side by side do not get the memory
@@ -559,10 +599,9 @@ struct LayerStack {
   // moved the counter's cache line from one core to the other, and those reads took most of the
   // 5 % of samples spent in the team's own code (docs/performance.md, thirteenth session).
   static void share_tiles(const TeamMember& me, const QuantLinear& linear,
-                          const q8::RoundedView& a, const float* bias, torch::Tensor& y,
+                          const q8::RoundedView& a, const float* bias, float* out,
                           std::atomic<int64_t>& taken, const QuantLinear* next) {
     const int64_t n = linear.num_tiles();
-    float* out = y.data_ptr<float>();
     const int64_t own = own_share(n, me);
     linear.tiles_part(a, bias, out, me.rank * own, (me.rank + 1) * own);
     const int64_t shared = own * me.size;  // the first tile handed out by `taken`
@@ -587,9 +626,8 @@ struct LayerStack {
   }
 
   // The residual stream `res` += delta, and x = its norm, row by row.
-  static void add_norm_rows(float* res, const float* delta, const torch::Tensor& weight,
-                            float eps, int64_t m, int64_t hidden, float* x) {
-    const float* w = weight.data_ptr<float>();
+  static void add_norm_rows(float* res, const float* delta, const float* w, float eps,
+                            int64_t m, int64_t hidden, float* x) {
     for (int64_t r = 0; r < m; ++r)
       add_rms_norm_row(res + r * hidden, delta + r * hidden, w, hidden, eps, res + r * hidden,
                        x + r * hidden);

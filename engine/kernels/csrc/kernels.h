@@ -43,11 +43,13 @@ void rope_row(const float* x, int64_t heads, int64_t d, const float* cos, const 
               float* out);
 
 // paged_attention (float32 q, k, v and out) for a team of threads inside one parallel region
-// (fused_blocks.cpp's LayerStack). `plan` once a step, before the region: the work cut into items
-// as paged_attention cuts it for `threads` (every layer has the same tiles). Then for each layer
-// one member calls `prepare` (this layer's new K/V into its cache) and every member `run_items`,
-// taking the next item from `next` until none is left. The same items and the same code as
-// paged_attention, so the same numbers. Arguments checked by check_paged_attention.
+// (fused_blocks.cpp's LayerStack). Once a step, before the region: `plan`, the work cut into
+// items as paged_attention cuts it for `threads` (every layer has the same tiles), then
+// `prepare`, every layer's work with its tensors read (inside the region each read came from
+// memory: the stream had evicted them). Then for each layer one member calls `start_layer` (this
+// layer's new K/V into its cache) and every member `run_items`, taking the next item from `next`
+// until none is left. The same items and the same code as paged_attention, so the same numbers.
+// Arguments checked by check_paged_attention.
 struct AttentionPlan;
 class TeamAttention {
  public:
@@ -57,14 +59,20 @@ class TeamAttention {
             const torch::Tensor& block_tables, const torch::Tensor& tiles, torch::Tensor& out,
             int64_t threads);
   void prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-               torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots,
-               const torch::Tensor& block_tables, const torch::Tensor& tiles, double scale,
+               std::vector<torch::Tensor>& k_caches, std::vector<torch::Tensor>& v_caches,
+               const torch::Tensor& slots, const torch::Tensor& block_tables,
+               const torch::Tensor& tiles, const std::vector<double>& scales,
                torch::Tensor& out);
-  void run_items(std::atomic<int64_t>& next) const;
+  void start_layer(size_t layer) const;
+  void run_items(size_t layer, std::atomic<int64_t>& next) const;
 
  private:
+  struct Layer {
+    std::function<void()> start;        // its new K/V into its cache
+    std::function<void(int64_t)> item;  // one item of its attention
+  };
   std::unique_ptr<AttentionPlan> plan_;
-  std::function<void(int64_t)> item_;
+  std::vector<Layer> layers_;
   int64_t items_ = 0;
 };
 
@@ -82,10 +90,11 @@ torch::Tensor int4_q8_tiled_linear(const torch::Tensor& x, const torch::Tensor& 
 torch::Tensor int8_q8_tiled_linear(const torch::Tensor& x, const torch::Tensor& tiles,
                                    const torch::Tensor& scales,
                                    const c10::optional<torch::Tensor>& bias);
-// Tiles t0 .. t1 of the two above's y ([m, n] float32, written there) for rows already rounded.
-void int4_tiles_part(const torch::Tensor& tiles, const q8::RoundedView& a, const float* bias,
-                     float* y, int64_t t0, int64_t t1);
-void int8_tiles_part(const torch::Tensor& tiles, const torch::Tensor& scales,
+// Tiles t0 .. t1 of the two above's y ([m, n] float32, written there) for rows already rounded;
+// `tiles` (and `scales`) point at the matrix's n_tiles tiles (and its n scales).
+void int4_tiles_part(const uint8_t* tiles, int64_t n_tiles, const q8::RoundedView& a,
+                     const float* bias, float* y, int64_t t0, int64_t t1);
+void int8_tiles_part(const uint8_t* tiles, const float* scales, int64_t n_tiles,
                      const q8::RoundedView& a, const float* bias, float* y, int64_t t0,
                      int64_t t1);
 // Rows of an int8 tiled matrix as float32 (a tied embedding's lookup).

@@ -446,16 +446,13 @@ torch::Tensor int8_tiled_rows(const torch::Tensor& tiles, const torch::Tensor& s
   return out;
 }
 
-void int4_tiles_part(const torch::Tensor& tiles, const q8::RoundedView& a, const float* bias,
-                     float* y, int64_t t0, int64_t t1) {
-  const uint8_t* tp = tiles.data_ptr<uint8_t>();
-  for (int64_t t = t0; t < t1; ++t) int4_tile(tp, tiles.size(0), a, bias, y, t, 0, a.m);
+void int4_tiles_part(const uint8_t* tiles, int64_t n_tiles, const q8::RoundedView& a,
+                     const float* bias, float* y, int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) int4_tile(tiles, n_tiles, a, bias, y, t, 0, a.m);
 }
 
-void int8_tiles_part(const torch::Tensor& tiles, const torch::Tensor& scales,
+void int8_tiles_part(const uint8_t* tiles, const float* scales, int64_t n_tiles,
                      const q8::RoundedView& a, const float* bias, float* y, int64_t t0,
                      int64_t t1) {
-  const uint8_t* tp = tiles.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  for (int64_t t = t0; t < t1; ++t) int8_tile(tp, sp, tiles.size(0), a, bias, y, t, 0, a.m);
+  for (int64_t t = t0; t < t1; ++t) int8_tile(tiles, scales, n_tiles, a, bias, y, t, 0, a.m);
 }
