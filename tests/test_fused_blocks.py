@@ -241,6 +241,13 @@ def test_quant_linear_refuses_what_it_cannot_run(ext):
         ext.QuantLinear("int3", [torch.zeros(1)], 0)
     with pytest.raises(RuntimeError, match="takes 3 tensors"):
         ext.QuantLinear("int4", [torch.zeros(1)], 32)
+    # a tiled matrix's addresses are read once, when it is made: its tensors are checked then
+    with pytest.raises(RuntimeError, match="contiguous uint8"):
+        ext.QuantLinear("int4_tiles", [torch.zeros(2, 18, 320)], 0)
+    tiles = torch.zeros(2, 18, 512, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="scales are contiguous float32"):
+        ext.QuantLinear("int8_tiles", [tiles, torch.zeros(31)], 0)
+    ext.QuantLinear("int8_tiles", [tiles, torch.zeros(32)], 0)  # 2 tiles of 16 channels
 
 
 def test_the_blocks_let_other_python_threads_run(ext):

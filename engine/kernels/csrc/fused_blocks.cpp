@@ -377,12 +377,13 @@ struct LayerStack {
     for (size_t i = 0; i < attention.size(); ++i)
       tiled = tiled && attention[i].qkv.tiled() && attention[i].o.tiled() &&
               mlp[i].gate_up.tiled() && mlp[i].down.tiled();
-    for (const auto* norms : {&input_norms, &post_norms})
-      for (const torch::Tensor& w : *norms)
-        TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous(),
-                    "LayerStack: the norms' weights are contiguous float32");
-    for (const torch::Tensor& w : input_norms) input_norm_at.push_back(w.data_ptr<float>());
-    for (const torch::Tensor& w : post_norms) post_norm_at.push_back(w.data_ptr<float>());
+    auto where = [](const torch::Tensor& w) {
+      TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous(),
+                  "LayerStack: the norms' weights are contiguous float32");
+      return static_cast<const float*>(w.data_ptr<float>());
+    };
+    for (const torch::Tensor& w : input_norms) input_norm_at.push_back(where(w));
+    for (const torch::Tensor& w : post_norms) post_norm_at.push_back(where(w));
     for (const AttentionBlock& a : attention) {
       qkv_bias_at.push_back(a.qkv_bias ? a.qkv_bias->data_ptr<float>() : nullptr);
       scales.push_back(a.scale);
