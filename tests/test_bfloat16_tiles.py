@@ -1,8 +1,9 @@
-"""bfloat16 matrices in AMX tiles (engine/kernels/bfloat16_tiles.py, csrc/bf16_tiles.cpp): the
-layout holds the matrix; the kernel multiplies float32 rows rounded to bfloat16 (to nearest even,
-exactly as torch rounds them) by it, accumulating in float32; each row's result is the same bit
-for bit whatever the batch around it; bad arguments are refused; and the bfloat16 engine cuts
-its matrices into tiles where the CPU runs them."""
+"""bfloat16 matrices in tiles (engine/kernels/bfloat16_tiles.py, csrc/bf16_tiles.cpp): the layout
+holds the matrix; the kernel (AMX's, else AVX512-BF16's: whichever this CPU runs) multiplies
+float32 rows rounded to bfloat16 (to nearest even, exactly as torch rounds them) by it,
+accumulating in float32; each row's result is the same bit for bit whatever the batch around it;
+bad arguments are refused; and the bfloat16 engine cuts its matrices into tiles where the CPU
+runs them."""
 
 from __future__ import annotations
 
@@ -23,11 +24,20 @@ ROWS = (1, 3, 16, 17, 31, 32, 33, 70, 300)
 
 
 @pytest.fixture(scope="module")
-def amx(ext):
-    """The kernels, where this CPU runs AMX tiles (else the test skips)."""
+def bf16(ext):
+    """The kernels, where this CPU runs the tiles (else the test skips)."""
     if not ext.bf16_tiles_available():
-        pytest.skip("this CPU (or build) has no AMX bfloat16 tiles")
+        pytest.skip("this CPU (or build) has neither AMX nor AVX512-BF16")
     return ext
+
+
+def test_the_kernel_is_the_one_this_cpu_has(bf16):
+    from engine.kernels import _cpu_flags
+
+    flags = set(_cpu_flags().split())
+    assert "avx512_bf16" in flags
+    expected = ("AMX", "AVX512-BF16") if "amx_bf16" in flags else ("AVX512-BF16",)
+    assert bf16.bf16_tiles_kernel() in expected  # AMX where Linux grants the tiles
 
 
 def test_tiles_hold_the_matrix():
@@ -53,27 +63,27 @@ def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return k * 2.0**-24 * (x.bfloat16().double().abs() @ w.double().abs().T) + 1e-30
 
 
-def test_the_kernel_multiplies_rows_rounded_to_bfloat16(amx):
+def test_the_kernel_multiplies_rows_rounded_to_bfloat16(bf16):
     torch.manual_seed(0)
     for n, k in SHAPES:
         w, bias = torch.randn(n, k).bfloat16(), torch.randn(n)
         tiles = tile_bfloat16(w).tiles
         for rows in ROWS:
             x = torch.randn(rows, k)
-            y = amx.bf16_tiled_linear(x, tiles, None)
+            y = bf16.bf16_tiled_linear(x, tiles, None)
             exact = x.bfloat16().double() @ w.double().T
             assert y.dtype == torch.float32 and y.shape == (rows, n)
             assert ((y.double() - exact).abs() <= bound(x, w)).all()
-            assert torch.equal(amx.bf16_tiled_linear(x, tiles, bias), y + bias)
+            assert torch.equal(bf16.bf16_tiled_linear(x, tiles, bias), y + bias)
             assert torch.allclose(y, reference(x, BFloat16TiledWeight(tiles)), rtol=1e-5, atol=1e-4)
-    no_rows = amx.bf16_tiled_linear(torch.zeros(0, k), tiles, None)
+    no_rows = bf16.bf16_tiled_linear(torch.zeros(0, k), tiles, None)
     assert no_rows.shape == (0, n)
 
 
-def test_the_kernel_rounds_to_nearest_even_as_torch_does(amx):
+def test_the_kernel_rounds_to_nearest_even_as_torch_does(bf16):
     """Values exactly halfway between two bfloat16 numbers (with both parities), just off
     halfway, and huge ones: the kernel rounds as torch's .to(torch.bfloat16) does. A float32
-    subnormal (below 1.2e-38) counts as zero, as AMX reads bfloat16 subnormals."""
+    subnormal (below 1.2e-38) counts as zero, as AMX and VDPBF16PS read bfloat16 subnormals."""
     torch.manual_seed(0)
     k = 64
     bits = torch.randint(0x00800000, 0x7F000000, (8, k), dtype=torch.int64) & ~0xFFFF
@@ -82,44 +92,44 @@ def test_the_kernel_rounds_to_nearest_even_as_torch_does(amx):
     x = ties.view(torch.float32) * torch.randn(32, k).sign()
     x[0, :2] = torch.tensor([-3e38, 2e-38])
     w = torch.eye(k).bfloat16()  # y = x rounded, column by column
-    y = amx.bf16_tiled_linear(x, tile_bfloat16(w).tiles, None)
+    y = bf16.bf16_tiled_linear(x, tile_bfloat16(w).tiles, None)
     assert torch.equal(y, x.bfloat16().float())
     tiny = torch.tensor([[1e-39, -1e-40] + [1.0] * (k - 2)])
-    assert amx.bf16_tiled_linear(tiny, tile_bfloat16(w).tiles, None)[0, :3].tolist() == [0, 0, 1]
+    assert bf16.bf16_tiled_linear(tiny, tile_bfloat16(w).tiles, None)[0, :3].tolist() == [0, 0, 1]
 
 
-def test_a_rows_result_does_not_depend_on_its_batch(amx):
+def test_a_rows_result_does_not_depend_on_its_batch(bf16):
     torch.manual_seed(0)
     w = torch.randn(576, 1536).bfloat16()
     tiles = tile_bfloat16(w).tiles
     x = torch.randn(300, 1536)
-    whole = amx.bf16_tiled_linear(x, tiles, None)
+    whole = bf16.bf16_tiled_linear(x, tiles, None)
     for start, rows in ((0, 1), (7, 1), (5, 16), (20, 17), (40, 32), (100, 70), (299, 1)):
-        part = amx.bf16_tiled_linear(x[start : start + rows].contiguous(), tiles, None)
+        part = bf16.bf16_tiled_linear(x[start : start + rows].contiguous(), tiles, None)
         assert torch.equal(part, whole[start : start + rows])
 
 
-def test_the_kernel_refuses_what_it_cannot_run(amx):
+def test_the_kernel_refuses_what_it_cannot_run(bf16):
     tiles = tile_bfloat16(torch.ones(32, 64).bfloat16()).tiles
     with pytest.raises(RuntimeError, match="x has 32 columns"):
-        amx.bf16_tiled_linear(torch.ones(2, 32), tiles, None)
+        bf16.bf16_tiled_linear(torch.ones(2, 32), tiles, None)
     with pytest.raises(RuntimeError, match="contiguous float32 or bfloat16"):
-        amx.bf16_tiled_linear(torch.ones(2, 64).half(), tiles, None)
+        bf16.bf16_tiled_linear(torch.ones(2, 64).half(), tiles, None)
     with pytest.raises(RuntimeError, match="contiguous float32 or bfloat16"):
-        amx.bf16_tiled_linear(torch.ones(64, 2).t(), tiles, None)
+        bf16.bf16_tiled_linear(torch.ones(64, 2).t(), tiles, None)
     with pytest.raises(RuntimeError, match="packed must be"):
-        amx.bf16_tiled_linear(torch.ones(2, 64), tiles.float(), None)
+        bf16.bf16_tiled_linear(torch.ones(2, 64), tiles.float(), None)
     with pytest.raises(RuntimeError, match="takes 1 tensors"):
-        amx.QuantLinear("bf16_tiles", [tiles, tiles], 0)
+        bf16.QuantLinear("bf16_tiles", [tiles, tiles], 0)
 
 
-def test_a_tiled_layer_runs_any_leading_shape_and_the_reference_without_kernels(amx):
+def test_a_tiled_layer_runs_any_leading_shape_and_the_reference_without_kernels(bf16):
     from engine.layers.linear import ReplicatedLinear
 
     torch.manual_seed(0)
     w, bias = torch.randn(48, 64).bfloat16(), torch.randn(48)
     tiled, x = tile_bfloat16(w), torch.randn(2, 3, 64)
-    layer = ReplicatedLinear(tiled, bias, amx)
+    layer = ReplicatedLinear(tiled, bias, bf16)
     assert layer.kernel is not None
     y = layer(x)
     assert y.shape == (2, 3, 48) and torch.equal(y[1], layer(x[1].contiguous()))
@@ -129,7 +139,7 @@ def test_a_tiled_layer_runs_any_leading_shape_and_the_reference_without_kernels(
     assert torch.allclose(tiled_linear(x, tiled, bias), y, rtol=1e-5, atol=1e-5)
 
 
-def test_the_bfloat16_engine_cuts_its_matrices_into_tiles(amx, make_engine, monkeypatch):
+def test_the_bfloat16_engine_cuts_its_matrices_into_tiles(bf16, make_engine, monkeypatch):
     from engine.kernels.quant import weight_nbytes
 
     monkeypatch.setattr(lp, "_choice", None)
@@ -157,7 +167,7 @@ def test_auto_picks_the_tiles_when_they_are_faster():
     assert f"bfloat16 ({lp.TILES}) 8.0 ms (2.00×)" in choice["why"]
 
 
-def test_bfloat16_rows_are_read_as_they_are_and_the_result_rounded_once(amx):
+def test_bfloat16_rows_are_read_as_they_are_and_the_result_rounded_once(bf16):
     """A bfloat16 engine's rows: the product of the same values given as float32, plus the bias,
     rounded to bfloat16 once."""
     torch.manual_seed(0)
@@ -165,8 +175,8 @@ def test_bfloat16_rows_are_read_as_they_are_and_the_result_rounded_once(amx):
     tiles = tile_bfloat16(w).tiles
     for rows in (1, 17, 40):
         x = torch.randn(rows, 64).bfloat16()
-        y = amx.bf16_tiled_linear(x, tiles, bias)
-        wide = amx.bf16_tiled_linear(x.float(), tiles, None)
+        y = bf16.bf16_tiled_linear(x, tiles, bias)
+        wide = bf16.bf16_tiled_linear(x.float(), tiles, None)
         assert y.dtype == torch.bfloat16 and torch.equal(y, (wide + bias.float()).bfloat16())
         ref = tiled_linear(x, BFloat16TiledWeight(tiles), bias)  # no kernel: the reference
         assert ref.dtype == torch.bfloat16
@@ -189,7 +199,7 @@ def test_a_tied_table_stays_tied_and_is_looked_up_in_its_tiles():
     assert torch.equal(tiled["embed"].rows(ids), table[ids])
 
 
-def test_a_bfloat16_engine_multiplies_on_the_tiles(amx, make_engine):
+def test_a_bfloat16_engine_multiplies_on_the_tiles(bf16, make_engine):
     from engine.kernels.quant import weight_nbytes
 
     engine = make_engine(dtype="bfloat16")

@@ -205,14 +205,14 @@ def test_a_team_refuses_logits_rows_outside_its_step(ext, tiny_model_dir, monkey
 
 
 def test_bfloat16_tiles_fused_equal_the_python_path_bit_for_bit(ext, tiny_model_dir, monkeypatch):
-    """A float32 model's bfloat16 linears in AMX tiles run on our kernel, so their layers fuse
+    """A float32 model's bfloat16 linears in tiles run on our kernel, so their layers fuse
     too (engine/kernels/bfloat16_tiles.py)."""
     import engine.kernels.linear_precision as lp
     from engine.kernels.bfloat16_tiles import BFloat16TiledWeight
     from engine.worker.bfloat16_linears import with_bfloat16_linears
 
     if not ext.bf16_tiles_available():
-        pytest.skip("this CPU (or build) has no AMX bfloat16 tiles")
+        pytest.skip("this CPU (or build) has neither AMX nor AVX512-BF16")
     monkeypatch.setattr(lp, "_choice", {"precision": "bfloat16", "library": lp.TILES})
     tiled = with_bfloat16_linears(LlamaModel.from_pretrained(tiny_model_dir), "test")
     assert isinstance(tiled.w["0.down"], BFloat16TiledWeight)

@@ -120,6 +120,31 @@ def test_bfloat16_linears_are_prepacked_and_give_the_plain_weights_tokens(
     assert tokens_of(packed) == tokens_of(plain)
 
 
+def test_engines_sharing_bfloat16_weights_each_say_why(make_engine, fresh_choice, monkeypatch):
+    """The second engine on the same bfloat16 layout reuses the first one's weights, but records
+    its own reason (auto's timing, or the setting), not the first engine's."""
+    from engine.worker import worker
+    from engine.worker.bfloat16_linears import linear_precision_of
+
+    monkeypatch.setattr(worker, "_loaded_models", {})
+    library = lp.bfloat16_library()
+    monkeypatch.setattr(lp, "_choice", {"precision": "bfloat16", "library": library, "why": "t"})
+    auto = make_engine(kernels="torch", linear_precision="auto").executor.worker.model
+    explicit = make_engine(kernels="torch", linear_precision="bfloat16").executor.worker.model
+    assert explicit.w["0.qkv"] is auto.w["0.qkv"]  # one copy of the weights
+    assert linear_precision_of(auto) == {
+        "precision": "bfloat16",
+        "library": library,
+        "why": "auto: t",
+    }
+    why = "linear_precision='bfloat16'"
+    assert linear_precision_of(explicit) == {
+        "precision": "bfloat16",
+        "library": library,
+        "why": why,
+    }
+
+
 def timings(f32_1, bf_1, f32_32, bf_32, onednn_factor=1.5) -> dict:
     return {
         1: {"float32": f32_1, "F.linear": bf_1, "oneDNN": bf_1 * onednn_factor},

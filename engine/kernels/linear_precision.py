@@ -5,11 +5,12 @@ products) multiplies bfloat16 matrices faster than float32 ones: on our 2-vCPU A
 avx512_bf16) F.linear ran 1.1-1.2× faster at one row, 2.3× at 32 rows and 2.8× on the
 49,152 × 576 lm_head (2026-12-04); issue 37 measured AMX at 2,218 GFLOP/s against float32's 339.
 `EngineConfig.linear_precision` = "bfloat16" keeps the linear layers' weights (lm_head included)
-in bfloat16: cut once at load into tiles for our AMX kernel where the CPU has amx_bf16
-(engine/kernels/bfloat16_tiles.py, `TILES`: 1.6-1.7× oneDNN's speed at 1 and 32 rows, and it
-rounds the activations itself), else reordered once at load into oneDNN's blocked layout where
-this PyTorch can (`prepacked`, the difference between 0.8× and 1.2-1.4× float32's speed at one
-row on an AMX Xeon), each float32 activation cast to bfloat16 for the matmul and the result back;
+in bfloat16: cut once at load into tiles for our kernel where the CPU has either set
+(engine/kernels/bfloat16_tiles.py, `TILES`: on AMX 1.6-1.7× oneDNN's speed at 1 and 32 rows, with
+AVX512-BF16 on a Zen 5 1.5× at one row and 1.3× at 32; it rounds the activations itself), else
+reordered once at load into oneDNN's blocked layout where this PyTorch can (`prepacked`, the
+difference between 0.8× and 1.2-1.4× float32's speed at one row on an AMX Xeon), each float32
+activation cast to bfloat16 for the matmul and the result back;
 everything else (embedding lookup, attention, norms, KV cache, sampler) stays float32. "auto"
 decides at load, once per process, like the float32 library (engine/kernels/float32_linear.py):
 bfloat16 when the CPU has the instructions and a timing over the model's own layer matrices
@@ -95,7 +96,7 @@ def bfloat16_prepacked_linear(
 
 
 PREPACKED = "oneDNN prepacked"  # the library whose weights are reordered at load
-TILES = "AMX tiles"  # our kernel, on weights cut into tiles at load (bfloat16_tiles.py)
+TILES = "our bf16 tiles"  # our kernel (AMX or AVX512-BF16) on weights cut into tiles at load
 BFLOAT16_LIBRARIES = {
     "F.linear": bfloat16_linear,
     "oneDNN": bfloat16_onednn_linear,
@@ -106,7 +107,7 @@ LIBRARIES = (*BFLOAT16_LIBRARIES, TILES)
 
 def bfloat16_library() -> str:
     """The bfloat16 library the layers use: the one "auto" timed fastest; without a timing
-    (the precision set, not timed) our AMX tiles where this CPU runs them, else oneDNN on
+    (the precision set, not timed) our tiles where this CPU runs them, else oneDNN on
     prepacked weights where it works, else F.linear."""
     library = (_choice or {}).get("library")
     if library:

@@ -217,7 +217,8 @@ TILED_TYPES = (Int4TiledWeight, Int8TiledWeight)
 def storage_key(weight) -> int:
     """What identifies a weight's memory, so that a tied or shared one counts once: its storage
     pointer, or the object itself for a quantized weight, a bfloat16 one prepacked for oneDNN
-    (engine/kernels/linear_precision.py `prepacked`) or one in AMX tiles, which have none."""
+    (engine/kernels/linear_precision.py `prepacked`) or one in tiles (bfloat16_tiles.py), which
+    have none."""
     if not isinstance(weight, torch.Tensor) or weight.is_mkldnn:
         return id(weight)
     return weight.data_ptr()

@@ -42,12 +42,12 @@ def choose_matmul(weight, kernels=None, kernel=None) -> Matmul:
     (dequantize + matmul); a float32 matrix on a CPU to the library timed faster here (MKL or
     oneDNN, once per process); a bfloat16 matrix on a CPU to the bfloat16 linear (float32
     activations cast for the matmul, the result cast back; plain F.linear for bfloat16 ones),
-    oneDNN's where the matrix was prepacked for it at load, our AMX kernel where it was cut into
+    oneDNN's where the matrix was prepacked for it at load, our kernel where it was cut into
     tiles (`kernel`: engine/kernels/bfloat16_tiles.py, rounding the activations itself);
     anything else to F.linear."""
     if isinstance(weight, QUANTIZED_TYPES):
         return partial(quantized_linear, kernels=kernels, linear=kernel)
-    if isinstance(weight, BFloat16TiledWeight):  # a bfloat16 weight cut into AMX tiles at load
+    if isinstance(weight, BFloat16TiledWeight):  # a bfloat16 weight cut into tiles at load
         return partial(tiled_linear, kernel=kernel)
     if weight.is_mkldnn:  # a bfloat16 weight reordered for oneDNN at load
         return bfloat16_prepacked_linear
@@ -67,7 +67,7 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, kernels=None) -
 
 def bound_kernel(weight, kernels):
     """`weight`'s C++ kernel with the weight bound, where `kernels` (the compiled extension)
-    has one for it: a weight-only quantized matrix or a bfloat16 one in AMX tiles; else None."""
+    has one for it: a weight-only quantized matrix or a bfloat16 one in tiles; else None."""
     if kernels is None:
         return None
     if isinstance(weight, QUANTIZED_TYPES):

@@ -177,7 +177,7 @@ class RotaryEmbedding(CustomOp):
 class VocabEmbedding:
     """Look up one row of the embedding table per token (replicated on every tensor-parallel
     rank). A quantized table (a tied embedding shares the output layer's int8/int4 matrix)
-    dequantizes just those rows; one in AMX tiles (a bfloat16 engine's) reads them from the
+    dequantizes just those rows; one in tiles (a bfloat16 engine's) reads them from the
     tiles. `kernels` (the model's linear kernels, if any) read an int8 table in tiles (a GGUF's
     tied output layer) in one call instead of ten tensor operations."""
 
@@ -193,6 +193,6 @@ class VocabEmbedding:
             return rows.to(self.dtype)
         if self.quantized:
             return dequantize_rows(self.weight, ids).to(self.dtype)
-        if self.tiled:  # a bfloat16 engine's tied table, in AMX tiles
+        if self.tiled:  # a bfloat16 engine's tied table, in tiles
             return self.weight.rows(ids).to(self.dtype)
         return F.embedding(ids, self.weight)

@@ -255,8 +255,8 @@ class LlamaModel:
         """This model (same weight tensors, no copy) with its attention, norms, RoPE and SwiGLU
         and its quantized linears on our C++ kernels (mode "auto", when they build and apply:
         CPU; float32 for the attention) or on the torch reference ("torch"); a bfloat16 model's
-        linears on our AMX kernel where this CPU has one (its matrices cut into tiles, once per
-        process)."""
+        linears on our bfloat16 kernel where this CPU has AMX or AVX512-BF16 (its matrices cut
+        into tiles, once per process)."""
         path = kernel_lib.resolve(mode, self.device, self.dtype)
         logger.info("kernels=%r: %s", mode, kernel_lib.describe(path))
         linear_path = "torch"  # float weights: no quantized linear (nothing to build for bf16)
@@ -267,7 +267,7 @@ class LlamaModel:
             logger.info("kernels=%r: quantized linears on %s", mode, linear_path)
         elif any(isinstance(t, BFloat16TiledWeight) for t in w.values()):  # bfloat16 linears
             linear_path = kernel_lib.resolve_linear(mode, self.device, self.dtype)
-        elif self.dtype == torch.bfloat16:  # its matrices in AMX tiles, where our kernel runs them
+        elif self.dtype == torch.bfloat16:  # its matrices in tiles, where our kernel runs them
             linear_path = kernel_lib.resolve_linear(mode, self.device, self.dtype)
             if linear_path == "cpu" and tiles_available(kernel_lib.load()):
                 w = with_tiles(
@@ -305,7 +305,7 @@ class LlamaModel:
     def distinct_weights(self) -> list:
         """Every weight once (a tied lm_head shares the embedding's storage); a weight-only
         quantized matrix (engine/kernels/quant.py, engine/worker/quantization.py) or a bfloat16
-        one prepacked for oneDNN or cut into AMX tiles (engine/kernels/linear_precision.py)
+        one prepacked for oneDNN or cut into tiles (engine/kernels/linear_precision.py)
         counts as one."""
         seen, weights = set(), []
         for t in self.w.values():

@@ -34,7 +34,7 @@ def with_bfloat16_linears(model: LlamaModel, why: str) -> LlamaModel:
 
 
 def in_layout(bf16: torch.Tensor, library: str, arena: huge_pages.Arena):
-    """A bfloat16 matrix as `library` reads it, once, here: cut into AMX tiles (in `arena`'s
+    """A bfloat16 matrix as `library` reads it, once, here: cut into tiles (in `arena`'s
     huge pages), reordered for oneDNN, or as it is (in the huge pages)."""
     if library == TILES and can_tile(bf16.shape):
         return tiled_in(bf16, arena)

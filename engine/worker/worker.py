@@ -68,7 +68,8 @@ def load_model(
         bf16_key = key + ("bfloat16 linears", bfloat16_library())  # the library's layout
         if bf16_key not in _loaded_models:
             _loaded_models[bf16_key] = with_bfloat16_linears(float_weights(), choice["why"])
-        return _loaded_models[bf16_key]
+        shared = _loaded_models[bf16_key]  # its record says why the engine that loaded it chose
+        return shared.rebuilt(linear_precision={**shared.linear_precision, "why": choice["why"]})
 
 
 def is_model_loaded(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> bool:

@@ -1,6 +1,8 @@
-// bfloat16 matrices multiplied on AMX tiles (Intel's Advanced Matrix Extensions) on a CPU with
-// amx_bf16: a float32 engine's linear layers with bfloat16 weights (linear_precision
-// "bfloat16": engine/kernels/linear_precision.py), and a bfloat16 engine's.
+// bfloat16 matrices multiplied by our own kernel on a CPU with bfloat16 instructions: a float32
+// engine's linear layers with bfloat16 weights (linear_precision "bfloat16":
+// engine/kernels/linear_precision.py), and a bfloat16 engine's. Two kernels read one layout:
+// AMX tiles (Intel's Advanced Matrix Extensions, amx_bf16) where the CPU has them, else
+// AVX512-BF16's dot products (avx512_bf16: AMD's Zen 4 and 5, Intel's Cooper Lake).
 //
 // An AMX core has eight tile registers of up to 16 rows x 64 bytes. TDPBF16PS multiplies a tile
 // of 16 rows x 32 bfloat16 (A) by one of 16 rows x 16 pairs of bfloat16 (B, "VNNI" order: row r
@@ -11,26 +13,41 @@
 // packed[t, g, r, n, p] = W[16t + n, 32g + 2r + p]. A thread reads the records of its channels
 // front to back, one stream of bytes, as the int4 tiles do (q8_tiles.cpp).
 //
+// Row r of a B tile is also what one VDPBF16PS takes: 64 bytes, the pair (2r, 2r + 1) of 16
+// channels. Against the pair of inputs broadcast to all 16 lanes it adds both products into the
+// 16 channels' sums. The AVX512-BF16 kernel keeps up to 4 rows x 4 tiles of channels in 16
+// registers and walks the inputs pair by pair: a tile of channels is one stream of K / 2 such
+// rows, read once for every 4 rows of x.
+//
 // Each call rounds the float32 rows of x to bfloat16 once (to nearest even, as torch's
-// .to(torch.bfloat16) does) and writes float32 results straight from the C tiles: no separate
-// cast before the matmul and none after, which a float32 engine otherwise pays around each
-// oneDNN call. Four C tiles hold a block of 32 rows x 32 channels; per 32 inputs, two A tiles
-// (the block's rows) and two B tiles (its channels) give four TDPBF16PS. Each output is a sum
-// over the inputs in the same order whatever the number of rows, so a request's numbers do not
-// depend on its batch.
+// .to(torch.bfloat16) does) and writes float32 results: no separate cast before the matmul and
+// none after, which a float32 engine otherwise pays around each oneDNN call. On AMX, four C
+// tiles hold a block of 32 rows x 32 channels; per 32 inputs, two A tiles (the block's rows) and
+// two B tiles (its channels) give four TDPBF16PS. With either kernel each output is a sum over
+// the inputs in the same order whatever the number of rows, so a request's numbers do not
+// depend on its batch (the two kernels' orders differ from each other).
 //
 // Linux hands a process the tile registers only when it asks (arch_prctl ARCH_REQ_XCOMP_PERM);
-// `bf16_tiles_available` asks once and says whether this build and this CPU can run them.
+// `tiles_permitted` asks once, and without the grant the AVX512-BF16 kernel runs instead.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
+#include <cstring>
+#include <string>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(__AVX512BF16__)
 #include <immintrin.h>
+#define BF16_DOT 1
+#else
+#define BF16_DOT 0
+#endif
+
+#if BF16_DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define BF16_TILES 1
@@ -44,6 +61,24 @@ constexpr int64_t CHANNELS = 16;     // output channels per B tile
 constexpr int64_t DEPTH = 32;        // inputs per B tile (16 rows of pairs)
 constexpr int64_t ROWS = 16;         // rows of x per A tile
 constexpr int64_t ROWS_PER_ITEM = 256;  // a work item: two tiles of channels x up to 256 rows
+
+#if BF16_DOT
+
+// count float32 values -> bfloat16, rounded to nearest even.
+void round_values(const float* x, int64_t count, uint16_t* out) {
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), reinterpret_cast<const __m256i&>(h));
+  }
+  if (i < count) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (count - i)) - 1);
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(tail, x + i));
+    _mm256_mask_storeu_epi16(out + i, tail, reinterpret_cast<const __m256i&>(h));
+  }
+}
+
+#endif
 
 #if BF16_TILES
 
@@ -71,20 +106,6 @@ struct alignas(64) TileConfig {
     for (int t = 6; t < 8; ++t) rows[t] = static_cast<uint8_t>(DEPTH / 2), colsb[t] = 64;
   }
 };
-
-// count float32 values -> bfloat16, rounded to nearest even.
-void round_values(const float* x, int64_t count, uint16_t* out) {
-  int64_t i = 0;
-  for (; i + 16 <= count; i += 16) {
-    const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), reinterpret_cast<const __m256i&>(h));
-  }
-  if (i < count) {
-    const __mmask16 tail = static_cast<__mmask16>((1u << (count - i)) - 1);
-    const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(tail, x + i));
-    _mm256_mask_storeu_epi16(out + i, tail, reinterpret_cast<const __m256i&>(h));
-  }
-}
 
 // One block: rows r .. r + rows0 + rows1 of y (at most 32) x channel tiles t and t + 1 (`two`
 // false: t alone). a: the block's first bfloat16 row; b: tile t's first record.
@@ -146,15 +167,75 @@ void tiled_matmul(const uint16_t* a, int64_t m, int64_t k, const uint16_t* packe
 
 #endif
 
+#if BF16_DOT
+
+// Rows r .. r + R of y x channel tiles t .. t + C (R, C <= 4): R x C sums of 16 channels in
+// registers, each over the input pairs in order. a: row r in bfloat16; b: tile t's first record;
+// tile_values: the bfloat16 values of one tile of channels (its K / 2 rows of pairs).
+template <int R, int C>
+void dot_block(const uint16_t* a, int64_t k, const uint16_t* b, int64_t tile_values, float* y,
+               int64_t n) {
+  __m512 sum[R][C];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) sum[i][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k / 2; ++p) {
+    __m512bh w[C];
+    for (int c = 0; c < C; ++c)
+      w[c] = (__m512bh)_mm512_loadu_si512(b + c * tile_values + p * 2 * CHANNELS);
+    for (int i = 0; i < R; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, a + i * k + 2 * p, sizeof pair);
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+      for (int c = 0; c < C; ++c) sum[i][c] = _mm512_dpbf16_ps(sum[i][c], x, w[c]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(y + i * n + c * CHANNELS, sum[i][c]);
+}
+
+using DotBlock = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t);
+
+template <int R>
+constexpr std::array<DotBlock, 4> dot_blocks_of() {
+  return {&dot_block<R, 1>, &dot_block<R, 2>, &dot_block<R, 3>, &dot_block<R, 4>};
+}
+
+// dot_blocks[R - 1][C - 1]
+constexpr std::array<std::array<DotBlock, 4>, 4> dot_blocks = {
+    dot_blocks_of<1>(), dot_blocks_of<2>(), dot_blocks_of<3>(), dot_blocks_of<4>()};
+
+// The threads share the tiles of channels; each walks its own 4 at a time, all rows 4 at a time,
+// so those 4 tiles (4 x 16 x K bfloat16: 196 KB at K = 1536) stay in its L2 across the rows.
+void dot_matmul(const uint16_t* a, int64_t m, int64_t k, const uint16_t* packed, int64_t n,
+                float* y) {
+  constexpr int64_t BLOCK = 4;
+  const int64_t tile_values = CHANNELS * k;
+  at::parallel_for(0, n / CHANNELS, BLOCK, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t += BLOCK) {
+      const int64_t c = std::min(BLOCK, t1 - t);
+      for (int64_t r = 0; r < m; r += BLOCK) {
+        const int64_t rows = std::min(BLOCK, m - r);
+        dot_blocks[rows - 1][c - 1](a + r * k, k, packed + t * tile_values, tile_values,
+                                    y + r * n + t * CHANNELS, n);
+      }
+    }
+  });
+}
+
+#endif
+
 }  // namespace
 
-// True where this build has the AMX code and the kernel granted this process the tiles.
-bool bf16_tiles_available() {
+// True where this build has either kernel: AVX512-BF16's (which a CPU with AMX has too).
+bool bf16_tiles_available() { return BF16_DOT; }
+
+// The kernel that multiplies here: "AMX" where this build has it and Linux granted this process
+// the tiles, else "AVX512-BF16" where this build has that, else "".
+std::string bf16_tiles_kernel() {
 #if BF16_TILES
-  return tiles_permitted();
-#else
-  return false;
+  if (tiles_permitted()) return "AMX";
 #endif
+  return BF16_DOT ? "AVX512-BF16" : "";
 }
 
 // x [m, k] float32, packed [n / 16, k / 32, 16, 32] bfloat16 (the layout above) -> y [m, n]
@@ -163,7 +244,8 @@ bool bf16_tiles_available() {
 // linear rounds its result.
 torch::Tensor bf16_tiled_linear(const torch::Tensor& x, const torch::Tensor& packed,
                                 const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(bf16_tiles_available(), "bf16_tiled_linear: this CPU or build has no AMX tiles");
+  TORCH_CHECK(bf16_tiles_available(),
+              "bf16_tiled_linear: this CPU or build has no bfloat16 instructions");
   const bool rounded = x.dtype() == torch::kBFloat16;  // already bfloat16
   TORCH_CHECK((rounded || x.dtype() == torch::kFloat32) && x.dim() == 2 && x.is_contiguous(),
               "bf16_tiled_linear: x must be contiguous float32 or bfloat16 [rows, in]");
@@ -174,7 +256,7 @@ torch::Tensor bf16_tiled_linear(const torch::Tensor& x, const torch::Tensor& pac
   TORCH_CHECK(packed.size(1) * DEPTH == k, "bf16_tiled_linear: x has ", k, " columns, packed ",
               packed.size(1) * DEPTH, " inputs");
   auto y = torch::empty({m, n}, x.options().dtype(torch::kFloat32));
-#if BF16_TILES
+#if BF16_DOT
   if (m > 0) {
     std::vector<uint16_t> a(rounded ? 0 : static_cast<size_t>(m * k));
     if (!rounded) {
@@ -184,8 +266,12 @@ torch::Tensor bf16_tiled_linear(const torch::Tensor& x, const torch::Tensor& pac
       });
     }
     const uint16_t* ap = rounded ? reinterpret_cast<const uint16_t*>(x.data_ptr()) : a.data();
-    tiled_matmul(ap, m, k, reinterpret_cast<const uint16_t*>(packed.data_ptr()), n,
-                 y.data_ptr<float>());
+    const auto* bp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+#if BF16_TILES
+    if (tiles_permitted()) tiled_matmul(ap, m, k, bp, n, y.data_ptr<float>());
+    else
+#endif
+      dot_matmul(ap, m, k, bp, n, y.data_ptr<float>());
   }
 #endif
   if (bias.has_value()) y.add_(*bias);

@@ -1465,9 +1465,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_tile_formats", &q8_tile_formats,
         "the tiled formats (int4, int8) this build runs in vector code (else portable loops)");
   m.def("bf16_tiles_available", &bf16_tiles_available,
-        "whether this build and CPU run bfloat16 matrices on AMX tiles");
+        "whether this build and CPU multiply bfloat16 matrices in tiles (AMX or AVX512-BF16)");
+  m.def("bf16_tiles_kernel", &bf16_tiles_kernel,
+        "the kernel that multiplies them here: \"AMX\", \"AVX512-BF16\" or \"\"");
   m.def("bf16_tiled_linear", &bf16_tiled_linear,
-        "y = x @ W.T (+ bias), W bfloat16 in AMX tiles (BFloat16TiledWeight), x rounded to bf16");
+        "y = x @ W.T (+ bias), W bfloat16 in tiles (BFloat16TiledWeight), x rounded to bf16");
   m.def("rms_norm", &rms_norm, "y = x * rsqrt(mean(x^2) + eps) * weight, row by row");
   m.def("add_rms_norm", &add_rms_norm, "(h + delta, rms_norm(h + delta) * weight), row by row");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[..., :n]) * x[..., n:] for x of last size 2n");

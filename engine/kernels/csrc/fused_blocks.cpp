@@ -13,7 +13,7 @@
 // engine/kernels/quant.py): "int4_tiles" (tiles), "int8_tiles" (tiles, scales), "int8" (qweight,
 // scales), "int4" (packed, scales, mins), and in rows with activations rounded to int8 blocks
 // "int4_q8" (packed, scales, mins) and "int8_q8" (qweight, scales); and, not quantized but
-// also rounded once at load, a bfloat16 matrix in AMX tiles (a float32 engine's bfloat16
+// also rounded once at load, a bfloat16 matrix in tiles (a float32 engine's bfloat16
 // linears, or a bfloat16 engine's): "bf16_tiles" (tiles: bf16_tiles.cpp). Python builds it with
 // engine/kernels/quant.py `kernel_linear` (engine/kernels/bfloat16_tiles.py `tiled_kernel` for
 // the last), and the layers of both paths call it (engine/layers/linear.py), so the choice of a

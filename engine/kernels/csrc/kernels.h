@@ -103,6 +103,7 @@ torch::Tensor int8_tiled_rows(const torch::Tensor& tiles, const torch::Tensor& s
 
 // bf16_tiles.cpp
 bool bf16_tiles_available();
+std::string bf16_tiles_kernel();
 torch::Tensor bf16_tiled_linear(const torch::Tensor& x, const torch::Tensor& packed,
                                 const c10::optional<torch::Tensor>& bias);
 
