@@ -372,3 +372,8 @@ def test_kernel_section_measures_attention_and_linears_on_the_tiny_model(tiny_mo
     decode = {"torch": {"path": "torch", **step}, "auto": {"path": "cpu", **step}}
     text = "\n".join(format_kernels({"linear": linear, "attention": attention, "decode": decode}))
     assert "6. Kernels" in text and "int4 ours, 1 row / 32 rows" in text
+    from engine import kernels
+    from engine.kernels.bfloat16_tiles import tiles_available
+
+    tiled = tiles_available(kernels.load())  # AMX or AVX512-BF16: our bfloat16 tiles, timed too
+    assert ("bfloat16 ours (tiles)" in linear["kernels"]) == tiled

@@ -15,6 +15,7 @@ from engine.tools.bench.timing import best_time
 
 def linear_paths(mats: list, ext) -> dict:
     """name: (one call per matrix, activation dtype, weight bytes) for every path measured."""
+    from engine.kernels.bfloat16_tiles import can_tile, tile_bfloat16, tiles_available
     from engine.kernels.float32_linear import ONEDNN_LINEAR, onednn_linear
     from engine.kernels.quant import quantize_int4, quantize_int8, quantized_linear
 
@@ -33,6 +34,13 @@ def linear_paths(mats: list, ext) -> dict:
             4 * params,
         )
     paths["bfloat16 F.linear"] = (lambda x, i: F.linear(x, bf16[i]), torch.bfloat16, 2 * params)
+    if tiles_available(ext) and all(can_tile(m.shape) for m in bf16):  # AMX or AVX512-BF16
+        tiles = [tile_bfloat16(m).tiles for m in bf16]
+        paths["bfloat16 ours (tiles)"] = (
+            lambda x, i: ext.bf16_tiled_linear(x, tiles[i], None),
+            torch.float32,  # rounded to bfloat16 by the kernel itself
+            2 * params,
+        )
     for fmt, label, qws, nbytes in (
         ("int8", "", q8, q8_bytes),
         ("int4", " (group 32)", q4, q4_bytes),
@@ -75,7 +83,8 @@ def measure_linear_kernels(model, repeats: int) -> dict:
     batch 1: the path's own weight bytes ÷ time) and GFLOP/s at 32 rows (a decode step at batch
     32: 2 × weights × 32 ÷ time). Paths: torch's float32 (MKL's F.linear and oneDNN, one of
     which the engine's `linear` runs: engine/kernels/float32_linear.py),
-    bfloat16, and int8 / int4 (group 32) both through our C++ kernels ("ours") and through the
+    bfloat16 (torch's, and our tiles where the CPU runs them: engine/kernels/bfloat16_tiles.py),
+    and int8 / int4 (group 32) both through our C++ kernels ("ours") and through the
     readable torch reference (dequantize, then F.linear) that kernels="torch" runs. CPU only;
     the "ours" rows are left out when the extension does not build."""
     from engine import kernels as kernel_lib
