@@ -32,12 +32,13 @@ def bf16(ext):
 
 
 def test_the_kernel_is_the_one_this_cpu_has(bf16):
-    from engine.kernels import _cpu_flags
+    from engine.kernels import _cpu_flags, describe
 
     flags = set(_cpu_flags().split())
     assert "avx512_bf16" in flags
     expected = ("AMX", "AVX512-BF16") if "amx_bf16" in flags else ("AVX512-BF16",)
     assert bf16.bf16_tiles_kernel() in expected  # AMX where Linux grants the tiles
+    assert f"bfloat16 tiles on {bf16.bf16_tiles_kernel()}" in describe("cpu")  # logs, bench
 
 
 def test_tiles_hold_the_matrix():

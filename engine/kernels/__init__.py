@@ -219,8 +219,11 @@ def resolve_linear(mode: str, device: torch.device, dtype: torch.dtype) -> str:
 def describe(path: str) -> str:
     """One line for logs and the bench header."""
     if path == "cpu":
+        ext = load()
+        bf16 = ext.bf16_tiles_kernel() if ext is not None else ""
+        tiles = f", bfloat16 tiles on {bf16}" if bf16 else ""  # AMX, else AVX512-BF16
         return (
-            f"cpu (C++ paged attention + int8/int4 linear, {cpu_isa()}, "
+            f"cpu (C++ paged attention + int8/int4 linear{tiles}, {cpu_isa()}, "
             f"{torch.get_num_threads()} threads)"
         )
     reason = f": {_error}" if _error else ""
