@@ -59,8 +59,6 @@ namespace {
 
 constexpr int64_t CHANNELS = 16;     // output channels per B tile
 constexpr int64_t DEPTH = 32;        // inputs per B tile (16 rows of pairs)
-constexpr int64_t ROWS = 16;         // rows of x per A tile
-constexpr int64_t ROWS_PER_ITEM = 256;  // a work item: two tiles of channels x up to 256 rows
 
 #if BF16_DOT
 
@@ -78,9 +76,65 @@ void round_values(const float* x, int64_t count, uint16_t* out) {
   }
 }
 
+// Rows r .. r + R of y x channel tiles t .. t + C (R, C <= 4): R x C sums of 16 channels in
+// registers, each over the input pairs in order. a: row r in bfloat16; b: tile t's first record;
+// tile_values: the bfloat16 values of one tile of channels (its K / 2 rows of pairs).
+template <int R, int C>
+void dot_block(const uint16_t* a, int64_t k, const uint16_t* b, int64_t tile_values, float* y,
+               int64_t n) {
+  __m512 sum[R][C];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) sum[i][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k / 2; ++p) {
+    __m512bh w[C];
+    for (int c = 0; c < C; ++c)
+      w[c] = (__m512bh)_mm512_loadu_si512(b + c * tile_values + p * 2 * CHANNELS);
+    for (int i = 0; i < R; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, a + i * k + 2 * p, sizeof pair);
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+      for (int c = 0; c < C; ++c) sum[i][c] = _mm512_dpbf16_ps(sum[i][c], x, w[c]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(y + i * n + c * CHANNELS, sum[i][c]);
+}
+
+using DotBlock = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t);
+
+template <int R>
+constexpr std::array<DotBlock, 4> dot_blocks_of() {
+  return {&dot_block<R, 1>, &dot_block<R, 2>, &dot_block<R, 3>, &dot_block<R, 4>};
+}
+
+// dot_blocks[R - 1][C - 1]
+constexpr std::array<std::array<DotBlock, 4>, 4> dot_blocks = {
+    dot_blocks_of<1>(), dot_blocks_of<2>(), dot_blocks_of<3>(), dot_blocks_of<4>()};
+
+// The threads share the tiles of channels; each walks its own 4 at a time, all rows 4 at a time,
+// so those 4 tiles (4 x 16 x K bfloat16: 196 KB at K = 1536) stay in its L2 across the rows.
+void dot_matmul(const uint16_t* a, int64_t m, int64_t k, const uint16_t* packed, int64_t n,
+                float* y) {
+  constexpr int64_t BLOCK = 4;
+  const int64_t tile_values = CHANNELS * k;
+  at::parallel_for(0, n / CHANNELS, BLOCK, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t += BLOCK) {
+      const int64_t c = std::min(BLOCK, t1 - t);
+      for (int64_t r = 0; r < m; r += BLOCK) {
+        const int64_t rows = std::min(BLOCK, m - r);
+        dot_blocks[rows - 1][c - 1](a + r * k, k, packed + t * tile_values, tile_values,
+                                    y + r * n + t * CHANNELS, n);
+      }
+    }
+  });
+}
+
 #endif
 
 #if BF16_TILES
+
+constexpr int64_t ROWS = 16;         // rows of x per A tile
+constexpr int64_t ROWS_PER_ITEM = 256;  // a work item: two tiles of channels x up to 256 rows
 
 bool tiles_permitted() {
   static const bool permitted = [] {
@@ -162,63 +216,6 @@ void tiled_matmul(const uint16_t* a, int64_t m, int64_t k, const uint16_t* packe
       }
     }
     if (configured >= 0) _tile_release();
-  });
-}
-
-#endif
-
-#if BF16_DOT
-
-// Rows r .. r + R of y x channel tiles t .. t + C (R, C <= 4): R x C sums of 16 channels in
-// registers, each over the input pairs in order. a: row r in bfloat16; b: tile t's first record;
-// tile_values: the bfloat16 values of one tile of channels (its K / 2 rows of pairs).
-template <int R, int C>
-void dot_block(const uint16_t* a, int64_t k, const uint16_t* b, int64_t tile_values, float* y,
-               int64_t n) {
-  __m512 sum[R][C];
-  for (int i = 0; i < R; ++i)
-    for (int c = 0; c < C; ++c) sum[i][c] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < k / 2; ++p) {
-    __m512bh w[C];
-    for (int c = 0; c < C; ++c)
-      w[c] = (__m512bh)_mm512_loadu_si512(b + c * tile_values + p * 2 * CHANNELS);
-    for (int i = 0; i < R; ++i) {
-      int32_t pair;
-      std::memcpy(&pair, a + i * k + 2 * p, sizeof pair);
-      const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
-      for (int c = 0; c < C; ++c) sum[i][c] = _mm512_dpbf16_ps(sum[i][c], x, w[c]);
-    }
-  }
-  for (int i = 0; i < R; ++i)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(y + i * n + c * CHANNELS, sum[i][c]);
-}
-
-using DotBlock = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t);
-
-template <int R>
-constexpr std::array<DotBlock, 4> dot_blocks_of() {
-  return {&dot_block<R, 1>, &dot_block<R, 2>, &dot_block<R, 3>, &dot_block<R, 4>};
-}
-
-// dot_blocks[R - 1][C - 1]
-constexpr std::array<std::array<DotBlock, 4>, 4> dot_blocks = {
-    dot_blocks_of<1>(), dot_blocks_of<2>(), dot_blocks_of<3>(), dot_blocks_of<4>()};
-
-// The threads share the tiles of channels; each walks its own 4 at a time, all rows 4 at a time,
-// so those 4 tiles (4 x 16 x K bfloat16: 196 KB at K = 1536) stay in its L2 across the rows.
-void dot_matmul(const uint16_t* a, int64_t m, int64_t k, const uint16_t* packed, int64_t n,
-                float* y) {
-  constexpr int64_t BLOCK = 4;
-  const int64_t tile_values = CHANNELS * k;
-  at::parallel_for(0, n / CHANNELS, BLOCK, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t += BLOCK) {
-      const int64_t c = std::min(BLOCK, t1 - t);
-      for (int64_t r = 0; r < m; r += BLOCK) {
-        const int64_t rows = std::min(BLOCK, m - r);
-        dot_blocks[rows - 1][c - 1](a + r * k, k, packed + t * tile_values, tile_values,
-                                    y + r * n + t * CHANNELS, n);
-      }
-    }
   });
 }
 
