@@ -374,6 +374,11 @@ def test_kernel_section_measures_attention_and_linears_on_the_tiny_model(tiny_mo
     assert "6. Kernels" in text and "int4 ours, 1 row / 32 rows" in text
     from engine import kernels
     from engine.kernels.bfloat16_tiles import tiles_available
+    from engine.kernels.float32_linear import float32_linear_backend
 
     tiled = tiles_available(kernels.load())  # AMX or AVX512-BF16: our bfloat16 tiles, timed too
     assert ("bfloat16 ours (tiles)" in linear["kernels"]) == tiled
+    split = [name for name in linear["kernels"] if name.startswith("float32 ours")]
+    library = {"mkl": "MKL", "onednn": "oneDNN"}[float32_linear_backend()["backend"]]
+    expected = [f"float32 ours ({library}, one row split)"] if kernels.load() else []
+    assert split == expected  # the engine's own float32 linear, where our kernels build

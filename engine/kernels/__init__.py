@@ -8,7 +8,10 @@ What it holds (engine/kernels/csrc/cpu_kernels.cpp):
 - `int4_q8_tiled_linear` (csrc/q8_tiles.cpp): a GGUF's Q4_1 blocks repacked at load into tiles
   of 16 channels, multiplied in integers as llama.cpp's repacked kernels do;
 - `LayerStack` (csrc/fused_blocks.cpp): all the layers as one call a step; a decode step of a
-  tiled model as one team of threads in one parallel region.
+  tiled model as one team of threads in one parallel region;
+- `split_linear` (csrc/split_linear.cpp): a float32 linear at one row on the library the engine
+  chose (oneDNN or MKL), its output channels split over the threads (neither library keeps two
+  cores busy at one row).
 
 The pure-torch code stays the reference and the fallback. `EngineConfig(kernels="auto")` uses the
 compiled kernels when they build (attention: CPU, float32 or bfloat16; the quantized linears: CPU,
@@ -52,6 +55,7 @@ SOURCES = (
     CSRC / "bf16_tiles.cpp",
     CSRC / "fused_blocks.cpp",
     CSRC / "sampling.cpp",
+    CSRC / "split_linear.cpp",
 )
 
 _lock = threading.Lock()

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.bfloat16_tiles import BFloat16TiledWeight, tiled_kernel, tiled_linear
-from engine.kernels.float32_linear import float32_linear_backend, onednn_linear
+from engine.kernels.float32_linear import float32_linear
 from engine.kernels.linear_precision import bfloat16_matmul, bfloat16_prepacked_linear
 from engine.kernels.quant import QUANTIZED_TYPES, kernel_linear, quantized_linear
 from engine.layers.sharding import head_ranges, mlp_range
@@ -40,7 +40,8 @@ def choose_matmul(weight, kernels=None, kernel=None) -> Matmul:
     goes to our C++ kernel (`kernels`, the compiled extension; `kernel`, that kernel already
     bound to the weight: quant.py `kernel_linear`) or, with None, to the reference
     (dequantize + matmul); a float32 matrix on a CPU to the library timed faster here (MKL or
-    oneDNN, once per process); a bfloat16 matrix on a CPU to the bfloat16 linear (float32
+    oneDNN, once per process; with `kernels`, one row's channels split over the threads); a
+    bfloat16 matrix on a CPU to the bfloat16 linear (float32
     activations cast for the matmul, the result cast back; plain F.linear for bfloat16 ones),
     oneDNN's where the matrix was prepacked for it at load, our kernel where it was cut into
     tiles (`kernel`: engine/kernels/bfloat16_tiles.py, rounding the activations itself);
@@ -53,9 +54,8 @@ def choose_matmul(weight, kernels=None, kernel=None) -> Matmul:
         return bfloat16_prepacked_linear
     if weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
         return bfloat16_matmul()
-    on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
-    if on_cpu and float32_linear_backend()["backend"] == "onednn":
-        return onednn_linear
+    if weight.device.type == "cpu" and weight.dtype == torch.float32:
+        return float32_linear(kernels)
     return F.linear
 
 

@@ -256,7 +256,8 @@ class LlamaModel:
         and its quantized linears on our C++ kernels (mode "auto", when they build and apply:
         CPU; float32 for the attention) or on the torch reference ("torch"); a bfloat16 model's
         linears on our bfloat16 kernel where this CPU has AMX or AVX512-BF16 (its matrices cut
-        into tiles, once per process)."""
+        into tiles, once per process); a float32 model's linears on the float32 library with
+        one row's output channels split over the threads (float32_linear.py)."""
         path = kernel_lib.resolve(mode, self.device, self.dtype)
         logger.info("kernels=%r: %s", mode, kernel_lib.describe(path))
         linear_path = "torch"  # float weights: no quantized linear (nothing to build for bf16)
@@ -275,6 +276,8 @@ class LlamaModel:
                 )
             else:
                 linear_path = "torch"
+        elif self.dtype == torch.float32:  # the float32 library, one row's channels split
+            linear_path = kernel_lib.resolve_linear(mode, self.device, self.dtype)
         return self.rebuilt(
             w=w,
             kernel_path=path,

@@ -14,6 +14,10 @@
 
 #include "q8.h"
 
+// split_linear.cpp
+torch::Tensor split_linear(const torch::Tensor& x, const torch::Tensor& w,
+                           const std::optional<torch::Tensor>& bias, bool onednn);
+
 // cpu_kernels.cpp
 void check_paged_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                            const torch::Tensor& k_cache, const torch::Tensor& v_cache,

@@ -16,7 +16,12 @@ from engine.tools.bench.timing import best_time
 def linear_paths(mats: list, ext) -> dict:
     """name: (one call per matrix, activation dtype, weight bytes) for every path measured."""
     from engine.kernels.bfloat16_tiles import can_tile, tile_bfloat16, tiles_available
-    from engine.kernels.float32_linear import ONEDNN_LINEAR, onednn_linear
+    from engine.kernels.float32_linear import (
+        ONEDNN_LINEAR,
+        float32_linear,
+        float32_linear_backend,
+        onednn_linear,
+    )
     from engine.kernels.quant import quantize_int4, quantize_int8, quantized_linear
 
     params = sum(m.numel() for m in mats)
@@ -30,6 +35,14 @@ def linear_paths(mats: list, ext) -> dict:
     if ONEDNN_LINEAR:
         paths["float32 oneDNN"] = (
             lambda x, i: onednn_linear(x, mats[i]),
+            torch.float32,
+            4 * params,
+        )
+    if ext is not None:  # the engine's own: the library chosen, one row's channels split
+        split = float32_linear(ext)
+        library = {"mkl": "MKL", "onednn": "oneDNN"}[float32_linear_backend()["backend"]]
+        paths[f"float32 ours ({library}, one row split)"] = (
+            lambda x, i: split(x, mats[i]),
             torch.float32,
             4 * params,
         )
@@ -82,7 +95,8 @@ def measure_linear_kernels(model, repeats: int) -> dict:
     the output layer) through each path: GB/s of weights streamed at 1 row (a decode step at
     batch 1: the path's own weight bytes ÷ time) and GFLOP/s at 32 rows (a decode step at batch
     32: 2 × weights × 32 ÷ time). Paths: torch's float32 (MKL's F.linear and oneDNN, one of
-    which the engine's `linear` runs: engine/kernels/float32_linear.py),
+    which the engine's `linear` runs: engine/kernels/float32_linear.py; and that one as the
+    engine runs it on our kernels, one row's channels split over the threads),
     bfloat16 (torch's, and our tiles where the CPU runs them: engine/kernels/bfloat16_tiles.py),
     and int8 / int4 (group 32) both through our C++ kernels ("ours") and through the
     readable torch reference (dequantize, then F.linear) that kernels="torch" runs. CPU only;
