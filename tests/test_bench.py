@@ -372,6 +372,8 @@ def test_kernel_section_measures_attention_and_linears_on_the_tiny_model(tiny_mo
     decode = {"torch": {"path": "torch", **step}, "auto": {"path": "cpu", **step}}
     text = "\n".join(format_kernels({"linear": linear, "attention": attention, "decode": decode}))
     assert "6. Kernels" in text and "int4 ours, 1 row / 32 rows" in text
+    table = text.splitlines()[2 : 3 + len(linear["kernels"])]  # header and one row per path
+    assert len({len(line) for line in table}) == 1  # the columns line up, long names included
     from engine import kernels
     from engine.kernels.bfloat16_tiles import tiles_available
     from engine.kernels.float32_linear import float32_linear_backend

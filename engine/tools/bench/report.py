@@ -216,15 +216,16 @@ def format_kernels(k: dict | None) -> list[str]:
     if not k:
         return []
     lin = k["linear"]
+    width = max([24, *(len(name) + 1 for name in lin["kernels"])])  # the path column
     lines = [
         "",
         f"6. Kernels ({lin['method']})",
-        f"  {'path':<24}{'weights MB':>11}{'1 row ms':>10}{'GB/s':>8}"
+        f"  {'path':<{width}}{'weights MB':>11}{'1 row ms':>10}{'GB/s':>8}"
         f"{'32 rows ms':>12}{'GFLOP/s':>9}",
     ]
     for name, e in lin["kernels"].items():
         lines.append(
-            f"  {name:<24}{e['weight_bytes'] / 1e6:11.1f}{e['ms_1']:10.1f}"
+            f"  {name:<{width}}{e['weight_bytes'] / 1e6:11.1f}{e['ms_1']:10.1f}"
             f"{e['gb_s_1']:8.1f}{e['ms_32']:12.1f}{e['gflop_s_32']:9.1f}"
         )
     if lin.get("extension"):
