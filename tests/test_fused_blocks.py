@@ -40,10 +40,12 @@ def gguf_style(model: LlamaModel, head_q8: bool = True) -> LlamaModel:
 
 def build(model_dir, layout: str, fused: bool, monkeypatch) -> LlamaModel:
     """layout: "tiles" (a GGUF's; "tiles, head in rows": its output layer not rounding the
-    activations, so not in tiles), "int4" or "int8"."""
+    activations, so not in tiles), "int4", "int8" or "float32" (not quantized: the float32
+    library's linears, called from C++)."""
     model = LlamaModel.from_pretrained(model_dir)
     int4 = layout.startswith("tiles") or layout == "int4"
-    model = quantize_model(model, "int4" if int4 else "int8", group_size=32)
+    if not layout.endswith("float32"):
+        model = quantize_model(model, "int4" if int4 else "int8", group_size=32)
     if layout.startswith("tiles"):
         model = gguf_style(model, head_q8=layout == "tiles")
     if not fused:
@@ -93,9 +95,11 @@ def assert_same_steps(first: LlamaModel, second: LlamaModel) -> None:
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
-@pytest.mark.parametrize("layout", ["tiles", "int4", "int8", "qwen2 int8"])
+@pytest.mark.parametrize(
+    "layout", ["tiles", "int4", "int8", "qwen2 int8", "float32", "qwen2 float32"]
+)
 def test_fused_blocks_equal_the_python_path_bit_for_bit(ext, request, monkeypatch, layout):
-    """ "qwen2 int8": the tiny Qwen2, whose q/k/v projections have biases."""
+    """ "qwen2 ...": the tiny Qwen2, whose q/k/v projections have biases."""
     model_dir = request.getfixturevalue("tiny_qwen2_dir" if "qwen2" in layout else "tiny_model_dir")
     fused = build(model_dir, layout, True, monkeypatch)
     python = build(model_dir, layout, False, monkeypatch)
@@ -226,10 +230,12 @@ def test_bfloat16_tiles_fused_equal_the_python_path_bit_for_bit(ext, tiny_model_
 
 
 def test_blocks_are_used_only_where_every_step_has_our_kernel(ext, tiny_model_dir):
-    """Float weights (the matmul is a library's), the torch path and bfloat16 keep the Python
-    blocks."""
-    plain = LlamaModel.from_pretrained(tiny_model_dir).with_kernels("auto")
-    assert plain.layers[0].attention.block is None and plain.layers[0].mlp.block is None
+    """The torch path and a bfloat16 model keep the Python blocks; float32 weights on our
+    kernels (the library's matmul called from C++) do not."""
+    plain = LlamaModel.from_pretrained(tiny_model_dir)
+    assert plain.with_kernels("torch").layers[0].attention.block is None
+    fused = plain.with_kernels("auto")
+    assert fused.layers[0].attention.block is not None and fused.stack is not None
     quantized = quantize_model(LlamaModel.from_pretrained(tiny_model_dir), "int8")
     assert quantized.with_kernels("torch").layers[0].mlp.block is None
     bf16 = quantize_model(LlamaModel.from_pretrained(tiny_model_dir, dtype=torch.bfloat16), "int8")

@@ -134,3 +134,9 @@ def float32_linear(kernels=None):
         return library(x, w, bias)
 
     return split_linear
+
+
+def float32_kernel(w: torch.Tensor, kernels):
+    """`w`'s C++ linear (`kernels.QuantLinear`, engine/kernels/csrc/fused_blocks.cpp): the same
+    library and split as `float32_linear(kernels)`, callable from the fused layers."""
+    return kernels.QuantLinear(f"float32_{float32_linear_backend()['backend']}", [w], 0)

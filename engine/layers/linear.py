@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.bfloat16_tiles import BFloat16TiledWeight, tiled_kernel, tiled_linear
-from engine.kernels.float32_linear import float32_linear
+from engine.kernels.float32_linear import float32_kernel, float32_linear
 from engine.kernels.linear_precision import bfloat16_matmul, bfloat16_prepacked_linear
 from engine.kernels.quant import QUANTIZED_TYPES, kernel_linear, quantized_linear
 from engine.layers.sharding import head_ranges, mlp_range
@@ -67,13 +67,16 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, kernels=None) -
 
 def bound_kernel(weight, kernels):
     """`weight`'s C++ kernel with the weight bound, where `kernels` (the compiled extension)
-    has one for it: a weight-only quantized matrix or a bfloat16 one in tiles; else None."""
+    has one for it: a weight-only quantized matrix, a bfloat16 one in tiles, or a float32 one
+    on the float32 library (one row split over the threads); else None."""
     if kernels is None:
         return None
     if isinstance(weight, QUANTIZED_TYPES):
         return kernel_linear(weight, kernels)
     if isinstance(weight, BFloat16TiledWeight):
         return tiled_kernel(weight, kernels)
+    if weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2:
+        return float32_kernel(weight, kernels)
     return None
 
 

@@ -83,6 +83,8 @@ class LlamaAttention(CustomOp):
         self.kernels = model.kernels  # the unfused path's attention kernel, if any
 
     def forward_cpu(self, x, cos, sin, kv_cache, attn_meta: AttentionMetadata) -> torch.Tensor:
+        if attn_meta.kernel_tiles is None:  # metadata for torch's attention (a graph step's)
+            return self.forward_native(x, cos, sin, kv_cache, attn_meta)
         return self.block(x, cos, sin, *kv_cache, *attn_meta.kernel_work())
 
     def forward_native(self, x, cos, sin, kv_cache, attn_meta: AttentionMetadata) -> torch.Tensor:
@@ -120,9 +122,10 @@ class LlamaMLP(CustomOp):
 def fused_blocks_apply(model: "LlamaModel", *linears) -> bool:
     """A block runs as one C++ call (engine/kernels/csrc/fused_blocks.cpp) when each of its
     steps has our kernel: a float32 model on the CPU with our attention, norms, RoPE and SwiGLU,
-    its matrices quantized on our linear kernels, and no all-reduce between them (tensor
-    parallel 1). The numbers are the Python path's, bit for bit: the same kernels in the same
-    order; the Python between them (1.3 ms of a 6 ms 4-bit decode step) is what goes."""
+    its matrices on our linear kernels (quantized, in bfloat16 tiles, or float32 on the chosen
+    library, called from C++), and no all-reduce between them (tensor parallel 1). The numbers
+    are the Python path's, bit for bit: the same kernels in the same order; the Python between
+    them (1.3 ms of a 6 ms 4-bit decode step) is what goes."""
     return (
         model.kernels is not None
         and model.dtype == torch.float32
@@ -345,7 +348,7 @@ class LlamaModel:
         (docs/performance.md)."""
         cos, sin = self.rotary.cos_sin(positions)
         h = self.embed(input_ids) if self.embed is not None else self.receive(input_ids.shape[0])
-        if self.stack is not None:  # run_layers in one C++ call: the same kernels, in order
+        if self.stack is not None and attn_meta.kernel_tiles is not None:  # run_layers in C++
             h, mlp_out, logits = self.stack.run(h, cos, sin, kv_caches, attn_meta, logits_indices)
             if logits is not None:  # a team step ran the final norm and the output layer too
                 return logits

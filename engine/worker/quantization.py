@@ -304,9 +304,6 @@ def bits_per_weight(w) -> float:
 def describe(model) -> str:
     """One line for logs and the bench header."""
     method = getattr(model, "quantization", None)
-    if method is None:
-        return f"none ({str(model.dtype).removeprefix('torch.')} weights)"
-    group = "" if method == "int8" else f", group {model.quantization_group_size}"
     dtype = str(model.dtype).removeprefix("torch.")
     # The layers as one C++ call a step (engine/models/llama.py LayerStack), or Python between
     # the kernels.
@@ -314,6 +311,9 @@ def describe(model) -> str:
     layers = "layers in one C++ call" if stack else "layers in Python"
     if stack and stack.stack.tiled:
         layers += ", decode steps as one team of threads"
+    if method is None:
+        return f"none ({dtype} weights, {layers})"
+    group = "" if method == "int8" else f", group {model.quantization_group_size}"
     if method != "gguf":
         weight_only = "linears weight-only, lm_head int8 per channel"
         return f"{method}{group}: {weight_only}, activations {dtype}, {layers}"

@@ -14,10 +14,12 @@
 // scales), "int4" (packed, scales, mins), and in rows with activations rounded to int8 blocks
 // "int4_q8" (packed, scales, mins) and "int8_q8" (qweight, scales); and, not quantized but
 // also rounded once at load, a bfloat16 matrix in tiles (a float32 engine's bfloat16
-// linears, or a bfloat16 engine's): "bf16_tiles" (tiles: bf16_tiles.cpp). Python builds it with
-// engine/kernels/quant.py `kernel_linear` (engine/kernels/bfloat16_tiles.py `tiled_kernel` for
-// the last), and the layers of both paths call it (engine/layers/linear.py), so the choice of a
-// kernel is made in one place.
+// linears, or a bfloat16 engine's): "bf16_tiles" (tiles: bf16_tiles.cpp); and a float32
+// matrix on the library the engine chose, one row's channels split over the threads
+// (split_linear.cpp): "float32_onednn", "float32_mkl". Python builds it with
+// engine/kernels/quant.py `kernel_linear` (engine/kernels/bfloat16_tiles.py `tiled_kernel`,
+// engine/kernels/float32_linear.py `float32_kernel` for the others), and the layers of both
+// paths call it (engine/layers/linear.py), so the choice of a kernel is made in one place.
 
 #include <torch/extension.h>
 
@@ -44,14 +46,15 @@
 
 namespace {
 
-enum class Kind { Int4Tiles, Int8Tiles, Int8, Int4, Int4Q8, Int8Q8, Bf16Tiles };
+enum class Kind { Int4Tiles, Int8Tiles, Int8, Int4, Int4Q8, Int8Q8, Bf16Tiles, F32Onednn, F32Mkl };
 
 Kind kind_of(const std::string& name, size_t num_tensors) {
   const std::vector<std::pair<std::string, std::pair<Kind, size_t>>> kinds = {
       {"int4_tiles", {Kind::Int4Tiles, 1}}, {"int8_tiles", {Kind::Int8Tiles, 2}},
       {"int8", {Kind::Int8, 2}},            {"int4", {Kind::Int4, 3}},
       {"int4_q8", {Kind::Int4Q8, 3}},       {"int8_q8", {Kind::Int8Q8, 2}},
-      {"bf16_tiles", {Kind::Bf16Tiles, 1}},
+      {"bf16_tiles", {Kind::Bf16Tiles, 1}}, {"float32_onednn", {Kind::F32Onednn, 1}},
+      {"float32_mkl", {Kind::F32Mkl, 1}},
   };
   for (const auto& [known, kind] : kinds) {
     if (known != name) continue;
@@ -75,6 +78,9 @@ struct QuantLinear {
 
   QuantLinear(const std::string& name, std::vector<torch::Tensor> tensors, int64_t group_size)
       : kind(kind_of(name, tensors.size())), t(std::move(tensors)), group_size(group_size) {
+    if (kind == Kind::F32Onednn || kind == Kind::F32Mkl)
+      TORCH_CHECK(t[0].scalar_type() == torch::kFloat32 && t[0].dim() == 2 && t[0].is_cpu(),
+                  "QuantLinear: a float32 matrix [out, in] on the CPU");
     if (!tiled()) return;
     TORCH_CHECK(t[0].scalar_type() == torch::kUInt8 && t[0].dim() == 3 && t[0].is_contiguous(),
                 "QuantLinear: tiles are a contiguous uint8 [tiles, groups, record]");
@@ -98,6 +104,8 @@ struct QuantLinear {
       case Kind::Int4Q8: return int4_q8_linear(x, t[0], t[1], t[2], group_size, bias);
       case Kind::Int8Q8: return int8_q8_linear(x, t[0], t[1], bias);
       case Kind::Bf16Tiles: return bf16_tiled_linear(x, t[0], bias);
+      case Kind::F32Onednn: return split_linear(x, t[0], bias, true);
+      case Kind::F32Mkl: return split_linear(x, t[0], bias, false);
     }
     TORCH_CHECK(false, "QuantLinear: bad kind");
   }
