@@ -116,27 +116,24 @@ def float32_linear_backend(matrices: list[torch.Tensor] | None = None) -> dict:
     return _float32_linear
 
 
-def float32_linear(kernels=None):
-    """The float32 linear a CPU layer runs, y = x @ Wᵀ (+ bias): the library chosen above, and,
-    with our extension (`kernels`, a kernels="auto" engine's), a single row's output channels
-    split over the threads, each range one call of that library (csrc/split_linear.cpp): at
-    one row neither library keeps two cores busy (a Zen 5, 2026-12-06: the layers' matrices
-    1.10× faster, a float32 decode at batch 1 7-10 %). The same library on the same inputs, so
-    the numbers are its own, bit for bit."""
-    onednn = float32_linear_backend()["backend"] == "onednn"
-    library = onednn_linear if onednn else F.linear
-    if kernels is None:
-        return library
-
-    def split_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None):
-        if x.dim() == 2 and x.shape[0] == 1:
-            return kernels.split_linear(x, w, bias, onednn)
-        return library(x, w, bias)
-
-    return split_linear
+def library_linear():
+    """The float32 library chosen above, as a function y = f(x, W, bias)."""
+    return onednn_linear if float32_linear_backend()["backend"] == "onednn" else F.linear
 
 
 def float32_kernel(w: torch.Tensor, kernels):
-    """`w`'s C++ linear (`kernels.QuantLinear`, engine/kernels/csrc/fused_blocks.cpp): the same
-    library and split as `float32_linear(kernels)`, callable from the fused layers."""
+    """`w`'s C++ linear (`kernels.QuantLinear`, engine/kernels/csrc/fused_blocks.cpp, also what
+    the fused layers call): the library chosen above, a single row's output channels split over
+    the threads, each range one call of that library (csrc/split_linear.cpp). At one row neither
+    library keeps two cores busy (a Zen 5, 2026-12-06: the layers' matrices 1.10× faster, a
+    float32 decode at batch 1 about as much). The same library on the same inputs, so the
+    numbers are its own, bit for bit."""
     return kernels.QuantLinear(f"float32_{float32_linear_backend()['backend']}", [w], 0)
+
+
+def float32_linear(x: torch.Tensor, w: torch.Tensor, bias=None, kernel=None) -> torch.Tensor:
+    """y = x @ Wᵀ (+ bias) for a float32 W on a CPU: through the bound `kernel`
+    (`float32_kernel`) on an engine running our kernels, else the library chosen above."""
+    if kernel is None:
+        return library_linear()(x, w, bias)
+    return kernel(x, bias)

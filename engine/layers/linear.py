@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.bfloat16_tiles import BFloat16TiledWeight, tiled_kernel, tiled_linear
-from engine.kernels.float32_linear import float32_kernel, float32_linear
+from engine.kernels.float32_linear import float32_kernel, float32_linear, library_linear
 from engine.kernels.linear_precision import bfloat16_matmul, bfloat16_prepacked_linear
 from engine.kernels.quant import QUANTIZED_TYPES, kernel_linear, quantized_linear
 from engine.layers.sharding import head_ranges, mlp_range
@@ -40,9 +40,10 @@ def choose_matmul(weight, kernels=None, kernel=None) -> Matmul:
     goes to our C++ kernel (`kernels`, the compiled extension; `kernel`, that kernel already
     bound to the weight: quant.py `kernel_linear`) or, with None, to the reference
     (dequantize + matmul); a float32 matrix on a CPU to the library timed faster here (MKL or
-    oneDNN, once per process; with `kernels`, one row's channels split over the threads); a
-    bfloat16 matrix on a CPU to the bfloat16 linear (float32
-    activations cast for the matmul, the result cast back; plain F.linear for bfloat16 ones),
+    oneDNN, once per process; with `kernel`, that library called from C++, one row's channels
+    split over the threads: float32_linear.py `float32_kernel`); a bfloat16 matrix on a CPU to
+    the bfloat16 linear (float32 activations cast for the matmul, the result cast back; plain
+    F.linear for bfloat16 ones),
     oneDNN's where the matrix was prepacked for it at load, our kernel where it was cut into
     tiles (`kernel`: engine/kernels/bfloat16_tiles.py, rounding the activations itself);
     anything else to F.linear."""
@@ -55,7 +56,7 @@ def choose_matmul(weight, kernels=None, kernel=None) -> Matmul:
     if weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
         return bfloat16_matmul()
     if weight.device.type == "cpu" and weight.dtype == torch.float32:
-        return float32_linear(kernels)
+        return partial(float32_linear, kernel=kernel) if kernel is not None else library_linear()
     return F.linear
 
 

@@ -18,7 +18,7 @@ def linear_paths(mats: list, ext) -> dict:
     from engine.kernels.bfloat16_tiles import can_tile, tile_bfloat16, tiles_available
     from engine.kernels.float32_linear import (
         ONEDNN_LINEAR,
-        float32_linear,
+        float32_kernel,
         float32_linear_backend,
         onednn_linear,
     )
@@ -39,10 +39,10 @@ def linear_paths(mats: list, ext) -> dict:
             4 * params,
         )
     if ext is not None:  # the engine's own: the library chosen, one row's channels split
-        split = float32_linear(ext)
+        split = [float32_kernel(m, ext) for m in mats]
         library = {"mkl": "MKL", "onednn": "oneDNN"}[float32_linear_backend()["backend"]]
         paths[f"float32 ours ({library}, one row split)"] = (
-            lambda x, i: split(x, mats[i]),
+            lambda x, i: split[i](x, None),
             torch.float32,
             4 * params,
         )
