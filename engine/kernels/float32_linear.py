@@ -131,9 +131,8 @@ def float32_kernel(w: torch.Tensor, kernels):
     return kernels.QuantLinear(f"float32_{float32_linear_backend()['backend']}", [w], 0)
 
 
-def float32_linear(x: torch.Tensor, w: torch.Tensor, bias=None, kernel=None) -> torch.Tensor:
-    """y = x @ Wᵀ (+ bias) for a float32 W on a CPU: through the bound `kernel`
-    (`float32_kernel`) on an engine running our kernels, else the library chosen above."""
-    if kernel is None:
-        return library_linear()(x, w, bias)
+def float32_linear(x: torch.Tensor, w: torch.Tensor, bias=None, *, kernel) -> torch.Tensor:
+    """y = x @ Wᵀ (+ bias) for a float32 W on a CPU through its bound `kernel`
+    (`float32_kernel`), as a layer's matmul on an engine running our kernels (an engine that
+    does not runs `library_linear()` itself)."""
     return kernel(x, bias)
