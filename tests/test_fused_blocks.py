@@ -130,7 +130,9 @@ def run_decodes(model: LlamaModel, kv_dtype: torch.dtype) -> tuple[list[torch.Te
 @pytest.mark.parametrize(
     "model, threads, kv_dtype, layout",
     [("llama", t, kv, "tiles") for t in (1, 2, 3) for kv in ("float32", "bfloat16")]
-    + [("qwen2", 2, "float32", "tiles"), ("llama", 2, "float32", "tiles, head in rows")],
+    + [("qwen2", 2, "float32", "tiles"), ("llama", 2, "float32", "tiles, head in rows")]
+    + [("llama", t, "float32", "float32") for t in (1, 2, 3)]
+    + [("qwen2", 2, "bfloat16", "float32")],
 )
 def test_decode_steps_run_as_one_team_bit_for_bit(
     ext, request, monkeypatch, model, threads, kv_dtype, layout
@@ -142,8 +144,10 @@ def test_decode_steps_run_as_one_team_bit_for_bit(
     bit, at any number of threads, with a bfloat16 cache too (whose first chunks, before this
     test, attended to unrounded keys in the fused block), with Qwen2's q/k/v biases (and its
     untied output layer), and with the output layer in rows (the team stops after the layers);
-    the prefill keeps the kernels' loops."""
-    if "int4" not in ext.q8_tile_formats():
+    the prefill keeps the kernels' loops. A float32 model's steps of one token run as a team too
+    (the matrices' rows shared 16 at a time, the output layer with them); its steps of two rows
+    keep the loops (our kernel runs one row, the library more)."""
+    if layout.startswith("tiles") and "int4" not in ext.q8_tile_formats():
         pytest.skip("this build has no vector code for int4 tiles, so the model is not tiled")
     model_dir = request.getfixturevalue("tiny_qwen2_dir" if model == "qwen2" else "tiny_model_dir")
     before = torch.get_num_threads()
@@ -151,14 +155,15 @@ def test_decode_steps_run_as_one_team_bit_for_bit(
     try:
         fused = build(model_dir, layout, True, monkeypatch)
         python = build(model_dir, layout, False, monkeypatch)
-        head_tiled = layout == "tiles" and "int8" in ext.q8_tile_formats()
-        assert fused.stack.runs_head == head_tiled
+        head_shared = layout == "float32" or (layout == "tiles" and "int8" in ext.q8_tile_formats())
+        assert fused.stack.runs_head == head_shared
         fused_logits, fused_cache = run_decodes(fused, getattr(torch, kv_dtype))
         python_logits, python_cache = run_decodes(python, getattr(torch, kv_dtype))
     finally:
         torch.set_num_threads(before)
-    assert fused.stack.stack.team_steps == 7  # every decode step, not the prefill
-    assert "decode steps as one team of threads" in describe(fused)
+    # every decode step (float32: each of one token), not the prefill
+    assert fused.stack.stack.team_steps == (3 if layout == "float32" else 7)
+    assert "as one team of threads" in describe(fused)
     for a, b in zip(fused_logits, python_logits, strict=True):
         assert torch.equal(a, b)
     for (k1, v1), (k2, v2) in zip(fused_cache, python_cache, strict=True):

@@ -78,8 +78,9 @@ def _call_over(fn, matrices: list[torch.Tensor], rows: int):
 
 def _choose(matrices: list[torch.Tensor]) -> dict:
     """oneDNN stays (it was the faster where this was first measured) unless MKL is at least
-    15 % faster at one row and no more than 10 % slower at 32: one library for every row count,
-    so that a request's numbers do not depend on the size of its batch."""
+    15 % faster at one row and no more than 10 % slower at 32: one library for every row count
+    (an engine on our kernels runs one row on its own kernel, csrc/f32_rows.cpp; one row and
+    several sum in different orders in either library too)."""
     ms = time_linears({"mkl": (F.linear, matrices), "onednn": (onednn_linear, matrices)})
     mkl_wins = ms[1]["mkl"] < 0.85 * ms[1]["onednn"] and ms[32]["mkl"] < 1.1 * ms[32]["onednn"]
     size = sum(m.numel() for m in matrices) * 4 / 1e6
@@ -123,16 +124,16 @@ def library_linear():
 
 def float32_kernel(w: torch.Tensor, kernels):
     """`w`'s C++ linear (`kernels.QuantLinear`, engine/kernels/csrc/fused_blocks.cpp, also what
-    the fused layers call): the library chosen above, a single row's output channels split over
-    the threads, each range one call of that library (csrc/split_linear.cpp). At one row neither
-    library keeps two cores busy (a Zen 5, 2026-12-06: the layers' matrices 1.10× faster, a
-    float32 decode at batch 1 about as much). The same library on the same inputs, so the
-    numbers are its own, bit for bit."""
+    the fused layers call): at one row (decode at batch 1) a matrix × vector kernel of our own,
+    its channels split over the threads, each channel summed in one fixed order; at more rows
+    the library chosen above (csrc/f32_rows.cpp). The libraries' one-row kernels streamed the
+    weights well below the memory's speed (a Zen 5, 2026-12-06: the model's matrices 1.7× faster
+    on ours, docs/performance.md, nineteenth session)."""
     return kernels.QuantLinear(f"float32_{float32_linear_backend()['backend']}", [w], 0)
 
 
 def float32_linear(x: torch.Tensor, w: torch.Tensor, bias=None, *, kernel) -> torch.Tensor:
     """y = x @ Wᵀ (+ bias) for a float32 W on a CPU through its bound `kernel`
     (`float32_kernel`), as a layer's matmul on an engine running our kernels (an engine that
-    does not runs `library_linear()` itself)."""
+    does not runs `library_linear()` at every row count)."""
     return kernel(x, bias)

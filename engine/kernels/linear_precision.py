@@ -14,8 +14,8 @@ activation cast to bfloat16 for the matmul and the result back;
 everything else (embedding lookup, attention, norms, KV cache, sampler) stays float32. "auto"
 decides at load, once per process, like the float32 library (engine/kernels/float32_linear.py):
 bfloat16 when the CPU has the instructions and a timing over the model's own layer matrices
-shows it at least 1.3× faster at 32 rows and not slower at one row. One choice for every row
-count, so a request's numbers do not depend on the size of its batch. The environment variable
+shows it at least 1.3× faster at 32 rows and not slower at one row. One precision for every row
+count, so a request's precision does not depend on the size of its batch. The environment variable
 LLM_LAB_LINEAR_PRECISION=float32|bfloat16 skips the timing (tensor- and pipeline-parallel
 workers get the driver's choice through their spec: engine/executor/multiproc.py).
 """
@@ -33,7 +33,12 @@ from engine import kernels as kernel_lib
 from engine.config import check_linear_precision
 from engine.kernels import _cpu_flags
 from engine.kernels.bfloat16_tiles import can_tile, tile_bfloat16, tiles_available
-from engine.kernels.float32_linear import float32_linear_backend, onednn_linear, time_linears
+from engine.kernels.float32_linear import (
+    float32_kernel,
+    float32_linear_backend,
+    onednn_linear,
+    time_linears,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -152,16 +157,20 @@ def choose_precision(ms: dict | None, isa: str | None) -> dict:
 
 
 def _time_precisions(matrices: list[torch.Tensor]) -> dict:
-    """float32 (through the float32 library chosen for this CPU) and the bfloat16 libraries
-    over `matrices` and their bfloat16 copies (prepacked ones where this PyTorch can), side by
-    side under the same load."""
+    """float32 (as a float32 layer runs it: on our kernels where they build, one row on our
+    matrix × vector kernel; else, and at more rows, on the float32 library chosen for this CPU)
+    and the bfloat16 libraries over `matrices` and their bfloat16 copies (prepacked ones where
+    this PyTorch can), side by side under the same load."""
     f32 = F.linear if float32_linear_backend(matrices)["backend"] == "mkl" else onednn_linear
+    kernels = kernel_lib.load()
+    if kernels is not None:
+        bound = {id(m): float32_kernel(m, kernels) for m in matrices}
+        f32 = lambda x, w: bound[id(w)](x, None)  # noqa: E731 — the matrix's bound kernel
     bf16 = [m.to(torch.bfloat16) for m in matrices]
     candidates = {"float32": (f32, matrices)}
     candidates |= {name: (BFLOAT16_LIBRARIES[name], bf16) for name in ("F.linear", "oneDNN")}
     if prepacking_works():
         candidates[PREPACKED] = (bfloat16_prepacked_linear, [prepacked(m) for m in bf16])
-    kernels = kernel_lib.load()
     if tiles_available(kernels) and all(can_tile(m.shape) for m in bf16):
         tiles = [tile_bfloat16(m) for m in bf16]
         candidates[TILES] = (lambda x, w: kernels.bf16_tiled_linear(x, w.tiles, None), tiles)

@@ -40,13 +40,12 @@ def choose_matmul(weight, kernels=None, kernel=None) -> Matmul:
     goes to our C++ kernel (`kernels`, the compiled extension; `kernel`, that kernel already
     bound to the weight: quant.py `kernel_linear`) or, with None, to the reference
     (dequantize + matmul); a float32 matrix on a CPU to the library timed faster here (MKL or
-    oneDNN, once per process; with `kernel`, that library called from C++, one row's channels
-    split over the threads: float32_linear.py `float32_kernel`); a bfloat16 matrix on a CPU to
-    the bfloat16 linear (float32 activations cast for the matmul, the result cast back; plain
-    F.linear for bfloat16 ones),
-    oneDNN's where the matrix was prepacked for it at load, our kernel where it was cut into
-    tiles (`kernel`: engine/kernels/bfloat16_tiles.py, rounding the activations itself);
-    anything else to F.linear."""
+    oneDNN, once per process; with `kernel`, our C++ linear: one row on our own matrix × vector
+    kernel, more rows on that library: float32_linear.py `float32_kernel`); a bfloat16 matrix
+    on a CPU to the bfloat16 linear (float32 activations cast for the matmul, the result cast
+    back; plain F.linear for bfloat16 ones), oneDNN's where the matrix was prepacked for it at
+    load, our kernel where it was cut into tiles (`kernel`: engine/kernels/bfloat16_tiles.py,
+    rounding the activations itself); anything else to F.linear."""
     if isinstance(weight, QUANTIZED_TYPES):
         return partial(quantized_linear, kernels=kernels, linear=kernel)
     if isinstance(weight, BFloat16TiledWeight):  # a bfloat16 weight cut into tiles at load
@@ -69,7 +68,7 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, kernels=None) -
 def bound_kernel(weight, kernels):
     """`weight`'s C++ kernel with the weight bound, where `kernels` (the compiled extension)
     has one for it: a weight-only quantized matrix, a bfloat16 one in tiles, or a float32 one
-    on the float32 library (one row split over the threads); else None."""
+    on our float32 linear (one row on our kernel, more on the library); else None."""
     if kernels is None:
         return None
     if isinstance(weight, QUANTIZED_TYPES):

@@ -31,7 +31,7 @@ from engine import kernels as kernel_lib
 from engine.kernels import huge_pages
 from engine.kernels.bfloat16_tiles import BFloat16TiledWeight, tiles_available, with_tiles
 from engine.kernels.float32_linear import float32_linear_backend
-from engine.kernels.quant import TILED_TYPES, arrange_for_kernels, storage_key, weight_nbytes
+from engine.kernels.quant import arrange_for_kernels, storage_key, weight_nbytes
 from engine.layers.attention import AttentionMetadata, paged_attention
 from engine.layers.linear import (
     MergedColumnParallelLinear,
@@ -140,10 +140,12 @@ class LayerStack:
     `LlamaModel.run_layers`, with no Python between the kernels (what a CUDA graph does for a
     GPU step: engine/worker/cuda_graphs.py). When every matrix is in tiles (a GGUF's), a decode
     step of up to 8 tokens runs as one team of threads in one parallel region, sharing each
-    matrix's tiles and waiting at barriers, instead of starting ~150 parallel loops a step; and
-    when the output layer is in tiles too, that team runs the final norm and the output layer
-    for the rows that sample (`runs_head`): the step's largest matrix is shared the same way,
-    and the logits come out of the same parallel region."""
+    matrix's tiles and waiting at barriers, instead of starting ~150 parallel loops a step; a
+    float32 model's decode step of one token does the same with its matrices' rows (our one-row
+    kernel: `stack.team_max_rows`); and when the output layer is one a team can share too, that
+    team runs the final norm and the output layer for the rows that sample (`runs_head`): the
+    step's largest matrix is shared the same way, and the logits come out of the same parallel
+    region."""
 
     def __init__(self, model: "LlamaModel"):
         layers = model.layers
@@ -154,7 +156,7 @@ class LayerStack:
             [layer.post_norm.weight for layer in layers],
             model.cfg.rms_norm_eps,
         )
-        self.runs_head = self.stack.tiled and head_in_tiles(model)
+        self.runs_head = self.stack.team and head_shared_by_team(model)
         if self.runs_head:
             self.stack.set_head(model.final_norm.weight, model.lm_head.kernel)
 
@@ -165,15 +167,16 @@ class LayerStack:
         return self.stack(h, cos, sin, k_caches, v_caches, *attn_meta.kernel_work(), rows)
 
 
-def head_in_tiles(model: "LlamaModel") -> bool:
-    """The final norm on our kernel and the output layer a tiled matrix on it (a GGUF's)."""
+def head_shared_by_team(model: "LlamaModel") -> bool:
+    """The final norm on our kernel and the output layer on one a team can share (a GGUF's in
+    tiles, or a float32 one)."""
     norm, head = model.final_norm, model.lm_head
     return (
         norm is not None
         and norm.forward == norm.forward_cpu
         and head is not None
-        and isinstance(head.weight, TILED_TYPES)
         and head.kernel is not None
+        and head.kernel.shared_by_team
     )
 
 
@@ -259,8 +262,8 @@ class LlamaModel:
         and its quantized linears on our C++ kernels (mode "auto", when they build and apply:
         CPU; float32 for the attention) or on the torch reference ("torch"); a bfloat16 model's
         linears on our bfloat16 kernel where this CPU has AMX or AVX512-BF16 (its matrices cut
-        into tiles, once per process); a float32 model's linears on the float32 library with
-        one row's output channels split over the threads (float32_linear.py)."""
+        into tiles, once per process); a float32 model's linears on our C++ linear (one row on
+        our matrix × vector kernel, more rows on the float32 library: float32_linear.py)."""
         path = kernel_lib.resolve(mode, self.device, self.dtype)
         logger.info("kernels=%r: %s", mode, kernel_lib.describe(path))
         linear_path = "torch"  # float weights: no quantized linear (nothing to build for bf16)

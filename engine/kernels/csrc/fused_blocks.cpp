@@ -15,8 +15,8 @@
 // "int4_q8" (packed, scales, mins) and "int8_q8" (qweight, scales); and, not quantized but
 // also rounded once at load, a bfloat16 matrix in tiles (a float32 engine's bfloat16
 // linears, or a bfloat16 engine's): "bf16_tiles" (tiles: bf16_tiles.cpp); and a float32
-// matrix on the library the engine chose, one row's channels split over the threads
-// (split_linear.cpp): "float32_onednn", "float32_mkl". Python builds it with
+// matrix, one row on our kernel and more on the library the engine chose (f32_rows.cpp):
+// "float32_onednn", "float32_mkl". Python builds it with
 // engine/kernels/quant.py `kernel_linear` (engine/kernels/bfloat16_tiles.py `tiled_kernel`,
 // engine/kernels/float32_linear.py `float32_kernel` for the others), and the layers of both
 // paths call it (engine/layers/linear.py), so the choice of a kernel is made in one place.
@@ -65,6 +65,13 @@ Kind kind_of(const std::string& name, size_t num_tensors) {
   TORCH_CHECK(false, "QuantLinear: unknown kind ", name);
 }
 
+// The rows a team member multiplies by a matrix: as they are (a float32 matrix), and rounded to
+// int8 blocks in the member's own buffer (tiles).
+struct TeamRows {
+  const float* x;
+  q8::RoundedView rounded;
+};
+
 struct QuantLinear {
   Kind kind;
   std::vector<torch::Tensor> t;  // the weight's tensors, in the order its kernel takes them
@@ -75,12 +82,19 @@ struct QuantLinear {
   const uint8_t* tiles_at = nullptr;
   const float* scales_at = nullptr;
   int64_t tiles_count = 0, tile_record_bytes = 0;
+  const float* f32_at = nullptr;  // a float32 matrix's rows, read once too
 
   QuantLinear(const std::string& name, std::vector<torch::Tensor> tensors, int64_t group_size)
       : kind(kind_of(name, tensors.size())), t(std::move(tensors)), group_size(group_size) {
-    if (kind == Kind::F32Onednn || kind == Kind::F32Mkl)
+    if (float32()) {
       TORCH_CHECK(t[0].scalar_type() == torch::kFloat32 && t[0].dim() == 2 && t[0].is_cpu(),
                   "QuantLinear: a float32 matrix [out, in] on the CPU");
+      if (t[0].is_contiguous()) {
+        f32_at = t[0].data_ptr<float>();
+        tiles_count = (t[0].size(0) + q8::TILE_CHANNELS - 1) / q8::TILE_CHANNELS;
+        tile_record_bytes = q8::TILE_CHANNELS * t[0].size(1) * sizeof(float);
+      }
+    }
     if (!tiled()) return;
     TORCH_CHECK(t[0].scalar_type() == torch::kUInt8 && t[0].dim() == 3 && t[0].is_contiguous(),
                 "QuantLinear: tiles are a contiguous uint8 [tiles, groups, record]");
@@ -104,30 +118,49 @@ struct QuantLinear {
       case Kind::Int4Q8: return int4_q8_linear(x, t[0], t[1], t[2], group_size, bias);
       case Kind::Int8Q8: return int8_q8_linear(x, t[0], t[1], bias);
       case Kind::Bf16Tiles: return bf16_tiled_linear(x, t[0], bias);
-      case Kind::F32Onednn: return split_linear(x, t[0], bias, true);
-      case Kind::F32Mkl: return split_linear(x, t[0], bias, false);
+      case Kind::F32Onednn: return f32_linear(x, t[0], bias, true);
+      case Kind::F32Mkl: return f32_linear(x, t[0], bias, false);
     }
     TORCH_CHECK(false, "QuantLinear: bad kind");
   }
 
-  // In tiles of 16 output channels (a GGUF's layers and output layer): a team can share them.
+  // In tiles of 16 output channels (a GGUF's layers and output layer).
   bool tiled() const { return kind == Kind::Int4Tiles || kind == Kind::Int8Tiles; }
+  bool float32() const { return kind == Kind::F32Onednn || kind == Kind::F32Mkl; }
+  // A team can share it, 16 output channels at a time: tiles, or a float32 matrix's rows (one
+  // row of activations only: our kernel runs one row, a library more).
+  bool shared_by_team() const { return tiled() || f32_at != nullptr; }
   int64_t num_tiles() const { return tiles_count; }
-  int64_t out_features() const { return t[0].size(0) * q8::TILE_CHANNELS; }
-  int64_t in_features() const { return t[0].size(1) * q8::BLOCK; }
-  // Where tiles t0 .. t1 of a tiled matrix lie (its records are stored tile after tile).
+  int64_t out_features() const {
+    return float32() ? t[0].size(0) : t[0].size(0) * q8::TILE_CHANNELS;
+  }
+  int64_t in_features() const { return float32() ? t[0].size(1) : t[0].size(1) * q8::BLOCK; }
+  // Where tiles t0 .. t1 lie (a tiled matrix's records, a float32 matrix's rows, one after the
+  // other).
   std::pair<const char*, const char*> tile_bytes(int64_t t0, int64_t t1) const {
-    const char* base = reinterpret_cast<const char*>(tiles_at);
-    return {base + t0 * tile_record_bytes, base + t1 * tile_record_bytes};
+    const char* base = float32() ? reinterpret_cast<const char*>(f32_at)
+                                 : reinterpret_cast<const char*>(tiles_at);
+    const int64_t end = float32() ? out_features() * in_features() * int64_t(sizeof(float))
+                                  : tiles_count * tile_record_bytes;
+    return {base + t0 * tile_record_bytes, base + std::min(end, t1 * tile_record_bytes)};
   }
 
-  // A tiled matrix's tiles t0 .. t1 of y [rows, out_features] for the rows rounded in `a`.
-  void tiles_part(const q8::RoundedView& a, const float* bias, float* y, int64_t t0,
-                  int64_t t1) const {
-    if (kind == Kind::Int4Tiles)
-      int4_tiles_part(tiles_at, tiles_count, a, bias, y, t0, t1);
-    else
-      int8_tiles_part(tiles_at, scales_at, tiles_count, a, bias, y, t0, t1);
+  // What a member multiplies: `m` rows of `k` activations, rounded into `rounding` for tiles.
+  TeamRows team_rows(const float* x, int64_t m, int64_t k, q8::RoundingBuffer& rounding) const {
+    if (float32()) return {x, {}};
+    return {x, rounding.round(x, m, k)};
+  }
+
+  // Tiles t0 .. t1 of y [rows, out_features] for the rows in `a` (a float32 matrix: one row).
+  void tiles_part(const TeamRows& a, const float* bias, float* y, int64_t t0, int64_t t1) const {
+    if (float32()) {
+      const int64_t n = out_features(), c1 = std::min(n, t1 * q8::TILE_CHANNELS);
+      f32_rows_part(f32_at, in_features(), a.x, bias, y, t0 * q8::TILE_CHANNELS, c1);
+    } else if (kind == Kind::Int4Tiles) {
+      int4_tiles_part(tiles_at, tiles_count, a.rounded, bias, y, t0, t1);
+    } else {
+      int8_tiles_part(tiles_at, scales_at, tiles_count, a.rounded, bias, y, t0, t1);
+    }
   }
 };
 
@@ -296,8 +329,9 @@ struct TeamMember {
   void barrier() const { team_barrier->wait(size, ahead); }
 };
 
-// Decode steps of up to this many tokens run as a team (below); a longer step (a prefill chunk)
-// keeps the kernels' own parallel loops, which split its rows too.
+// Decode steps of up to this many tokens run as a team (below; one token where a matrix is
+// float32); a longer step (a prefill chunk) keeps the kernels' own parallel loops, which split
+// its rows too.
 constexpr int64_t TEAM_MAX_ROWS = 8;
 
 // Of a matrix's tiles, each member of a team first runs a fixed share (together, this many
@@ -345,12 +379,13 @@ struct TeamStep {
 // Every layer of the model, one after the other, as LlamaModel.run_layers runs them: the
 // residual adds fused into the norms that follow them (add_rms_norm). One call a step.
 //
-// A decode step whose matrices are all in tiles runs as a team instead: one parallel region for
-// the whole step, each thread running every layer's loop, splitting each matrix's tiles and the
-// attention's items with the other threads and waiting at a barrier where a phase needs every
-// thread's output (6 a layer); with a head (set_head) and the rows that sample, the final norm
-// and the output layer too (28 of the 95 MB a 4-bit SmolLM2 step reads). Each thread rounds the
-// activations it multiplies and keeps the residual stream and the norms' outputs itself (a few
+// A decode step whose matrices a team can share (all in tiles, or float32 at one row: a step of
+// one token) runs as a team instead: one parallel region for the whole step, each thread
+// running every layer's loop, splitting each matrix's tiles (a float32 matrix's rows 16 at a
+// time) and the attention's items with the other threads and waiting at a barrier where a phase
+// needs every thread's output (6 a layer); with a head (set_head) and the rows that sample, the
+// final norm and the output layer too (28 of the 95 MB a 4-bit SmolLM2 step reads). Each thread
+// rounds (for tiles) the activations it multiplies and keeps the residual stream and the norms' outputs itself (a few
 // KB, the same numbers in each). A gguf decode step at batch 1 otherwise starts ~150 parallel
 // loops and makes ~400 tensor operations (views, empty outputs) between them, while the other
 // thread waits (docs/performance.md, twelfth session); the team does neither. The numbers are
@@ -367,7 +402,8 @@ struct LayerStack {
   std::vector<const float*> qkv_bias_at;  // each layer's q/k/v bias, or nullptr
   std::vector<double> scales;              // each layer's attention scale
   double eps;
-  bool tiled;  // every matrix in tiles: decode steps can run as a team
+  bool team;  // every matrix shared by a team (shared_by_team): decode steps can run as one
+  int64_t team_max_rows = TEAM_MAX_ROWS;  // 1 with a float32 matrix (our kernel runs one row)
   int64_t team_steps = 0;  // steps run as a team (tests and describe() read it)
   // how long the team's barriers spin before they sleep, adapted as they wait (SpinBarrier)
   mutable std::atomic<int64_t> barrier_spin{SpinBarrier::MAX_SPIN};
@@ -381,10 +417,13 @@ struct LayerStack {
              double eps_)
       : attention(std::move(attention_)), mlp(std::move(mlp_)),
         input_norms(std::move(input_norms_)), post_norms(std::move(post_norms_)), eps(eps_),
-        tiled(true) {
+        team(true) {
     for (size_t i = 0; i < attention.size(); ++i)
-      tiled = tiled && attention[i].qkv.tiled() && attention[i].o.tiled() &&
-              mlp[i].gate_up.tiled() && mlp[i].down.tiled();
+      for (const QuantLinear* linear :
+           {&attention[i].qkv, &attention[i].o, &mlp[i].gate_up, &mlp[i].down}) {
+        team = team && linear->shared_by_team();
+        if (linear->float32()) team_max_rows = 1;
+      }
     auto where = [](const torch::Tensor& w) {
       TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous(),
                   "LayerStack: the norms' weights are contiguous float32");
@@ -398,15 +437,17 @@ struct LayerStack {
     }
   }
 
-  // The final norm (its float32 weight) and the output layer (in tiles), for team steps to run
-  // after the last layer: the model's final RMSNorm and lm_head, the same kernels on the rows.
+  // The final norm (its float32 weight) and the output layer (one a team can share), for team
+  // steps to run after the last layer: the model's final RMSNorm and lm_head, the same kernels on
+  // the rows.
   void set_head(const torch::Tensor& norm_weight, const QuantLinear& head) {
-    TORCH_CHECK(head.tiled() && head.in_features() == input_norms[0].numel() &&
+    TORCH_CHECK(head.shared_by_team() && head.in_features() == input_norms[0].numel() &&
                     norm_weight.scalar_type() == torch::kFloat32 && norm_weight.is_contiguous() &&
                     norm_weight.numel() == input_norms[0].numel(),
-                "LayerStack.set_head: a float32 norm weight and a tiled output layer of the "
-                "model's width");
+                "LayerStack.set_head: a float32 norm weight and an output layer of the model's "
+                "width that a team can share");
     final_norm = norm_weight, lm_head = head;
+    if (head.float32()) team_max_rows = 1;
     final_norm_at = norm_weight.data_ptr<float>();
   }
 
@@ -423,7 +464,7 @@ struct LayerStack {
     const size_t layers = attention.size();
     TORCH_CHECK(layers > 0 && k_caches.size() == layers && v_caches.size() == layers,
                 "LayerStack: one K and one V cache per layer");
-    if (tiled && first_chunks.size(0) == 0 && h.size(0) <= TEAM_MAX_ROWS &&
+    if (team && first_chunks.size(0) == 0 && h.size(0) <= team_max_rows &&
         h.scalar_type() == torch::kFloat32) {
       ++team_steps;
       const bool with_head = lm_head.has_value() && logits_rows.has_value();
@@ -553,16 +594,16 @@ struct LayerStack {
       add_rms_norm_row(res + r * hidden, s.down_at + r * hidden, final_norm_at, hidden,
                        static_cast<float>(eps), x + r * hidden, rows + j * hidden);
     }
-    share_tiles(me, *lm_head, own.rounding.round(rows, s.num_head_rows, hidden), nullptr,
-                s.logits_at, s.tiles_taken.back(), nullptr);
+    share_tiles(me, *lm_head, lm_head->team_rows(rows, s.num_head_rows, hidden, own.rounding),
+                nullptr, s.logits_at, s.tiles_taken.back(), nullptr);
   }
 
   // qkv, RoPE and the new K/V into the cache, attention, o: four barriers.
   void attention_phases(const TeamMember& me, TeamStep& s, size_t i, const float* x,
                         q8::RoundingBuffer& rounding) const {
     const AttentionBlock& block = attention[i];
-    share_tiles(me, block.qkv, rounding.round(x, s.m, s.hidden), qkv_bias_at[i], s.qkv_at,
-                s.tiles_taken[4 * i], &block.o);
+    share_tiles(me, block.qkv, block.qkv.team_rows(x, s.m, s.hidden, rounding), qkv_bias_at[i],
+                s.qkv_at, s.tiles_taken[4 * i], &block.o);
     if (me.rank == 0) {
       const float* qkv = s.qkv_at;
       float* qk = s.qk_at;
@@ -576,15 +617,15 @@ struct LayerStack {
     me.barrier();
     s.attention.run_items(i, s.next_item);
     me.barrier();
-    share_tiles(me, block.o, rounding.round(s.attn_at, s.m, s.heads * s.d), nullptr, s.o_at,
-                s.tiles_taken[4 * i + 1], &mlp[i].gate_up);
+    share_tiles(me, block.o, block.o.team_rows(s.attn_at, s.m, s.heads * s.d, rounding), nullptr,
+                s.o_at, s.tiles_taken[4 * i + 1], &mlp[i].gate_up);
   }
 
   // gate_up, SwiGLU, down: two barriers.
   void mlp_phases(const TeamMember& me, TeamStep& s, size_t i, const float* x,
                   MemberRows& own) const {
-    share_tiles(me, mlp[i].gate_up, own.rounding.round(x, s.m, s.hidden), nullptr,
-                s.gate_up_at, s.tiles_taken[4 * i + 2], &mlp[i].down);
+    share_tiles(me, mlp[i].gate_up, mlp[i].gate_up.team_rows(x, s.m, s.hidden, own.rounding),
+                nullptr, s.gate_up_at, s.tiles_taken[4 * i + 2], &mlp[i].down);
     float* act = q8::grow_to(own.act, s.m * s.inter);
     const float* gate_up = s.gate_up_at;
     for (int64_t r = 0; r < s.m; ++r)
@@ -592,8 +633,8 @@ struct LayerStack {
     const QuantLinear* next = i + 1 < attention.size() ? &attention[i + 1].qkv
                               : s.num_head_rows > 0         ? &*lm_head
                                                             : nullptr;
-    share_tiles(me, mlp[i].down, own.rounding.round(act, s.m, s.inter), nullptr, s.down_at,
-                s.tiles_taken[4 * i + 3], next);
+    share_tiles(me, mlp[i].down, mlp[i].down.team_rows(act, s.m, s.inter, own.rounding), nullptr,
+                s.down_at, s.tiles_taken[4 * i + 3], next);
   }
 
   // A matrix's tiles into `out`. Each member first runs its own fixed share (the members together
@@ -607,8 +648,8 @@ struct LayerStack {
   // equally); with every tile claimed from the shared counter, each of a matrix's ~15 claims
   // moved the counter's cache line from one core to the other, and those reads took most of the
   // 5 % of samples spent in the team's own code (docs/performance.md, thirteenth session).
-  static void share_tiles(const TeamMember& me, const QuantLinear& linear,
-                          const q8::RoundedView& a, const float* bias, float* out,
+  static void share_tiles(const TeamMember& me, const QuantLinear& linear, const TeamRows& a,
+                          const float* bias, float* out,
                           std::atomic<int64_t>& taken, const QuantLinear* next) {
     const int64_t n = linear.num_tiles();
     const int64_t own = own_share(n, me);
@@ -654,7 +695,9 @@ void register_fused_blocks(pybind11::module& m) {
       .def(py::init<const std::string&, std::vector<torch::Tensor>, int64_t>(), py::arg("kind"),
            py::arg("tensors"), py::arg("group_size"))
       .def("__call__", &QuantLinear::operator(), py::arg("x"), py::arg("bias") = py::none(),
-           py::call_guard<py::gil_scoped_release>());
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("shared_by_team", &QuantLinear::shared_by_team,
+                             "a team of threads can share it, 16 output channels at a time");
   py::class_<AttentionBlock>(m, "AttentionBlock", "qkv, RoPE, paged attention and o in one call")
       .def(py::init<QuantLinear, QuantLinear, c10::optional<torch::Tensor>, int64_t, int64_t,
                     int64_t, double>(),
@@ -675,8 +718,10 @@ void register_fused_blocks(pybind11::module& m) {
            py::arg("tiles"), py::arg("first_chunks"), py::arg("logits_rows") = py::none(),
            py::call_guard<py::gil_scoped_release>())
       .def("set_head", &LayerStack::set_head, py::arg("final_norm"), py::arg("lm_head"))
-      .def_readonly("tiled", &LayerStack::tiled,
-                    "every matrix in tiles: decode steps run as one team of threads")
+      .def_readonly("team", &LayerStack::team,
+                    "every matrix shared by a team: decode steps run as one team of threads")
+      .def_readonly("team_max_rows", &LayerStack::team_max_rows,
+                    "the most rows a step may have to run as a team (1 with float32 matrices)")
       .def_readonly("team_steps", &LayerStack::team_steps,
                     "how many steps ran as one team of threads")
       .def_property(

@@ -14,9 +14,12 @@
 
 #include "q8.h"
 
-// split_linear.cpp
-torch::Tensor split_linear(const torch::Tensor& x, const torch::Tensor& w,
-                           const std::optional<torch::Tensor>& bias, bool onednn);
+// f32_rows.cpp
+torch::Tensor f32_linear(const torch::Tensor& x, const torch::Tensor& w,
+                         const std::optional<torch::Tensor>& bias, bool onednn);
+// Output channels c0 .. c1 of one row's y = x @ W^T (+ bias), W [out, k] row-major.
+void f32_rows_part(const float* w, int64_t k, const float* x, const float* bias, float* y,
+                   int64_t c0, int64_t c1);
 
 // cpu_kernels.cpp
 void check_paged_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
