@@ -1,8 +1,8 @@
 """A float32 linear (csrc/f32_rows.cpp, engine/kernels/float32_linear.py `float32_kernel`): at
-one row our own matrix × vector kernel, each output channel summed in the order the C++ file
-states (checked bit for bit against that order written in torch, on inputs whose products are
-exact, so a fused multiply-add and a product then a sum agree), close to float64, and the same
-whatever the thread count or the channels beside it; more rows go to the library whole; bad
+up to 8 rows our own kernel, each output summed in the order the C++ file states (checked bit
+for bit against that order written in torch, on inputs whose products are exact, so a fused
+multiply-add and a product then a sum agree), close to float64, and the same whatever the thread
+count, the channels beside it or the other rows; more rows go to the library whole; bad
 arguments are refused; and a float32 engine on kernels="auto" runs its linears this way, one on
 "torch" never does."""
 
@@ -17,6 +17,8 @@ from engine.kernels.float32_linear import library_linear, onednn_linear, onednn_
 # SmolLM2's matrices; widths that are no multiple of 16 (the last lanes count 0 x 0) and
 # channel counts that are no multiple of 4 (the last channels run one at a time)
 SHAPES = ((960, 576), (576, 1536), (3072, 576), (130, 70), (1000, 48), (37, 5), (3, 16))
+MAX_ROWS = 8  # csrc/kernels.h F32_MAX_ROWS
+ROW_COUNTS = (1, 2, 3, 5, MAX_ROWS)  # 4 rows at once, then the rest
 
 
 def libraries():
@@ -34,72 +36,77 @@ def threads():
 
 
 def in_stated_order(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The kernel's sums as f32_rows.cpp states them: 16 lanes, lane j adding the products of
-    inputs j, j + 16, ... in turn (past the end 0 x 0); lanes j + 8, j + 4, j + 2, j + 1 folded
-    in; then the bias. Exact only where each product is (the test's inputs are powers of two)."""
-    n, k = w.shape
+    """The kernel's sums as f32_rows.cpp states them, each row of x alone: 16 lanes, lane j
+    adding the products of inputs j, j + 16, ... in turn (past the end 0 x 0); lanes j + 8,
+    j + 4, j + 2, j + 1 folded in; then the bias. Exact only where each product is (the test's
+    inputs are powers of two)."""
+    (n, k), m = w.shape, x.shape[0]
     padded = -(-k // 16) * 16
-    products = torch.zeros(n, padded)
-    products[:, :k] = w * x[0]
-    lanes = torch.zeros(n, 16)
+    products = torch.zeros(m, n, padded)
+    products[:, :, :k] = w[None] * x[:, None, :]
+    lanes = torch.zeros(m, n, 16)
     for i in range(0, padded, 16):
-        lanes = lanes + products[:, i : i + 16]
+        lanes = lanes + products[:, :, i : i + 16]
     for half in (8, 4, 2, 1):
-        lanes = lanes[:, :half] + lanes[:, half : 2 * half]
-    total = lanes[:, 0]
-    return (total if bias is None else total + bias)[None]
+        lanes = lanes[:, :, :half] + lanes[:, :, half : 2 * half]
+    total = lanes[:, :, 0]
+    return total if bias is None else total + bias
 
 
-def exact_product_inputs(shape, gen):
-    """Weights from a normal distribution and one row of ±2^e inputs (e in -3 .. 3): every
+def exact_product_inputs(shape, rows, gen):
+    """Weights from a normal distribution and `rows` rows of ±2^e inputs (e in -3 .. 3): every
     product is exact in float32, the sums are not, so their order shows in the result."""
     n, k = shape
     w, bias = torch.randn(shape, generator=gen), torch.randn(n, generator=gen)
-    powers = 2.0 ** torch.randint(-3, 4, (1, k), generator=gen).float()
-    signs = torch.where(torch.rand(1, k, generator=gen) < 0.5, -1.0, 1.0)
+    powers = 2.0 ** torch.randint(-3, 4, (rows, k), generator=gen).float()
+    signs = torch.where(torch.rand(rows, k, generator=gen) < 0.5, -1.0, 1.0)
     return w, bias, powers * signs
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_one_row_sums_in_the_stated_order(ext, shape):
-    w, bias, x = exact_product_inputs(shape, torch.Generator().manual_seed(sum(shape)))
-    for b in (None, bias):
-        for _, _, onednn in libraries():
-            got = ext.f32_linear(x, w, b, onednn)
-            assert got.shape == (1, shape[0])
-            assert torch.equal(got, in_stated_order(x, w, b)), b is not None
+def test_up_to_eight_rows_sum_in_the_stated_order(ext, shape):
+    for rows in ROW_COUNTS:
+        w, bias, x = exact_product_inputs(shape, rows, torch.Generator().manual_seed(rows))
+        for b in (None, bias):
+            for _, _, onednn in libraries():
+                got = ext.f32_linear(x, w, b, onednn)
+                assert got.shape == (rows, shape[0])
+                assert torch.equal(got, in_stated_order(x, w, b)), (rows, b is not None)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_one_row_is_close_to_float64_and_the_same_on_any_threads_and_slice(ext, threads, shape):
+def test_a_row_is_close_to_float64_and_the_same_in_any_step(ext, threads, shape):
+    """The same numbers for a row on 1, 2 or 3 threads, beside other channels (a slice of the
+    matrix: other groups of four) and beside other rows (the step's other requests)."""
     gen = torch.Generator().manual_seed(sum(shape))
     w, bias = torch.randn(shape, generator=gen), torch.randn(shape[0], generator=gen)
-    x = torch.randn(1, shape[1], generator=gen)
+    x = torch.randn(MAX_ROWS, shape[1], generator=gen)
     torch.set_num_threads(1)
-    one_thread = ext.f32_linear(x, w, bias, True)
+    alone = torch.cat([ext.f32_linear(x[r : r + 1], w, bias, True) for r in range(MAX_ROWS)])
     exact = x.double() @ w.double().T + bias.double()
-    torch.testing.assert_close(one_thread.double(), exact, rtol=1e-5, atol=1e-5)
-    for num_threads in (2, 3):
+    torch.testing.assert_close(alone.double(), exact, rtol=1e-5, atol=1e-4)
+    for num_threads in (1, 2, 3):
         torch.set_num_threads(num_threads)
-        assert torch.equal(ext.f32_linear(x, w, bias, True), one_thread)
-    lo, hi = 1, shape[0] - 1  # other channels beside each one, other groups of four
-    part = ext.f32_linear(x, w[lo:hi], bias[lo:hi], True)
-    assert torch.equal(part, one_thread[:, lo:hi])
+        for rows in ROW_COUNTS:
+            assert torch.equal(ext.f32_linear(x[:rows], w, bias, True), alone[:rows])
+    lo, hi = 1, shape[0] - 1
+    part = ext.f32_linear(x[:3], w[lo:hi], bias[lo:hi], True)
+    assert torch.equal(part, alone[:3, lo:hi])
 
 
 def test_more_rows_and_other_shapes_go_to_the_library_whole(ext, threads):
     torch.set_num_threads(2)
     w = torch.randn(960, 576)
-    for x in (torch.randn(4, 576), torch.randn(2, 3, 576), torch.randn(576)):
+    for x in (torch.randn(MAX_ROWS + 1, 576), torch.randn(2, 3, 576), torch.randn(576)):
         for _, library, onednn in libraries():
             assert torch.equal(ext.f32_linear(x, w, None, onednn), library(x, w))
     x, strided = torch.randn(1, 576), w.T.contiguous().T  # a weight not in rows: the library
     assert torch.equal(ext.f32_linear(x, strided, None, False), F.linear(x, strided))
 
 
-def test_a_float32_layer_on_our_kernels_is_ours_at_one_row_and_the_library_at_more(ext, threads):
+def test_a_float32_layer_on_our_kernels_is_ours_at_few_rows_and_the_library_at_more(ext, threads):
     """A layer holding a float32 matrix binds our C++ linear where the engine runs our kernels
-    (`float32_kernel`), the plain library where it does not: at one row ours, at several both
+    (`float32_kernel`), the plain library where it does not: up to 8 rows ours, above that both
     give the library's numbers."""
     from engine.layers.linear import ReplicatedLinear
 
@@ -107,10 +114,11 @@ def test_a_float32_layer_on_our_kernels_is_ours_at_one_row_and_the_library_at_mo
     w, bias = torch.randn(960, 576), torch.randn(960)
     ours, plain = ReplicatedLinear(w, bias, ext), ReplicatedLinear(w, bias, None)
     assert ours.kernel is not None and plain.kernel is None
-    x = torch.randn(1, 576)
-    assert torch.equal(ours(x), ext.f32_linear(x, w, bias, True))
-    assert torch.equal(plain(x), library_linear()(x, w, bias))
-    x = torch.randn(5, 576)
+    for rows in (1, 5):
+        x = torch.randn(rows, 576)
+        assert torch.equal(ours(x), ext.f32_linear(x, w, bias, True))
+        assert torch.equal(plain(x), library_linear()(x, w, bias))
+    x = torch.randn(MAX_ROWS + 1, 576)
     assert torch.equal(ours(x), plain(x)) and torch.equal(plain(x), library_linear()(x, w, bias))
 
 

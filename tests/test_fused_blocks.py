@@ -144,9 +144,8 @@ def test_decode_steps_run_as_one_team_bit_for_bit(
     bit, at any number of threads, with a bfloat16 cache too (whose first chunks, before this
     test, attended to unrounded keys in the fused block), with Qwen2's q/k/v biases (and its
     untied output layer), and with the output layer in rows (the team stops after the layers);
-    the prefill keeps the kernels' loops. A float32 model's steps of one token run as a team too
-    (the matrices' rows shared 16 at a time, the output layer with them); its steps of two rows
-    keep the loops (our kernel runs one row, the library more)."""
+    the prefill keeps the kernels' loops. A float32 model's decode steps run as a team too (the
+    matrices' rows shared 16 at a time, the output layer with them)."""
     if layout.startswith("tiles") and "int4" not in ext.q8_tile_formats():
         pytest.skip("this build has no vector code for int4 tiles, so the model is not tiled")
     model_dir = request.getfixturevalue("tiny_qwen2_dir" if model == "qwen2" else "tiny_model_dir")
@@ -161,8 +160,7 @@ def test_decode_steps_run_as_one_team_bit_for_bit(
         python_logits, python_cache = run_decodes(python, getattr(torch, kv_dtype))
     finally:
         torch.set_num_threads(before)
-    # every decode step (float32: each of one token), not the prefill
-    assert fused.stack.stack.team_steps == (3 if layout == "float32" else 7)
+    assert fused.stack.stack.team_steps == 7  # every decode step, not the prefill
     assert "as one team of threads" in describe(fused)
     for a, b in zip(fused_logits, python_logits, strict=True):
         assert torch.equal(a, b)

@@ -140,12 +140,11 @@ class LayerStack:
     `LlamaModel.run_layers`, with no Python between the kernels (what a CUDA graph does for a
     GPU step: engine/worker/cuda_graphs.py). When every matrix is in tiles (a GGUF's), a decode
     step of up to 8 tokens runs as one team of threads in one parallel region, sharing each
-    matrix's tiles and waiting at barriers, instead of starting ~150 parallel loops a step; a
-    float32 model's decode step of one token does the same with its matrices' rows (our one-row
-    kernel: `stack.team_max_rows`); and when the output layer is one a team can share too, that
-    team runs the final norm and the output layer for the rows that sample (`runs_head`): the
-    step's largest matrix is shared the same way, and the logits come out of the same parallel
-    region."""
+    matrix's tiles and waiting at barriers, instead of starting ~150 parallel loops a step (a
+    float32 model's the same with its matrices' rows, on our few-row kernel); and when the
+    output layer is one a team can share too, that team runs the final norm and the output
+    layer for the rows that sample (`runs_head`): the step's largest matrix is shared the same
+    way, and the logits come out of the same parallel region."""
 
     def __init__(self, model: "LlamaModel"):
         layers = model.layers

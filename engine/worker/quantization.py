@@ -310,8 +310,7 @@ def describe(model) -> str:
     stack = getattr(model, "stack", None)
     layers = "layers in one C++ call" if stack else "layers in Python"
     if stack and stack.stack.team:
-        batch_1 = " at batch 1" if stack.stack.team_max_rows == 1 else ""
-        layers += f", decode steps{batch_1} as one team of threads"
+        layers += ", decode steps as one team of threads"
     if method is None:
         return f"none ({dtype} weights, {layers})"
     group = "" if method == "int8" else f", group {model.quantization_group_size}"

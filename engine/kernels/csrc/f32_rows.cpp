@@ -1,23 +1,25 @@
-// f32_linear: a float32 linear layer; at one row (decode at batch 1) on a kernel of our own, each
-// output channel's dot product summed in one fixed order; at more rows on the library the engine
-// chose for float32 (oneDNN's kernel, or MKL's through at::linear).
+// f32_linear: a float32 linear layer; at up to F32_MAX_ROWS (8) rows of activations, a decode
+// step's, on a kernel of our own, each output summed in one stated order; at more rows (a
+// prefill chunk) on the library the engine chose for float32 (oneDNN's kernel, or MKL's through
+// at::linear).
 //
-// Why: at one row a matrix times a vector is a stream of weights, each used once, and the step
-// waits for memory. The libraries' one-row kernels did not stream at the memory's speed: on a
+// Why: at a few rows a matrix product is a stream of weights, each used a few times, and the
+// step waits for memory. The libraries' kernels did not stream at the memory's speed there: on a
 // Zen 5 (2026-12-06, 2 threads, the default model's 120 layer matrices and its output layer,
-// 538 MB in huge pages) oneDNN, its channels split over the threads, took 12.9 ms a pass where
-// summing the same matrices took 8.0 and this kernel 7.4 (docs/performance.md, nineteenth
-// session). Earlier neither library kept the second core busy at one row; this one splits the
-// channels over the threads.
+// 538 MB in huge pages) oneDNN took 12.9 ms at one row (its channels split over the threads)
+// where summing the same matrices took 8.0 and this kernel 7.4; at 2-8 rows oneDNN's matmul was
+// slower still and this kernel 1.3-2x faster than it (docs/performance.md, nineteenth session).
 //
+// Each thread takes a range of output channels and reads 4 rows of weights side by side, each
+// multiplied by up to 4 rows of activations at once (more rows: again, the weights then in L1).
 // The order of the sums, on every build (AVX-512, AVX2, or portable C++): 16 lanes, lane j
 // summing the products of inputs j, j + 16, j + 32, ... one fused multiply-add at a time (inputs
 // past the end count as 0 x 0); then lanes j and j + 8, then j and j + 4, j and j + 2, and the
-// last two; then the bias. A channel's number depends only on its row of weights and the input:
-// not on the thread count, nor on which channels run beside it (tests/test_f32_rows.py).
-// At one row the numbers are therefore ours, not the library's: as before, one row and several
-// differ (oneDNN's own one-row kernel also summed in another order than its matmul at 2-256 rows,
-// which all agree).
+// last two; then the bias. An output depends only on its row of weights and its row of
+// activations: not on the thread count, the channels beside it, or the other rows of the step
+// (tests/test_f32_rows.py). So a request's numbers are the same in any step of up to 8 rows; at
+// more rows they are the library's, which sums in another order (as the libraries' own one-row
+// and several-row kernels did: oneDNN's differed between 1 and 2 rows, MKL's between 3 and 4).
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -67,37 +69,53 @@ inline float reduce_16(__m256 lo, __m256 hi) {
 #endif
 
 #if defined(__AVX512F__)
+constexpr int64_t ROWS_AT_ONCE = 4;  // activation rows whose sums stay in registers together
+
 inline float reduce_16(__m512 v) {
   return reduce_16(_mm512_castps512_ps256(v),
                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
 
-// Channels c .. c + R - 1, their rows of weights read side by side.
-template <int R>
-void channels(const float* w, int64_t k, const float* x, const float* bias, float* y, int64_t c) {
+// Channels c .. c + R - 1 for the M rows of activations at x (each k long), into y (rows n long):
+// the R rows of weights read side by side, each multiplied by every row of x.
+template <int R, int M>
+void channels(const float* w, int64_t k, const float* x, const float* bias, float* y, int64_t n,
+              int64_t c) {
   const int64_t full = k / LANES * LANES;
   const __mmask16 tail = static_cast<__mmask16>((1u << (k - full)) - 1);
   const float* row = w + c * k;
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < M; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t i = 0; i < full; i += LANES) {
     _mm_prefetch(reinterpret_cast<const char*>(row + (R - 1) * k + i) + PREFETCH_BYTES,
                  _MM_HINT_T0);
-    const __m512 xv = _mm512_loadu_ps(x + i);
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(row + r * k + i), xv, acc[r]);
+    __m512 xv[M];
+    for (int j = 0; j < M; ++j) xv[j] = _mm512_loadu_ps(x + j * k + i);
+    for (int r = 0; r < R; ++r) {
+      const __m512 wv = _mm512_loadu_ps(row + r * k + i);
+      for (int j = 0; j < M; ++j) acc[r][j] = _mm512_fmadd_ps(wv, xv[j], acc[r][j]);
+    }
   }
   if (tail != 0) {
-    const __m512 xv = _mm512_maskz_loadu_ps(tail, x + full);
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, row + r * k + full), xv, acc[r]);
+    for (int r = 0; r < R; ++r) {
+      const __m512 wv = _mm512_maskz_loadu_ps(tail, row + r * k + full);
+      for (int j = 0; j < M; ++j)
+        acc[r][j] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(tail, x + j * k + full), acc[r][j]);
+    }
   }
-  for (int r = 0; r < R; ++r) y[c + r] = with_bias(reduce_16(acc[r]), bias, c + r);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < M; ++j) y[j * n + c + r] = with_bias(reduce_16(acc[r][j]), bias, c + r);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-// As above with each channel's 16 lanes in two vectors of 8.
-template <int R>
-void channels(const float* w, int64_t k, const float* x, const float* bias, float* y, int64_t c) {
+constexpr int64_t ROWS_AT_ONCE = 1;  // 16 registers: a channel's 16 lanes take two
+
+// As above with each channel's 16 lanes in two vectors of 8, one row of activations at a time.
+template <int R, int M>
+void channels(const float* w, int64_t k, const float* x, const float* bias, float* y, int64_t n,
+              int64_t c) {
+  static_assert(M == 1, "AVX2: one row of activations at a time");
+  (void)n;
   const int64_t full = k / LANES * LANES;
   alignas(32) int32_t mask_bits[LANES];
   for (int64_t j = 0; j < LANES; ++j) mask_bits[j] = full + j < k ? -1 : 0;
@@ -126,9 +144,14 @@ void channels(const float* w, int64_t k, const float* x, const float* bias, floa
   for (int r = 0; r < R; ++r) y[c + r] = with_bias(reduce_16(lo[r], hi[r]), bias, c + r);
 }
 #else
+constexpr int64_t ROWS_AT_ONCE = 1;
+
 // Any CPU: the same sums, one lane at a time.
-template <int R>
-void channels(const float* w, int64_t k, const float* x, const float* bias, float* y, int64_t c) {
+template <int R, int M>
+void channels(const float* w, int64_t k, const float* x, const float* bias, float* y, int64_t n,
+              int64_t c) {
+  static_assert(M == 1, "portable: one row of activations at a time");
+  (void)n;
   for (int r = 0; r < R; ++r) {
     const float* row = w + (c + r) * k;
     float acc[LANES] = {};
@@ -144,14 +167,33 @@ void channels(const float* w, int64_t k, const float* x, const float* bias, floa
 }
 #endif
 
+// Channels c .. c + R - 1 for every row of x, ROWS_AT_ONCE rows at a time (the R rows of
+// weights, 9-25 KB for SmolLM2, stay in the core's L1 cache between those passes).
+template <int R>
+void channels_all_rows(const float* w, int64_t k, const float* x, int64_t m, const float* bias,
+                       float* y, int64_t n, int64_t c) {
+  for (int64_t r0 = 0; r0 < m; r0 += ROWS_AT_ONCE) {
+    const float* xr = x + r0 * k;
+    float* yr = y + r0 * n;
+    switch (std::min(ROWS_AT_ONCE, m - r0)) {
+#if defined(__AVX512F__)
+      case 4: channels<R, 4>(w, k, xr, bias, yr, n, c); break;
+      case 3: channels<R, 3>(w, k, xr, bias, yr, n, c); break;
+      case 2: channels<R, 2>(w, k, xr, bias, yr, n, c); break;
+#endif
+      default: channels<R, 1>(w, k, xr, bias, yr, n, c); break;
+    }
+  }
+}
+
 }  // namespace
 
-void f32_rows_part(const float* w, int64_t k, const float* x, const float* bias, float* y,
-                   int64_t c0, int64_t c1) {
+void f32_rows_part(const float* w, int64_t k, const float* x, int64_t m, const float* bias,
+                   float* y, int64_t n, int64_t c0, int64_t c1) {
   int64_t c = c0;
   for (; c + CHANNELS_AT_ONCE <= c1; c += CHANNELS_AT_ONCE)
-    channels<CHANNELS_AT_ONCE>(w, k, x, bias, y, c);
-  for (; c < c1; ++c) channels<1>(w, k, x, bias, y, c);
+    channels_all_rows<CHANNELS_AT_ONCE>(w, k, x, m, bias, y, n, c);
+  for (; c < c1; ++c) channels_all_rows<1>(w, k, x, m, bias, y, n, c);
 }
 
 torch::Tensor f32_linear(const torch::Tensor& x, const torch::Tensor& w,
@@ -164,17 +206,17 @@ torch::Tensor f32_linear(const torch::Tensor& x, const torch::Tensor& w,
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == w.size(0) &&
                         bias->scalar_type() == torch::kFloat32),
               "f32_linear: bias [out], float32");
-  if (x.dim() != 2 || x.size(0) != 1 || !w.is_contiguous())
+  if (x.dim() != 2 || x.size(0) < 1 || x.size(0) > F32_MAX_ROWS || !w.is_contiguous())
     return library_linear(x, w, bias, onednn);
-  const int64_t n = w.size(0), k = w.size(1);
-  const torch::Tensor row = x.contiguous();
+  const int64_t m = x.size(0), n = w.size(0), k = w.size(1);
+  const torch::Tensor rows = x.contiguous();
   const torch::Tensor b = bias ? bias->contiguous() : torch::Tensor();
-  auto out = at::empty({1, n}, x.options());
-  const float *w_at = w.data_ptr<float>(), *x_at = row.data_ptr<float>();
+  auto out = at::empty({m, n}, x.options());
+  const float *w_at = w.data_ptr<float>(), *x_at = rows.data_ptr<float>();
   const float* bias_at = bias ? b.data_ptr<float>() : nullptr;
   float* y = out.data_ptr<float>();
   at::parallel_for(0, n, MIN_CHANNELS_PER_THREAD, [&](int64_t c0, int64_t c1) {
-    f32_rows_part(w_at, k, x_at, bias_at, y, c0, c1);
+    f32_rows_part(w_at, k, x_at, m, bias_at, y, n, c0, c1);
   });
   return out;
 }

@@ -69,6 +69,7 @@ Kind kind_of(const std::string& name, size_t num_tensors) {
 // int8 blocks in the member's own buffer (tiles).
 struct TeamRows {
   const float* x;
+  int64_t m;
   q8::RoundedView rounded;
 };
 
@@ -127,8 +128,8 @@ struct QuantLinear {
   // In tiles of 16 output channels (a GGUF's layers and output layer).
   bool tiled() const { return kind == Kind::Int4Tiles || kind == Kind::Int8Tiles; }
   bool float32() const { return kind == Kind::F32Onednn || kind == Kind::F32Mkl; }
-  // A team can share it, 16 output channels at a time: tiles, or a float32 matrix's rows (one
-  // row of activations only: our kernel runs one row, a library more).
+  // A team can share it, 16 output channels at a time: tiles, or a float32 matrix's rows (our
+  // kernel, as f32_linear runs a team step's rows: TEAM_MAX_ROWS <= F32_MAX_ROWS).
   bool shared_by_team() const { return tiled() || f32_at != nullptr; }
   int64_t num_tiles() const { return tiles_count; }
   int64_t out_features() const {
@@ -147,15 +148,15 @@ struct QuantLinear {
 
   // What a member multiplies: `m` rows of `k` activations, rounded into `rounding` for tiles.
   TeamRows team_rows(const float* x, int64_t m, int64_t k, q8::RoundingBuffer& rounding) const {
-    if (float32()) return {x, {}};
-    return {x, rounding.round(x, m, k)};
+    if (float32()) return {x, m, {}};
+    return {x, m, rounding.round(x, m, k)};
   }
 
-  // Tiles t0 .. t1 of y [rows, out_features] for the rows in `a` (a float32 matrix: one row).
+  // Tiles t0 .. t1 of y [rows, out_features] for the rows in `a`.
   void tiles_part(const TeamRows& a, const float* bias, float* y, int64_t t0, int64_t t1) const {
     if (float32()) {
       const int64_t n = out_features(), c1 = std::min(n, t1 * q8::TILE_CHANNELS);
-      f32_rows_part(f32_at, in_features(), a.x, bias, y, t0 * q8::TILE_CHANNELS, c1);
+      f32_rows_part(f32_at, in_features(), a.x, a.m, bias, y, n, t0 * q8::TILE_CHANNELS, c1);
     } else if (kind == Kind::Int4Tiles) {
       int4_tiles_part(tiles_at, tiles_count, a.rounded, bias, y, t0, t1);
     } else {
@@ -329,10 +330,10 @@ struct TeamMember {
   void barrier() const { team_barrier->wait(size, ahead); }
 };
 
-// Decode steps of up to this many tokens run as a team (below; one token where a matrix is
-// float32); a longer step (a prefill chunk) keeps the kernels' own parallel loops, which split
-// its rows too.
+// Decode steps of up to this many tokens run as a team (below); a longer step (a prefill chunk)
+// keeps the kernels' own parallel loops, which split its rows too.
 constexpr int64_t TEAM_MAX_ROWS = 8;
+static_assert(TEAM_MAX_ROWS <= F32_MAX_ROWS, "a team's float32 rows are on our kernel");
 
 // Of a matrix's tiles, each member of a team first runs a fixed share (together, this many
 // quarters of them), then takes the rest at least MIN_RUN tiles at a time (share_tiles, below).
@@ -379,8 +380,8 @@ struct TeamStep {
 // Every layer of the model, one after the other, as LlamaModel.run_layers runs them: the
 // residual adds fused into the norms that follow them (add_rms_norm). One call a step.
 //
-// A decode step whose matrices a team can share (all in tiles, or float32 at one row: a step of
-// one token) runs as a team instead: one parallel region for the whole step, each thread
+// A decode step whose matrices a team can share (all in tiles, or all float32) runs as a team
+// instead: one parallel region for the whole step, each thread
 // running every layer's loop, splitting each matrix's tiles (a float32 matrix's rows 16 at a
 // time) and the attention's items with the other threads and waiting at a barrier where a phase
 // needs every thread's output (6 a layer); with a head (set_head) and the rows that sample, the
@@ -403,7 +404,6 @@ struct LayerStack {
   std::vector<double> scales;              // each layer's attention scale
   double eps;
   bool team;  // every matrix shared by a team (shared_by_team): decode steps can run as one
-  int64_t team_max_rows = TEAM_MAX_ROWS;  // 1 with a float32 matrix (our kernel runs one row)
   int64_t team_steps = 0;  // steps run as a team (tests and describe() read it)
   // how long the team's barriers spin before they sleep, adapted as they wait (SpinBarrier)
   mutable std::atomic<int64_t> barrier_spin{SpinBarrier::MAX_SPIN};
@@ -420,10 +420,8 @@ struct LayerStack {
         team(true) {
     for (size_t i = 0; i < attention.size(); ++i)
       for (const QuantLinear* linear :
-           {&attention[i].qkv, &attention[i].o, &mlp[i].gate_up, &mlp[i].down}) {
+           {&attention[i].qkv, &attention[i].o, &mlp[i].gate_up, &mlp[i].down})
         team = team && linear->shared_by_team();
-        if (linear->float32()) team_max_rows = 1;
-      }
     auto where = [](const torch::Tensor& w) {
       TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous(),
                   "LayerStack: the norms' weights are contiguous float32");
@@ -447,7 +445,6 @@ struct LayerStack {
                 "LayerStack.set_head: a float32 norm weight and an output layer of the model's "
                 "width that a team can share");
     final_norm = norm_weight, lm_head = head;
-    if (head.float32()) team_max_rows = 1;
     final_norm_at = norm_weight.data_ptr<float>();
   }
 
@@ -464,7 +461,7 @@ struct LayerStack {
     const size_t layers = attention.size();
     TORCH_CHECK(layers > 0 && k_caches.size() == layers && v_caches.size() == layers,
                 "LayerStack: one K and one V cache per layer");
-    if (team && first_chunks.size(0) == 0 && h.size(0) <= team_max_rows &&
+    if (team && first_chunks.size(0) == 0 && h.size(0) <= TEAM_MAX_ROWS &&
         h.scalar_type() == torch::kFloat32) {
       ++team_steps;
       const bool with_head = lm_head.has_value() && logits_rows.has_value();
@@ -720,8 +717,6 @@ void register_fused_blocks(pybind11::module& m) {
       .def("set_head", &LayerStack::set_head, py::arg("final_norm"), py::arg("lm_head"))
       .def_readonly("team", &LayerStack::team,
                     "every matrix shared by a team: decode steps run as one team of threads")
-      .def_readonly("team_max_rows", &LayerStack::team_max_rows,
-                    "the most rows a step may have to run as a team (1 with float32 matrices)")
       .def_readonly("team_steps", &LayerStack::team_steps,
                     "how many steps ran as one team of threads")
       .def_property(

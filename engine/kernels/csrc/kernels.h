@@ -15,11 +15,13 @@
 #include "q8.h"
 
 // f32_rows.cpp
+constexpr int64_t F32_MAX_ROWS = 8;  // rows of activations on our kernel; more on the library
 torch::Tensor f32_linear(const torch::Tensor& x, const torch::Tensor& w,
                          const std::optional<torch::Tensor>& bias, bool onednn);
-// Output channels c0 .. c1 of one row's y = x @ W^T (+ bias), W [out, k] row-major.
-void f32_rows_part(const float* w, int64_t k, const float* x, const float* bias, float* y,
-                   int64_t c0, int64_t c1);
+// Output channels c0 .. c1 of y [m, n] = x [m, k] @ W^T (+ bias), W [n, k] row-major, m of at
+// most F32_MAX_ROWS.
+void f32_rows_part(const float* w, int64_t k, const float* x, int64_t m, const float* bias,
+                   float* y, int64_t n, int64_t c0, int64_t c1);
 
 // cpu_kernels.cpp
 void check_paged_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
