@@ -79,8 +79,8 @@ def _call_over(fn, matrices: list[torch.Tensor], rows: int):
 def _choose(matrices: list[torch.Tensor]) -> dict:
     """oneDNN stays (it was the faster where this was first measured) unless MKL is at least
     15 % faster at one row and no more than 10 % slower at 32: one library for every row count
-    (an engine on our kernels runs one row on its own kernel, csrc/f32_rows.cpp; one row and
-    several sum in different orders in either library too)."""
+    (an engine on our kernels runs up to 8 rows on its own kernel, csrc/f32_rows.cpp; one row
+    and several sum in different orders in either library too)."""
     ms = time_linears({"mkl": (F.linear, matrices), "onednn": (onednn_linear, matrices)})
     mkl_wins = ms[1]["mkl"] < 0.85 * ms[1]["onednn"] and ms[32]["mkl"] < 1.1 * ms[32]["onednn"]
     size = sum(m.numel() for m in matrices) * 4 / 1e6
@@ -124,11 +124,11 @@ def library_linear():
 
 def float32_kernel(w: torch.Tensor, kernels):
     """`w`'s C++ linear (`kernels.QuantLinear`, engine/kernels/csrc/fused_blocks.cpp, also what
-    the fused layers call): at one row (decode at batch 1) a matrix × vector kernel of our own,
-    its channels split over the threads, each channel summed in one fixed order; at more rows
-    the library chosen above (csrc/f32_rows.cpp). The libraries' one-row kernels streamed the
-    weights well below the memory's speed (a Zen 5, 2026-12-06: the model's matrices 1.7× faster
-    on ours, docs/performance.md, nineteenth session)."""
+    the fused layers call): at up to 8 rows (a decode step's) a kernel of our own, its channels
+    split over the threads, each output summed in one stated order whatever the other rows; at
+    more rows the library chosen above (csrc/f32_rows.cpp). The libraries streamed the weights
+    well below the memory's speed there (a Zen 5, 2026-12-06: the model's matrices 1.6× faster
+    on ours at one row, 1.3-2× at 2-8: docs/performance.md, nineteenth session)."""
     return kernels.QuantLinear(f"float32_{float32_linear_backend()['backend']}", [w], 0)
 
 

@@ -157,8 +157,8 @@ def choose_precision(ms: dict | None, isa: str | None) -> dict:
 
 
 def _time_precisions(matrices: list[torch.Tensor]) -> dict:
-    """float32 (as a float32 layer runs it: on our kernels where they build, one row on our
-    matrix × vector kernel; else, and at more rows, on the float32 library chosen for this CPU)
+    """float32 (as a float32 layer runs it: on our kernels where they build, up to 8 rows on our
+    own kernel; else, and at more rows, on the float32 library chosen for this CPU)
     and the bfloat16 libraries over `matrices` and their bfloat16 copies (prepacked ones where
     this PyTorch can), side by side under the same load."""
     f32 = F.linear if float32_linear_backend(matrices)["backend"] == "mkl" else onednn_linear

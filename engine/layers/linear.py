@@ -40,8 +40,8 @@ def choose_matmul(weight, kernels=None, kernel=None) -> Matmul:
     goes to our C++ kernel (`kernels`, the compiled extension; `kernel`, that kernel already
     bound to the weight: quant.py `kernel_linear`) or, with None, to the reference
     (dequantize + matmul); a float32 matrix on a CPU to the library timed faster here (MKL or
-    oneDNN, once per process; with `kernel`, our C++ linear: one row on our own matrix × vector
-    kernel, more rows on that library: float32_linear.py `float32_kernel`); a bfloat16 matrix
+    oneDNN, once per process; with `kernel`, our C++ linear: up to 8 rows on our own kernel,
+    more rows on that library: float32_linear.py `float32_kernel`); a bfloat16 matrix
     on a CPU to the bfloat16 linear (float32 activations cast for the matmul, the result cast
     back; plain F.linear for bfloat16 ones), oneDNN's where the matrix was prepacked for it at
     load, our kernel where it was cut into tiles (`kernel`: engine/kernels/bfloat16_tiles.py,
@@ -68,7 +68,7 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, kernels=None) -
 def bound_kernel(weight, kernels):
     """`weight`'s C++ kernel with the weight bound, where `kernels` (the compiled extension)
     has one for it: a weight-only quantized matrix, a bfloat16 one in tiles, or a float32 one
-    on our float32 linear (one row on our kernel, more on the library); else None."""
+    on our float32 linear (up to 8 rows on our kernel, more on the library); else None."""
     if kernels is None:
         return None
     if isinstance(weight, QUANTIZED_TYPES):

@@ -261,8 +261,8 @@ class LlamaModel:
         and its quantized linears on our C++ kernels (mode "auto", when they build and apply:
         CPU; float32 for the attention) or on the torch reference ("torch"); a bfloat16 model's
         linears on our bfloat16 kernel where this CPU has AMX or AVX512-BF16 (its matrices cut
-        into tiles, once per process); a float32 model's linears on our C++ linear (one row on
-        our matrix × vector kernel, more rows on the float32 library: float32_linear.py)."""
+        into tiles, once per process); a float32 model's linears on our C++ linear (up to 8
+        rows on our own kernel, more rows on the float32 library: float32_linear.py)."""
         path = kernel_lib.resolve(mode, self.device, self.dtype)
         logger.info("kernels=%r: %s", mode, kernel_lib.describe(path))
         linear_path = "torch"  # float weights: no quantized linear (nothing to build for bf16)

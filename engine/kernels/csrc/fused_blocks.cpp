@@ -15,7 +15,7 @@
 // "int4_q8" (packed, scales, mins) and "int8_q8" (qweight, scales); and, not quantized but
 // also rounded once at load, a bfloat16 matrix in tiles (a float32 engine's bfloat16
 // linears, or a bfloat16 engine's): "bf16_tiles" (tiles: bf16_tiles.cpp); and a float32
-// matrix, one row on our kernel and more on the library the engine chose (f32_rows.cpp):
+// matrix, up to 8 rows on our kernel and more on the library the engine chose (f32_rows.cpp):
 // "float32_onednn", "float32_mkl". Python builds it with
 // engine/kernels/quant.py `kernel_linear` (engine/kernels/bfloat16_tiles.py `tiled_kernel`,
 // engine/kernels/float32_linear.py `float32_kernel` for the others), and the layers of both
@@ -381,12 +381,12 @@ struct TeamStep {
 // residual adds fused into the norms that follow them (add_rms_norm). One call a step.
 //
 // A decode step whose matrices a team can share (all in tiles, or all float32) runs as a team
-// instead: one parallel region for the whole step, each thread
-// running every layer's loop, splitting each matrix's tiles (a float32 matrix's rows 16 at a
-// time) and the attention's items with the other threads and waiting at a barrier where a phase
-// needs every thread's output (6 a layer); with a head (set_head) and the rows that sample, the
-// final norm and the output layer too (28 of the 95 MB a 4-bit SmolLM2 step reads). Each thread
-// rounds (for tiles) the activations it multiplies and keeps the residual stream and the norms' outputs itself (a few
+// instead: one parallel region for the whole step, each thread running every layer's loop,
+// splitting each matrix's tiles (a float32 matrix's rows, 16 at a time) and the attention's items
+// with the other threads and waiting at a barrier where a phase needs every thread's output (6 a
+// layer); with a head (set_head) and the rows that sample, the final norm and the output layer
+// too (28 of the 95 MB a 4-bit SmolLM2 step reads). Each thread rounds the activations it
+// multiplies (for tiles) and keeps the residual stream and the norms' outputs itself (a few
 // KB, the same numbers in each). A gguf decode step at batch 1 otherwise starts ~150 parallel
 // loops and makes ~400 tensor operations (views, empty outputs) between them, while the other
 // thread waits (docs/performance.md, twelfth session); the team does neither. The numbers are
@@ -646,8 +646,8 @@ struct LayerStack {
   // moved the counter's cache line from one core to the other, and those reads took most of the
   // 5 % of samples spent in the team's own code (docs/performance.md, thirteenth session).
   static void share_tiles(const TeamMember& me, const QuantLinear& linear, const TeamRows& a,
-                          const float* bias, float* out,
-                          std::atomic<int64_t>& taken, const QuantLinear* next) {
+                          const float* bias, float* out, std::atomic<int64_t>& taken,
+                          const QuantLinear* next) {
     const int64_t n = linear.num_tiles();
     const int64_t own = own_share(n, me);
     linear.tiles_part(a, bias, out, me.rank * own, (me.rank + 1) * own);

@@ -38,7 +38,7 @@ def linear_paths(mats: list, ext) -> dict:
             torch.float32,
             4 * params,
         )
-    if ext is not None:  # the engine's own: one row on our kernel, more on the library chosen
+    if ext is not None:  # the engine's own: up to 8 rows on our kernel, more on the library
         ours = [float32_kernel(m, ext) for m in mats]
         library = {"mkl": "MKL", "onednn": "oneDNN"}[float32_linear_backend()["backend"]]
         paths[f"float32 ours (one row; 32 rows {library})"] = (
@@ -96,7 +96,7 @@ def measure_linear_kernels(model, repeats: int) -> dict:
     batch 1: the path's own weight bytes ÷ time) and GFLOP/s at 32 rows (a decode step at batch
     32: 2 × weights × 32 ÷ time). Paths: torch's float32 (MKL's F.linear and oneDNN, one of
     which the engine's `linear` runs: engine/kernels/float32_linear.py; and that one as the
-    engine runs it on our kernels: one row on our own matrix × vector kernel, 32 on the library),
+    engine runs it on our kernels: one row on our own kernel, 32 on the library),
     bfloat16 (torch's, and our tiles where the CPU runs them: engine/kernels/bfloat16_tiles.py),
     and int8 / int4 (group 32) both through our C++ kernels ("ours") and through the
     readable torch reference (dequantize, then F.linear) that kernels="torch" runs. CPU only;
