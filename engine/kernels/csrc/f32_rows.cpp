@@ -35,7 +35,10 @@ namespace {
 
 constexpr int64_t LANES = 16;
 constexpr int64_t CHANNELS_AT_ONCE = 4;  // rows of weights read side by side
-constexpr int64_t PREFETCH_BYTES = 8192;  // ahead of the last of those rows
+// How far ahead a thread asks for its weights: one row's worth at one row of activations (the
+// hardware's own prefetch keeps up there), every row's at more, where the arithmetic per byte
+// grows and the hardware's fell behind (8 rows 1.3x faster, docs/performance.md).
+constexpr int64_t PREFETCH_BYTES = 8192;
 constexpr int64_t MIN_CHANNELS_PER_THREAD = 64;  // below this one thread costs less than two
 
 // mkldnn::_linear_pointwise(Tensor X, Tensor W, Tensor? B, str attr, Scalar?[] scalars,
@@ -88,8 +91,8 @@ void channels(const float* w, int64_t k, const float* x, const float* bias, floa
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < M; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t i = 0; i < full; i += LANES) {
-    _mm_prefetch(reinterpret_cast<const char*>(row + (R - 1) * k + i) + PREFETCH_BYTES,
-                 _MM_HINT_T0);
+    for (int r = M > 1 ? 0 : R - 1; r < R; ++r)
+      _mm_prefetch(reinterpret_cast<const char*>(row + r * k + i) + PREFETCH_BYTES, _MM_HINT_T0);
     __m512 xv[M];
     for (int j = 0; j < M; ++j) xv[j] = _mm512_loadu_ps(x + j * k + i);
     for (int r = 0; r < R; ++r) {
