@@ -132,6 +132,8 @@ def test_the_kernel_refuses_what_it_cannot_run(ext):
         ext.f32_linear(torch.randn(1, 32), w, None, False)
     with pytest.raises(RuntimeError, match="bias"):
         ext.f32_linear(torch.randn(1, 64), w, torch.randn(255), False)
+    with pytest.raises(RuntimeError, match="bias .* on the CPU"):  # our kernel reads it in place
+        ext.f32_linear(torch.randn(1, 64), w, torch.empty(256, device="meta"), True)
 
 
 def test_a_float32_engine_runs_its_linears_on_our_kernels_only(ext, make_engine):

@@ -161,7 +161,7 @@ def test_decode_steps_run_as_one_team_bit_for_bit(
     finally:
         torch.set_num_threads(before)
     assert fused.stack.stack.team_steps == 7  # every decode step, not the prefill
-    assert "as one team of threads" in describe(fused)
+    assert "decode steps as one team of threads" in describe(fused)
     for a, b in zip(fused_logits, python_logits, strict=True):
         assert torch.equal(a, b)
     for (k1, v1), (k2, v2) in zip(fused_cache, python_cache, strict=True):

@@ -207,8 +207,8 @@ torch::Tensor f32_linear(const torch::Tensor& x, const torch::Tensor& w,
   TORCH_CHECK(w.dim() == 2 && x.dim() >= 1 && x.size(-1) == w.size(1),
               "f32_linear: x [..., in] and w [out, in]");
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == w.size(0) &&
-                        bias->scalar_type() == torch::kFloat32),
-              "f32_linear: bias [out], float32");
+                        bias->scalar_type() == torch::kFloat32 && bias->device().is_cpu()),
+              "f32_linear: bias [out], float32 on the CPU");
   if (x.dim() != 2 || x.size(0) < 1 || x.size(0) > F32_MAX_ROWS || !w.is_contiguous())
     return library_linear(x, w, bias, onednn);
   const int64_t m = x.size(0), n = w.size(0), k = w.size(1);
