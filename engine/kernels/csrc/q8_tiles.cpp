@@ -21,6 +21,12 @@
 // channel's partial sums across lanes for every group; both then sum in q8.h's order, so the two
 // layouts give the same numbers bit for bit.
 //
+// No software prefetch: a thread's tiles are one stream of bytes, which the hardware's prefetch
+// follows. Asking for each record's 5 (int8: 8) cache lines 8 records ahead, as these kernels did
+// until 2026-12-06, added as many instructions to the load units as the loads themselves; on a
+// Zen 4 VM without it a 4-bit decode step's layers took 0.91-0.94x the time (docs/performance.md,
+// twentieth session).
+//
 //   y[c] = sum_g d_w[c, g] * d_x[g] * (q_c,g . xq_g) + m[c, g] * d_x[g] * sum(xq_g)
 //
 // int8 layout (one scale per output channel): tiles[t, g] is 512 bytes, eight chunks of 64; chunk
@@ -45,7 +51,6 @@ constexpr int64_t RECORD = 320;   // bytes per (tile, group): 256 of nibbles, 32
 constexpr int64_t RECORD8 = 512;  // int8 tiles: bytes per (tile, group), 16 channels x 32 bytes
 constexpr int64_t ROW_BLOCK = 4;  // activation rows that share one unpacked record
 constexpr int64_t ROWS_PER_ITEM = 64;  // several rows: a work item is a tile x 64 rows
-constexpr int64_t PREFETCH_AHEAD = 8 * RECORD;  // bytes ahead of the record being read
 
 inline int32_t four_bytes(const int8_t* p) {
   int32_t v;
@@ -101,14 +106,6 @@ void tile_rows_int8_portable(const uint8_t* rec, int64_t groups, const int8_t* x
     }
 }
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-// The record PREFETCH_AHEAD bytes past `rec` into L1, one cache line at a time.
-inline void prefetch_ahead(const uint8_t* rec, int64_t record_bytes) {
-  for (int64_t b = 0; b < record_bytes; b += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_AHEAD + b), _MM_HINT_T0);
-}
-#endif
-
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 constexpr bool INT4_VECTOR = true, INT8_VECTOR = true;
 
@@ -121,7 +118,6 @@ void tile_rows(const uint8_t* rec, int64_t groups, const int8_t* xq, int64_t k, 
   __m512 acc[R], acc_min[R];
   for (int r = 0; r < R; ++r) acc[r] = acc_min[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g, rec += RECORD) {
-    prefetch_ahead(rec, RECORD);
     __m512i lo[4], hi[4];
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
@@ -162,7 +158,6 @@ void tile_rows_int8(const uint8_t* rec, int64_t groups, const int8_t* xq, int64_
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g, rec += RECORD8) {
-    prefetch_ahead(rec, RECORD8);
     __m512i w[8];
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) w[i] = _mm512_loadu_si512(rec + 64 * i);
@@ -209,7 +204,6 @@ void tile_rows(const uint8_t* rec0, int64_t groups, const int8_t* xq, int64_t k,
     __m256 acc_min[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     const uint8_t* rec = rec0;
     for (int64_t g = 0; g < groups; ++g, rec += RECORD) {
-      prefetch_ahead(rec, RECORD);
       const int8_t* x = xq + r * k + g * q8::BLOCK;
       __m256i a[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
 #pragma GCC unroll 4
@@ -252,7 +246,6 @@ void tile_rows_int8(const uint8_t* rec0, int64_t groups, const int8_t* xq, int64
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     const uint8_t* rec = rec0;
     for (int64_t g = 0; g < groups; ++g, rec += RECORD8) {
-      prefetch_ahead(rec, RECORD8);
       const int8_t* x = xq + r * k + g * q8::BLOCK;
       __m256i a[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
 #pragma GCC unroll 8
