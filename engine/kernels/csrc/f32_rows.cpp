@@ -10,15 +10,8 @@
 // where summing the same matrices took 8.0 and this kernel 7.4; at 2-8 rows oneDNN's matmul was
 // slower still and this kernel 1.3-2x faster than it (docs/performance.md, nineteenth session).
 //
-// Each thread takes a range of output channels. At up to 4 rows of activations it reads its rows
-// of weights one after the other, each multiplied by every row of activations at once: one
-// stream of bytes front to back, which the hardware's prefetch follows. On a Zen 4 (2026-12-06)
-// reading 4 rows side by side instead, as this kernel first did, took 1.8x the time of summing
-// the same weights at one row (one core: 1.9x); one row at a time took the sum's time
-// (docs/performance.md, twentieth session).
-// At 5-8 rows, where there are more multiply-adds per byte, it reads 4 rows of weights side by
-// side, each prefetched 8 KB ahead, 4 rows of activations at a time (then again, the weights in
-// L1).
+// Each thread takes a range of output channels and reads 4 rows of weights side by side, each
+// multiplied by up to 4 rows of activations at once (more rows: again, the weights then in L1).
 // The order of the sums, on every build (AVX-512, AVX2, or portable C++): 16 lanes, lane j
 // summing the products of inputs j, j + 16, j + 32, ... one fused multiply-add at a time (inputs
 // past the end count as 0 x 0); then lanes j and j + 8, then j and j + 4, j and j + 2, and the
@@ -41,10 +34,10 @@
 namespace {
 
 constexpr int64_t LANES = 16;
-constexpr int64_t ONE_STREAM_ROWS = 4;  // rows of activations up to which weights are one stream
-constexpr int64_t CHANNELS_AT_ONCE = 4;  // rows of weights read side by side above it
-// How far ahead a thread asks for its weights when it reads rows side by side, where the
-// hardware's own prefetch fell behind (8 rows 1.3x faster on a Zen 5, docs/performance.md).
+constexpr int64_t CHANNELS_AT_ONCE = 4;  // rows of weights read side by side
+// How far ahead a thread asks for its weights: one row's worth at one row of activations (the
+// hardware's own prefetch keeps up there), every row's at more, where the arithmetic per byte
+// grows and the hardware's fell behind (8 rows 1.3x faster, docs/performance.md).
 constexpr int64_t PREFETCH_BYTES = 8192;
 constexpr int64_t MIN_CHANNELS_PER_THREAD = 64;  // below this one thread costs less than two
 
@@ -98,7 +91,7 @@ void channels(const float* w, int64_t k, const float* x, const float* bias, floa
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < M; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t i = 0; i < full; i += LANES) {
-    for (int r = 0; R > 1 && r < R; ++r)
+    for (int r = M > 1 ? 0 : R - 1; r < R; ++r)
       _mm_prefetch(reinterpret_cast<const char*>(row + r * k + i) + PREFETCH_BYTES, _MM_HINT_T0);
     __m512 xv[M];
     for (int j = 0; j < M; ++j) xv[j] = _mm512_loadu_ps(x + j * k + i);
@@ -135,9 +128,8 @@ void channels(const float* w, int64_t k, const float* x, const float* bias, floa
   __m256 lo[R], hi[R];
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   for (int64_t i = 0; i < full; i += LANES) {
-    if (R > 1)
-      _mm_prefetch(reinterpret_cast<const char*>(row + (R - 1) * k + i) + PREFETCH_BYTES,
-                   _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(row + (R - 1) * k + i) + PREFETCH_BYTES,
+                 _MM_HINT_T0);
     const __m256 x_lo = _mm256_loadu_ps(x + i), x_hi = _mm256_loadu_ps(x + i + 8);
     for (int r = 0; r < R; ++r) {
       lo[r] = _mm256_fmadd_ps(_mm256_loadu_ps(row + r * k + i), x_lo, lo[r]);
@@ -202,7 +194,7 @@ void channels_all_rows(const float* w, int64_t k, const float* x, int64_t m, con
 void f32_rows_part(const float* w, int64_t k, const float* x, int64_t m, const float* bias,
                    float* y, int64_t n, int64_t c0, int64_t c1) {
   int64_t c = c0;
-  for (; m > ONE_STREAM_ROWS && c + CHANNELS_AT_ONCE <= c1; c += CHANNELS_AT_ONCE)
+  for (; c + CHANNELS_AT_ONCE <= c1; c += CHANNELS_AT_ONCE)
     channels_all_rows<CHANNELS_AT_ONCE>(w, k, x, m, bias, y, n, c);
   for (; c < c1; ++c) channels_all_rows<1>(w, k, x, m, bias, y, n, c);
 }
