@@ -154,3 +154,30 @@ def test_a_float32_engine_runs_its_linears_on_our_kernels_only(ext, make_engine)
         tokens[mode] = list(request.output_token_ids)
     assert tokens["auto"] == tokens["torch"]
     assert len(tokens["auto"]) == 8
+
+
+@pytest.mark.parametrize("shape", ((10, 20), (8, 32), (3, 16)))
+def test_the_packed_copy_puts_four_channels_weights_together(ext, shape):
+    """f32_pack's layout (csrc/kernels.h): for each 16 inputs, 4 channels' 16 weights one after
+    another, the last out % 4 channels alone, inputs past the end as zero weights."""
+    n, k = shape
+    w = torch.arange(n * k, dtype=torch.float32).reshape(n, k) + 1
+    width = ext.f32_packed_width(k)
+    assert width == -(-k // 16) * 16
+    packed = torch.full((n, width), float("nan"))
+    ext.f32_pack(w, packed)
+    padded = torch.zeros(n, width)
+    padded[:, :k] = w
+    grouped = n // 4 * 4
+    together = padded[:grouped].reshape(grouped // 4, 4, width // 16, 16).transpose(1, 2)
+    expected = torch.cat([together.reshape(grouped, width), padded[grouped:]])
+    assert torch.equal(packed, expected)
+
+
+def test_a_weight_is_packed_once_and_its_layers_share_the_copy(ext):
+    from engine.kernels.float32_linear import packed_copy
+
+    w, other = torch.randn(64, 48), torch.randn(64, 48)
+    first = packed_copy(w, ext)
+    assert packed_copy(w, ext) is first and packed_copy(other, ext) is not first
+    assert packed_copy(w.T, ext).numel() == 0  # not in rows: the library's alone

@@ -257,12 +257,19 @@ def test_quant_linear_refuses_what_it_cannot_run(ext):
     with pytest.raises(RuntimeError, match="scales are contiguous float32"):
         ext.QuantLinear("int8_tiles", [tiles, torch.zeros(31)], 0)
     ext.QuantLinear("int8_tiles", [tiles, torch.zeros(32)], 0)  # 2 tiles of 16 channels
-    # a float32 matrix on the chosen library: float32 [out, in] only, and x must fit it
+    # a float32 matrix and its packed copy: float32 [out, in] only, the copy [out, in rounded up
+    # to 16], and x must fit it
     for bad in (torch.zeros(4, 4, dtype=torch.bfloat16), torch.zeros(4)):
         with pytest.raises(RuntimeError, match=r"float32 matrix \[out, in\]"):
-            ext.QuantLinear("float32_mkl", [bad], 0)
+            ext.QuantLinear("float32_mkl", [bad, torch.zeros(4, 16)], 0)
+    with pytest.raises(RuntimeError, match="takes 2 tensors"):
+        ext.QuantLinear("float32_mkl", [torch.zeros(4, 4)], 0)
+    with pytest.raises(RuntimeError, match=r"packed copy \(f32_pack\) is float32 \[out, 16\]"):
+        ext.QuantLinear("float32_mkl", [torch.zeros(4, 4), torch.zeros(4, 4)], 0)
     with pytest.raises(RuntimeError, match=r"x \[\.\.\., in\]"):
-        ext.QuantLinear("float32_onednn", [torch.zeros(256, 64)], 0)(torch.zeros(1, 32))
+        ext.QuantLinear("float32_onednn", [torch.zeros(256, 64), torch.zeros(256, 64)], 0)(
+            torch.zeros(1, 32)
+        )
 
 
 def test_the_blocks_let_other_python_threads_run(ext):

@@ -10,8 +10,9 @@ What it holds (engine/kernels/csrc/cpu_kernels.cpp):
 - `LayerStack` (csrc/fused_blocks.cpp): all the layers as one call a step; a decode step of a
   tiled model as one team of threads in one parallel region;
 - `f32_linear` (csrc/f32_rows.cpp): a float32 linear, at up to 8 rows (a decode step's) on a
-  kernel of our own that streams the weights at the memory's speed (the libraries' kernels did
-  not there), its channels split over the threads; at more rows on the library the engine chose.
+  kernel of our own that streams a copy of the weights packed at load (`f32_pack`: 4 channels'
+  weights together, one stream) at the memory's speed (the libraries' kernels did not there),
+  its channels split over the threads; at more rows on the library the engine chose.
 
 The pure-torch code stays the reference and the fallback. `EngineConfig(kernels="auto")` uses the
 compiled kernels when they build (attention: CPU, float32 or bfloat16; the quantized linears: CPU,

@@ -15,10 +15,14 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 import time
+import weakref
 
 import torch
 import torch.nn.functional as F
+
+from engine.kernels import huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +132,35 @@ def float32_kernel(w: torch.Tensor, kernels):
     split over the threads, each output summed in one stated order whatever the other rows; at
     more rows the library chosen above (csrc/f32_rows.cpp). The libraries streamed the weights
     well below the memory's speed there (a Zen 5, 2026-12-06: the model's matrices 1.6× faster
-    on ours at one row, 1.3-2× at 2-8: docs/performance.md, nineteenth session)."""
-    return kernels.QuantLinear(f"float32_{float32_linear_backend()['backend']}", [w], 0)
+    on ours at one row, 1.3-2× at 2-8: docs/performance.md, nineteenth session).
+
+    Our kernel reads a copy of `w` packed at load, 4 channels' weights together (`packed_copy`),
+    so a float32 matrix on our kernels takes twice its bytes: the library's rows need `w` as it
+    is, and reading 4 of its rows side by side was half as fast (twenty-first session)."""
+    name = f"float32_{float32_linear_backend()['backend']}"
+    return kernels.QuantLinear(name, [w, packed_copy(w, kernels)], 0)
+
+
+_packed_arena = huge_pages.Arena()  # the packed copies, in huge pages as the weights are
+_packed: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id(w) → (w, its packed copy)
+_packing = threading.Lock()
+
+
+def packed_copy(w: torch.Tensor, kernels) -> torch.Tensor:
+    """`w` in our float32 kernel's layout (csrc/f32_rows.cpp `f32_pack`), in huge pages, made
+    once per weight while it lives (the engines of a process share their weights, and so the
+    copies); an empty tensor for a weight not in rows (a transposed view), which stays with the
+    library alone."""
+    if not w.is_contiguous():
+        return torch.empty(0)
+    with _packing:
+        known = _packed.get(id(w))
+        if known is not None and known[0]() is w:
+            return known[1]
+        packed = _packed_arena.zeros((w.shape[0], kernels.f32_packed_width(w.shape[1])), w.dtype)
+        kernels.f32_pack(w, packed)
+        _packed[id(w)] = (weakref.ref(w, lambda _, key=id(w): _packed.pop(key, None)), packed)
+        return packed
 
 
 def float32_linear(x: torch.Tensor, w: torch.Tensor, bias=None, *, kernel) -> torch.Tensor:

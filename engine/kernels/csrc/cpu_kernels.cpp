@@ -1471,7 +1471,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_tiled_linear", &bf16_tiled_linear,
         "y = x @ W.T (+ bias), W bfloat16 in tiles (BFloat16TiledWeight), x rounded to bf16");
   m.def("f32_linear", &f32_linear, py::arg("x"), py::arg("w"), py::arg("bias"),
-        py::arg("onednn"), "x @ w.T (+ bias): up to 8 rows on our kernel, more on oneDNN or MKL");
+        py::arg("onednn"),
+        "x @ w.T (+ bias): up to 8 rows on our kernel (w packed for the call), more on oneDNN or "
+        "MKL");
+  m.def("f32_packed_width", &f32_packed_width, "the width of a float32 matrix's packed copy");
+  m.def("f32_pack", &f32_pack, py::arg("w"), py::arg("packed"),
+        "packed := w in our float32 kernel's layout (4 channels' 16 weights together)");
   m.def("rms_norm", &rms_norm, "y = x * rsqrt(mean(x^2) + eps) * weight, row by row");
   m.def("add_rms_norm", &add_rms_norm, "(h + delta, rms_norm(h + delta) * weight), row by row");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[..., :n]) * x[..., n:] for x of last size 2n");

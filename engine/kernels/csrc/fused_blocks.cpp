@@ -15,8 +15,8 @@
 // "int4_q8" (packed, scales, mins) and "int8_q8" (qweight, scales); and, not quantized but
 // also rounded once at load, a bfloat16 matrix in tiles (a float32 engine's bfloat16
 // linears, or a bfloat16 engine's): "bf16_tiles" (tiles: bf16_tiles.cpp); and a float32
-// matrix, up to 8 rows on our kernel and more on the library the engine chose (f32_rows.cpp):
-// "float32_onednn", "float32_mkl". Python builds it with
+// matrix (w and its packed copy: f32_rows.cpp f32_pack), up to 8 rows on our kernel and more on
+// the library the engine chose: "float32_onednn", "float32_mkl". Python builds it with
 // engine/kernels/quant.py `kernel_linear` (engine/kernels/bfloat16_tiles.py `tiled_kernel`,
 // engine/kernels/float32_linear.py `float32_kernel` for the others), and the layers of both
 // paths call it (engine/layers/linear.py), so the choice of a kernel is made in one place.
@@ -53,8 +53,8 @@ Kind kind_of(const std::string& name, size_t num_tensors) {
       {"int4_tiles", {Kind::Int4Tiles, 1}}, {"int8_tiles", {Kind::Int8Tiles, 2}},
       {"int8", {Kind::Int8, 2}},            {"int4", {Kind::Int4, 3}},
       {"int4_q8", {Kind::Int4Q8, 3}},       {"int8_q8", {Kind::Int8Q8, 2}},
-      {"bf16_tiles", {Kind::Bf16Tiles, 1}}, {"float32_onednn", {Kind::F32Onednn, 1}},
-      {"float32_mkl", {Kind::F32Mkl, 1}},
+      {"bf16_tiles", {Kind::Bf16Tiles, 1}}, {"float32_onednn", {Kind::F32Onednn, 2}},
+      {"float32_mkl", {Kind::F32Mkl, 2}},
   };
   for (const auto& [known, kind] : kinds) {
     if (known != name) continue;
@@ -83,17 +83,22 @@ struct QuantLinear {
   const uint8_t* tiles_at = nullptr;
   const float* scales_at = nullptr;
   int64_t tiles_count = 0, tile_record_bytes = 0;
-  const float* f32_at = nullptr;  // a float32 matrix's rows, read once too
+  const float* f32_at = nullptr;  // a float32 matrix's packed copy (f32_pack), read once too
 
   QuantLinear(const std::string& name, std::vector<torch::Tensor> tensors, int64_t group_size)
       : kind(kind_of(name, tensors.size())), t(std::move(tensors)), group_size(group_size) {
     if (float32()) {
       TORCH_CHECK(t[0].scalar_type() == torch::kFloat32 && t[0].dim() == 2 && t[0].is_cpu(),
                   "QuantLinear: a float32 matrix [out, in] on the CPU");
-      if (t[0].is_contiguous()) {
-        f32_at = t[0].data_ptr<float>();
+      if (t[0].is_contiguous()) {  // else (a transposed view) the library's alone, no copy
+        const int64_t width = f32_packed_width(t[0].size(1));
+        TORCH_CHECK(t[1].scalar_type() == torch::kFloat32 && t[1].is_contiguous() &&
+                        t[1].dim() == 2 && t[1].size(0) == t[0].size(0) && t[1].size(1) == width,
+                    "QuantLinear: a float32 matrix's packed copy (f32_pack) is float32 [out, ",
+                    width, "]");
+        f32_at = t[1].data_ptr<float>();
         tiles_count = (t[0].size(0) + q8::TILE_CHANNELS - 1) / q8::TILE_CHANNELS;
-        tile_record_bytes = q8::TILE_CHANNELS * t[0].size(1) * sizeof(float);
+        tile_record_bytes = q8::TILE_CHANNELS * width * sizeof(float);
       }
     }
     if (!tiled()) return;
@@ -119,8 +124,8 @@ struct QuantLinear {
       case Kind::Int4Q8: return int4_q8_linear(x, t[0], t[1], t[2], group_size, bias);
       case Kind::Int8Q8: return int8_q8_linear(x, t[0], t[1], bias);
       case Kind::Bf16Tiles: return bf16_tiled_linear(x, t[0], bias);
-      case Kind::F32Onednn: return f32_linear(x, t[0], bias, true);
-      case Kind::F32Mkl: return f32_linear(x, t[0], bias, false);
+      case Kind::F32Onednn: return f32_packed_linear(x, t[0], t[1], bias, true);
+      case Kind::F32Mkl: return f32_packed_linear(x, t[0], t[1], bias, false);
     }
     TORCH_CHECK(false, "QuantLinear: bad kind");
   }
@@ -136,12 +141,12 @@ struct QuantLinear {
     return float32() ? t[0].size(0) : t[0].size(0) * q8::TILE_CHANNELS;
   }
   int64_t in_features() const { return float32() ? t[0].size(1) : t[0].size(1) * q8::BLOCK; }
-  // Where tiles t0 .. t1 lie (a tiled matrix's records, a float32 matrix's rows, one after the
-  // other).
+  // Where tiles t0 .. t1 lie (a tiled matrix's records, a float32 matrix's packed channels, one
+  // after the other).
   std::pair<const char*, const char*> tile_bytes(int64_t t0, int64_t t1) const {
     const char* base = float32() ? reinterpret_cast<const char*>(f32_at)
                                  : reinterpret_cast<const char*>(tiles_at);
-    const int64_t end = float32() ? out_features() * in_features() * int64_t(sizeof(float))
+    const int64_t end = float32() ? t[1].numel() * int64_t(sizeof(float))
                                   : tiles_count * tile_record_bytes;
     return {base + t0 * tile_record_bytes, base + std::min(end, t1 * tile_record_bytes)};
   }

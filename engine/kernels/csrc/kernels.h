@@ -16,11 +16,23 @@
 
 // f32_rows.cpp
 constexpr int64_t F32_MAX_ROWS = 8;  // rows of activations on our kernel; more on the library
+constexpr int64_t F32_PACKED_CHANNELS = 4;  // output channels packed together (f32_pack)
+// The packed copy's width for `in` inputs: rounded up to 16 (the weights past `in` are zeros).
+int64_t f32_packed_width(int64_t in);
+// `packed` [out, f32_packed_width(in)] := w [out, in], for each 16 inputs 4 channels' 16 weights
+// one after another (the last out % 4 channels one at a time).
+void f32_pack(const torch::Tensor& w, torch::Tensor& packed);
+// x @ w^T (+ bias): up to F32_MAX_ROWS rows on our kernel over w packed at `packed`, more on the
+// library over w (what a float32 QuantLinear calls).
+torch::Tensor f32_packed_linear(const torch::Tensor& x, const torch::Tensor& w,
+                                const torch::Tensor& packed,
+                                const c10::optional<torch::Tensor>& bias, bool onednn);
+// The same with w packed for this call only (tests, one-off products).
 torch::Tensor f32_linear(const torch::Tensor& x, const torch::Tensor& w,
                          const std::optional<torch::Tensor>& bias, bool onednn);
-// Output channels c0 .. c1 of y [m, n] = x [m, k] @ W^T (+ bias), W [n, k] row-major, m of at
-// most F32_MAX_ROWS.
-void f32_rows_part(const float* w, int64_t k, const float* x, int64_t m, const float* bias,
+// Output channels c0 .. c1 of y [m, n] = x [m, k] @ W^T (+ bias), W packed at `packed`
+// (f32_pack), m of at most F32_MAX_ROWS; c0 a multiple of F32_PACKED_CHANNELS, c1 too or n.
+void f32_rows_part(const float* packed, int64_t k, const float* x, int64_t m, const float* bias,
                    float* y, int64_t n, int64_t c0, int64_t c1);
 
 // cpu_kernels.cpp
