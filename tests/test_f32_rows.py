@@ -8,6 +8,9 @@ arguments are refused; and a float32 engine on kernels="auto" runs its linears t
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -181,3 +184,11 @@ def test_a_weight_is_packed_once_and_its_layers_share_the_copy(ext):
     first = packed_copy(w, ext)
     assert packed_copy(w, ext) is first and packed_copy(other, ext) is not first
     assert packed_copy(w.T, ext).numel() == 0  # not in rows: the library's alone
+    # the cache does not keep a copy that no kernel holds (a precision timing's, say)
+    gone = weakref.ref(first)
+    del first
+    gc.collect()
+    assert gone() is None
+    again = torch.empty(64, 48)
+    ext.f32_pack(w, again)
+    assert torch.equal(packed_copy(w, ext), again)  # made again when asked

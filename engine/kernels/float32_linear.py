@@ -142,24 +142,26 @@ def float32_kernel(w: torch.Tensor, kernels):
 
 
 _packed_arena = huge_pages.Arena()  # the packed copies, in huge pages as the weights are
-_packed: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id(w) → (w, its packed copy)
+_packed: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # id(w) → (w, its packed copy)
 _packing = threading.Lock()
 
 
 def packed_copy(w: torch.Tensor, kernels) -> torch.Tensor:
     """`w` in our float32 kernel's layout (csrc/f32_rows.cpp `f32_pack`), in huge pages, made
-    once per weight while it lives (the engines of a process share their weights, and so the
-    copies); an empty tensor for a weight not in rows (a transposed view), which stays with the
-    library alone."""
+    once per weight while a kernel holds it (the engines of a process share their weights, and so
+    the copies; the copies a precision timing made go with its kernels); an empty tensor for a
+    weight not in rows (a transposed view), which stays with the library alone."""
     if not w.is_contiguous():
         return torch.empty(0)
     with _packing:
         known = _packed.get(id(w))
-        if known is not None and known[0]() is w:
-            return known[1]
-        packed = _packed_arena.zeros((w.shape[0], kernels.f32_packed_width(w.shape[1])), w.dtype)
-        kernels.f32_pack(w, packed)
-        _packed[id(w)] = (weakref.ref(w, lambda _, key=id(w): _packed.pop(key, None)), packed)
+        packed = known[1]() if known is not None and known[0]() is w else None
+        if packed is None:
+            width = kernels.f32_packed_width(w.shape[1])
+            packed = _packed_arena.zeros((w.shape[0], width), w.dtype)
+            kernels.f32_pack(w, packed)
+            forget = lambda _, key=id(w): _packed.pop(key, None)  # noqa: E731
+            _packed[id(w)] = (weakref.ref(w, forget), weakref.ref(packed))
         return packed
 
 
