@@ -199,14 +199,26 @@ def wait_idle(page, timeout_ms: int, settle_ms: int = 300) -> None:
     page.wait_for_timeout(settle_ms)
 
 
+def stays_idle(page, ms: int = 700) -> bool:
+    """True if the page's script is still not running `ms` later. A run's last slice ends with
+    st.rerun(scope="app") (ui/lab.py, the fragment's timer stops): the page can read idle between
+    that fragment run and the full run it asks for, whose sidebar (엔진 상태) is drawn last."""
+    page.wait_for_timeout(ms)
+    return page.locator(IDLE).count() == 1
+
+
 def wait_run_over(page, timeout_ms: int) -> None:
     """Wait for a lab's sliced run (끝까지, N 스텝, 실행: ui/lab.py's LabRun) to end. The page goes
     idle between two slices while the run's 정지 button stays, so idle alone is not the end."""
     deadline = time.monotonic() + timeout_ms / 1000
+    ran = False  # a run's 정지 button was seen: its end brings a full rerun
     while True:
         wait_idle(page, timeout_ms, settle_ms=300)
         if page.get_by_role("button", name="정지", exact=True).count() == 0:
-            return
+            if not ran or stays_idle(page):
+                return
+        else:
+            ran = True
         if time.monotonic() > deadline:
             main = page.locator("[data-testid='stMain']").inner_text()
             pytest.fail(f"the lab's run did not end: {' '.join(main.split())[-1500:]}")

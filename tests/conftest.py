@@ -3,6 +3,7 @@ and one transformers reference model shared by every slow test."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -81,6 +82,30 @@ def pytest_runtest_teardown(item, nextitem):
 
 def pytest_sessionfinish(session, exitstatus):
     SHARED_SERVER.stop()
+
+
+def machine_line() -> str:
+    """The CPU the run measured on (its timing tests' numbers depend on it): /proc/cpuinfo's model
+    name, family and model, the vector ISA our kernels target, the L3 size, the logical CPUs."""
+    import platform
+
+    from engine.kernels import cpu_isa
+
+    facts: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            facts.setdefault(key.strip(), value.strip())
+        l3 = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+    except OSError:
+        l3 = "?"
+    name = facts.get("model name", platform.machine())
+    family = f"family {facts.get('cpu family', '?')} model {facts.get('model', '?')}"
+    return f"{name}, {family}, {cpu_isa()}, L3 {l3}, {os.cpu_count()} logical CPUs"
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(f"machine: {machine_line()}")
 
 
 @pytest.fixture(scope="session")

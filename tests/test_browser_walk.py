@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
 
 import pytest
 from _browser import ROOT, SHOTS, LabDriver, chapter_fixtures, wait_run_over
@@ -106,6 +107,16 @@ def sidebar_state(pg) -> tuple[int, int, int]:
     return int(step.group(1)), int(kv.group(1)), int(kv.group(2))
 
 
+def sidebar_reads(pg, expected: tuple[int, int, int], timeout_s: float = 30.0) -> None:
+    """The sidebar's 엔진 상태 reaches the lab's `expected` counters: it is drawn at the end of the
+    lab's run (ui/lab.py, draw_status), after the counters, so a look in between sees the step
+    before."""
+    deadline = time.monotonic() + timeout_s
+    while sidebar_state(pg) != expected and time.monotonic() < deadline:
+        pg.wait_for_timeout(250)
+    assert sidebar_state(pg) == expected, (sidebar_state(pg), expected)
+
+
 def add_default_work(pg) -> None:
     for label in ("워크로드 넣기", "예시 요청 추가"):
         if button(pg, label).count():
@@ -157,7 +168,7 @@ def step_reload_and_finish(pg, base: str, chapter_id: str) -> None:
         click(pg, "다음 스텝")
     counters = lab_counters(pg)
     assert counters and counters[0][0] == 3, counters
-    assert sidebar_state(pg) == counters[0], (sidebar_state(pg), counters)
+    sidebar_reads(pg, counters[0])
     pg.reload()
     pg.wait_for_selector("[data-testid='stApp']")
     wait_idle(pg)
@@ -165,7 +176,7 @@ def step_reload_and_finish(pg, base: str, chapter_id: str) -> None:
     run_to_end(pg)
     finished = lab_counters(pg)
     assert finished[0][0] > 3
-    assert sidebar_state(pg) == finished[0], (sidebar_state(pg), finished)
+    sidebar_reads(pg, finished[0])
 
 
 @pytest.mark.parametrize("chapter_id", CHAPTERS)

@@ -18,9 +18,12 @@ from ui.experiments.common import (
 
 # Output lengths that differ a lot: each batch of 4 holds one long request and short ones, so a
 # static batch runs as long as its longest while continuous batching refills the short ones'
-# slots. The last two requests come late (one of them long).
+# slots. The last two requests come late (one of them long). The prompts are short, so the
+# decode steps the modes differ in, not the prefills they share, take most of the time: with
+# prompts of 16-40 tokens continuous batching was 1.47-1.53x static batching's throughput on a
+# Zen 4 VM (one thread, 2026-12-07), with these 1.54-1.59x.
 OUTPUT_LENS = [48, 4, 6, 8, 44, 5, 40, 6]
-PROMPT_LENS = [24, 16, 40, 20, 32, 28, 18, 36]
+PROMPT_LENS = [12, 6, 16, 8, 10, 14, 7, 15]
 DEFAULT_REQUESTS = 6
 DEFAULT_BATCH = 4
 # The late arrivals' gap in decode steps (not ms): a step lasts ~60 ms on this CPU and ~8 ms on a
