@@ -17,11 +17,14 @@ import torch.nn.functional as F
 
 from engine.kernels.float32_linear import library_linear, onednn_linear, onednn_linear_works
 
-# SmolLM2's matrices; widths that are no multiple of 16 (the last lanes count 0 x 0) and
-# channel counts that are no multiple of 4 (the last channels run one at a time)
-SHAPES = ((960, 576), (576, 1536), (3072, 576), (130, 70), (1000, 48), (37, 5), (3, 16))
+# SmolLM2's matrices; widths that are no multiple of 16 (the last lanes count 0 x 0), one of
+# them over several of the 5-8-row pass's chunks of 128 inputs, and channel counts that are no
+# multiple of 4 (the last channels run one at a time)
+SHAPES = (
+    (960, 576), (576, 1536), (3072, 576), (130, 70), (36, 300), (1000, 48), (37, 5), (3, 16)
+)  # fmt: skip
 MAX_ROWS = 8  # csrc/kernels.h F32_MAX_ROWS
-ROW_COUNTS = (1, 2, 3, 5, MAX_ROWS)  # 4 rows at once, then the rest
+ROW_COUNTS = (1, 2, 3, 5, 6, 7, MAX_ROWS)  # 4 rows at once; 5-8 in one pass of two sets
 
 
 def libraries():

@@ -11,10 +11,11 @@
 // slower still and this kernel 1.3-2x faster than it (docs/performance.md, nineteenth session).
 //
 // Each thread takes a range of output channels, 4 at a time, each multiplied by up to 4 rows of
-// activations at once (more rows: again, the weights then in L1). It reads them from a copy of
-// the weights packed at load (f32_pack): for each 16 inputs, the 4 channels' 16 weights one after
-// the other, so that 4 channels side by side are one stream of bytes front to back, which the
-// hardware's prefetch follows. Reading 4 rows of the [out, in] matrix side by side, as this kernel
+// activations at once (4-8 rows on AVX-512 in one pass of chunks: group_in_one_pass; elsewhere
+// more rows go again, the weights then in L1). It reads them from a copy of the weights packed
+// at load (f32_pack): for each 16 inputs, the 4 channels' 16 weights one after the other, so
+// that 4 channels side by side are one stream of bytes front to back, which the hardware's
+// prefetch follows. Reading 4 rows of the [out, in] matrix side by side, as this kernel
 // did until 2026-12-06, is 4 streams 2.3-6 KB apart; on a Zen 4 VM that took 1.9x the time of
 // summing the weights at one row, one thread (32.2 against 16.9 ms over 538 MB), and packed it
 // took the sum's time (16.5); at 4 rows 24.2 ms against 44.9 (docs/performance.md, twenty-first
@@ -85,6 +86,7 @@ inline float reduce_16(__m256 lo, __m256 hi) {
 
 #if defined(__AVX512F__)
 constexpr int64_t ROWS_AT_ONCE = 4;  // activation rows whose sums stay in registers together
+constexpr int64_t ONE_PASS_MIN = 4;  // rows; at 2-3 the prefetch cost more than it gave
 
 inline float reduce_16(__m512 v) {
   return reduce_16(_mm512_castps512_ps256(v),
@@ -120,6 +122,72 @@ void channels(const float* p, int64_t k, const float* x, const float* bias, floa
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < M; ++j) y[j * n + c + r] = with_bias(reduce_16(acc[r][j]), bias, c + r);
+}
+
+// 4-8 rows: two passes over a group of channels (the second from L1) left the memory idle
+// during the second, and in one pass of 4 rows the multiply-adds left the memory idle too: at 8
+// rows, one thread, a Zen 4 VM took 49 ms over the 538 MB where one pass of 4 rows took 25 and
+// the sum 18. So one pass, front to back: the group's weights a chunk of CHUNK_PIECES x 16
+// inputs at a time, rows 0-3 then rows 4-7 on the chunk (in L1), their sums kept in `sums`
+// between chunks, and the first set asks for the weights PREFETCH_BYTES ahead into L2: 32 ms at
+// 8 rows (docs/performance.md, twenty-second session). The same multiply-adds in the same order.
+constexpr int64_t CHUNK_PIECES = 8;
+constexpr int64_t PREFETCH_BYTES = 16384;
+
+// Rows x (M of them) times pieces p0 .. p1 of a group of 4 packed channels `g`, into `sums`.
+template <int M>
+void chunk_of_rows(const float* g, int64_t p0, int64_t p1, int64_t k, const float* x,
+                   __m512 (&sums)[4][4], bool prefetch) {
+  const int64_t full = k / LANES;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (k - full * LANES)) - 1);
+  __m512 acc[4][M];
+  for (int r = 0; r < 4; ++r)
+    for (int j = 0; j < M; ++j) acc[r][j] = sums[r][j];
+  for (int64_t piece = p0; piece < p1; ++piece) {
+    const float* w = g + piece * 4 * LANES;
+    if (prefetch)
+      for (int r = 0; r < 4; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(w + r * LANES) + PREFETCH_BYTES, _MM_HINT_T1);
+    const int64_t i = piece * LANES;
+    __m512 xv[M];
+    for (int j = 0; j < M; ++j)
+      xv[j] = in_register(piece < full ? _mm512_loadu_ps(x + j * k + i)
+                                       : _mm512_maskz_loadu_ps(tail, x + j * k + i));
+    for (int r = 0; r < 4; ++r) {
+      const __m512 wv = in_register(_mm512_loadu_ps(w + r * LANES));
+      for (int j = 0; j < M; ++j) acc[r][j] = _mm512_fmadd_ps(wv, xv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int j = 0; j < M; ++j) sums[r][j] = acc[r][j];
+}
+
+void chunk_of_last_rows(const float* g, int64_t p0, int64_t p1, int64_t k, const float* x,
+                        int64_t m, __m512 (&sums)[4][4]) {
+  switch (m) {
+    case 4: chunk_of_rows<4>(g, p0, p1, k, x, sums, false); break;
+    case 3: chunk_of_rows<3>(g, p0, p1, k, x, sums, false); break;
+    case 2: chunk_of_rows<2>(g, p0, p1, k, x, sums, false); break;
+    default: chunk_of_rows<1>(g, p0, p1, k, x, sums, false); break;
+  }
+}
+
+// Channels c .. c + 3 (packed at g) for 4-8 rows of x, in one pass (above).
+void group_in_one_pass(const float* g, int64_t k, const float* x, int64_t m, const float* bias,
+                       float* y, int64_t n, int64_t c) {
+  __m512 sums[2][4][4];
+  for (auto& set : sums)
+    for (auto& channel : set)
+      for (auto& v : channel) v = _mm512_setzero_ps();
+  const int64_t pieces = (k + LANES - 1) / LANES;
+  for (int64_t p0 = 0; p0 < pieces; p0 += CHUNK_PIECES) {
+    const int64_t p1 = std::min(pieces, p0 + CHUNK_PIECES);
+    chunk_of_rows<4>(g, p0, p1, k, x, sums[0], true);
+    if (m > 4) chunk_of_last_rows(g, p0, p1, k, x + 4 * k, m - 4, sums[1]);
+  }
+  for (int64_t j = 0; j < m; ++j)
+    for (int r = 0; r < 4; ++r)
+      y[j * n + c + r] = with_bias(reduce_16(sums[j / 4][r][j % 4]), bias, c + r);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t ROWS_AT_ONCE = 1;  // 16 registers: a channel's 16 lanes take two
@@ -175,11 +243,15 @@ void channels(const float* p, int64_t k, const float* x, const float* bias, floa
 }
 #endif
 
-// Channels c .. c + R - 1 (packed at p) for every row of x, ROWS_AT_ONCE rows at a time (their
-// packed weights, 9-25 KB for SmolLM2, stay in the core's L1 cache between those passes).
+// Channels c .. c + R - 1 (packed at p) for every row of x: 4-8 rows of a group of 4 in one pass
+// on AVX-512, else ROWS_AT_ONCE rows at a time (their packed weights, 9-25 KB for SmolLM2, stay
+// in the core's L1 cache between those passes).
 template <int R>
 void channels_all_rows(const float* p, int64_t k, const float* x, int64_t m, const float* bias,
                        float* y, int64_t n, int64_t c) {
+#if defined(__AVX512F__)
+  if (R == 4 && m >= ONE_PASS_MIN) return group_in_one_pass(p, k, x, m, bias, y, n, c);
+#endif
   for (int64_t r0 = 0; r0 < m; r0 += ROWS_AT_ONCE) {
     const float* xr = x + r0 * k;
     float* yr = y + r0 * n;
