@@ -14,6 +14,9 @@
 //           side by side are one stream again;
 //   p4 pin  the same with the loaded vectors kept in registers (GCC otherwise folds the
 //           activations' loads into the multiply-adds, one load per product);
+//   p4 1pass  p4 pin at 5-8 rows in one pass over each group: chunks of 8 x 16 inputs, rows 0-3
+//           then rows 4-7 on the chunk, the sums kept between chunks, the weights prefetched
+//           16 KB ahead into L2 (f32_rows.cpp's group_in_one_pass; below 5 rows, p4 pin);
 //   sum     a plain sum of the same bytes (what the memory gives).
 // Each output is summed in f32_rows.cpp's order in every variant; the bytes are not a real
 // model's (the timing does not depend on their values), so p4 reads the same buffer as packed.
@@ -77,6 +80,55 @@ void packed(const float* w, long k, const float* x, float* y, long n, long c) {
   }
   for (int r = 0; r < 4; ++r)
     for (int j = 0; j < M; ++j) y[j * n + c + r] = _mm512_reduce_add_ps(acc[r][j]);
+}
+
+// Channels c .. c + 3 packed, for 5-8 rows (m) in one pass: p4 pin's sums in two sets of 4 rows,
+// a chunk of CHUNK pieces at a time, the first set prefetching the weights into L2.
+constexpr long CHUNK = 8, L2_PREFETCH_BYTES = 16384;
+
+template <int M>
+void chunk_rows(const float* g, long p0, long p1, long k, const float* x, __m512 (&sums)[4][4],
+                bool prefetch) {
+  __m512 acc[4][M];
+  for (int r = 0; r < 4; ++r)
+    for (int j = 0; j < M; ++j) acc[r][j] = sums[r][j];
+  for (long p = p0; p < p1; ++p) {
+    const float* w = g + p * 4 * LANES;
+    if (prefetch)
+      for (int r = 0; r < 4; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(w + r * LANES) + L2_PREFETCH_BYTES,
+                     _MM_HINT_T1);
+    __m512 xv[M];
+    for (int j = 0; j < M; ++j) xv[j] = load<true>(x + j * k + p * LANES);
+    for (int r = 0; r < 4; ++r) {
+      const __m512 wv = load<true>(w + r * LANES);
+      for (int j = 0; j < M; ++j) acc[r][j] = _mm512_fmadd_ps(wv, xv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int j = 0; j < M; ++j) sums[r][j] = acc[r][j];
+}
+
+void one_pass(const float* w, long k, const float* x, float* y, long n, long c, int m) {
+  const float* g = w + c * k;
+  __m512 sums[2][4][4];
+  for (auto& set : sums)
+    for (auto& channel : set)
+      for (auto& v : channel) v = _mm512_setzero_ps();
+  const long pieces = k / LANES;
+  for (long p0 = 0; p0 < pieces; p0 += CHUNK) {
+    const long p1 = std::min(pieces, p0 + CHUNK);
+    chunk_rows<4>(g, p0, p1, k, x, sums[0], true);
+    switch (m - 4) {
+      case 4: chunk_rows<4>(g, p0, p1, k, x + 4 * k, sums[1], false); break;
+      case 3: chunk_rows<3>(g, p0, p1, k, x + 4 * k, sums[1], false); break;
+      case 2: chunk_rows<2>(g, p0, p1, k, x + 4 * k, sums[1], false); break;
+      case 1: chunk_rows<1>(g, p0, p1, k, x + 4 * k, sums[1], false); break;
+      default: break;
+    }
+  }
+  for (int j = 0; j < m; ++j)
+    for (int r = 0; r < 4; ++r) y[j * n + c + r] = _mm512_reduce_add_ps(sums[j / 4][r][j % 4]);
 }
 
 struct Matrix {
@@ -177,7 +229,15 @@ int main(int argc, char** argv) {
   const std::vector<std::pair<std::string, Run>> variants = {
       {"c1", over(by_rows<C1>(), 1)},        {"c4", over(by_rows<C4>(), 4)},
       {"c4 pf", over(by_rows<C4Pf>(), 4)},   {"p4", over(by_rows<P4>(), 4)},
-      {"p4 pin", over(by_rows<P4Pin>(), 4)}, {"sum", Run([&] { sum_all(ms, threads); })}};
+      {"p4 pin", over(by_rows<P4Pin>(), 4)}, {"p4 1pass", Run([&] {
+         for (const auto& m : ms)  // one call per group with all the rows
+           linear(m, x.data(), y.data(), threads, 1, 4,
+                  [&](const float* w, long k, const float* xx, float* yy, long n, long c, int) {
+                    if (rows > 4) one_pass(w, k, xx, yy, n, c, rows);
+                    else by_rows<P4Pin>()(w, k, xx, yy, n, c, rows);
+                  });
+       })},
+      {"sum", Run([&] { sum_all(ms, threads); })}};
   std::vector<std::vector<double>> ms_taken(variants.size());
   for (int turn = 0; turn < turns + 2; ++turn)
     for (size_t v = 0; v < variants.size(); ++v) {

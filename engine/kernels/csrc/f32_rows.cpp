@@ -11,7 +11,7 @@
 // slower still and this kernel 1.3-2x faster than it (docs/performance.md, nineteenth session).
 //
 // Each thread takes a range of output channels, 4 at a time, each multiplied by up to 4 rows of
-// activations at once (4-8 rows on AVX-512 in one pass of chunks: group_in_one_pass; elsewhere
+// activations at once (5-8 rows on AVX-512 in one pass of chunks: group_in_one_pass; elsewhere
 // more rows go again, the weights then in L1). It reads them from a copy of the weights packed
 // at load (f32_pack): for each 16 inputs, the 4 channels' 16 weights one after the other, so
 // that 4 channels side by side are one stream of bytes front to back, which the hardware's
@@ -86,7 +86,7 @@ inline float reduce_16(__m256 lo, __m256 hi) {
 
 #if defined(__AVX512F__)
 constexpr int64_t ROWS_AT_ONCE = 4;  // activation rows whose sums stay in registers together
-constexpr int64_t ONE_PASS_MIN = 4;  // rows; at 2-3 the prefetch cost more than it gave
+constexpr int64_t ONE_PASS_MIN = 5;  // rows; at 4 the chunks cost 0-7 % more than they gave
 
 inline float reduce_16(__m512 v) {
   return reduce_16(_mm512_castps512_ps256(v),
@@ -124,13 +124,13 @@ void channels(const float* p, int64_t k, const float* x, const float* bias, floa
     for (int j = 0; j < M; ++j) y[j * n + c + r] = with_bias(reduce_16(acc[r][j]), bias, c + r);
 }
 
-// 4-8 rows: two passes over a group of channels (the second from L1) left the memory idle
-// during the second, and in one pass of 4 rows the multiply-adds left the memory idle too: at 8
-// rows, one thread, a Zen 4 VM took 49 ms over the 538 MB where one pass of 4 rows took 25 and
-// the sum 18. So one pass, front to back: the group's weights a chunk of CHUNK_PIECES x 16
-// inputs at a time, rows 0-3 then rows 4-7 on the chunk (in L1), their sums kept in `sums`
-// between chunks, and the first set asks for the weights PREFETCH_BYTES ahead into L2: 32 ms at
-// 8 rows (docs/performance.md, twenty-second session). The same multiply-adds in the same order.
+// 5-8 rows: the sums of 4 channels by 8 rows do not fit in the registers, and two passes over a
+// group of channels (the second from L1) left the memory idle during the second: at 8 rows, one
+// thread, a Zen 4 VM took 50 ms over the 538 MB where one pass of 4 rows took 25 and the sum 17.
+// So one pass, front to back: the group's weights a chunk of CHUNK_PIECES x 16 inputs at a time,
+// rows 0-3 then rows 4-7 on the chunk (in L1), their sums kept in `sums` between chunks, and the
+// first set asks for the weights PREFETCH_BYTES ahead into L2: 31 ms at 8 rows, 26 at 6 (45
+// before; docs/performance.md, twenty-second session). The same multiply-adds in the same order.
 constexpr int64_t CHUNK_PIECES = 8;
 constexpr int64_t PREFETCH_BYTES = 16384;
 
@@ -172,7 +172,7 @@ void chunk_of_last_rows(const float* g, int64_t p0, int64_t p1, int64_t k, const
   }
 }
 
-// Channels c .. c + 3 (packed at g) for 4-8 rows of x, in one pass (above).
+// Channels c .. c + 3 (packed at g) for 5-8 rows of x, in one pass (above).
 void group_in_one_pass(const float* g, int64_t k, const float* x, int64_t m, const float* bias,
                        float* y, int64_t n, int64_t c) {
   __m512 sums[2][4][4];
@@ -243,7 +243,7 @@ void channels(const float* p, int64_t k, const float* x, const float* bias, floa
 }
 #endif
 
-// Channels c .. c + R - 1 (packed at p) for every row of x: 4-8 rows of a group of 4 in one pass
+// Channels c .. c + R - 1 (packed at p) for every row of x: 5-8 rows of a group of 4 in one pass
 // on AVX-512, else ROWS_AT_ONCE rows at a time (their packed weights, 9-25 KB for SmolLM2, stay
 // in the core's L1 cache between those passes).
 template <int R>
