@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.kv_connector import KVTransferConfig
+from engine.utils import cdiv
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # the step's token budget
@@ -18,7 +19,7 @@ DEFAULT_MAX_NUM_SEQS = 32  # requests running at once
 # 4-token requests behind a 4,001-token prompt got their first token after 7-10 s, not 0.2-0.4 s).
 # The price is the long prompt's own TTFT: more, smaller steps (docs/performance.md).
 DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 64
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB, when neither a block count nor a size is given
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # at most, given neither a block count nor a size
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S: a step that runs longer than this means a hung worker
 # (stopped, deadlocked): its requests fail and /health reports the engine unhealthy.
@@ -85,6 +86,19 @@ def check_kv_cache_dtype(kv_cache_dtype: str, dtype) -> None:
         )
 
 
+def default_cpu_kv_cache_bytes(
+    bytes_per_block: int, block_size: int, max_model_len: int, max_num_seqs: int
+) -> int:
+    """The KV cache a CPU engine takes when it is given neither a size nor a block count:
+    DEFAULT_CPU_KV_CACHE_BYTES, but no more than `max_num_seqs` requests of `max_model_len` tokens
+    can hold at once. For the default model that is the whole GiB; a tiny model's GiB would be
+    131,072 blocks that only ever keep finished prefixes, and allocating them (every page
+    touched, a Python object a block) took 0.5-3 s an engine. `bytes_per_block`: the whole
+    model's, all layers and heads."""
+    most = max_num_seqs * cdiv(max_model_len, block_size) * bytes_per_block
+    return min(DEFAULT_CPU_KV_CACHE_BYTES, most)
+
+
 @dataclass
 class EngineConfig:
     model: str | Path | None = None  # None: the embedded default artifact
@@ -92,7 +106,7 @@ class EngineConfig:
     dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
     block_size: int = DEFAULT_BLOCK_SIZE
     num_kv_blocks: int | None = None
-    kv_cache_memory: int | None = None  # bytes (CPU default DEFAULT_CPU_KV_CACHE_BYTES)
+    kv_cache_memory: int | None = None  # bytes (CPU default: default_cpu_kv_cache_bytes)
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS

@@ -18,7 +18,7 @@ from collections import OrderedDict
 
 from engine.artifact import resolve_model_path
 from engine.clock import EngineClock
-from engine.config import EngineConfig
+from engine.config import EngineConfig, default_cpu_kv_cache_bytes
 from engine.executor.abstract import Executor, ExecutorDiedError, ForkNotSupportedError
 from engine.executor.uniproc import UniProcExecutor
 from engine.kv_cache import KVCacheManager
@@ -171,11 +171,21 @@ class EngineCore:
         return make_kv_connector(config.kv_transfer_config, config.block_size, block_bytes)
 
     def _initialize_kv_cache(self, config: EngineConfig) -> int:
-        """Size the KV cache (and the swap space) on the executor's workers; the block count."""
+        """Size the KV cache (and the swap space) on the executor's workers; the block count.
+        A real CPU engine given no size takes the default (a simulated one sizes its own)."""
+        kv_cache_memory = config.kv_cache_memory
+        on_cpu = self.model_dir is not None and self.device.type == "cpu"
+        if on_cpu and kv_cache_memory is None and config.num_kv_blocks is None:
+            kv_cache_memory = default_cpu_kv_cache_bytes(
+                self.model_config.kv_bytes_per_block(self.kv_cache_dtype, config.block_size),
+                config.block_size,
+                self.max_model_len,
+                config.max_num_seqs,
+            )
         return self.executor.initialize(
             self.max_model_len,
             num_kv_blocks=config.num_kv_blocks,
-            kv_cache_memory=config.kv_cache_memory,
+            kv_cache_memory=kv_cache_memory,
             gpu_memory_utilization=config.gpu_memory_utilization,
             max_num_batched_tokens=config.max_num_batched_tokens,
             num_swap_blocks=config.num_swap_blocks if config.preemption_mode == "swap" else 0,

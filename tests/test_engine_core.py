@@ -696,3 +696,21 @@ def test_arrivals_scheduled_in_engine_time(make_engine):
     assert metrics.arrival_time == 1.5 and metrics.queue_time >= 0.5
     assert metrics.tpot is None and metrics.itl == []  # one token: no time *between* tokens
     assert request.metrics("wall").tpot is None
+
+
+def test_a_cpu_engine_given_no_size_takes_no_more_kv_than_its_requests_can_use(tiny_model_dir):
+    from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, default_cpu_kv_cache_bytes
+
+    engine = EngineCore(model=str(tiny_model_dir), device="cpu", max_num_seqs=4, block_size=16)
+    # 4 requests of the tiny model's whole context (1,024 tokens): 4 x 64 blocks, not the 1 GiB
+    # (131,072 blocks of 8 KiB) a bigger model gets
+    assert engine.max_model_len == 1024 and engine.num_blocks == 4 * 64
+    bytes_per_block = engine.model_config.kv_bytes_per_block(engine.kv_cache_dtype, 16)
+    assert engine.executor.worker.kv_cache_bytes() == 256 * bytes_per_block
+    given = EngineCore(model=str(tiny_model_dir), device="cpu", kv_cache_memory=3 << 20)
+    assert given.num_blocks == (3 << 20) // bytes_per_block  # a size given is taken as given
+    # the default model (30 layers, 3 KV heads of 64, float32): 32 requests of 8,192 tokens would
+    # need 11.3 GiB, so it gets the whole GiB
+    assert default_cpu_kv_cache_bytes(30 * 2 * 3 * 64 * 4 * 16, 16, 8192, 32) == (
+        DEFAULT_CPU_KV_CACHE_BYTES
+    )

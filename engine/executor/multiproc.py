@@ -740,7 +740,7 @@ class MultiprocExecutor(Executor):
         rank can hold every block the scheduler hands out. On CUDA each worker profiles its own
         GPU (gpu_memory_utilization is per GPU, as in vLLM); on a CPU the workers of one machine
         share its memory, so the byte budget (kv_cache_memory, default
-        DEFAULT_CPU_KV_CACHE_BYTES) is split evenly among them."""
+        `default_cpu_kv_cache_bytes`) is split evenly among them."""
         if self.spec["device"].type == "cpu" and cache_args.get("num_kv_blocks") is None:
             budget = cache_args.get("kv_cache_memory") or DEFAULT_CPU_KV_CACHE_BYTES
             per_machine = env_int("LOCAL_WORLD_SIZE", 1) if self.torchrun else self.world_size

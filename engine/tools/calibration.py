@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.tools.bench.config import SIDE_ENGINE_KV_CACHE_BYTES
+from engine.tools.bench.config import side_engine_kv_cache_memory
 from engine.tools.cost_model import (
     CostModel,
     Efficiency,
@@ -390,7 +390,7 @@ def calibrate(
         dtype=dtype,
         max_num_seqs=w.max_num_seqs,
         max_num_batched_tokens=w.max_num_batched_tokens,
-        kv_cache_memory=SIDE_ENGINE_KV_CACHE_BYTES,
+        kv_cache_memory=side_engine_kv_cache_memory(device),
     )
     log(
         f"calibration: measuring this machine's ceilings ({engine.device.type}, "

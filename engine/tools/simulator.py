@@ -40,11 +40,11 @@ from typing import Callable
 
 from engine.clock import EngineClock
 from engine.config import (
-    DEFAULT_CPU_KV_CACHE_BYTES,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     EngineConfig,
+    default_cpu_kv_cache_bytes,
 )
 from engine.executor.abstract import Executor
 from engine.layers.sharding import (
@@ -306,8 +306,13 @@ class SimulatedExecutor(Executor):
             self.pp,
         )
         if num_kv_blocks is None:
-            if kv_cache_memory is None and self.hardware.kind == "cpu":
-                kv_cache_memory = DEFAULT_CPU_KV_CACHE_BYTES  # as the real engine on a CPU
+            if kv_cache_memory is None and self.hardware.kind == "cpu":  # as the real engine
+                kv_cache_memory = default_cpu_kv_cache_bytes(
+                    self.memory.bytes_per_block * self.tp * self.pp,
+                    self.block_size,
+                    max_model_len,
+                    self.max_num_seqs,
+                )
             if kv_cache_memory is not None:  # bytes over all GPUs, like the real engine's setting
                 num_kv_blocks = kv_cache_memory // (self.memory.bytes_per_block * self.tp * self.pp)
             else:

@@ -7,11 +7,18 @@ from dataclasses import dataclass
 
 from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 
-# An engine the bench builds beside its own (the calibration and fidelity engines, the
-# quantization variants, the speculative one) takes a KV cache of this fixed size. Sized by
-# profiling a GPU it would find the bench engine's cache holding most of the memory, and get 0
-# blocks. On a CPU this is the default size anyway (engine/config.py DEFAULT_CPU_KV_CACHE_BYTES).
 SIDE_ENGINE_KV_CACHE_BYTES = 1 << 30
+
+
+def side_engine_kv_cache_memory(device: str) -> int | None:
+    """The KV cache of an engine the bench builds beside its own (the calibration and fidelity
+    engines, the quantization variants, the speculative one). On a GPU a fixed GiB: sized by
+    profiling, it would find the bench engine's cache holding most of the memory and get 0
+    blocks. On a CPU None, the engine's default (engine/config.py default_cpu_kv_cache_bytes):
+    that GiB for the default model, far less for a tiny test model."""
+    from engine.worker.worker import resolve_device
+
+    return None if resolve_device(device).type == "cpu" else SIDE_ENGINE_KV_CACHE_BYTES
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.tools.bench.config import SIDE_ENGINE_KV_CACHE_BYTES, BenchConfig
+from engine.tools.bench.config import BenchConfig, side_engine_kv_cache_memory
 from engine.tools.workload import SimRequest, make_workload
 
 FIDELITY_TARGET = 0.10  # the goal: each figure within 10 % of the real engine's
@@ -56,7 +56,7 @@ def simulator_fidelity(
         dtype=config.dtype,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
-        kv_cache_memory=SIDE_ENGINE_KV_CACHE_BYTES,
+        kv_cache_memory=side_engine_kv_cache_memory(config.device),
     )
     specials = sorted(engine.tokenizer.special_token_ids)
     items = make_workload(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from engine.tools.bench.config import SIDE_ENGINE_KV_CACHE_BYTES, BenchConfig
+from engine.tools.bench.config import BenchConfig, side_engine_kv_cache_memory
 from engine.tools.bench.decode import decode_rate_batch1
 from engine.tools.bench.offline import run_engine_offline
 from engine.tools.bench.timing import ratio
@@ -98,7 +98,7 @@ def run_spec_decode(llm, config: "BenchConfig", specials) -> dict:
         dtype=base.dtype,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
-        kv_cache_memory=SIDE_ENGINE_KV_CACHE_BYTES,
+        kv_cache_memory=side_engine_kv_cache_memory(base.device),
         max_model_len=llm.engine.max_model_len,
         speculative_config=spec_config,
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine.tools.bench.ceilings import measure_bandwidth, measure_matvec, model_numbers
-from engine.tools.bench.config import SIDE_ENGINE_KV_CACHE_BYTES, BenchConfig
+from engine.tools.bench.config import BenchConfig, side_engine_kv_cache_memory
 from engine.tools.bench.decode import batch1_probes, batch1_under_bandwidth
 from engine.tools.bench.offline import run_engine_offline
 from engine.tools.bench.timing import ratio
@@ -85,7 +85,7 @@ def measure_variant(model_dir, config: "BenchConfig", dtype, method, workload, t
         kernels=config.kernels,
         quantization=method,
         quantization_group_size=config.quantization_group_size,
-        kv_cache_memory=SIDE_ENGINE_KV_CACHE_BYTES,
+        kv_cache_memory=side_engine_kv_cache_memory(config.device),
     )
     engine = llm.engine
     model = engine.executor.worker.model
