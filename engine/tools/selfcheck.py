@@ -363,7 +363,6 @@ class SelfCheck:
             DEFAULT_CPU_KV_CACHE_BYTES,
             DEFAULT_GPU_MEMORY_UTILIZATION,
             DEFAULT_MAX_NUM_SEQS,
-            default_cpu_kv_cache_bytes,
         )
         from engine.worker.worker import Worker, resolve_dtype
 
@@ -371,13 +370,8 @@ class SelfCheck:
         worker = Worker(self.model_dir, self.device, dtype, DEFAULT_BLOCK_SIZE)
         worker.load_model()  # shared with the engines of this process (engine.worker.load_model)
         max_len = worker.model.cfg.max_position_embeddings
-        cpu_bytes = default_cpu_kv_cache_bytes(
-            worker.bytes_per_block, DEFAULT_BLOCK_SIZE, max_len, DEFAULT_MAX_NUM_SEQS
-        )
         blocks = worker.determine_num_blocks(
-            max_len,
-            kv_cache_memory=cpu_bytes if self.device.type == "cpu" else None,
-            gpu_memory_utilization=DEFAULT_GPU_MEMORY_UTILIZATION,
+            max_len, gpu_memory_utilization=DEFAULT_GPU_MEMORY_UTILIZATION
         )
         bytes_ = blocks * worker.bytes_per_block
         tokens = blocks * DEFAULT_BLOCK_SIZE

@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 
 from engine.config import (
-    DEFAULT_CPU_KV_CACHE_BYTES,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    default_cpu_kv_cache_bytes,
 )
 from engine.kernels.linear_precision import bfloat16_library, resolve_linear_precision
 from engine.kv_connector import KVTransferConfig
@@ -243,8 +244,10 @@ class Worker:
                     kv_cache_memory = self._profile_free_gpu_memory(
                         gpu_memory_utilization, max_num_batched_tokens
                     )
-                else:
-                    kv_cache_memory = DEFAULT_CPU_KV_CACHE_BYTES
+                else:  # as the default engine would (EngineCore passes its own max_num_seqs)
+                    kv_cache_memory = default_cpu_kv_cache_bytes(
+                        self.bytes_per_block, self.block_size, max_model_len, DEFAULT_MAX_NUM_SEQS
+                    )
             num_kv_blocks = kv_cache_memory // self.bytes_per_block
         blocks_needed = cdiv(max_model_len, self.block_size)
         if num_kv_blocks < blocks_needed:
