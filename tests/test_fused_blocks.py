@@ -11,10 +11,12 @@ from dataclasses import replace
 import pytest
 import torch
 
+import engine.kernels.linear_precision as lp
 from engine.kernels.quant import Int4TiledWeight, Int4Weight, Int8Weight, quantize_int8
 from engine.layers.attention import build_attention_metadata
 from engine.models import llama
 from engine.models.llama import LlamaModel
+from engine.worker.bfloat16_linears import with_bfloat16_linears
 from engine.worker.quantization import describe, quantize_model
 
 BLOCK = 16
@@ -40,11 +42,15 @@ def gguf_style(model: LlamaModel, head_q8: bool = True) -> LlamaModel:
 
 def build(model_dir, layout: str, fused: bool, monkeypatch) -> LlamaModel:
     """layout: "tiles" (a GGUF's; "tiles, head in rows": its output layer not rounding the
-    activations, so not in tiles), "int4", "int8" or "float32" (not quantized: the float32
-    library's linears, called from C++)."""
+    activations, so not in tiles), "int4", "int8", "float32" (not quantized: the float32
+    library's linears, called from C++) or "bfloat16 tiles" (a float32 model's bfloat16
+    linears)."""
     model = LlamaModel.from_pretrained(model_dir)
     int4 = layout.startswith("tiles") or layout == "int4"
-    if not layout.endswith("float32"):
+    if layout == "bfloat16 tiles":
+        monkeypatch.setattr(lp, "_choice", {"precision": "bfloat16", "library": lp.TILES})
+        model = with_bfloat16_linears(model, "test")
+    elif not layout.endswith("float32"):
         model = quantize_model(model, "int4" if int4 else "int8", group_size=32)
     if layout.startswith("tiles"):
         model = gguf_style(model, head_q8=layout == "tiles")
@@ -132,7 +138,11 @@ def run_decodes(model: LlamaModel, kv_dtype: torch.dtype) -> tuple[list[torch.Te
     [("llama", t, kv, "tiles") for t in (1, 2, 3) for kv in ("float32", "bfloat16")]
     + [("qwen2", 2, "float32", "tiles"), ("llama", 2, "float32", "tiles, head in rows")]
     + [("llama", t, "float32", "float32") for t in (1, 2, 3)]
-    + [("qwen2", 2, "bfloat16", "float32")],
+    + [("qwen2", 2, "bfloat16", "float32")]
+    + [("llama", t, "float32", layout) for t in (1, 2, 3) for layout in ("int8", "int4")]
+    + [("qwen2", 2, "bfloat16", "int8"), ("llama", 2, "float32", "int4, head apart")]
+    + [("llama", t, "float32", "bfloat16 tiles") for t in (1, 2, 3)]
+    + [("qwen2", 2, "float32", "bfloat16 tiles")],
 )
 def test_decode_steps_run_as_one_team_bit_for_bit(
     ext, request, monkeypatch, model, threads, kv_dtype, layout
@@ -143,19 +153,27 @@ def test_decode_steps_run_as_one_team_bit_for_bit(
     output layer for the rows that sample. Its logits and cache equal the Python path's bit for
     bit, at any number of threads, with a bfloat16 cache too (whose first chunks, before this
     test, attended to unrounded keys in the fused block), with Qwen2's q/k/v biases (and its
-    untied output layer), and with the output layer in rows (the team stops after the layers);
-    the prefill keeps the kernels' loops. A float32 model's decode steps run as a team too (the
-    matrices' rows shared 16 at a time, the output layer with them)."""
+    untied output layer), and with the output layer in rows (a weight-only int8 matrix: the team
+    runs it too); the prefill keeps the kernels' loops. A float32 model's decode steps run as a
+    team too (the matrices' rows shared 16 at a time, the output layer with them), and so do a
+    weight-only int8 or int4 model's, and a float32 model's bfloat16 linears in tiles where the
+    AVX512-BF16 kernel multiplies them. "head apart": the team stops after the layers and the
+    model runs the final norm and the output layer."""
     if layout.startswith("tiles") and "int4" not in ext.q8_tile_formats():
         pytest.skip("this build has no vector code for int4 tiles, so the model is not tiled")
+    if layout == "bfloat16 tiles" and ext.bf16_tiles_kernel() != "AVX512-BF16":
+        pytest.skip("a team shares bfloat16 tiles where the AVX512-BF16 kernel multiplies")
     model_dir = request.getfixturevalue("tiny_qwen2_dir" if model == "qwen2" else "tiny_model_dir")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        fused = build(model_dir, layout, True, monkeypatch)
-        python = build(model_dir, layout, False, monkeypatch)
-        head_shared = layout == "float32" or (layout == "tiles" and "int8" in ext.q8_tile_formats())
-        assert fused.stack.runs_head == head_shared
+        head_apart = layout.endswith("head apart")
+        if head_apart:
+            monkeypatch.setattr(llama, "head_shared_by_team", lambda model: False)
+        fused = build(model_dir, layout.removesuffix(", head apart"), True, monkeypatch)
+        python = build(model_dir, layout.removesuffix(", head apart"), False, monkeypatch)
+        tiles_without_int8 = layout == "tiles" and "int8" not in ext.q8_tile_formats()
+        assert fused.stack.runs_head == (not head_apart and not tiles_without_int8)
         fused_logits, fused_cache = run_decodes(fused, getattr(torch, kv_dtype))
         python_logits, python_cache = run_decodes(python, getattr(torch, kv_dtype))
     finally:
@@ -214,9 +232,7 @@ def test_a_team_refuses_logits_rows_outside_its_step(ext, tiny_model_dir, monkey
 def test_bfloat16_tiles_fused_equal_the_python_path_bit_for_bit(ext, tiny_model_dir, monkeypatch):
     """A float32 model's bfloat16 linears in tiles run on our kernel, so their layers fuse
     too (engine/kernels/bfloat16_tiles.py)."""
-    import engine.kernels.linear_precision as lp
     from engine.kernels.bfloat16_tiles import BFloat16TiledWeight
-    from engine.worker.bfloat16_linears import with_bfloat16_linears
 
     if not ext.bf16_tiles_available():
         pytest.skip("this CPU (or build) has neither AMX nor AVX512-BF16")

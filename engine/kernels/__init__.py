@@ -8,7 +8,8 @@ What it holds (engine/kernels/csrc/cpu_kernels.cpp):
 - `int4_q8_tiled_linear` (csrc/q8_tiles.cpp): a GGUF's Q4_1 blocks repacked at load into tiles
   of 16 channels, multiplied in integers as llama.cpp's repacked kernels do;
 - `LayerStack` (csrc/fused_blocks.cpp): all the layers as one call a step; a decode step of a
-  tiled model as one team of threads in one parallel region;
+  tiled, float32, weight-only int8/int4 or bfloat16-linear model as one team of threads in one
+  parallel region;
 - `f32_linear` (csrc/f32_rows.cpp): a float32 linear, at up to 8 rows (a decode step's) on a
   kernel of our own that streams a copy of the weights packed at load (`f32_pack`: 4 channels'
   weights together, one stream) at the memory's speed (the libraries' kernels did not there),

@@ -141,10 +141,12 @@ class LayerStack:
     GPU step: engine/worker/cuda_graphs.py). When every matrix is in tiles (a GGUF's), a decode
     step of up to 8 tokens runs as one team of threads in one parallel region, sharing each
     matrix's tiles and waiting at barriers, instead of starting ~150 parallel loops a step (a
-    float32 model's the same with its matrices' rows, on our few-row kernel); and when the
-    output layer is one a team can share too, that team runs the final norm and the output
-    layer for the rows that sample (`runs_head`): the step's largest matrix is shared the same
-    way, and the logits come out of the same parallel region."""
+    float32 model's the same with its matrices' rows, on our few-row kernel, a weight-only int8
+    or int4 model's with its rows, 16 channels at a time, and bfloat16 linears' tiles where the
+    AVX512-BF16 kernel multiplies them); and when the output layer is one a team can share too,
+    that team runs the final norm and the output layer for the rows that sample (`runs_head`):
+    the step's largest matrix is shared the same way, and the logits come out of the same
+    parallel region."""
 
     def __init__(self, model: "LlamaModel"):
         layers = model.layers
@@ -168,7 +170,7 @@ class LayerStack:
 
 def head_shared_by_team(model: "LlamaModel") -> bool:
     """The final norm on our kernel and the output layer on one a team can share (a GGUF's in
-    tiles, or a float32 one)."""
+    tiles, a float32 one, a weight-only int8 one, or bfloat16 tiles without AMX)."""
     norm, head = model.final_norm, model.lm_head
     return (
         norm is not None

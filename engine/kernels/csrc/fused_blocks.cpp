@@ -65,12 +65,20 @@ Kind kind_of(const std::string& name, size_t num_tensors) {
   TORCH_CHECK(false, "QuantLinear: unknown kind ", name);
 }
 
-// The rows a team member multiplies by a matrix: as they are (a float32 matrix), and rounded to
-// int8 blocks in the member's own buffer (tiles).
+// The rows a team member multiplies by a matrix: as they are (a float32 matrix, a weight-only
+// int8 or int4 one), rounded to int8 blocks (int8 and int4 tiles) or to bfloat16 (bfloat16
+// tiles) in the member's own buffers.
 struct TeamRows {
   const float* x;
   int64_t m;
   q8::RoundedView rounded;
+  const uint16_t* bf16 = nullptr;
+};
+
+// A member's buffers for the rows it rounds (TeamRows); they only grow.
+struct RowBuffers {
+  q8::RoundingBuffer q8;
+  std::vector<uint16_t> bf16;
 };
 
 struct QuantLinear {
@@ -84,6 +92,9 @@ struct QuantLinear {
   const float* scales_at = nullptr;
   int64_t tiles_count = 0, tile_record_bytes = 0;
   const float* f32_at = nullptr;  // a float32 matrix's packed copy (f32_pack), read once too
+  QuantRows rows_at{};            // a weight-only int8 or int4 matrix's values, read once too
+  int64_t bytes_total = 0;        // of the tiles, packed copy or rows a team reads (tile_bytes)
+  int64_t bf16_n = 0, bf16_k = 0;  // bfloat16 tiles' out and in features, read once too
 
   QuantLinear(const std::string& name, std::vector<torch::Tensor> tensors, int64_t group_size)
       : kind(kind_of(name, tensors.size())), t(std::move(tensors)), group_size(group_size) {
@@ -99,13 +110,31 @@ struct QuantLinear {
         f32_at = t[1].data_ptr<float>();
         tiles_count = (t[0].size(0) + q8::TILE_CHANNELS - 1) / q8::TILE_CHANNELS;
         tile_record_bytes = q8::TILE_CHANNELS * width * sizeof(float);
+        bytes_total = t[1].numel() * int64_t(sizeof(float));
       }
+    }
+    if (in_rows()) {
+      rows_at = kind == Kind::Int8 ? int8_rows(t[0], t[1])
+                                   : int4_rows(t[0], t[1], t[2], group_size);
+      tiles_count = (rows_at.n + q8::TILE_CHANNELS - 1) / q8::TILE_CHANNELS;
+      tile_record_bytes = q8::TILE_CHANNELS * rows_at.row_bytes();
+      bytes_total = rows_at.n * rows_at.row_bytes();
+    }
+    if (bf16_team()) {
+      TORCH_CHECK(t[0].scalar_type() == torch::kBFloat16 && t[0].dim() == 4 &&
+                      t[0].is_contiguous() && t[0].size(2) == q8::TILE_CHANNELS,
+                  "QuantLinear: bfloat16 tiles are a contiguous bfloat16 [tiles, groups, 16, 32]");
+      tiles_at = static_cast<const uint8_t*>(t[0].data_ptr());
+      tiles_count = t[0].size(0), tile_record_bytes = t[0][0].numel() * int64_t(sizeof(uint16_t));
+      bytes_total = tiles_count * tile_record_bytes;
+      bf16_n = tiles_count * q8::TILE_CHANNELS, bf16_k = t[0].size(1) * t[0].size(3);
     }
     if (!tiled()) return;
     TORCH_CHECK(t[0].scalar_type() == torch::kUInt8 && t[0].dim() == 3 && t[0].is_contiguous(),
                 "QuantLinear: tiles are a contiguous uint8 [tiles, groups, record]");
     tiles_at = t[0].data_ptr<uint8_t>();
     tiles_count = t[0].size(0), tile_record_bytes = t[0].size(1) * t[0].size(2);
+    bytes_total = tiles_count * tile_record_bytes;
     if (kind == Kind::Int8Tiles) {
       TORCH_CHECK(t[1].scalar_type() == torch::kFloat32 && t[1].is_contiguous() &&
                       t[1].numel() == tiles_count * q8::TILE_CHANNELS,
@@ -119,8 +148,8 @@ struct QuantLinear {
     switch (kind) {
       case Kind::Int4Tiles: return int4_q8_tiled_linear(x, t[0], bias);
       case Kind::Int8Tiles: return int8_q8_tiled_linear(x, t[0], t[1], bias);
-      case Kind::Int8: return int8_linear(x, t[0], t[1], bias);
-      case Kind::Int4: return int4_linear(x, t[0], t[1], t[2], group_size, bias);
+      case Kind::Int8:
+      case Kind::Int4: return quant_rows_linear(x, rows_at, bias);
       case Kind::Int4Q8: return int4_q8_linear(x, t[0], t[1], t[2], group_size, bias);
       case Kind::Int8Q8: return int8_q8_linear(x, t[0], t[1], bias);
       case Kind::Bf16Tiles: return bf16_tiled_linear(x, t[0], bias);
@@ -133,33 +162,57 @@ struct QuantLinear {
   // In tiles of 16 output channels (a GGUF's layers and output layer).
   bool tiled() const { return kind == Kind::Int4Tiles || kind == Kind::Int8Tiles; }
   bool float32() const { return kind == Kind::F32Onednn || kind == Kind::F32Mkl; }
-  // A team can share it, 16 output channels at a time: tiles, or a float32 matrix's rows (our
-  // kernel, as f32_linear runs a team step's rows: TEAM_MAX_ROWS <= F32_MAX_ROWS).
-  bool shared_by_team() const { return tiled() || f32_at != nullptr; }
+  // A weight-only int8 or int4 matrix in rows (activations not rounded).
+  bool in_rows() const { return kind == Kind::Int8 || kind == Kind::Int4; }
+  // A bfloat16 matrix in tiles, where a team can share them (bf16_tiles_team).
+  bool bf16_team() const { return kind == Kind::Bf16Tiles && bf16_tiles_team(); }
+  // A team can share it, 16 output channels at a time: tiles, a float32 matrix's rows (our
+  // kernel, as f32_linear runs a team step's rows: TEAM_MAX_ROWS <= F32_MAX_ROWS), or a
+  // weight-only int8 or int4 matrix's rows (quant_rows_part, as its linear runs them), or bfloat16
+  // tiles where the AVX512-BF16 kernel multiplies them.
+  bool shared_by_team() const {
+    return tiled() || f32_at != nullptr || in_rows() || bf16_team();
+  }
   int64_t num_tiles() const { return tiles_count; }
   int64_t out_features() const {
+    if (in_rows()) return rows_at.n;
     return float32() ? t[0].size(0) : t[0].size(0) * q8::TILE_CHANNELS;
   }
-  int64_t in_features() const { return float32() ? t[0].size(1) : t[0].size(1) * q8::BLOCK; }
-  // Where tiles t0 .. t1 lie (a tiled matrix's records, a float32 matrix's packed channels, one
-  // after the other).
+  int64_t in_features() const {
+    if (in_rows()) return rows_at.k;
+    if (kind == Kind::Bf16Tiles) return t[0].size(1) * t[0].size(3);
+    return float32() ? t[0].size(1) : t[0].size(1) * q8::BLOCK;
+  }
+  // Where tiles t0 .. t1 lie (a tiled matrix's records, a float32 matrix's packed channels, a
+  // weight-only matrix's rows, one after the other).
   std::pair<const char*, const char*> tile_bytes(int64_t t0, int64_t t1) const {
-    const char* base = float32() ? reinterpret_cast<const char*>(f32_at)
-                                 : reinterpret_cast<const char*>(tiles_at);
-    const int64_t end = float32() ? t[1].numel() * int64_t(sizeof(float))
-                                  : tiles_count * tile_record_bytes;
-    return {base + t0 * tile_record_bytes, base + std::min(end, t1 * tile_record_bytes)};
+    const char* base = float32()   ? reinterpret_cast<const char*>(f32_at)
+                       : in_rows() ? static_cast<const char*>(rows_at.weights)
+                                   : reinterpret_cast<const char*>(tiles_at);
+    return {base + t0 * tile_record_bytes, base + std::min(bytes_total, t1 * tile_record_bytes)};
   }
 
-  // What a member multiplies: `m` rows of `k` activations, rounded into `rounding` for tiles.
-  TeamRows team_rows(const float* x, int64_t m, int64_t k, q8::RoundingBuffer& rounding) const {
-    if (float32()) return {x, m, {}};
-    return {x, m, rounding.round(x, m, k)};
+  // What a member multiplies: `m` rows of `k` activations, rounded into `buffers` for tiles.
+  TeamRows team_rows(const float* x, int64_t m, int64_t k, RowBuffers& buffers) const {
+    if (bf16_team()) {
+      uint16_t* rounded = q8::grow_to(buffers.bf16, m * k);
+      bf16_round(x, m * k, rounded);
+      return {x, m, {}, rounded};
+    }
+    if (!tiled()) return {x, m, {}};
+    return {x, m, buffers.q8.round(x, m, k)};
   }
 
   // Tiles t0 .. t1 of y [rows, out_features] for the rows in `a`.
   void tiles_part(const TeamRows& a, const float* bias, float* y, int64_t t0, int64_t t1) const {
-    if (float32()) {
+    if (bf16_team()) {
+      bf16_tiles_part(a.bf16, a.m, bf16_k, reinterpret_cast<const uint16_t*>(tiles_at), bf16_n,
+                      bias, y, t0, t1);
+    } else if (in_rows()) {
+      const int64_t n = rows_at.n;
+      quant_rows_part(rows_at, a.x, a.m, bias, y, t0 * q8::TILE_CHANNELS,
+                      std::min(n, t1 * q8::TILE_CHANNELS));
+    } else if (float32()) {
       const int64_t n = out_features(), c1 = std::min(n, t1 * q8::TILE_CHANNELS);
       f32_rows_part(f32_at, in_features(), a.x, a.m, bias, y, n, t0 * q8::TILE_CHANNELS, c1);
     } else if (kind == Kind::Int4Tiles) {
@@ -339,6 +392,7 @@ struct TeamMember {
 // keeps the kernels' own parallel loops, which split its rows too.
 constexpr int64_t TEAM_MAX_ROWS = 8;
 static_assert(TEAM_MAX_ROWS <= F32_MAX_ROWS, "a team's float32 rows are on our kernel");
+static_assert(q8::TILE_CHANNELS % QUANT_ROWS_ITEM == 0, "a team's shares of int8/int4 rows");
 
 // Of a matrix's tiles, each member of a team first runs a fixed share (together, this many
 // quarters of them), then takes the rest at least MIN_RUN tiles at a time (share_tiles, below).
@@ -350,7 +404,7 @@ constexpr int64_t MIN_RUN = 2;
 // rounded for the next matrix.
 struct MemberRows {
   std::vector<float> residual, normed, act;
-  q8::RoundingBuffer rounding;
+  RowBuffers rounding;
 };
 
 // What the members of a team share in one step: the inputs, and one buffer per phase's output.
@@ -385,21 +439,21 @@ struct TeamStep {
 // Every layer of the model, one after the other, as LlamaModel.run_layers runs them: the
 // residual adds fused into the norms that follow them (add_rms_norm). One call a step.
 //
-// A decode step whose matrices a team can share (all in tiles, or all float32) runs as a team
-// instead: one parallel region for the whole step, each thread running every layer's loop,
-// splitting each matrix's tiles (a float32 matrix's rows, 16 at a time) and the attention's items
-// with the other threads and waiting at a barrier where a phase needs every thread's output (6 a
-// layer); with a head (set_head) and the rows that sample, the final norm and the output layer
-// too (28 of the 95 MB a 4-bit SmolLM2 step reads). Each thread rounds the activations it
-// multiplies (for tiles) and keeps the residual stream and the norms' outputs itself (a few
-// KB, the same numbers in each). A gguf decode step at batch 1 otherwise starts ~150 parallel
-// loops and makes ~400 tensor operations (views, empty outputs) between them, while the other
-// thread waits (docs/performance.md, twelfth session); the team does neither. The numbers are
-// the loop's, bit for bit: the same row functions and tile kernels on the same rows, the same
-// attention items. Inside the region the members read no tensor's metadata: where each matrix,
-// buffer and norm lies, and each layer's attention work, are read before it starts (~1,000 such
-// reads a step, each from memory after the stream had evicted it, made the layers ~3 % slower:
-// docs/performance.md, sixteenth session).
+// A decode step whose matrices a team can share (shared_by_team: in tiles, float32, weight-only
+// int8 or int4 rows, or bfloat16 tiles without AMX) runs as a team instead: one parallel region for
+// the whole step, each thread running every layer's loop, splitting each matrix's tiles (a float32
+// or weight-only matrix's rows, 16 at a time) and the attention's items with the other threads and
+// waiting at a barrier where a phase needs every thread's output (6 a layer); with a head
+// (set_head) and the rows that sample, the final norm and the output layer too (28 of the 95 MB a
+// 4-bit SmolLM2 step reads). Each thread rounds the activations it multiplies (for tiles) and keeps
+// the residual stream and the norms' outputs itself (a few KB, the same numbers in each). A gguf
+// decode step at batch 1 otherwise starts ~150 parallel loops and makes ~400 tensor operations
+// (views, empty outputs) between them, while the other thread waits (docs/performance.md, twelfth
+// session); the team does neither. The numbers are the loop's, bit for bit: the same row functions
+// and tile kernels on the same rows, the same attention items. Inside the region the members read
+// no tensor's metadata: where each matrix, buffer and norm lies, and each layer's attention work,
+// are read before it starts (~1,000 such reads a step, each from memory after the stream had
+// evicted it, made the layers ~3 % slower: docs/performance.md, sixteenth session).
 struct LayerStack {
   std::vector<AttentionBlock> attention;
   std::vector<MlpBlock> mlp;
@@ -602,7 +656,7 @@ struct LayerStack {
 
   // qkv, RoPE and the new K/V into the cache, attention, o: four barriers.
   void attention_phases(const TeamMember& me, TeamStep& s, size_t i, const float* x,
-                        q8::RoundingBuffer& rounding) const {
+                        RowBuffers& rounding) const {
     const AttentionBlock& block = attention[i];
     share_tiles(me, block.qkv, block.qkv.team_rows(x, s.m, s.hidden, rounding), qkv_bias_at[i],
                 s.qkv_at, s.tiles_taken[4 * i], &block.o);

@@ -44,6 +44,28 @@ void paged_attention(const torch::Tensor& q, const torch::Tensor& k, const torch
                      torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots,
                      const torch::Tensor& block_tables, const torch::Tensor& tiles, double scale,
                      torch::Tensor& out);
+// A weight-only int8 or int4 matrix in rows (engine/kernels/quant.py Int8Weight, Int4Weight),
+// where its values lie, read from its tensors once (int8_rows, int4_rows check them): what
+// int8_linear and int4_linear multiply, and what a member of the layer stack's team reads
+// (fused_blocks.cpp) without touching a tensor.
+struct QuantRows {
+  const void* weights;  // int8 [n, k], or int4 packed uint8 [n, k / 2]
+  const void* scales;   // int8: float32 [n]; int4: [n, k / group_size], float32 or float16
+  const void* mins;     // int4: as scales; int8: nullptr
+  bool int4, half;      // half: int4's scales and minimums are float16
+  int64_t n, k, group_size;
+  int64_t row_bytes() const { return int4 ? k / 2 : k; }
+};
+QuantRows int8_rows(const torch::Tensor& qweight, const torch::Tensor& scales);
+QuantRows int4_rows(const torch::Tensor& packed, const torch::Tensor& scales,
+                    const torch::Tensor& mins, int64_t group_size);
+// Output channels c0 .. c1 of y [m, n] = x [m, k] @ W^T (+ bias) (row stride n); for m > 1, c0 a
+// multiple of QUANT_ROWS_ITEM. Whoever runs a channel, its output is the same bit for bit.
+constexpr int64_t QUANT_ROWS_ITEM = 16;
+void quant_rows_part(const QuantRows& w, const float* x, int64_t m, const float* bias, float* y,
+                     int64_t c0, int64_t c1);
+torch::Tensor quant_rows_linear(const torch::Tensor& x, const QuantRows& w,
+                                const c10::optional<torch::Tensor>& bias);
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& qweight,
                           const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias);
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
@@ -127,6 +149,14 @@ bool bf16_tiles_available();
 std::string bf16_tiles_kernel();
 torch::Tensor bf16_tiled_linear(const torch::Tensor& x, const torch::Tensor& packed,
                                 const c10::optional<torch::Tensor>& bias);
+// For a team of threads (fused_blocks.cpp): whether one shares a matrix's tiles here (where the
+// AVX512-BF16 kernel multiplies), x's values rounded to bfloat16 as bf16_tiled_linear rounds
+// them, and channel tiles t0 .. t1 of its y [m, n] (+ bias) for m rows `a` already rounded, the
+// tiles at `packed` ([n / 16, k / 32, 16, 32] bfloat16 values).
+bool bf16_tiles_team();
+void bf16_round(const float* x, int64_t count, uint16_t* out);
+void bf16_tiles_part(const uint16_t* a, int64_t m, int64_t k, const uint16_t* packed, int64_t n,
+                     const float* bias, float* y, int64_t t0, int64_t t1);
 
 // sampling.cpp
 torch::Tensor argmax_rows(const torch::Tensor& logits);
