@@ -261,9 +261,10 @@ std::string bf16_tiles_kernel() {
   return BF16_DOT ? "AVX512-BF16" : "";
 }
 
-// A team of threads shares the tiles where the AVX512-BF16 kernel multiplies them: AMX's tile
-// registers are configured for a call's blocks of rows, which a team's runs of tiles would redo
-// again and again, so where AMX multiplies the layers keep their parallel loops.
+// A team of threads shares the tiles where the AVX512-BF16 kernel multiplies them. Where AMX
+// multiplies, the layers keep their parallel loops: AMX's tile registers are configured for a
+// call's blocks of rows, which a team's runs of tiles would configure again and again, and no AMX
+// machine was at hand to measure what that costs.
 bool bf16_tiles_team() { return bf16_tiles_kernel() == "AVX512-BF16"; }
 
 // x [m, k] float32, packed [n / 16, k / 32, 16, 32] bfloat16 (the layout above) -> y [m, n]

@@ -95,9 +95,11 @@ struct QuantLinear {
   QuantRows rows_at{};            // a weight-only int8 or int4 matrix's values, read once too
   int64_t bytes_total = 0;        // of the tiles, packed copy or rows a team reads (tile_bytes)
   int64_t bf16_n = 0, bf16_k = 0;  // bfloat16 tiles' out and in features, read once too
+  bool bf16_shared = false;        // bfloat16 tiles a team shares (bf16_tiles_team), asked once
 
   QuantLinear(const std::string& name, std::vector<torch::Tensor> tensors, int64_t group_size)
       : kind(kind_of(name, tensors.size())), t(std::move(tensors)), group_size(group_size) {
+    bf16_shared = kind == Kind::Bf16Tiles && bf16_tiles_team();
     if (float32()) {
       TORCH_CHECK(t[0].scalar_type() == torch::kFloat32 && t[0].dim() == 2 && t[0].is_cpu(),
                   "QuantLinear: a float32 matrix [out, in] on the CPU");
@@ -165,7 +167,7 @@ struct QuantLinear {
   // A weight-only int8 or int4 matrix in rows (activations not rounded).
   bool in_rows() const { return kind == Kind::Int8 || kind == Kind::Int4; }
   // A bfloat16 matrix in tiles, where a team can share them (bf16_tiles_team).
-  bool bf16_team() const { return kind == Kind::Bf16Tiles && bf16_tiles_team(); }
+  bool bf16_team() const { return bf16_shared; }
   // A team can share it, 16 output channels at a time: tiles, a float32 matrix's rows (our
   // kernel, as f32_linear runs a team step's rows: TEAM_MAX_ROWS <= F32_MAX_ROWS), or a
   // weight-only int8 or int4 matrix's rows (quant_rows_part, as its linear runs them), or bfloat16
