@@ -1179,21 +1179,10 @@ void int8_rows_part(const QuantRows& w, const float* x, int64_t m, const float* 
   add_bias(bias, y, c0, c1);
 }
 
-// The sum of each group of x's values (the minimums' term: sum_e x*(q*scale + min) = scale *
-// sum_e x*q + min * sum_e x).
-void group_sums(const float* x, int64_t groups, int64_t group_size, float* out) {
-  for (int64_t g = 0; g < groups; ++g) {
-    float t = 0.f;
-#pragma omp simd reduction(+ : t)
-    for (int64_t e = 0; e < group_size; ++e) t += x[g * group_size + e];
-    out[g] = t;
-  }
-}
-
-// scales and mins: both float32 or both float16 (S), one per group.
+// scales and mins: both float32 or both float16 (S), one per group. xsum: x's group sums (one row).
 template <typename S>
-void int4_rows_part(const QuantRows& w, const float* x0, int64_t m, const float* bias, float* y,
-                    int64_t c0, int64_t c1) {
+void int4_rows_part(const QuantRows& w, const float* x0, const float* xsum, int64_t m,
+                    const float* bias, float* y, int64_t c0, int64_t c1) {
   const int64_t k = w.k, group_size = w.group_size;
   const int64_t groups = k / group_size, half = group_size / 2;
   const uint8_t* wp = static_cast<const uint8_t*>(w.weights);
@@ -1214,12 +1203,7 @@ void int4_rows_part(const QuantRows& w, const float* x0, int64_t m, const float*
     });
     return;
   }
-  // One row: each channel reads its packed bytes once, widening the nibbles in registers; the
-  // activation's group sums are computed once for the range.
-  thread_local std::vector<float> sums;
-  sums.resize(groups);
-  const float* xsum = sums.data();
-  group_sums(x0, groups, group_size, sums.data());
+  // One row: each channel reads its packed bytes once, widening the nibbles in registers.
   auto one_channel = [&](int64_t j) {
     const uint8_t* b = wp + j * (k / 2);
     const S* sc = scp + j * groups;
@@ -1278,15 +1262,26 @@ QuantRows int4_rows(const torch::Tensor& packed, const torch::Tensor& scales,
           scales.dtype() == torch::kFloat16, n, k, group_size};
 }
 
-void quant_rows_part(const QuantRows& w, const float* x, int64_t m, const float* bias, float* y,
-                     int64_t c0, int64_t c1) {
+// The minimums' term of int4: sum_e x*(q*scale + min) = scale * sum_e x*q + min * sum_e x.
+void row_group_sums(const QuantRows& w, const float* x, float* out) {
+  const int64_t group_size = w.group_size;
+  for (int64_t g = 0; g < w.num_groups(); ++g) {
+    float t = 0.f;
+#pragma omp simd reduction(+ : t)
+    for (int64_t e = 0; e < group_size; ++e) t += x[g * group_size + e];
+    out[g] = t;
+  }
+}
+
+void quant_rows_part(const QuantRows& w, const float* x, const float* x_sums, int64_t m,
+                     const float* bias, float* y, int64_t c0, int64_t c1) {
   if (m < 1) return;  // no rows (an output layer in a step where no request samples)
   if (!w.int4)
     int8_rows_part(w, x, m, bias, y, c0, c1);
   else if (w.half)
-    int4_rows_part<at::Half>(w, x, m, bias, y, c0, c1);
+    int4_rows_part<at::Half>(w, x, x_sums, m, bias, y, c0, c1);
   else
-    int4_rows_part<float>(w, x, m, bias, y, c0, c1);
+    int4_rows_part<float>(w, x, x_sums, m, bias, y, c0, c1);
 }
 
 // One row: every tile of ROW_CHANNELS channels costs the same, so each thread takes one contiguous
@@ -1304,13 +1299,16 @@ torch::Tensor quant_rows_linear(const torch::Tensor& x, const QuantRows& w,
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   if (m == 1) {
+    std::vector<float> sums(w.num_groups());
+    row_group_sums(w, xp, sums.data());
     at::parallel_for(0, (n + ROW_CHANNELS - 1) / ROW_CHANNELS, 1, [&](int64_t t0, int64_t t1) {
-      quant_rows_part(w, xp, 1, bp, yp, t0 * ROW_CHANNELS, std::min(n, t1 * ROW_CHANNELS));
+      quant_rows_part(w, xp, sums.data(), 1, bp, yp, t0 * ROW_CHANNELS,
+                      std::min(n, t1 * ROW_CHANNELS));
     });
   } else {
     parallel_items((n + ITEM_CHANNELS - 1) / ITEM_CHANNELS, [&](int64_t item) {
       const int64_t c0 = item * ITEM_CHANNELS;
-      quant_rows_part(w, xp, m, bp, yp, c0, std::min(n, c0 + ITEM_CHANNELS));
+      quant_rows_part(w, xp, nullptr, m, bp, yp, c0, std::min(n, c0 + ITEM_CHANNELS));
     });
   }
   return y;

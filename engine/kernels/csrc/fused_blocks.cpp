@@ -67,18 +67,21 @@ Kind kind_of(const std::string& name, size_t num_tensors) {
 
 // The rows a team member multiplies by a matrix: as they are (a float32 matrix, a weight-only
 // int8 or int4 one), rounded to int8 blocks (int8 and int4 tiles) or to bfloat16 (bfloat16
-// tiles) in the member's own buffers.
+// tiles) in the member's own buffers; with its group sums for a weight-only int4 matrix at one
+// row (row_group_sums, once per matrix rather than once per share).
 struct TeamRows {
   const float* x;
   int64_t m;
   q8::RoundedView rounded;
   const uint16_t* bf16 = nullptr;
+  const float* sums = nullptr;
 };
 
-// A member's buffers for the rows it rounds (TeamRows); they only grow.
+// A member's buffers for the rows it rounds or sums (TeamRows); they only grow.
 struct RowBuffers {
   q8::RoundingBuffer q8;
   std::vector<uint16_t> bf16;
+  std::vector<float> sums;
 };
 
 struct QuantLinear {
@@ -94,7 +97,7 @@ struct QuantLinear {
   const float* f32_at = nullptr;  // a float32 matrix's packed copy (f32_pack), read once too
   QuantRows rows_at{};            // a weight-only int8 or int4 matrix's values, read once too
   int64_t bytes_total = 0;        // of the tiles, packed copy or rows a team reads (tile_bytes)
-  int64_t bf16_n = 0, bf16_k = 0;  // bfloat16 tiles' out and in features, read once too
+  int64_t out_n = 0, in_k = 0;     // out_features and in_features, read once too
   bool bf16_shared = false;        // bfloat16 tiles a team shares (bf16_tiles_team), asked once
 
   QuantLinear(const std::string& name, std::vector<torch::Tensor> tensors, int64_t group_size)
@@ -129,8 +132,8 @@ struct QuantLinear {
       tiles_at = static_cast<const uint8_t*>(t[0].data_ptr());
       tiles_count = t[0].size(0), tile_record_bytes = t[0][0].numel() * int64_t(sizeof(uint16_t));
       bytes_total = tiles_count * tile_record_bytes;
-      bf16_n = tiles_count * q8::TILE_CHANNELS, bf16_k = t[0].size(1) * t[0].size(3);
     }
+    std::tie(out_n, in_k) = features();
     if (!tiled()) return;
     TORCH_CHECK(t[0].scalar_type() == torch::kUInt8 && t[0].dim() == 3 && t[0].is_contiguous(),
                 "QuantLinear: tiles are a contiguous uint8 [tiles, groups, record]");
@@ -176,14 +179,15 @@ struct QuantLinear {
     return tiled() || f32_at != nullptr || in_rows() || bf16_team();
   }
   int64_t num_tiles() const { return tiles_count; }
-  int64_t out_features() const {
-    if (in_rows()) return rows_at.n;
-    return float32() ? t[0].size(0) : t[0].size(0) * q8::TILE_CHANNELS;
-  }
-  int64_t in_features() const {
-    if (in_rows()) return rows_at.k;
-    if (kind == Kind::Bf16Tiles) return t[0].size(1) * t[0].size(3);
-    return float32() ? t[0].size(1) : t[0].size(1) * q8::BLOCK;
+  int64_t out_features() const { return out_n; }
+  int64_t in_features() const { return in_k; }
+  // Out and in features from the tensors' shapes (a team reads them from out_n and in_k).
+  std::pair<int64_t, int64_t> features() const {
+    if (in_rows()) return {rows_at.n, rows_at.k};
+    if (float32()) return {t[0].size(0), t[0].size(1)};
+    const int64_t in = kind == Kind::Bf16Tiles ? t[0].size(1) * t[0].size(3)
+                                               : t[0].size(1) * q8::BLOCK;
+    return {t[0].size(0) * q8::TILE_CHANNELS, in};
   }
   // Where tiles t0 .. t1 lie (a tiled matrix's records, a float32 matrix's packed channels, a
   // weight-only matrix's rows, one after the other).
@@ -201,6 +205,11 @@ struct QuantLinear {
       bf16_round(x, m * k, rounded);
       return {x, m, {}, rounded};
     }
+    if (in_rows() && rows_at.int4 && m == 1) {
+      float* sums = q8::grow_to(buffers.sums, rows_at.num_groups());
+      row_group_sums(rows_at, x, sums);
+      return {x, m, {}, nullptr, sums};
+    }
     if (!tiled()) return {x, m, {}};
     return {x, m, buffers.q8.round(x, m, k)};
   }
@@ -208,15 +217,15 @@ struct QuantLinear {
   // Tiles t0 .. t1 of y [rows, out_features] for the rows in `a`.
   void tiles_part(const TeamRows& a, const float* bias, float* y, int64_t t0, int64_t t1) const {
     if (bf16_team()) {
-      bf16_tiles_part(a.bf16, a.m, bf16_k, reinterpret_cast<const uint16_t*>(tiles_at), bf16_n,
-                      bias, y, t0, t1);
+      bf16_tiles_part(a.bf16, a.m, in_k, reinterpret_cast<const uint16_t*>(tiles_at), out_n, bias,
+                      y, t0, t1);
     } else if (in_rows()) {
       const int64_t n = rows_at.n;
-      quant_rows_part(rows_at, a.x, a.m, bias, y, t0 * q8::TILE_CHANNELS,
+      quant_rows_part(rows_at, a.x, a.sums, a.m, bias, y, t0 * q8::TILE_CHANNELS,
                       std::min(n, t1 * q8::TILE_CHANNELS));
     } else if (float32()) {
-      const int64_t n = out_features(), c1 = std::min(n, t1 * q8::TILE_CHANNELS);
-      f32_rows_part(f32_at, in_features(), a.x, a.m, bias, y, n, t0 * q8::TILE_CHANNELS, c1);
+      const int64_t n = out_n, c1 = std::min(n, t1 * q8::TILE_CHANNELS);
+      f32_rows_part(f32_at, in_k, a.x, a.m, bias, y, n, t0 * q8::TILE_CHANNELS, c1);
     } else if (kind == Kind::Int4Tiles) {
       int4_tiles_part(tiles_at, tiles_count, a.rounded, bias, y, t0, t1);
     } else {

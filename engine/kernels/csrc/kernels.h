@@ -55,15 +55,21 @@ struct QuantRows {
   bool int4, half;      // half: int4's scales and minimums are float16
   int64_t n, k, group_size;
   int64_t row_bytes() const { return int4 ? k / 2 : k; }
+  // int4, one row: how many sums of the activation's groups quant_rows_part takes (0 for int8).
+  int64_t num_groups() const { return int4 ? k / group_size : 0; }
 };
 QuantRows int8_rows(const torch::Tensor& qweight, const torch::Tensor& scales);
 QuantRows int4_rows(const torch::Tensor& packed, const torch::Tensor& scales,
                     const torch::Tensor& mins, int64_t group_size);
+// The sums of one row's groups of w.group_size values, w.num_groups() of them, into out.
+void row_group_sums(const QuantRows& w, const float* x, float* out);
 // Output channels c0 .. c1 of y [m, n] = x [m, k] @ W^T (+ bias) (row stride n); for m > 1, c0 a
-// multiple of QUANT_ROWS_ITEM. Whoever runs a channel, its output is the same bit for bit.
+// multiple of QUANT_ROWS_ITEM. x_sums: for int4 at one row, row_group_sums of x, computed once
+// for all the ranges a call or a team member runs; else unused. Whoever runs a channel, its
+// output is the same bit for bit.
 constexpr int64_t QUANT_ROWS_ITEM = 16;
-void quant_rows_part(const QuantRows& w, const float* x, int64_t m, const float* bias, float* y,
-                     int64_t c0, int64_t c1);
+void quant_rows_part(const QuantRows& w, const float* x, const float* x_sums, int64_t m,
+                     const float* bias, float* y, int64_t c0, int64_t c1);
 torch::Tensor quant_rows_linear(const torch::Tensor& x, const QuantRows& w,
                                 const c10::optional<torch::Tensor>& bias);
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& qweight,
