@@ -27,11 +27,7 @@ class Tokenizer:
 
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
-        self._tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
-        # A second copy that reads special-token text ("<|im_start|>") as plain text: for what a
-        # client wrote, so that typed text can never become a control token.
-        self._plain = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
-        self._plain.encode_special_tokens = True
+        self._tok, self._plain = _hf_tokenizers(*_file_version(model_dir / "tokenizer.json"))
         self._byte_level = "ByteLevel" in repr(self._tok.decoder)
         config = json.loads((model_dir / "tokenizer_config.json").read_text())
         self.bos_token = _token_content(config.get("bos_token"))
@@ -123,6 +119,26 @@ class Tokenizer:
         return "".join(text_parts), ids
 
 
+def _file_version(path: Path) -> tuple[str, int, int]:
+    """A file's resolved path, modification time and size: a cache key that a rewritten file
+    (an artifact built again) does not match."""
+    stat = path.stat()
+    return str(path.resolve()), stat.st_mtime_ns, stat.st_size
+
+
+@lru_cache(maxsize=8)
+def _hf_tokenizers(path: str, mtime_ns: int, size: int) -> tuple[HFTokenizer, HFTokenizer]:
+    """The tokenizer read from `path` twice: as it is, and a copy that reads special-token text
+    ("<|im_start|>") as plain text, for what a client wrote, so that typed text can never become
+    a control token. Read once per file and process and shared by every Tokenizer (both are only
+    read after this): each engine the app builds for a page used to parse the 3.5 MB file twice,
+    most of a page's opening time."""
+    tok = HFTokenizer.from_file(path)
+    plain = HFTokenizer.from_file(path)
+    plain.encode_special_tokens = True
+    return tok, plain
+
+
 @lru_cache(maxsize=1)
 def _gpt2_byte_decoder() -> dict[str, int]:
     """GPT-2's byte ↔ printable-character table, reversed (character → byte).
@@ -147,6 +163,7 @@ def _token_content(value) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
+@lru_cache(maxsize=8)
 def _compile_template(source: str) -> jinja2.Template:
     """Chat templates are Jinja; transformers renders them in a sandbox, and so do we."""
 

@@ -237,3 +237,27 @@ def test_token_bytes_are_the_raw_bytes_of_each_token(tokenizer, name):
     assert b"".join(pieces) == TEXTS[name].encode("utf-8")
     if name in ("korean", "emoji"):
         assert any(REPLACEMENT_CHAR in tokenizer.decode([i]) for i in ids)  # the case that matters
+
+
+def test_tokenizers_of_one_file_share_what_they_parsed_until_it_changes(tiny_model_dir, tmp_path):
+    """Every engine reads its artifact's tokenizer.json through one parse per file version and
+    process (the app builds an engine for each page a learner opens); a rewritten file is read
+    again, and the shared copy that reads special-token text as plain text stays plain."""
+    import json
+    import shutil
+
+    from engine.tokenizer import Tokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, tmp_path / name)
+    first, second = Tokenizer(tmp_path), Tokenizer(tmp_path)
+    assert first._tok is second._tok and first._plain is second._plain
+    special = next(iter(first.special_token_ids))
+    text = first.decode([special], skip_special_tokens=False)
+    assert first.encode_plain(text) != [special] and second.encode_plain(text) != [special]
+
+    data = json.loads((tmp_path / "tokenizer.json").read_text())
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data, indent=1))
+    rewritten = Tokenizer(tmp_path)
+    assert rewritten._tok is not first._tok
+    assert rewritten.encode("hello world") == first.encode("hello world")
