@@ -314,6 +314,48 @@ def test_the_bfloat16_linears_target_is_a_row_where_it_is_set_for():
     assert name not in rows({"ran": False, "why": "auto chooses float32", "amx": "AMX"})
 
 
+def test_the_4_bit_targets_take_the_best_4_bit_run_against_the_peer_and_the_roofline():
+    """Issue 37's two 4-bit goals: the best of section 8's int4 and gguf rows (and the run's own
+    engine when it is 4-bit) against llama.cpp Q4_1's decode, and against its weight-streaming
+    limit at the bandwidth sampled next to it (0.7); no rows where no 4-bit engine ran."""
+    from engine.tools.bench.targets import TARGETS, evaluate_targets
+
+    def rows(variants: list[dict], **extra) -> dict:
+        results = {
+            "offline": {},
+            "decode_batch1": {"fraction_of_roofline": 0.9, "tokens_per_s": 90.0},
+            "overhead": {"full_batch": {"overhead_share": 0.02}},
+            "conditions": extra.pop("conditions", {}),
+            "variants": {"rows": variants},
+            **extra,
+        }
+        found = [r for r in evaluate_targets(results) if r["name"].startswith("4-bit")]
+        return {r["name"].split(" ÷ ")[1]: r for r in found}
+
+    def variant(name: str, method: str, rate: float, fraction: float) -> dict:
+        return {
+            "name": name,
+            "quantization": method,
+            "decode_tokens_per_s": rate,
+            "fraction_of_roofline": fraction,
+        }
+
+    f32 = variant("float32", "none", 90.0, 0.9)
+    int4 = variant("float32 + int4", "int4", 180.0, 0.3)
+    gguf = variant("float32 + gguf", "gguf", 360.0, 0.52)
+    both = rows([f32, int4, gguf], llama_cpp={"decode_tokens_per_s": 120.0})
+    assert TARGETS["int4_roofline_fraction"] == 0.7
+    assert both["llama.cpp Q4_1's"]["value"] == 3.0 and both["llama.cpp Q4_1's"]["met"] is True
+    roof = both["its weight-streaming roofline"]
+    assert roof["value"] == 0.52 and roof["target"] == 0.7 and roof["met"] is False
+    slow_memory = rows([int4, {**gguf, "fraction_of_roofline": 0.77}])
+    assert slow_memory["its weight-streaming roofline"]["met"] is True
+    assert "llama.cpp Q4_1's" not in slow_memory  # no peer in this run
+    own = rows([], conditions={"quantization_method": "gguf"})
+    assert own["its weight-streaming roofline"]["value"] == 0.9  # the run's own 4-bit engine
+    assert rows([f32]) == {}
+
+
 def test_a_target_not_measured_is_neither_met_nor_missed():
     """`--skip-transformers` measures no offline ratio: its target row says "not run", not
     "NOT met", so a learner reading the table is not told the engine failed a goal it never ran."""
