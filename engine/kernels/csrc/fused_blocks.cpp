@@ -220,12 +220,11 @@ struct QuantLinear {
       bf16_tiles_part(a.bf16, a.m, in_k, reinterpret_cast<const uint16_t*>(tiles_at), out_n, bias,
                       y, t0, t1);
     } else if (in_rows()) {
-      const int64_t n = rows_at.n;
       quant_rows_part(rows_at, a.x, a.sums, a.m, bias, y, t0 * q8::TILE_CHANNELS,
-                      std::min(n, t1 * q8::TILE_CHANNELS));
+                      std::min(out_n, t1 * q8::TILE_CHANNELS));
     } else if (float32()) {
-      const int64_t n = out_n, c1 = std::min(n, t1 * q8::TILE_CHANNELS);
-      f32_rows_part(f32_at, in_k, a.x, a.m, bias, y, n, t0 * q8::TILE_CHANNELS, c1);
+      const int64_t c1 = std::min(out_n, t1 * q8::TILE_CHANNELS);
+      f32_rows_part(f32_at, in_k, a.x, a.m, bias, y, out_n, t0 * q8::TILE_CHANNELS, c1);
     } else if (kind == Kind::Int4Tiles) {
       int4_tiles_part(tiles_at, tiles_count, a.rounded, bias, y, t0, t1);
     } else {
