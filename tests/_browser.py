@@ -168,6 +168,139 @@ class SharedServer:
 SHARED = SharedServer()
 
 
+# In the page, before the app's own scripts: the frames its Streamlit websocket delivered (counted
+# anew for each socket) and the time of the DOM's last change. Streamlit draws most widgets and
+# every chart from code it loads on first use, showing an stSkeleton meanwhile, so a page can go on
+# changing after the server's last frame.
+WATCH_PAGE = """(() => {
+  const Native = window.WebSocket;
+  window.__labFrames = 0;
+  window.__labChanged = performance.now();
+  window.WebSocket = class extends Native {
+    constructor(...args) {
+      super(...args);
+      if (String(args[0]).includes("/_stcore/stream")) {
+        window.__labFrames = 0;
+        this.addEventListener("message", () => { window.__labFrames += 1; });
+      }
+    }
+  };
+  new MutationObserver(() => { window.__labChanged = performance.now(); }).observe(document, {
+    subtree: true, childList: true, attributes: true, characterData: true,
+  });
+})();"""
+# The page has taken in `frames` frames, shows no skeleton and an idle script, and its DOM has not
+# changed for `quiet_ms`.
+PAGE_SETTLED = f"""([frames, quiet_ms]) => window.__labFrames >= frames
+  && !document.querySelector("[data-testid='stSkeleton']")
+  && document.querySelector("{IDLE}") !== null
+  && performance.now() - window.__labChanged > quiet_ms"""
+
+
+class ScriptRuns:
+    """The script runs of one page, read from its websocket. The page asks for a run with a
+    rerun_script message (a click, a page load; a fragment's timer asks too, marked is_auto_rerun)
+    and the server answers session_status_changed when a run, full or fragment, starts and when it
+    ends. The page's own `data-test-script-state` can miss a short run (the frontend may apply
+    "running" and "notRunning" in one render), which left the harness guessing with fixed sleeps;
+    the frames say when the asked-for run started, when the server went quiet, and how much the
+    page still has to take in."""
+
+    STREAM = "/_stcore/stream"
+    pages: dict[int, ScriptRuns] = {}
+
+    def __init__(self, page) -> None:
+        self.page = page
+        self.asked = 0  # runs the page asked for, timers' runs left out
+        self.answered = True  # a run started after the last of them
+        self.started = 0  # runs the server started for this page
+        self.running = False
+        self.socket = None  # the page's current Streamlit websocket
+        self.frames = 0  # frames received on it
+        self.last_frame = time.monotonic()
+        self.seen = (0, 0)  # (asked, started) when a wait last returned
+        page.add_init_script(WATCH_PAGE)
+        page.on("websocket", self._attach)
+        ScriptRuns.pages[id(page)] = self
+
+    @classmethod
+    def of(cls, page) -> ScriptRuns:
+        runs = cls.pages.get(id(page))
+        assert runs is not None and runs.page is page, "open pages with watch_runs(page) first"
+        return runs
+
+    def _attach(self, ws) -> None:
+        if self.STREAM in ws.url:
+            self.socket, self.frames = ws, 0
+            ws.on("framesent", lambda payload: self._sent(ws, payload))
+            ws.on("framereceived", lambda payload: self._received(ws, payload))
+
+    def _sent(self, ws, payload) -> None:
+        from streamlit.proto.BackMsg_pb2 import BackMsg
+
+        if ws is not self.socket or isinstance(payload, str):
+            return
+        msg = BackMsg.FromString(payload)
+        if msg.WhichOneof("type") == "rerun_script" and not msg.rerun_script.is_auto_rerun:
+            self.asked += 1
+            self.answered = False
+
+    def _received(self, ws, payload) -> None:
+        from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
+
+        if ws is not self.socket:  # a page left behind (goto, reload)
+            return
+        self.frames += 1
+        self.last_frame = time.monotonic()
+        if isinstance(payload, str):
+            return
+        msg = ForwardMsg.FromString(payload)
+        if msg.WhichOneof("type") == "session_status_changed":
+            running = msg.session_status_changed.script_is_running
+            if running and not self.running:
+                self.started += 1
+                self.answered = True
+            self.running = running
+
+    def _until(self, done, timeout_ms: int) -> bool:
+        deadline = time.monotonic() + timeout_ms / 1000
+        while not done():
+            if time.monotonic() > deadline:
+                return False
+            self.page.wait_for_timeout(20)
+        return True
+
+    def wait_settled(self, timeout_ms: int, start_ms: int = 3000, quiet_ms: int = 100) -> None:
+        """Wait for the run the last action asked for (an action that asks for none: for any run,
+        up to `start_ms`), for the server to be done and quiet for `quiet_ms` (a run that ends in
+        st.rerun starts the next at once), then for the page to have taken in every frame and
+        drawn it (PAGE_SETTLED)."""
+        asked, started = self.seen
+        self._until(lambda: self.asked > asked or self.started > started, start_ms)
+        quiet = quiet_ms / 1000
+        done = self._until(
+            lambda: (
+                self.answered and not self.running and time.monotonic() - self.last_frame > quiet
+            ),
+            timeout_ms,
+        )
+        if not done:
+            pytest.fail(f"the app's script still runs after {timeout_ms} ms")
+        self.page.wait_for_function(PAGE_SETTLED, arg=[self.frames, quiet_ms], timeout=timeout_ms)
+        self.seen = (self.asked, self.started)
+
+    def stays_quiet(self, ms: int) -> bool:
+        """True if no run starts within `ms`."""
+        before = self.started
+        self.page.wait_for_timeout(ms)
+        return self.started == before
+
+
+def watch_runs(page) -> None:
+    """Follow the page's script runs (ScriptRuns); call before its first goto."""
+    ScriptRuns(page)
+
+
 @contextmanager
 def browser_page(app_url: str, timeout_ms: int):
     """A Chromium page warmed up on the app's main page (torch import, weights loaded)."""
@@ -183,28 +316,23 @@ def browser_page(app_url: str, timeout_ms: int):
         browser = p.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1000}, locale="ko-KR")
         page.set_default_timeout(timeout_ms)
+        watch_runs(page)
         page.goto(app_url)
-        page.wait_for_selector(IDLE, timeout=timeout_ms)
+        wait_idle(page, timeout_ms)
         yield page
         browser.close()
 
 
-def wait_idle(page, timeout_ms: int, settle_ms: int = 300) -> None:
-    """Wait for the script run that a click started to finish."""
-    try:
-        page.wait_for_selector(RUNNING, timeout=3000)
-    except Exception:  # noqa: BLE001 - the run may have finished before we looked
-        pass
-    page.wait_for_selector(IDLE, timeout=timeout_ms)
-    page.wait_for_timeout(settle_ms)
+def wait_idle(page, timeout_ms: int) -> None:
+    """Wait for the script run that a click (or a page load) started to finish, and for the page
+    to show its end."""
+    ScriptRuns.of(page).wait_settled(timeout_ms)
 
 
-def stays_idle(page, ms: int = 700) -> bool:
-    """True if the page's script is still not running `ms` later. A run's last slice ends with
-    st.rerun(scope="app") (ui/lab.py, the fragment's timer stops): the page can read idle between
-    that fragment run and the full run it asks for, whose sidebar (엔진 상태) is drawn last."""
-    page.wait_for_timeout(ms)
-    return page.locator(IDLE).count() == 1
+def stays_idle(page, ms: int = 300) -> bool:
+    """True if the page's script does not run again within `ms`. A run's last slice ends with
+    st.rerun(scope="app") (ui/lab.py, the fragment's timer stops), so one more run follows."""
+    return ScriptRuns.of(page).stays_quiet(ms)
 
 
 def wait_run_over(page, timeout_ms: int) -> None:
@@ -213,7 +341,7 @@ def wait_run_over(page, timeout_ms: int) -> None:
     deadline = time.monotonic() + timeout_ms / 1000
     ran = False  # a run's 정지 button was seen: its end brings a full rerun
     while True:
-        wait_idle(page, timeout_ms, settle_ms=300)
+        wait_idle(page, timeout_ms)
         if page.get_by_role("button", name="정지", exact=True).count() == 0:
             if not ran or stays_idle(page):
                 return
@@ -222,7 +350,6 @@ def wait_run_over(page, timeout_ms: int) -> None:
         if time.monotonic() > deadline:
             main = page.locator("[data-testid='stMain']").inner_text()
             pytest.fail(f"the lab's run did not end: {' '.join(main.split())[-1500:]}")
-        page.wait_for_timeout(500)
 
 
 def open_tab(page, label: str, timeout_ms: int, nth: int = 0) -> None:
@@ -232,7 +359,7 @@ def open_tab(page, label: str, timeout_ms: int, nth: int = 0) -> None:
     tab = page.get_by_role("tab", name=label, exact=True).nth(nth)
     tab.scroll_into_view_if_needed()
     tab.click()
-    wait_idle(page, timeout_ms, settle_ms=500)
+    wait_idle(page, timeout_ms)
     assert tab.get_attribute("aria-selected") == "true", f"tab {label} did not open"
 
 
@@ -278,7 +405,6 @@ class LabDriver:
     def wait_idle(self, pg) -> None:
         """Wait for the click's script run and for the lab run it may have started."""
         wait_run_over(pg, self.timeout_ms)
-        pg.wait_for_timeout(200)
 
     def no_exception(self, pg) -> None:
         errors = pg.locator(self.errors)

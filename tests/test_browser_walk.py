@@ -64,7 +64,6 @@ def url_of(chapter_id: str) -> str:
 def wait_idle(pg) -> None:
     """The click's script run and the sliced lab run it may have started (끝까지, N 스텝)."""
     wait_run_over(pg, TIMEOUT_MS)
-    pg.wait_for_timeout(300)
 
 
 def no_exception(pg) -> None:

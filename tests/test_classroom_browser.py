@@ -110,7 +110,7 @@ def check_the_open_tab_stays_open(url: str) -> None:
 
     def click(page, name: str) -> None:
         page.get_by_role("button", name=name, exact=True).first.click()
-        wait_idle(page, timeout_ms, settle_ms=500)
+        wait_idle(page, timeout_ms)
         assert page.locator("[data-testid='stException']").count() == 0
 
     def usage_points(page) -> int:

@@ -743,3 +743,19 @@ def test_kernel_arch_builds_for_another_target_in_a_folder_of_its_own(monkeypatc
     assert kernels.kernel_arch() == "x86-64-v3"
     assert kernels.cpu_isa() == "AVX2, built for -march=x86-64-v3"
     assert kernels.build_dir() != native
+
+
+def test_two_checkouts_build_in_folders_of_their_own(monkeypatch, tmp_path):
+    """The same sources in another folder (a second clone) get another build folder: ninja's
+    build file names the sources by path, so one shared folder rebuilt on every switch between
+    the clones. Nothing is compiled here."""
+    import shutil
+
+    from engine import kernels
+
+    monkeypatch.delenv(kernels.ARCH_ENV, raising=False)
+    here = kernels.build_dir()
+    other = tmp_path / "csrc"
+    shutil.copytree(kernels.CSRC, other)
+    monkeypatch.setattr(kernels, "CSRC", other)
+    assert kernels.build_dir() != here

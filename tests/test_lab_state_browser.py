@@ -15,7 +15,7 @@ import re
 from urllib.parse import urlparse
 
 import pytest
-from _browser import CHROMIUM_ARGS, IDLE, SHOTS, find_chromium, wait_run_over
+from _browser import CHROMIUM_ARGS, IDLE, SHOTS, find_chromium, wait_run_over, watch_runs
 from _browser import wait_idle as _wait_idle
 
 pytestmark = pytest.mark.browser
@@ -42,7 +42,7 @@ def browser(shared_app_url):
 
 
 def wait_idle(pg) -> None:
-    _wait_idle(pg, TIMEOUT_MS, settle_ms=500)
+    _wait_idle(pg, TIMEOUT_MS)
 
 
 def no_exception(pg) -> None:
@@ -88,6 +88,7 @@ def set_number(pg, label: str, value: int, sidebar: bool = False) -> None:
 def open_app(browser, url: str, **context):
     ctx = browser.new_context(locale="ko-KR", **context)
     pg = ctx.new_page()
+    watch_runs(pg)
     pg.set_default_timeout(TIMEOUT_MS)
     outside: list[str] = []
     host = urlparse(url).netloc

@@ -104,13 +104,16 @@ def cpu_isa() -> str:
 
 
 def build_dir() -> Path:
-    """~/.cache/llm-inference-lab/kernels/<torch version>-<hash of target, CPU flags, source>."""
+    """~/.cache/llm-inference-lab/kernels/<torch version>-<hash of target, CPU flags, source and
+    its folder>. The folder is in the key because ninja's build file names the sources by path:
+    two checkouts sharing one build folder would each rebuild whenever the other had loaded."""
     from engine.artifact import cache_dir
 
     texts = [p.read_text() for p in sorted(CSRC.iterdir()) if p.suffix in (".cpp", ".h")]
     arch = kernel_arch()
-    target = "" if arch == "native" else arch  # native: the keys as before
-    key = hashlib.sha256((target + _cpu_flags() + "".join(texts)).encode()).hexdigest()[:12]
+    target = "" if arch == "native" else arch
+    key_text = target + _cpu_flags() + str(CSRC.resolve()) + "".join(texts)
+    key = hashlib.sha256(key_text.encode()).hexdigest()[:12]
     return cache_dir() / "kernels" / f"torch{torch.__version__.replace('+', '_')}-{key}"
 
 
