@@ -15,7 +15,7 @@ import re
 from urllib.parse import urlparse
 
 import pytest
-from _browser import CHROMIUM_ARGS, IDLE, SHOTS, find_chromium, wait_run_over, watch_runs
+from _browser import CHROMIUM_ARGS, SHOTS, find_chromium, wait_run_over, watch_runs
 from _browser import wait_idle as _wait_idle
 
 pytestmark = pytest.mark.browser
@@ -100,7 +100,6 @@ def open_app(browser, url: str, **context):
 
     pg.on("request", record)
     pg.goto(url)
-    pg.wait_for_selector(IDLE, timeout=TIMEOUT_MS)
     wait_idle(pg)
     return ctx, pg, outside
 
@@ -157,7 +156,6 @@ def test_one_state_in_every_view_across_clicks_ticks_and_a_reload(browser, share
         before = lab_state(pg)
 
         pg.reload()
-        pg.wait_for_selector(IDLE, timeout=TIMEOUT_MS)
         wait_idle(pg)
         no_exception(pg)
         assert lab_state(pg) == before == sidebar_state(pg), "a reload lost the run"
