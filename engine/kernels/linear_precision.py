@@ -83,6 +83,17 @@ def prepacked(w: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
+def onednn_bfloat16_works() -> bool:
+    """True if oneDNN multiplies bfloat16 here (tried once): its bfloat16 kernels need AVX-512
+    or AMX, and on an AVX2 CPU (a Zen 3 EPYC, 2026-12-07) it cannot build one."""
+    try:
+        w = torch.ones(3, 2, dtype=torch.bfloat16)
+        return bfloat16_onednn_linear(torch.ones(1, 2), w).shape == (1, 3)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@functools.cache
 def prepacking_works() -> bool:
     """True if this PyTorch build can prepack a bfloat16 weight for oneDNN (tried once)."""
     try:
@@ -127,7 +138,9 @@ def bfloat16_matmul():
     takes `bfloat16_prepacked_linear`, a tiled one our kernel; a matrix the chosen layout does
     not take stays plain, on oneDNN)."""
     library = bfloat16_library()
-    return BFLOAT16_LIBRARIES["oneDNN" if library in (PREPACKED, TILES) else library]
+    if library in (PREPACKED, TILES):
+        library = "oneDNN" if onednn_bfloat16_works() else "F.linear"
+    return BFLOAT16_LIBRARIES[library]
 
 
 def choose_precision(ms: dict | None, isa: str | None) -> dict:
@@ -168,7 +181,9 @@ def _time_precisions(matrices: list[torch.Tensor]) -> dict:
         f32 = lambda x, w: bound[id(w)](x, None)  # noqa: E731 — the matrix's bound kernel
     bf16 = [m.to(torch.bfloat16) for m in matrices]
     candidates = {"float32": (f32, matrices)}
-    candidates |= {name: (BFLOAT16_LIBRARIES[name], bf16) for name in ("F.linear", "oneDNN")}
+    candidates["F.linear"] = (bfloat16_linear, bf16)
+    if onednn_bfloat16_works():
+        candidates["oneDNN"] = (bfloat16_onednn_linear, bf16)
     if prepacking_works():
         candidates[PREPACKED] = (bfloat16_prepacked_linear, [prepacked(m) for m in bf16])
     if tiles_available(kernels) and all(can_tile(m.shape) for m in bf16):
