@@ -181,14 +181,36 @@ void tile_rows_int8(const uint8_t* rec, int64_t groups, const int8_t* xq, int64_
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr bool INT4_VECTOR = true, INT8_VECTOR = true;
 
-// Four products of unsigned by signed bytes summed into each 32-bit lane: AVX-VNNI does it in one
-// instruction; plain AVX2 in two (pairs to 16 bits, which cannot saturate for 4-bit weights:
-// 2 * 15 * 127 < 32767, then pairs of those to 32 bits). Int8 tiles take another way below.
-inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+// One record's 16 channels (two vectors of 8 lanes) against one group's 32 activations: each
+// 32-bit lane sums its channel's 32 products of a 4-bit weight and an int8 activation. AVX-VNNI
+// multiplies four byte pairs into a lane in one instruction. Plain AVX2 multiplies pairs into 16
+// bits (vpmaddubsw: 2 * 15 * 128 cannot saturate) and adds the group's eight such vectors in 16
+// bits before widening to 32 once (8 * 2 * 15 * 128 = 30,720 < 32,767): 9 multiplies a half
+// instead of 16, the products the same integers. Int8 tiles take another way below.
+inline void record_sums(const uint8_t* rec, const int8_t* x, __m256i a[2]) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
 #if defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(acc, u, s);
+  a[0] = a[1] = _mm256_setzero_si256();
 #else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+  __m256i pairs[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+#endif
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    const __m256i xl = _mm256_set1_epi32(four_bytes(x + 4 * i));
+    const __m256i xh = _mm256_set1_epi32(four_bytes(x + 16 + 4 * i));
+    for (int h = 0; h < 2; ++h) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * i + 32 * h));
+      const __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+#if defined(__AVXVNNI__)
+      a[h] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(a[h], lo, xl), hi, xh);
+#else
+      pairs[h] = _mm256_add_epi16(pairs[h], _mm256_maddubs_epi16(lo, xl));
+      pairs[h] = _mm256_add_epi16(pairs[h], _mm256_maddubs_epi16(hi, xh));
+#endif
+    }
+  }
+#if !defined(__AVXVNNI__)
+  for (int h = 0; h < 2; ++h) a[h] = _mm256_madd_epi16(pairs[h], _mm256_set1_epi16(1));
 #endif
 }
 
@@ -198,24 +220,13 @@ inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
 template <int R>
 void tile_rows(const uint8_t* rec0, int64_t groups, const int8_t* xq, int64_t k, const float* d,
                const float* dsum, const float* bias, float* y, int64_t ldy) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int r = 0; r < R; ++r) {
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     __m256 acc_min[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     const uint8_t* rec = rec0;
     for (int64_t g = 0; g < groups; ++g, rec += RECORD) {
-      const int8_t* x = xq + r * k + g * q8::BLOCK;
-      __m256i a[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-#pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) {
-        const __m256i xl = _mm256_set1_epi32(four_bytes(x + 4 * i));
-        const __m256i xh = _mm256_set1_epi32(four_bytes(x + 16 + 4 * i));
-        for (int h = 0; h < 2; ++h) {
-          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * i + 32 * h));
-          a[h] = dot4(a[h], _mm256_and_si256(w, low4), xl);
-          a[h] = dot4(a[h], _mm256_and_si256(_mm256_srli_epi16(w, 4), low4), xh);
-        }
-      }
+      __m256i a[2];
+      record_sums(rec, xq + r * k + g * q8::BLOCK, a);
       const __m256 dg = _mm256_set1_ps(d[r * groups + g]), sg = _mm256_set1_ps(dsum[r * groups + g]);
       for (int h = 0; h < 2; ++h) {
         const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 256 + 16 * h)));
