@@ -169,6 +169,21 @@ def test_tiles_and_rows_give_the_same_bits(ext, tiles, groups, rows, scale, seed
     )
 
 
+def test_the_largest_group_sums_stay_exact(ext):
+    """Every nibble 15 against activations at the ends of int8's range: the AVX2 kernel keeps a
+    group's eight vectors of 16-bit pair sums in 16 bits, and here they reach 8 * 2 * 15 * 127 =
+    30,480 of 32,767. Tiles, rows and the reference still agree."""
+    n, k = 32, 96
+    qw = gguf_like(n, k)
+    top = replace(qw, packed=torch.full_like(qw.packed, 0xFF), mins=torch.zeros_like(qw.mins))
+    x = torch.stack([torch.ones(k), -torch.ones(k), torch.ones(k).cumsum(0)])
+    tiled = quantized_linear(x, tile_int4_q8(top), kernels=ext)
+    assert torch.equal(tiled, quantized_linear(x, top, kernels=ext))
+    expected = reference_linear(x, top)
+    assert torch.allclose(tiled, expected, rtol=1e-6, atol=0)
+    assert tiled[0, 0] > 0 > tiled[1, 0]
+
+
 @pytest.mark.parametrize("make", [gguf_like, head_like])
 def test_a_channel_gets_the_same_bits_in_a_vector_block_or_alone(ext, make):
     """The row kernels take whole blocks of 8 channels in vector code and the rest one at a time

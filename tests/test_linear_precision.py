@@ -76,6 +76,22 @@ def test_a_bfloat16_linear_layer_takes_and_returns_float32():
         assert torch.allclose(library(x, w.bfloat16(), bias), exact, rtol=2e-2, atol=2e-2)
 
 
+def test_a_cpu_whose_onednn_cannot_multiply_bfloat16_never_sends_it_a_matrix(
+    fresh_choice, monkeypatch
+):
+    """On an AVX2 CPU oneDNN has no bfloat16 kernel: a plain matrix beside a chosen layout
+    falls back to F.linear there, and the "auto" timing leaves oneDNN out."""
+    for library in (lp.PREPACKED, lp.TILES):
+        monkeypatch.setattr(lp, "_choice", {"precision": "bfloat16", "library": library})
+        monkeypatch.setattr(lp, "onednn_bfloat16_works", lambda: False)
+        assert lp.bfloat16_matmul() is lp.bfloat16_linear
+        monkeypatch.setattr(lp, "onednn_bfloat16_works", lambda: True)
+        assert lp.bfloat16_matmul() is lp.bfloat16_onednn_linear
+    monkeypatch.setattr(lp, "onednn_bfloat16_works", lambda: False)
+    ms = lp._time_precisions([torch.randn(64, 64)])
+    assert "oneDNN" not in ms[1] and "F.linear" in ms[1] and "float32" in ms[32]
+
+
 needs_prepacking = pytest.mark.skipif(
     not lp.prepacking_works(), reason="this PyTorch cannot prepack weights for oneDNN"
 )

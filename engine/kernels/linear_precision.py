@@ -136,7 +136,7 @@ def bfloat16_library() -> str:
 def bfloat16_matmul():
     """The bfloat16 linear a layer with a plain bfloat16 weight calls (a prepacked weight always
     takes `bfloat16_prepacked_linear`, a tiled one our kernel; a matrix the chosen layout does
-    not take stays plain, on oneDNN)."""
+    not take stays plain, on oneDNN where it multiplies bfloat16, else on F.linear)."""
     library = bfloat16_library()
     if library in (PREPACKED, TILES):
         library = "oneDNN" if onednn_bfloat16_works() else "F.linear"
