@@ -108,11 +108,14 @@ def _memory_bytes(device) -> int:
 
 def measure_this_machine(device, dtype, quick: bool = False) -> HardwarePreset:
     """A hardware preset from the benchmark's ceilings (measured now, best of N)."""
+    import torch
+
     from engine.tools.bench.ceilings import measure_ceilings
     from engine.tools.bench.results import device_name
 
     size, matmul, repeats = ((128 << 20), 1024, 5) if quick else ((256 << 20), 2048, 10)
-    ceilings = measure_ceilings(device, size, matmul, repeats)
+    dtypes = tuple(dict.fromkeys((dtype, torch.float32)))  # the engine's, float32 to fall back on
+    ceilings = measure_ceilings(device, size, matmul, repeats, dtypes, 3.0 if quick else 20.0)
     dtype_name = str(dtype).removeprefix("torch.")
     flops = ceilings["matmul_gflop_s"].get(dtype_name) or ceilings["matmul_gflop_s"]["float32"]
     return HardwarePreset(

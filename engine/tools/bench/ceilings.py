@@ -54,18 +54,27 @@ def measure_bandwidth(device: torch.device, num_bytes: int, repeats: int) -> tup
     return num_bytes / read_s / 1e9, 2 * num_bytes / copy_s / 1e9
 
 
-def measure_ceilings(device: torch.device, num_bytes: int, matmul_size: int, repeats: int) -> dict:
-    """Memory bandwidth (GB/s) and matmul rate (GFLOP/s per dtype), each the best of `repeats`."""
+def measure_ceilings(
+    device: torch.device,
+    num_bytes: int,
+    matmul_size: int,
+    repeats: int,
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
+    budget_s: float = 20.0,
+) -> dict:
+    """Memory bandwidth (GB/s) and matmul rate (GFLOP/s for each of `dtypes`), each the best of
+    `repeats`, a matmul's repeats cut short past `budget_s` seconds (timing.best_time): on a CPU
+    without bfloat16 instructions one 1024² bfloat16 matmul took 2 s (a Zen 3 EPYC, 2026-12-07)."""
     read, copy = measure_bandwidth(device, num_bytes, repeats)
     matmul, by_kernel = {}, {}
     n = matmul_size if device.type != "cuda" else max(matmul_size, GPU_MATMUL_SIZE)
     inner = inner_calls(device)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in dtypes:
         name = str(dtype).removeprefix("torch.")
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
         by_kernel[name] = {
-            kernel: 2 * n**3 / best_time(lambda: fn(a, b), device, repeats, inner=inner) / 1e9
+            kernel: 2 * n**3 / best_time(lambda: fn(a, b), device, repeats, budget_s, inner) / 1e9
             for kernel, fn in _matmul_kernels(device, dtype).items()
         }
         matmul[name] = max(by_kernel[name].values())

@@ -47,6 +47,7 @@ class BenchConfig:
     bandwidth_bytes: int = 256 << 20
     matmul_size: int = 2048
     ceiling_repeats: int = 10
+    ceiling_budget_s: float = 20.0  # a matmul ceiling's repeats stop past this (timing.best_time)
     skip_transformers: bool = False
     kernels: str = "auto"  # "auto": our C++ CPU kernels when they build; "torch": the reference
     # weight-only quantization of the engine under test (engine/worker/quantization.py); None: off
@@ -86,6 +87,7 @@ class BenchConfig:
             bandwidth_bytes=128 << 20,
             matmul_size=1024,
             ceiling_repeats=5,
+            ceiling_budget_s=3.0,
             kernel_section=False,
         )
         values.update(overrides)

@@ -201,7 +201,11 @@ def run_ceilings(run: BenchRun) -> None:
         f"{torch.get_num_threads()} threads)"
     )
     ceilings = measure_ceilings(
-        device, config.bandwidth_bytes, config.matmul_size, config.ceiling_repeats
+        device,
+        config.bandwidth_bytes,
+        config.matmul_size,
+        config.ceiling_repeats,
+        budget_s=config.ceiling_budget_s,
     )
     ceilings.update(measure_matvec(run.model, device, config.ceiling_repeats))
     run.results["ceilings"] = ceilings
