@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.tools.bench.config import side_engine_kv_cache_memory
+from engine.tools.bench.config import BenchConfig, side_engine_kv_cache_memory
 from engine.tools.cost_model import (
     CostModel,
     Efficiency,
@@ -113,9 +113,10 @@ def measure_this_machine(device, dtype, quick: bool = False) -> HardwarePreset:
     from engine.tools.bench.ceilings import measure_ceilings
     from engine.tools.bench.results import device_name
 
-    size, matmul, repeats = ((128 << 20), 1024, 5) if quick else ((256 << 20), 2048, 10)
+    c = BenchConfig.quick_config() if quick else BenchConfig()  # the bench's own sizes
+    size, matmul, repeats = c.bandwidth_bytes, c.matmul_size, c.ceiling_repeats
     dtypes = tuple(dict.fromkeys((dtype, torch.float32)))  # the engine's, float32 to fall back on
-    ceilings = measure_ceilings(device, size, matmul, repeats, dtypes, 3.0 if quick else 20.0)
+    ceilings = measure_ceilings(device, size, matmul, repeats, dtypes, c.ceiling_budget_s)
     dtype_name = str(dtype).removeprefix("torch.")
     flops = ceilings["matmul_gflop_s"].get(dtype_name) or ceilings["matmul_gflop_s"]["float32"]
     return HardwarePreset(
