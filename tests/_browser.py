@@ -199,12 +199,16 @@ PAGE_SETTLED = f"""([frames, quiet_ms]) => window.__labFrames >= frames
 
 class ScriptRuns:
     """The script runs of one page, read from its websocket. The page asks for a run with a
-    rerun_script message (a click, a page load; a fragment's timer asks too, marked is_auto_rerun)
-    and the server answers session_status_changed when a run, full or fragment, starts and when it
-    ends. The page's own `data-test-script-state` can miss a short run (the frontend may apply
-    "running" and "notRunning" in one render), which left the harness guessing with fixed sleeps;
-    the frames say when the asked-for run started, when the server went quiet, and how much the
-    page still has to take in."""
+    rerun_script message (a click, a page load; a fragment's timer asks too, marked is_auto_rerun;
+    a click inside a fragment names it). Every run, full or fragment, starts with a new_session
+    message that names the fragments it reruns (none: a full run), and the server sends
+    session_status_changed when it goes from idle to running and back. The page's own
+    `data-test-script-state` can miss a short run (the frontend may apply "running" and
+    "notRunning" in one render), which left the harness guessing with fixed sleeps; the frames say
+    when the asked-for run started, when the server went quiet, and how much the page still has to
+    take in. A timer's fragment run that starts just after a click does not answer it: the click's
+    own run may start later, and a wait that ended on the timer's run let the next click preempt
+    it (chapter 14's 연결 끊기 was lost that way in CI)."""
 
     STREAM = "/_stcore/stream"
     pages: dict[int, ScriptRuns] = {}
@@ -212,7 +216,8 @@ class ScriptRuns:
     def __init__(self, page) -> None:
         self.page = page
         self.asked = 0  # runs the page asked for, timers' runs left out
-        self.answered = True  # a run started after the last of them
+        self.answered = True  # a run that answers the last of them has started
+        self.wanted: str | None = None  # the fragment the last ask named (None: the whole app)
         self.started = 0  # runs the server started for this page
         self.running = False
         self.socket = None  # the page's current Streamlit websocket
@@ -244,6 +249,7 @@ class ScriptRuns:
         if msg.WhichOneof("type") == "rerun_script" and not msg.rerun_script.is_auto_rerun:
             self.asked += 1
             self.answered = False
+            self.wanted = msg.rerun_script.fragment_id or None
 
     def _received(self, ws, payload) -> None:
         from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
@@ -255,12 +261,15 @@ class ScriptRuns:
         if isinstance(payload, str):
             return
         msg = ForwardMsg.FromString(payload)
-        if msg.WhichOneof("type") == "session_status_changed":
-            running = msg.session_status_changed.script_is_running
-            if running and not self.running:
-                self.started += 1
+        kind = msg.WhichOneof("type")
+        if kind == "new_session":  # a run starts, possibly preempting one (no status change then)
+            self.started += 1
+            self.running = True
+            fragments = msg.metadata.run.fragment_ids
+            if not fragments or self.wanted in fragments:  # a full run reruns every fragment
                 self.answered = True
-            self.running = running
+        elif kind == "session_status_changed":
+            self.running = msg.session_status_changed.script_is_running
 
     def _until(self, done, timeout_ms: int) -> bool:
         deadline = time.monotonic() + timeout_ms / 1000
@@ -288,6 +297,12 @@ class ScriptRuns:
             pytest.fail(f"the app's script still runs after {timeout_ms} ms")
         self.page.wait_for_function(PAGE_SETTLED, arg=[self.frames, quiet_ms], timeout=timeout_ms)
         self.seen = (self.asked, self.started)
+
+    def wait_asked(self, asked: int, start_ms: int = 3000) -> None:
+        """Wait until the page has asked for more than `asked` runs: a click's rerun_script leaves
+        the browser a moment after Playwright's click returns, and a wait begun before it would
+        settle on whatever ran before."""
+        self._until(lambda: self.asked > asked, start_ms)
 
     def stays_quiet(self, ms: int) -> bool:
         """True if no run starts within `ms`."""
@@ -333,6 +348,18 @@ def stays_idle(page, ms: int = 300) -> bool:
     """True if the page's script does not run again within `ms`. A run's last slice ends with
     st.rerun(scope="app") (ui/lab.py, the fragment's timer stops), so one more run follows."""
     return ScriptRuns.of(page).stays_quiet(ms)
+
+
+def click_button(page, label: str, timeout_ms: int, run_over: bool = True) -> None:
+    """Click the first button named `label`, then wait for the run the click asks for and, with
+    `run_over`, for the sliced lab run it may start (wait_run_over)."""
+    target = page.get_by_role("button", name=label, exact=True).first
+    target.scroll_into_view_if_needed()
+    runs = ScriptRuns.of(page)
+    asked = runs.asked
+    target.click()
+    runs.wait_asked(asked)
+    (wait_run_over if run_over else wait_idle)(page, timeout_ms)
 
 
 def wait_run_over(page, timeout_ms: int) -> None:
@@ -435,10 +462,7 @@ class LabDriver:
         self.no_exception(pg)
 
     def click(self, pg, name: str) -> None:
-        button = pg.get_by_role("button", name=name, exact=True).first
-        button.scroll_into_view_if_needed()
-        button.click()
-        self.wait_idle(pg)
+        click_button(pg, name, self.timeout_ms)
         self.no_exception(pg)
 
     def open_chapter(self, pg, app_url: str, chapter: str) -> None:

@@ -17,7 +17,7 @@ import shutil
 import time
 
 import pytest
-from _browser import ROOT, SHOTS, LabDriver, chapter_fixtures, wait_run_over
+from _browser import ROOT, SHOTS, LabDriver, chapter_fixtures, click_button, wait_run_over
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -87,10 +87,7 @@ def button(pg, label: str):
 
 
 def click(pg, label: str) -> None:
-    target = button(pg, label).first
-    target.scroll_into_view_if_needed()
-    target.click()
-    wait_idle(pg)
+    click_button(pg, label, TIMEOUT_MS)
     no_exception(pg)
 
 

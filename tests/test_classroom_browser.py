@@ -104,13 +104,12 @@ def check_the_open_tab_stays_open(url: str) -> None:
     the page holds the journey alone; clicking KV 캐시 reruns the lab's fragment (the page script
     still ran once) and draws the KV grid and the occupancy instead; the next 다음 스텝 keeps
     that tab open and redraws it with the new step."""
-    from _browser import browser_page, open_tab, plot_types, wait_idle
+    from _browser import browser_page, click_button, open_tab, plot_types
 
     timeout_ms = 300_000
 
     def click(page, name: str) -> None:
-        page.get_by_role("button", name=name, exact=True).first.click()
-        wait_idle(page, timeout_ms)
+        click_button(page, name, timeout_ms, run_over=False)
         assert page.locator("[data-testid='stException']").count() == 0
 
     def usage_points(page) -> int:

@@ -15,7 +15,7 @@ import re
 from urllib.parse import urlparse
 
 import pytest
-from _browser import CHROMIUM_ARGS, SHOTS, find_chromium, wait_run_over, watch_runs
+from _browser import CHROMIUM_ARGS, SHOTS, click_button, find_chromium, wait_run_over, watch_runs
 from _browser import wait_idle as _wait_idle
 
 pytestmark = pytest.mark.browser
@@ -51,10 +51,7 @@ def no_exception(pg) -> None:
 
 
 def click(pg, label: str) -> None:
-    target = pg.get_by_role("button", name=label, exact=True).first
-    target.scroll_into_view_if_needed()
-    target.click()
-    wait_idle(pg)
+    click_button(pg, label, TIMEOUT_MS, run_over=False)
     no_exception(pg)
 
 
