@@ -17,6 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.kernels.linear_precision import bfloat16_isa
 from engine.kernels.quant import (
     Int4Weight,
     Int8Weight,
@@ -366,8 +367,17 @@ def test_bench_with_quantization_and_variants_on_the_tiny_model(tiny_model_dir, 
             r["fraction_of_best_roofline"],
             r["decode_tokens_per_s"] / (best * 1e9 / r["weight_bytes_per_step"]),
         )
-        assert r["decode_tokens_per_s"] > 0 and r["offline_tokens_per_s"] > 0
+        assert r["decode_tokens_per_s"] > 0
+    for r in (f32, i8, i4):
+        assert r["offline_tokens_per_s"] > 0
+    for r in (rows["bfloat16"], rows["bfloat16 + int8"]):  # emulated where no bfloat16 ISA
+        if bfloat16_isa() is None:
+            assert r["offline_tokens_per_s"] is None and r["offline_vs_float32"] is None
+            assert "neither AMX nor AVX512-BF16" in r["offline_skipped"]
+        else:
+            assert r["offline_tokens_per_s"] > 0 and "offline_skipped" not in r
     assert "8. dtype and quantization side by side" in out.getvalue()
+    assert ("offline of the rows marked —" in out.getvalue()) == (bfloat16_isa() is None)
 
 
 # ---------------------------------------------------------------------------------------------

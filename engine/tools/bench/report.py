@@ -301,9 +301,11 @@ def format_variants(v: dict) -> list[str]:
             f"{r['matvec']['matvec_gb_s']:13.1f}{fmt(r['decode_tokens_per_s'], '14.1f')}"
             f"{fmt(r.get('decode_vs_float32'), '8.2f')}{fmt(r.get('bandwidth_gb_s'), '7.1f')}"
             f"{fmt(frac and 100 * frac, '8.0f')}%{fmt(of_best and 100 * of_best, '8.0f')}%"
-            f"{r['offline_tokens_per_s']:15.1f}{fmt(r.get('offline_vs_float32'), '8.2f')}"
+            f"{fmt(r['offline_tokens_per_s'], '.1f'):>15}"
+            f"{fmt(r.get('offline_vs_float32'), '.2f'):>8}"
         )
-    return lines
+    skipped = {r["offline_skipped"] for r in v["rows"] if "offline_skipped" in r}
+    return lines + [f"  offline of the rows marked —: {why}" for why in sorted(skipped)]
 
 
 def format_llama_cpp(peer: dict, r: dict) -> list[str]:

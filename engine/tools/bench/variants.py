@@ -108,11 +108,29 @@ def measure_variant(model_dir, config: "BenchConfig", dtype, method, workload, t
         "decode_tokens_per_s": b1.get("tokens_per_s"),
         "decode_step_ms": b1.get("step_ms"),
         **roofline,
-        "offline_tokens_per_s": run_engine_offline(llm, workload)["output_tokens_per_s"],
+        **offline_of_variant(llm, workload, dtype),
     }
     del llm, engine, model
     gc.collect()
     return row
+
+
+EMULATED_BFLOAT16 = (
+    "not run: this CPU has neither AMX nor AVX512-BF16, so torch converts every bfloat16 matmul "
+    "and a prefill runs several times slower than float32 (section 1's matmul rates); a full run "
+    "spent over 25 minutes on the two bfloat16 rows' offline workload on such a CPU"
+)
+
+
+def offline_of_variant(llm, workload, dtype: str) -> dict:
+    """The variant's offline throughput on the section-2 workload, unless its bfloat16 matmuls
+    would be emulated (a CPU without bfloat16 instructions): then why it was not run. Its batch-1
+    decode, the weight-streaming side of bfloat16, is measured either way."""
+    from engine.kernels.linear_precision import bfloat16_isa
+
+    if dtype == "bfloat16" and llm.engine.device.type == "cpu" and bfloat16_isa() is None:
+        return {"offline_tokens_per_s": None, "offline_skipped": EMULATED_BFLOAT16}
+    return {"offline_tokens_per_s": run_engine_offline(llm, workload)["output_tokens_per_s"]}
 
 
 def compare_rows(rows: list[dict], bandwidth_gb_s: float) -> float:
