@@ -11,7 +11,7 @@ import os
 import shutil
 
 import pytest
-from _browser import ROOT, SHOTS, plot_types
+from _browser import ROOT, SHOTS, click_button, plot_types
 from _browser import browser_page as open_browser_page
 from _browser import open_tab as _open_tab
 from _browser import wait_idle as _wait_idle
@@ -76,10 +76,7 @@ def open_page(page, url: str) -> None:
 
 
 def click(page, name: str) -> None:
-    button = page.get_by_role("button", name=name, exact=True).first
-    button.scroll_into_view_if_needed()
-    button.click()
-    wait_idle(page)
+    click_button(page, name, STEP_TIMEOUT_MS, run_over=False)
     assert page.locator("[data-testid='stException']").count() == 0, page.locator(
         "[data-testid='stException']"
     ).first.inner_text()

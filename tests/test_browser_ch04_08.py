@@ -27,11 +27,7 @@ def test_ch04_lab_in_browser(page, app_url):
     lab.open_chapter(page, app_url, "ch04")
     body = page.inner_text("body")
     assert "지연 시간" in body and ch04.CLAIM[:30] in body
-    button = page.get_by_role("button", name="실행", exact=True).first
-    button.scroll_into_view_if_needed()
-    button.click()
-    lab.wait_idle(page)
-    lab.no_exception(page)
+    lab.click(page, "실행")
     traces = lab.plot_traces(page)
     assert len(traces) >= 3 and all(n > 0 for n in traces), traces
     queue = page.locator(".js-plotly-plot").first.evaluate(

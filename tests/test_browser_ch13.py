@@ -42,10 +42,7 @@ def test_ch13_speed_in_browser(page, app_url):
     page.keyboard.press("Home")
     lab.wait_idle(page)
     assert slider.get_attribute("aria-valuetext") == "8"
-    speed = page.get_by_role("button", name="속도 재기", exact=True)
-    speed.click()
-    lab.wait_idle(page)
-    lab.no_exception(page)
+    lab.click(page, "속도 재기")
     body = page.inner_text("body")
     assert "속도 향상" in body and "배치 8" in body
     bars = find_plot(
