@@ -15,7 +15,7 @@ from _tiny import TINY_VOCAB_SIZE
 from engine.__main__ import main
 from engine.tools.bench.report import format_results
 from engine.tools.bench.results import load_latest_results, save_results
-from engine.tools.bench.timing import best_time
+from engine.tools.bench.timing import best_time, best_times
 from engine.tools.workload import make_workload
 
 # --quick plus an even smaller workload: a few seconds on the tiny model, every section still runs.
@@ -396,6 +396,31 @@ def test_best_time_keeps_the_fastest_call_and_stops_at_its_budget():
     calls.clear()  # back to back (a GPU's short kernels): the mean of `inner` calls per timing
     t = best_time(slow, torch.device("cpu"), repeats=2, inner=4)
     assert len(calls) == 1 + 2 * 4 and 0.01 < t < 0.05
+
+
+def test_best_times_takes_turns_and_keeps_each_paths_fastest_call():
+    """Paths compared in one table take turns, so a slow stretch of the machine falls on all of
+    them: after one warm-up each, round after round of a, b; each path's best is its own."""
+    import time
+
+    import torch
+
+    order = []
+
+    def path(name, seconds):
+        def call():
+            order.append(name)
+            time.sleep(seconds(len(order)))
+
+        return call
+
+    a_fast_once = path("a", lambda n: 0.001 if n == 5 else 0.01)  # a's second timed call
+    best = best_times({"a": a_fast_once, "b": path("b", lambda n: 0.004)}, torch.device("cpu"), 3)
+    assert order == ["a", "b"] + ["a", "b"] * 3
+    assert best["a"] < 0.004 < best["b"] < 0.01
+    order.clear()
+    best_times({"a": path("a", lambda n: 0.01)}, torch.device("cpu"), 50, budget_s=0.01)
+    assert len(order) == 3  # warm-up + the two rounds it always times
 
 
 def test_kernel_section_measures_attention_and_linears_on_the_tiny_model(tiny_model_dir):

@@ -8,9 +8,10 @@ import random
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import huge_pages
 from engine.tools.bench.config import BenchConfig
 from engine.tools.bench.decode import probe_workload, run_steps, step_breakdown
-from engine.tools.bench.timing import best_time
+from engine.tools.bench.timing import best_time, best_times
 
 
 def linear_paths(mats: list, ext) -> dict:
@@ -22,12 +23,13 @@ def linear_paths(mats: list, ext) -> dict:
         float32_linear_backend,
         onednn_linear,
     )
-    from engine.kernels.quant import quantize_int4, quantize_int8, quantized_linear
+    from engine.kernels.quant import kernel_linear, quantize_int4, quantize_int8, reference_linear
 
     params = sum(m.numel() for m in mats)
-    bf16 = [m.to(torch.bfloat16) for m in mats]
-    q8 = [quantize_int8(m) for m in mats]
-    q4 = [quantize_int4(m, 32) for m in mats]
+    arena = huge_pages.Arena()  # every path's weights in the pages the engine gives its own
+    bf16 = [arena.copy(m.to(torch.bfloat16)) for m in mats]
+    q8 = [arena.place(quantize_int8(m)) for m in mats]
+    q4 = [arena.place(quantize_int4(m, 32)) for m in mats]
     q8_bytes, q4_bytes = sum(q.nbytes() for q in q8), sum(q.nbytes() for q in q4)
     paths = {
         "float32 F.linear (MKL)": (lambda x, i: F.linear(x, mats[i]), torch.float32, 4 * params),
@@ -58,35 +60,37 @@ def linear_paths(mats: list, ext) -> dict:
         ("int8", "", q8, q8_bytes),
         ("int4", " (group 32)", q4, q4_bytes),
     ):
-        for path, ext_or_none in (("ours", ext), ("torch reference", None)):
-            if path == "ours" and ext is None:
-                continue
-
-            def run(x, i, qws=qws, ext_or_none=ext_or_none):
-                return quantized_linear(x, qws[i], kernels=ext_or_none)
-
-            name = f"{fmt} ours{label}" if path == "ours" else f"{fmt} torch reference"
-            paths[name] = (run, torch.float32, nbytes)
+        if ext is not None:  # bound once per matrix, as a layer binds its kernel
+            bound = [kernel_linear(q, ext) for q in qws]
+            paths[f"{fmt} ours{label}"] = (
+                lambda x, i, bound=bound: bound[i](x, None),
+                torch.float32,
+                nbytes,
+            )
+        paths[f"{fmt} torch reference"] = (
+            lambda x, i, qws=qws: reference_linear(x, qws[i]),
+            torch.float32,
+            nbytes,
+        )
     return paths
 
 
 def time_linear_paths(mats: list, paths: dict, repeats: int) -> dict:
-    """Each path over all matrices at 1 row (GB/s of its weights) and 32 rows (GFLOP/s)."""
+    """Each path over all matrices at 1 row (GB/s of its weights) and 32 rows (GFLOP/s), the
+    paths taking turns (timing.best_times): the ratios between them are what the section
+    reports, and a VM's slow minute would otherwise fall on whichever path ran in it."""
     params = sum(m.numel() for m in mats)
-    rows = {}
-    for name, (fn, dtype, nbytes) in paths.items():
-        entry = {"weight_bytes": nbytes}
-        for batch in (1, 32):
+    rows = {name: {"weight_bytes": nbytes} for name, (_, _, nbytes) in paths.items()}
+    for batch in (1, 32):
+        calls = {}
+        for name, (fn, dtype, _) in paths.items():
             xs = {k: torch.randn(batch, k).to(dtype) for k in {m.shape[1] for m in mats}}
-            seconds = best_time(
-                lambda: [fn(xs[m.shape[1]], i) for i, m in enumerate(mats)],
-                torch.device("cpu"),
-                repeats,
-            )
-            entry[f"ms_{batch}"] = seconds * 1e3
-        entry["gb_s_1"] = nbytes / entry["ms_1"] / 1e6
+            calls[name] = lambda fn=fn, xs=xs: [fn(xs[m.shape[1]], i) for i, m in enumerate(mats)]
+        for name, seconds in best_times(calls, torch.device("cpu"), repeats).items():
+            rows[name][f"ms_{batch}"] = seconds * 1e3
+    for entry in rows.values():
+        entry["gb_s_1"] = entry["weight_bytes"] / entry["ms_1"] / 1e6
         entry["gflop_s_32"] = 2 * params * 32 / entry["ms_32"] / 1e6
-        rows[name] = entry
     return rows
 
 

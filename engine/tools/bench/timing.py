@@ -36,6 +36,26 @@ def best_time(
     return best
 
 
+def best_times(fns: dict, device: torch.device, repeats: int, budget_s: float = 60.0) -> dict:
+    """name: the shortest of `repeats` timed calls of fns[name], the calls taking turns (each
+    warmed up once, then one call of each per round). Paths compared with each other share each
+    minute of the machine; timed one after another, a slow minute of a VM lands on one of them
+    (docs/performance.md, twenty-ninth session). Past `budget_s`, after two rounds, it stops."""
+    for fn in fns.values():
+        fn()
+    sync(device)
+    best, began = dict.fromkeys(fns, float("inf")), time.perf_counter()
+    for i in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            best[name] = min(best[name], time.perf_counter() - start)
+        if i >= 1 and time.perf_counter() - began > budget_s:
+            break
+    return best
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     """a ÷ b, or None when either is missing (or zero)."""
     return a / b if a and b else None
