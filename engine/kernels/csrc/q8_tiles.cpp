@@ -21,11 +21,14 @@
 // channel's partial sums across lanes for every group; both then sum in q8.h's order, so the two
 // layouts give the same numbers bit for bit.
 //
-// No software prefetch: a thread's tiles are one stream of bytes, which the hardware's prefetch
-// follows. Asking for each record's 5 (int8: 8) cache lines 8 records ahead, as these kernels did
-// until 2026-12-06, added as many instructions to the load units as the loads themselves; on a
+// Software prefetch in the AVX2 code only. With AVX-512 a thread's tiles are one stream of bytes
+// that the hardware's prefetch follows: asking for each record's 5 (int8: 8) cache lines 8
+// records ahead added as many instructions to the load units as the loads themselves, and on a
 // Zen 4 VM without it a 4-bit decode step's layers took 0.91-0.94x the time (docs/performance.md,
-// twentieth session).
+// twentieth session). With AVX2 and no VNNI a record takes twice the instructions, and the
+// hardware's prefetch alone left the int4 tiles at 0.72-0.85 of what a plain read gets from
+// memory; asked for 8 records ahead they stream at 0.86-0.98 of it (a Zen 3 VM, twenty-ninth
+// session).
 //
 //   y[c] = sum_g d_w[c, g] * d_x[g] * (q_c,g . xq_g) + m[c, g] * d_x[g] * sum(xq_g)
 //
@@ -214,6 +217,12 @@ inline void record_sums(const uint8_t* rec, const int8_t* x, __m256i a[2]) {
 #endif
 }
 
+// Asks for the record `AHEAD` records past `rec` (`bytes` long) to come into the cache.
+constexpr int64_t AHEAD = 8;
+inline void fetch_ahead(const uint8_t* rec, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(rec + AHEAD * bytes + line, 0, 2);
+}
+
 // The int4 tile in 256-bit vectors: each chunk's 64 bytes are two halves of 8 channels. Sixteen
 // registers do not hold four rows' accumulators and the unpacked chunks, so rows go one at a time
 // (the tile's records, 6-15 KB, stay in L1 for the next row).
@@ -225,6 +234,7 @@ void tile_rows(const uint8_t* rec0, int64_t groups, const int8_t* xq, int64_t k,
     __m256 acc_min[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     const uint8_t* rec = rec0;
     for (int64_t g = 0; g < groups; ++g, rec += RECORD) {
+      if (r == 0) fetch_ahead(rec, RECORD);  // the later rows find the tile in L1
       __m256i a[2];
       record_sums(rec, xq + r * k + g * q8::BLOCK, a);
       const __m256 dg = _mm256_set1_ps(d[r * groups + g]), sg = _mm256_set1_ps(dsum[r * groups + g]);
@@ -257,6 +267,7 @@ void tile_rows_int8(const uint8_t* rec0, int64_t groups, const int8_t* xq, int64
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     const uint8_t* rec = rec0;
     for (int64_t g = 0; g < groups; ++g, rec += RECORD8) {
+      if (r == 0) fetch_ahead(rec, RECORD8);
       const int8_t* x = xq + r * k + g * q8::BLOCK;
       __m256i a[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
 #pragma GCC unroll 8
