@@ -350,16 +350,24 @@ def stays_idle(page, ms: int = 300) -> bool:
     return ScriptRuns.of(page).stays_quiet(ms)
 
 
+def interact(page, act, timeout_ms: int, run_over: bool = False) -> None:
+    """Do `act` (a click, a radio chosen, a box filled and left, a slider's key), which asks for a
+    run, then wait for that run: the wait begins once the ask has left the page (ScriptRuns:
+    wait_asked), so it cannot settle on a run from before the act or on a timer's. With
+    `run_over`, also for the sliced lab run it may start (wait_run_over)."""
+    runs = ScriptRuns.of(page)
+    asked = runs.asked
+    act()
+    runs.wait_asked(asked)
+    (wait_run_over if run_over else wait_idle)(page, timeout_ms)
+
+
 def click_button(page, label: str, timeout_ms: int, run_over: bool = True) -> None:
     """Click the first button named `label`, then wait for the run the click asks for and, with
     `run_over`, for the sliced lab run it may start (wait_run_over)."""
     target = page.get_by_role("button", name=label, exact=True).first
     target.scroll_into_view_if_needed()
-    runs = ScriptRuns.of(page)
-    asked = runs.asked
-    target.click()
-    runs.wait_asked(asked)
-    (wait_run_over if run_over else wait_idle)(page, timeout_ms)
+    interact(page, target.click, timeout_ms, run_over)
 
 
 def wait_run_over(page, timeout_ms: int) -> None:
@@ -463,6 +471,11 @@ class LabDriver:
 
     def click(self, pg, name: str) -> None:
         click_button(pg, name, self.timeout_ms)
+        self.no_exception(pg)
+
+    def interact(self, pg, act) -> None:
+        """`act` (a radio, a box, a slider: not a button) and the run it asks for (interact)."""
+        interact(pg, act, self.timeout_ms, run_over=True)
         self.no_exception(pg)
 
     def open_chapter(self, pg, app_url: str, chapter: str) -> None:

@@ -29,15 +29,12 @@ def test_burst_lab_preempts_and_measures_the_cost(page, app_url):
     assert "KV 캐시가 모자랄 때, 누가 양보하나" in page.inner_text("body")
 
     # predict the victim (the radio group whose options end with 'nobody')
-    page.get_by_role("radiogroup").filter(has_text="아무도 선점되지 않는다").get_by_text(
-        "D", exact=True
-    ).click()
-    lab.wait_idle(page)
+    victim = page.get_by_role("radiogroup").filter(has_text="아무도 선점되지 않는다")
+    lab.interact(page, victim.get_by_text("D", exact=True).click)
     lab.click(page, "워크로드 넣기")
     steps = page.get_by_label("N", exact=True)
     steps.fill("10")
-    steps.press("Enter")
-    lab.wait_idle(page)
+    lab.interact(page, lambda: steps.press("Enter"))
     lab.click(page, "N 스텝")
     body = page.inner_text("body")
     assert "스텝 10 · KV 블록 6/8 · 실행 2 · 대기 3" in " ".join(body.split()), body[:2000]

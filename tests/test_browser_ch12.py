@@ -23,9 +23,7 @@ def test_ch12_simulation_in_browser(page, app_url):
     with the scale table; 실행 runs the simulated engines (no worker process)."""
     lab.open_chapter(page, app_url, "ch12")
     target = page.locator("[data-testid='stRadio']").filter(has_text="실행 대상")
-    target.get_by_text("시뮬레이션", exact=True).click()
-    lab.wait_idle(page)
-    lab.no_exception(page)
+    lab.interact(page, target.get_by_text("시뮬레이션", exact=True).click)
     body = page.inner_text("body")
     assert "tp 4 × pp 1" in body and "tp 8 × pp 1" in body and "GPU를 늘리면" in body
     assert "all-reduce 160번" in body  # derived: 2 × 80 layers

@@ -39,8 +39,7 @@ def test_ch13_speed_in_browser(page, app_url):
     slider = page.get_by_role("slider", name="출력 토큰 수 (요청마다)")
     slider.scroll_into_view_if_needed()
     slider.focus()
-    page.keyboard.press("Home")
-    lab.wait_idle(page)
+    lab.interact(page, lambda: page.keyboard.press("Home"))
     assert slider.get_attribute("aria-valuetext") == "8"
     lab.click(page, "속도 재기")
     body = page.inner_text("body")

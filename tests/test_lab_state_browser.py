@@ -15,7 +15,15 @@ import re
 from urllib.parse import urlparse
 
 import pytest
-from _browser import CHROMIUM_ARGS, SHOTS, click_button, find_chromium, wait_run_over, watch_runs
+from _browser import (
+    CHROMIUM_ARGS,
+    SHOTS,
+    click_button,
+    find_chromium,
+    interact,
+    wait_run_over,
+    watch_runs,
+)
 from _browser import wait_idle as _wait_idle
 
 pytestmark = pytest.mark.browser
@@ -77,9 +85,10 @@ def set_number(pg, label: str, value: int, sidebar: bool = False) -> None:
     box = number_box(scope, label)
     box.scroll_into_view_if_needed()
     box.fill(str(value))
-    box.press("Tab")
-    if not sidebar:  # a sidebar field waits for 설정 적용 (a form)
-        wait_idle(pg)
+    if sidebar:  # a sidebar field waits for 설정 적용 (a form): leaving it asks for no run
+        box.press("Tab")
+    else:
+        interact(pg, lambda: box.press("Tab"), TIMEOUT_MS)
 
 
 def open_app(browser, url: str, **context):
@@ -196,8 +205,7 @@ def test_a_fork_opens_beside_the_original_and_shows_the_diff(browser, shared_app
     try:
         set_number(pg, "max_tokens", 12)
         pg.get_by_label("예시 프롬프트").first.click()
-        pg.get_by_role("option", name="옛날 옛적에 (긴 프롬프트)").click()
-        wait_idle(pg)
+        interact(pg, pg.get_by_role("option", name="옛날 옛적에 (긴 프롬프트)").click, TIMEOUT_MS)
         click(pg, "예시 요청 추가")
         click(pg, "다음 스텝")
         expander = pg.locator("[data-testid='stExpander']").filter(has_text="여기서 갈라 보기")
