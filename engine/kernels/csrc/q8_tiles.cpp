@@ -217,10 +217,16 @@ inline void record_sums(const uint8_t* rec, const int8_t* x, __m256i a[2]) {
 #endif
 }
 
-// Asks for the record `AHEAD` records past `rec` (`bytes` long) to come into the cache.
+// Asks for the record `AHEAD` records past `rec` (`bytes` long), as non-temporal: a step reads
+// each weight once, and the lines it fetched so need not push the step's other data (the team's
+// rows, the Python around the forward) out of the outer caches. Against the L2 hint, ten
+// alternations of a batch-1 gguf decode on the Zen 3 VM: median step 4.35 -> 4.22 ms, the time
+// outside the forward 0.43 -> 0.39 ms; a small gain in this VM's noise, but no loss (docs/
+// performance.md, twenty-ninth session).
 constexpr int64_t AHEAD = 8;
 inline void fetch_ahead(const uint8_t* rec, int64_t bytes) {
-  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(rec + AHEAD * bytes + line, 0, 2);
+  for (int64_t line = 0; line < bytes; line += 64)
+    __builtin_prefetch(rec + AHEAD * bytes + line, /*rw=*/0, /*locality: non-temporal=*/0);
 }
 
 // The int4 tile in 256-bit vectors: each chunk's 64 bytes are two halves of 8 channels. Sixteen
