@@ -22,25 +22,16 @@ def best_time(
     minutes to the bench for no better an answer. `inner` calls run back to back per timing
     (the time is their mean): a GPU kernel of tens of microseconds would otherwise be timed
     together with the launch and the synchronisation around it."""
-    fn()
-    sync(device)
-    best, began = float("inf"), time.perf_counter()
-    for i in range(repeats):
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        sync(device)
-        best = min(best, (time.perf_counter() - start) / inner)
-        if i >= 1 and time.perf_counter() - began > budget_s:
-            break
-    return best
+    return best_times({"call": fn}, device, repeats, budget_s, inner)["call"]
 
 
-def best_times(fns: dict, device: torch.device, repeats: int, budget_s: float = 60.0) -> dict:
-    """name: the shortest of `repeats` timed calls of fns[name], the calls taking turns (each
-    warmed up once, then one call of each per round). Paths compared with each other share each
-    minute of the machine; timed one after another, a slow minute of a VM lands on one of them
-    (docs/performance.md, twenty-ninth session). Past `budget_s`, after two rounds, it stops."""
+def best_times(
+    fns: dict, device: torch.device, repeats: int, budget_s: float = 60.0, inner: int = 1
+) -> dict:
+    """name: best_time of fns[name], the calls taking turns (each warmed up once, then one
+    timing of each per round). Paths compared with each other share each minute of the machine;
+    timed one after another, a slow minute of a VM lands on one of them (docs/performance.md,
+    twenty-ninth session). Past `budget_s`, after two rounds, it stops."""
     for fn in fns.values():
         fn()
     sync(device)
@@ -48,9 +39,10 @@ def best_times(fns: dict, device: torch.device, repeats: int, budget_s: float = 
     for i in range(repeats):
         for name, fn in fns.items():
             start = time.perf_counter()
-            fn()
+            for _ in range(inner):
+                fn()
             sync(device)
-            best[name] = min(best[name], time.perf_counter() - start)
+            best[name] = min(best[name], (time.perf_counter() - start) / inner)
         if i >= 1 and time.perf_counter() - began > budget_s:
             break
     return best
